@@ -1,0 +1,61 @@
+"""C0: the target. Inventory of the model's operators, dtypes and quantization; reject what the method
+does not cover."""
+
+from __future__ import annotations
+
+import json
+
+from tic.gates.base import Gate, Judgement
+from tic.harness.inventory import build_manifest
+from tic.skill.state import atomic_write_text
+
+
+def measure(ctx) -> dict:
+    cfg = ctx.cfg
+    rejected = []
+    for side in ("rollout", "train"):
+        tp = getattr(cfg, side).tensor_parallel_size
+        if tp > 1:
+            rejected.append(f"{side}.tensor_parallel_size={tp}: TP>1 puts an all-reduce on the compared path")
+    if cfg.training.updates_per_step > 1:
+        rejected.append(f"training.updates_per_step={cfg.training.updates_per_step}: from the second mini-batch "
+                        "on, training weights differ from sampling weights, which diff = 0 does not cover")
+    spec = {k for k in cfg.rollout.options if "specul" in k or k == "num_speculative_tokens"}
+    if cfg.training.speculative_decoding or spec:
+        rejected.append("speculative decoding / MTP: more than one token per request per step is not covered")
+    manifest = build_manifest(ctx.model_dir, ctx.model_config)
+    path = ctx.artifacts("C0") / "manifest.json"
+    atomic_write_text(path, json.dumps(manifest, indent=2))
+    notes = []
+    if not manifest["family_known"]:
+        notes.append(f"model_type {manifest['model_type']!r} has no family entry; classes come from tensor names")
+    if manifest["mtp_layers"]:
+        notes.append(f"{manifest['mtp_layers']} MTP layer(s) in the checkpoint: keep them off in rollout")
+    return {
+        "metrics": {"layers": manifest["num_layers"], "operator_classes": len(manifest["operator_classes"]),
+                    "rejected": len(rejected)},
+        "details": {"rejected": rejected, "notes": notes, "operator_classes": manifest["operator_classes"],
+                    "dtypes": manifest["dtypes"], "quantization_config": manifest["quantization_config"]},
+        "evidence": [str(path)],
+    }
+
+
+def judge(m: dict) -> Judgement:
+    rejected = m["details"]["rejected"]
+    key = f"{m['metrics']['layers']} layers, {m['metrics']['operator_classes']} operator classes"
+    if rejected:
+        return Judgement("fail", "not covered: " + "; ".join(rejected), key)
+    if m["metrics"]["layers"] == 0:
+        return Judgement("fail", "config.json declares no layers", key)
+    return Judgement("pass", "inventory written; nothing outside the method's coverage", key)
+
+
+GATE = Gate(
+    id="C0", title="Target inventory", step=1,
+    measures="operator classes, dtypes and quantization per layer (config.json + safetensors headers, no weights "
+             "loaded); configuration against the method's coverage",
+    pass_condition="a manifest with at least one layer is written, and nothing is rejected: no TP>1 on the "
+                   "compared path, exactly 1 update per step, no speculative decoding/MTP",
+    inputs=["model.path (config.json, *.safetensors headers)", "rollout/train options", "training"],
+    artifacts=["artifacts/C0/manifest.json"], guide="guides/C0.md",
+    measure=measure, judge=judge)

@@ -1,0 +1,65 @@
+"""C3: batch independence in inference. A request sampled alone must come out bitwise identical inside
+batches of several sizes and at several positions."""
+
+from __future__ import annotations
+
+from tic.gates.base import Gate, Judgement
+from tic.harness.metrics import compare_generation
+
+
+def _place(size: int, position: str) -> int:
+    return {"first": 0, "middle": size // 2, "last": size - 1}[position]
+
+
+def measure(ctx) -> dict:
+    eng = ctx.live_rollout_engine("C3")
+    prompts, sp, lay = ctx.prompts, ctx.sampling, ctx.cfg.layouts
+    probes = list(range(min(lay.probes, len(prompts))))
+    rows, compared, equal, identical, first = [], 0, 0, 0, None
+    for p in probes:
+        alone = eng.generate_together([prompts[p]], sp, [p])[0]
+        others = [i for i in range(len(prompts)) if i != p]
+        for size in lay.batch_sizes:
+            for position in lay.positions:
+                mates = [others[k % len(others)] for k in range(size - 1)] if others else [p] * (size - 1)
+                at = _place(size, position)
+                batch_prompts = [prompts[i] for i in mates]
+                batch_ids = [len(prompts) + 1000 * (k + 1) + i for k, i in enumerate(mates)]  # mates' own seeds
+                batch_prompts.insert(at, prompts[p])
+                batch_ids.insert(at, p)
+                got = eng.generate_together(batch_prompts, sp, batch_ids)[at]
+                c = compare_generation(alone, got)
+                layout = f"probe {p}, batch {size}, {position}"
+                rows.append({"layout": layout, **{k: c[k] for k in ("compared", "equal", "identical",
+                                                                     "token_divergence")}})
+                compared += c["compared"]
+                equal += c["equal"]
+                identical += int(c["identical"])
+                if first is None and c["first_mismatch"]:
+                    first = {"layout": layout, "probe": p, "batch_size": size, "index_in_batch": at,
+                             **c["first_mismatch"]}
+    return {
+        "metrics": {"comparisons": len(rows), "identical_requests": identical, "compared_tokens": compared,
+                    "equal_tokens": equal, "equal_fraction": equal / compared if compared else 0.0,
+                    "first_mismatch": first},
+        "details": {"layouts": rows},
+    }
+
+
+def judge(m: dict) -> Judgement:
+    x = m["metrics"]
+    key = f"{100 * x['equal_fraction']:.1f}% tokens equal, {x['identical_requests']}/{x['comparisons']} identical"
+    if x["comparisons"] > 0 and x["identical_requests"] == x["comparisons"] and x["equal_tokens"] == x["compared_tokens"]:
+        return Judgement("pass", "every probe is bitwise identical alone and in every batch layout", key)
+    f = x["first_mismatch"] or {}
+    return Judgement("fail", f"first difference: {f.get('layout')}, response position {f.get('position')}: "
+                             f"alone {f.get('alone')!r} vs batched {f.get('batched')!r} ({f.get('ulps')} ulp)", key)
+
+
+GATE = Gate(
+    id="C3", title="Alone vs batch (inference)", step=2,
+    measures="each probe request sampled alone, then inside batches of each configured size at each position; "
+             "sampled tokens and their logprobs compared bit for bit",
+    pass_condition="every probe's tokens and logprobs are bitwise identical in every layout (100% equal)",
+    inputs=["rollout engine (live)", "prompts", "sampling", "layouts"], artifacts=[], guide="guides/C3.md",
+    measure=measure, judge=judge, locate_on_fail=True)

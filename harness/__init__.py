@@ -1,0 +1,1 @@
+"""Engines, model cutting, capture, localisation, repro emission, metrics and kernels."""

@@ -1,0 +1,33 @@
+"""Engine factory: config side ('rollout' | 'train') -> engine. vLLM is imported only when asked for."""
+
+from __future__ import annotations
+
+from tic.harness.engines.base import Engine, Sample, Sampling
+from tic.skill.errors import TicInputError
+
+__all__ = ["Engine", "Sample", "Sampling", "build_engine"]
+
+
+def build_engine(ctx, side: str) -> Engine:
+    side_cfg = getattr(ctx.cfg, side)
+    if side_cfg.engine == "dump":
+        from tic.harness.engines.dump import DumpEngine
+
+        return DumpEngine(ctx.cfg.resolve(side_cfg.dump), side)
+    if side_cfg.tensor_parallel_size != 1:
+        raise TicInputError(f"{side}.tensor_parallel_size={side_cfg.tensor_parallel_size}: TP>1 puts a "
+                            "cross-GPU all-reduce on the compared path, which the method does not cover")
+    if side_cfg.engine == "hf":
+        from tic.harness.engines.hf import HFEngine
+
+        return HFEngine.from_config(side_cfg, ctx.model_dir, ctx.dtype)
+    if side_cfg.engine == "vllm":
+        if side != "rollout":
+            raise TicInputError("vllm is a rollout engine; use train.engine: hf or dump")
+        try:
+            from tic.harness.engines.vllm import VLLMEngine
+        except ImportError as e:
+            raise TicInputError(f"rollout.engine is vllm but vLLM cannot be imported ({e}); "
+                                "install tic[vllm] on a GPU machine") from None
+        return VLLMEngine.from_config(side_cfg, ctx)
+    raise TicInputError(f"{side}.engine: unknown engine {side_cfg.engine!r}")

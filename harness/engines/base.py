@@ -1,0 +1,53 @@
+"""What every engine returns: sampled responses with the logprob of each sampled token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One request: prompt and sampled response token ids, and one logprob per response token."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: torch.Tensor  # float32 (live engines) or float64 (dumps), shape [len(response_ids)]
+    mask: torch.Tensor | None = None  # bool, True = valid token (inside the response mask)
+    weight_version: int | None = None
+    id: str | int | None = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def ids(self) -> list[int]:
+        return list(self.prompt_ids) + list(self.response_ids)
+
+
+@dataclass
+class Sampling:
+    temperature: float = 1.0
+    max_tokens: int = 16
+    seed: int = 0
+
+
+class Engine:
+    """Interface. Rollout engines implement generate + score; train engines implement score."""
+
+    name = "engine"
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling, request_ids: list[int]) -> list[Sample]:
+        """Sample responses; request_ids seed each request's sampler, so batch-mates cannot change it."""
+        raise NotImplementedError(f"engine {self.name!r} does not generate")
+
+    def generate_together(self, prompts: list[list[int]], sampling: Sampling, request_ids: list[int]) -> list[Sample]:
+        """Like generate, but the requests must share one batch (C3 places a probe among batch-mates)."""
+        return self.generate(prompts, sampling, request_ids)
+
+    def score(self, samples: list[Sample], sampling: Sampling) -> list[torch.Tensor]:
+        """Logprob of every response token from one whole-sequence forward (teacher forcing)."""
+        raise NotImplementedError(f"engine {self.name!r} does not score")
+
+    def dumped_samples(self) -> list[Sample] | None:
+        """Engines that replay recorded data (dumps) return it here; live engines return None."""
+        return None

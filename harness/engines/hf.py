@@ -1,0 +1,186 @@
+"""HF transformers engine: the embedded default, on CPU.
+
+Rollout: batched sampling with a KV cache (left padding), each sampled token's logprob taken from the very
+logits it was sampled from. Scoring/training: teacher-forced whole-sequence forward with micro-batch size,
+padding side and packing as options. `kernels: consistent` swaps in tic's row-invariant kernels.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tic.harness.engines.base import Engine, Sample, Sampling
+from tic.skill.errors import TicInputError
+
+_MODELS: dict[tuple, torch.nn.Module] = {}
+
+
+def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa"):
+    key = (str(model_dir), dtype, kernels, attn)
+    if key in _MODELS:
+        return _MODELS[key]
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype)}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, attn_implementation="eager" if kernels == "consistent" else attn, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        raise TicInputError(f"cannot load model from {model_dir}: {str(e).splitlines()[0]}") from None
+    model.eval()
+    model.requires_grad_(False)
+    if kernels == "consistent":
+        from tic.harness.kernels import consistent_cpu
+
+        consistent_cpu.apply(model)
+    _MODELS[key] = model
+    return model
+
+
+def request_generator(seed: int, request_id: int) -> torch.Generator:
+    """One sampler per request, seeded by the request alone: batch-mates cannot shift its random stream."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + int(request_id))
+
+
+def sample_token(logprobs: torch.Tensor, temperature: float, gen: torch.Generator) -> int:
+    """Exponential-race sampling (argmax p/q, q ~ Exp(1)): exact categorical sampling, per request."""
+    if temperature == 0:
+        return int(torch.argmax(logprobs))
+    q = torch.empty(logprobs.shape[-1], dtype=torch.float32).exponential_(generator=gen)
+    return int(torch.argmax(logprobs.float().exp() / q))
+
+
+class HFEngine(Engine):
+    name = "hf"
+
+    def __init__(self, model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa",
+                 batch_size: int = 8, micro_batch_size: int = 4, padding_side: str = "right",
+                 packing: bool = False):
+        self.model_dir = Path(model_dir)
+        self.kernels = kernels
+        self.model = load_model(self.model_dir, dtype, kernels, attn)
+        self.batch_size = batch_size
+        self.micro_batch_size = micro_batch_size
+        self.padding_side = padding_side
+        self.packing = packing
+        self.vocab_size = self.model.config.get_text_config().vocab_size
+
+    @classmethod
+    def from_config(cls, side_cfg, model_dir: Path, dtype: str) -> "HFEngine":
+        return cls(model_dir, dtype, side_cfg.kernels, side_cfg.attn_implementation, side_cfg.batch_size,
+                   side_cfg.micro_batch_size, side_cfg.padding_side, side_cfg.packing)
+
+    # -- numerics shared by both phases -------------------------------------------------------------
+    def logprobs_of(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        logits = logits.float()
+        if temperature not in (0, 1):
+            logits = logits / temperature
+        if self.kernels == "consistent":
+            from tic.harness.kernels.consistent_cpu import row_log_softmax
+
+            return row_log_softmax(logits)
+        return torch.log_softmax(logits, dim=-1)
+
+    def _check_ids(self, seqs: list[list[int]]) -> None:
+        for s in seqs:
+            if not s:
+                raise TicInputError("empty prompt")
+            if min(s) < 0 or max(s) >= self.vocab_size:
+                raise TicInputError(f"token id outside the vocabulary (size {self.vocab_size}): {s}")
+
+    # -- rollout --------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompts, sampling: Sampling, request_ids) -> list[Sample]:
+        self._check_ids(prompts)
+        out: list[Sample] = []
+        for i in range(0, len(prompts), self.batch_size):
+            out += self._generate_batch(prompts[i:i + self.batch_size], sampling,
+                                        list(request_ids[i:i + self.batch_size]))
+        return out
+
+    @torch.inference_mode()
+    def generate_together(self, prompts, sampling: Sampling, request_ids) -> list[Sample]:
+        self._check_ids(prompts)
+        return self._generate_batch(prompts, sampling, list(request_ids))
+
+    def _generate_batch(self, prompts, sampling: Sampling, request_ids) -> list[Sample]:
+        from transformers import DynamicCache
+
+        B = len(prompts)
+        L = max(len(p) for p in prompts)
+        ids = torch.zeros(B, L, dtype=torch.long)
+        mask = torch.zeros(B, L, dtype=torch.long)
+        for b, p in enumerate(prompts):  # left padding: every request's next token sits in the last column
+            ids[b, L - len(p):] = torch.tensor(p)
+            mask[b, L - len(p):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        gens = [request_generator(sampling.seed, r) for r in request_ids]
+        cache = DynamicCache(config=self.model.config)
+        responses = [[] for _ in range(B)]
+        lps = [[] for _ in range(B)]
+        step_ids, step_pos = ids, pos
+        for _ in range(sampling.max_tokens):
+            logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
+                                past_key_values=cache, use_cache=True).logits[:, -1]
+            lp = self.logprobs_of(logits, sampling.temperature)
+            nxt = []
+            for b in range(B):
+                tok = sample_token(lp[b], sampling.temperature, gens[b])
+                responses[b].append(tok)
+                lps[b].append(lp[b, tok])
+                nxt.append(tok)
+            step_ids = torch.tensor(nxt, dtype=torch.long)[:, None]
+            step_pos = step_pos[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
+        return [Sample(list(p), responses[b], torch.stack(lps[b]).float(), id=request_ids[b],
+                       meta={"engine": self.name, "kernels": self.kernels})
+                for b, p in enumerate(prompts)]
+
+    # -- teacher-forced scoring (prefill scoring on the rollout side, recompute on the train side) -----
+    @torch.inference_mode()
+    def score(self, samples: list[Sample], sampling: Sampling) -> list[torch.Tensor]:
+        self._check_ids([s.ids for s in samples])
+        out: list[torch.Tensor] = []
+        for i in range(0, len(samples), self.micro_batch_size):
+            chunk = samples[i:i + self.micro_batch_size]
+            out += self._score_packed(chunk, sampling) if self.packing else self._score_padded(chunk, sampling)
+        return out
+
+    def _gather(self, logits_rows: torch.Tensor, targets: list[int], sampling: Sampling) -> torch.Tensor:
+        lp = self.logprobs_of(logits_rows, sampling.temperature)
+        return lp[torch.arange(len(targets)), torch.tensor(targets)].float()
+
+    def _score_padded(self, chunk: list[Sample], sampling: Sampling) -> list[torch.Tensor]:
+        seqs = [s.ids for s in chunk]
+        B, L = len(seqs), max(len(s) for s in seqs)
+        ids = torch.zeros(B, L, dtype=torch.long)
+        mask = torch.zeros(B, L, dtype=torch.long)
+        starts = []
+        for b, s in enumerate(seqs):
+            start = L - len(s) if self.padding_side == "left" else 0
+            ids[b, start:start + len(s)] = torch.tensor(s)
+            mask[b, start:start + len(s)] = 1
+            starts.append(start)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        out = []
+        for b, s in enumerate(chunk):
+            P, R = len(s.prompt_ids), len(s.response_ids)
+            rows = logits[b, starts[b] + P - 1: starts[b] + P - 1 + R]
+            out.append(self._gather(rows, s.response_ids, sampling))
+        return out
+
+    def _score_packed(self, chunk: list[Sample], sampling: Sampling) -> list[torch.Tensor]:
+        # One row, position ids restarting per sequence; transformers builds the block-causal mask from them.
+        seqs = [s.ids for s in chunk]
+        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None]
+        pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+        logits = self.model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+        out, off = [], 0
+        for s in chunk:
+            P, R = len(s.prompt_ids), len(s.response_ids)
+            out.append(self._gather(logits[off + P - 1: off + P - 1 + R], s.response_ids, sampling))
+            off += P + R
+        return out

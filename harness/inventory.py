@@ -1,0 +1,113 @@
+"""C0 inventory: operator classes, dtypes and quantization per layer, from config.json and safetensors headers.
+
+No weight is loaded: a safetensors file starts with an 8-byte length and a JSON header naming every tensor's
+dtype and shape, which is all the inventory needs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections import defaultdict
+from pathlib import Path
+
+from tic.harness.families import family, layer_kinds
+from tic.skill.errors import TicInputError
+
+LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
+QUANT_SUFFIXES = ("weight_scale_inv", "weight_scale_2", "weight_scale", "input_scale", "weight_zero_point",
+                  "qweight", "scales", "qzeros")
+
+
+def read_safetensors_header(path: Path) -> dict:
+    try:
+        with Path(path).open("rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise TicInputError(f"{path}: truncated safetensors file")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100 * 1024 * 1024:
+                raise TicInputError(f"{path}: implausible safetensors header size {n}")
+            header = json.loads(f.read(n))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TicInputError(f"{path}: unreadable safetensors header ({e})") from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def tensor_table(model_dir: Path) -> dict[str, dict]:
+    """name -> {dtype, shape, file}, via model.safetensors.index.json when present."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    files: list[Path]
+    if index.is_file():
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise TicInputError(f"{index}: malformed index ({e})") from None
+        files = sorted({model_dir / f for f in wm.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    table = {}
+    for f in files:
+        if not f.is_file():
+            raise TicInputError(f"missing weight shard: {f}")
+        for name, info in read_safetensors_header(f).items():
+            table[name] = {"dtype": info["dtype"], "shape": info["shape"], "file": f.name}
+    return table
+
+
+def _tensor_kinds(names: list[str]) -> dict:
+    """What tensor names say about a layer."""
+    kinds = {}
+    joined = " ".join(names)
+    if ".experts." in joined or joined.startswith("experts.") or "block_sparse_moe" in joined:
+        kinds["mlp"] = "moe"
+    if "mixer.A_log" in joined or ".A_log" in joined:
+        kinds["attention"] = "mamba2" if "mixer" in joined else "linear"
+    if "kv_a_proj" in joined or "q_a_proj" in joined:
+        kinds["attention"] = "mla"
+    return kinds
+
+
+def build_manifest(model_dir: Path, config: dict) -> dict:
+    table = tensor_table(model_dir) if any(Path(model_dir).glob("*.safetensors")) else {}
+    kinds = layer_kinds(config)
+    per_layer: dict[int, list[str]] = defaultdict(list)
+    for name in table:
+        m = LAYER_RE.search(name)
+        if m:
+            per_layer[int(m.group(1))].append(name)
+    layers = []
+    for i, k in enumerate(kinds):
+        names = sorted(per_layer.get(i, []))
+        k = {**k, **_tensor_kinds(names)}
+        dtypes = sorted({table[n]["dtype"] for n in names})
+        quant = sorted({n.rsplit(".", 1)[-1] for n in names if n.rsplit(".", 1)[-1] in QUANT_SUFFIXES})
+        classes = []
+        if k.get("attention"):
+            classes.append(f"attention:{k['attention']}")
+        if k.get("mlp"):
+            classes.append(f"mlp:{k['mlp']}")
+        classes += [f"dtype:{d}" for d in dtypes] + [f"quant:{q}" for q in quant]
+        layers.append({"index": i, "attention": k.get("attention"), "mlp": k.get("mlp"), "dtypes": dtypes,
+                       "quant_tensors": quant, "tensors": len(names), "classes": classes})
+    fam = family(config.get("model_type", ""))
+    label = lambda L: f"{L['attention']}/{L['mlp']}"  # noqa: E731
+    transitions = sorted({(label(a), label(b)) for a, b in zip(layers, layers[1:]) if label(a) != label(b)})
+    extra_layer_keys = [n for n in table if not LAYER_RE.search(n)]
+    return {
+        "model_type": config.get("model_type"),
+        "family_known": fam is not None,
+        "num_layers": len(layers),
+        "layers": layers,
+        "operator_classes": sorted({c for L in layers for c in L["classes"]} | set(fam.extra_classes if fam else ())
+                                   | {f"norm:{fam.norm if fam else 'unknown'}"}),
+        "transitions": [list(t) for t in transitions],
+        "dtypes": sorted({t["dtype"] for t in table.values()}),
+        "quantization_config": config.get("quantization_config"),
+        "mtp_layers": int(config.get("num_nextn_predict_layers") or 0),
+        "non_layer_tensors": sorted(extra_layer_keys),
+        "weights_read": bool(table),
+    }

@@ -1,0 +1,166 @@
+"""The consistency metrics, exactly as the method defines them.
+
+Per valid token (sampled, inside the response mask): diff = |p_rollout - p_train| on probabilities.
+Reported: max, mean, std of diff; the k3 KL estimator (r - 1 - log r, r = p_train / p_rollout); the fraction
+of tokens whose logprobs are bitwise equal; and the first mismatch with its distance in ulps.
+Pass means every one of them is exactly 0 (and the equal fraction exactly 1). No tolerance anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tic.skill.errors import TicInputError
+
+# The names verl users already watch on their dashboards.
+VERL_NAMES = {
+    "max": "training/rollout_probs_diff_max",
+    "mean": "training/rollout_probs_diff_mean",
+    "std": "training/rollout_probs_diff_std",
+    "k3_kl": "rollout_corr/k3_kl",
+}
+
+
+class NonFiniteLogprob(Exception):
+    """NaN or Inf in a compared logprob: a failure with its own message, never a number to average."""
+
+
+@dataclass
+class Mismatch:
+    sequence: int
+    position: int
+    rollout: float
+    train: float
+    ulps: int
+
+    def as_dict(self) -> dict:
+        return {"sequence": self.sequence, "position": self.position, "rollout": self.rollout,
+                "train": self.train, "ulps": self.ulps}
+
+    def describe(self) -> str:
+        return (f"sequence {self.sequence}, response position {self.position}: rollout {self.rollout!r} "
+                f"vs train {self.train!r} ({self.ulps} ulp)")
+
+
+def _ordered_int(x: torch.Tensor) -> torch.Tensor:
+    """Map floats to integers whose order and spacing follow the floats (adjacent floats differ by 1)."""
+    if x.dtype == torch.float32:
+        i = x.view(torch.int32).to(torch.int64)
+        return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
+    i = x.to(torch.float64).view(torch.int64)
+    return torch.where(i < 0, -(i & 0x7FFFFFFFFFFFFFFF), i)
+
+
+def ulp_distance(a: float, b: float) -> int:
+    """Distance in ulps, in float32 units when both values are exactly float32 (the usual logprob dtype)."""
+    ta = torch.tensor([a], dtype=torch.float64)
+    tb = torch.tensor([b], dtype=torch.float64)
+    if torch.equal(ta.float().double(), ta) and torch.equal(tb.float().double(), tb):
+        ta, tb = ta.float(), tb.float()
+    return int((_ordered_int(ta) - _ordered_int(tb)).abs().item())
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise bit equality of two float tensors (compared in float64, which holds float32 exactly)."""
+    a64 = a.to(torch.float64)
+    b64 = b.to(torch.float64)
+    return a64.view(torch.int64) == b64.view(torch.int64)
+
+
+def _check_finite(name: str, seq: int, t: torch.Tensor) -> None:
+    bad = ~torch.isfinite(t)
+    if bad.any():
+        pos = int(bad.nonzero()[0, 0])
+        raise NonFiniteLogprob(f"{name} logprob is {t[pos].item()} at sequence {seq}, response position {pos}")
+
+
+def compare_logprobs(rollout: list[torch.Tensor], train: list[torch.Tensor],
+                     masks: list[torch.Tensor | None] | None = None) -> dict:
+    """Compare per-token logprobs of the same sampled tokens. Returns the metric record (all floats exact)."""
+    if len(rollout) != len(train):
+        raise TicInputError(f"sequence count mismatch: rollout has {len(rollout)}, train has {len(train)}")
+    masks = masks if masks is not None else [None] * len(rollout)
+    diffs, k3s, equal, total = [], [], 0, 0
+    first: Mismatch | None = None
+    per_seq_equal = []
+    for s, (r, t, m) in enumerate(zip(rollout, train, masks)):
+        if r.shape != t.shape:
+            raise TicInputError(f"length mismatch at sequence {s}: rollout has {r.numel()} logprobs, "
+                                f"train has {t.numel()}")
+        valid = torch.ones_like(r, dtype=torch.bool) if m is None else m.to(torch.bool)
+        if valid.shape != r.shape:
+            raise TicInputError(f"mask length mismatch at sequence {s}: {valid.numel()} vs {r.numel()} logprobs")
+        idx = valid.nonzero().flatten()
+        rv, tv = r[idx], t[idx]
+        _check_finite("rollout", s, torch.where(valid, r, 0.0))
+        _check_finite("train", s, torch.where(valid, t, 0.0))
+        eq = bitwise_equal(rv, tv)
+        equal += int(eq.sum())
+        total += int(idx.numel())
+        per_seq_equal.append(bool(eq.all()))
+        if first is None and not bool(eq.all()):
+            j = int((~eq).nonzero()[0, 0])
+            pos = int(idx[j])
+            first = Mismatch(s, pos, float(r[pos]), float(t[pos]), ulp_distance(float(r[pos]), float(t[pos])))
+        lr, lt = rv.to(torch.float64), tv.to(torch.float64)
+        diffs.append((lr.exp() - lt.exp()).abs())
+        log_ratio = lt - lr  # log r, r = p_train / p_rollout
+        k3s.append(log_ratio.exp() - 1.0 - log_ratio)
+    if total == 0:
+        raise TicInputError("no valid tokens to compare (every response is empty or fully masked)")
+    d = torch.cat(diffs)
+    k3 = torch.cat(k3s)
+    out = {
+        "tokens": total,
+        "sequences": len(rollout),
+        "max": float(d.max()),
+        "mean": float(d.mean()),
+        "std": float(d.std(correction=0)),
+        "k3_kl": float(k3.mean()),
+        "equal_tokens": equal,
+        "equal_fraction": equal / total,
+        "equal_sequences": sum(per_seq_equal),
+        "first_mismatch": first.as_dict() if first else None,
+    }
+    out["verl"] = {VERL_NAMES[k]: out[k] for k in VERL_NAMES}
+    return out
+
+
+def is_exact_match(m: dict) -> bool:
+    """The pass condition for every logprob-consistency gate."""
+    return (m["max"] == 0.0 and m["mean"] == 0.0 and m["std"] == 0.0 and m["k3_kl"] == 0.0
+            and m["equal_fraction"] == 1.0 and m["first_mismatch"] is None)
+
+
+def summary(m: dict) -> str:
+    return (f"{100 * m['equal_fraction']:.1f}% bitwise-equal of {m['tokens']} tokens, "
+            f"max |dp| {m['max']:.3g}, k3 {m['k3_kl']:.3g}")
+
+
+def finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def compare_generation(alone, other) -> dict:
+    """One request sampled alone vs elsewhere (in a batch). Tokens are compared up to the first divergence;
+    each compared position is equal only if the token and its logprob bits are both equal."""
+    a_ids, o_ids = list(alone.response_ids), list(other.response_ids)
+    n = min(len(a_ids), len(o_ids))
+    a_lp, o_lp = alone.logprobs[:n], other.logprobs[:n]
+    _check_finite("alone", 0, a_lp)
+    _check_finite("batched", 0, o_lp)
+    eq = bitwise_equal(a_lp, o_lp) & torch.tensor([a_ids[i] == o_ids[i] for i in range(n)], dtype=torch.bool)
+    token_div = next((i for i in range(n) if a_ids[i] != o_ids[i]), None)
+    compared = n if token_div is None else token_div + 1  # after a different token the histories differ
+    eq = eq[:compared]
+    first = None
+    if not bool(eq.all()):
+        j = int((~eq).nonzero()[0, 0])
+        first = {"position": j, "alone": float(a_lp[j]), "batched": float(o_lp[j]),
+                 "ulps": ulp_distance(float(a_lp[j]), float(o_lp[j])),
+                 "alone_token": a_ids[j], "batched_token": o_ids[j]}
+    return {"compared": compared, "equal": int(eq.sum()), "identical": first is None and len(a_ids) == len(o_ids),
+            "token_divergence": token_div, "first_mismatch": first}

@@ -1,0 +1,1 @@
+"""The user-facing layer: CLI, config, ladder state and reports."""

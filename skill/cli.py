@@ -1,0 +1,245 @@
+"""The `tic` command line."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import click
+
+import tic
+from tic.skill.errors import EXIT_INPUT, EXIT_INTERNAL, TicInputError
+
+EXIT_CODES = """\b
+Exit codes:
+  0  every gate run passed
+  1  a gate failed, or is unavailable / skipped (never counted as a pass)
+  2  usage error or bad input (config, dump, model files); .tic/ is left untouched
+  3  internal error"""
+
+CONFIG_OPT = click.option("-c", "--config", "config_path", default="tic.yaml", show_default=True,
+                          type=click.Path(dir_okay=False, path_type=Path), help="tic.yaml to use")
+JSON_OPT = click.option("--json", "as_json", is_flag=True, help="print a machine-readable record on stdout")
+JUNIT_OPT = click.option("--junit", "junit", type=click.Path(dir_okay=False, path_type=Path),
+                         help="write JUnit XML to this file")
+
+
+def _context(config_path: Path):
+    from tic.skill.config import load_config
+    from tic.skill.context import GateContext
+
+    return GateContext(load_config(config_path))
+
+
+def _finish(results, as_json: bool, junit: Path | None, title: str) -> None:
+    from tic.skill import report
+    from tic.skill.runner import exit_code
+
+    code = exit_code(results)
+    report.console().print(report.ladder_table(results, title))
+    if junit:
+        report.write_junit(junit, results)
+    if as_json:
+        report.print_json({"tic_version": tic.__version__, "exit_code": code,
+                           "results": [r.model_dump(mode="json") for r in results]})
+    sys.exit(code)
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@click.group(epilog=EXIT_CODES, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(tic.__version__, prog_name="tic")
+def cli():
+    """tic: train-inference consistency gates C0-C10 (rollout and training must give bitwise-identical
+    logprobs for every sampled token)."""
+    _quiet_libraries()
+
+
+@cli.command(epilog=EXIT_CODES)
+@click.argument("gate_id")
+@CONFIG_OPT
+@JSON_OPT
+@JUNIT_OPT
+def gate(gate_id, config_path, as_json, junit):
+    """Run one gate (e.g. `tic gate C5`) and record its result in .tic/."""
+    from tic.gates import get
+    from tic.skill import report
+    from tic.skill.runner import run_gate
+
+    g = get(gate_id)
+    ctx = _context(config_path)
+    with report.console().status(f"running {g.id} ..."):
+        res = run_gate(g, ctx)
+    _finish([res], as_json, junit, f"tic gate {g.id}")
+
+
+@cli.command(epilog=EXIT_CODES)
+@CONFIG_OPT
+@click.option("--from", "start", default="C0", show_default=True, help="first gate")
+@click.option("--to", "stop", default="C10", show_default=True, help="last gate")
+@click.option("--keep-going", is_flag=True, help="run later gates even after a failure")
+@JSON_OPT
+@JUNIT_OPT
+def ladder(config_path, start, stop, keep_going, as_json, junit):
+    """Climb the ladder in order; a failure stops the climb unless --keep-going."""
+    from tic.gates import gate_range
+    from tic.skill import report
+    from tic.skill.runner import run_ladder
+
+    gate_range(start, stop)  # validate the range before touching anything
+    ctx = _context(config_path)
+    con = report.console()
+
+    def progress(r):
+        con.print(f"  {r.gate:<4} {r.verdict:<11} {r.key_figure}")
+
+    con.print(f"tic ladder {start}..{stop} on {config_path}")
+    results = run_ladder(ctx, start, stop, keep_going, on_result=progress)
+    _finish(results, as_json, junit, f"tic ladder ({config_path})")
+
+
+@cli.command(epilog=EXIT_CODES)
+@CONFIG_OPT
+@JSON_OPT
+def status(config_path, as_json):
+    """Show the recorded ladder: verdict, key figure, age, and whether the config or model changed since."""
+    from tic.gates import REGISTRY
+    from tic.harness.modelgen import has_weights, model_hash
+    from tic.skill import report
+    from tic.skill.config import load_config
+    from tic.skill.state import LadderState
+
+    cfg = load_config(config_path)
+    state = LadderState(Path(cfg.state_dir))
+    recs = state.all()
+    chash = cfg.config_hash()
+    mhash = None
+    try:
+        from tic.harness.modelgen import resolve_model_dir
+
+        src = cfg.resolve(cfg.model.path)
+        if src.is_dir() and (has_weights(src) or cfg.model.generate is not None):
+            mhash = model_hash(resolve_model_dir(cfg))
+    except TicInputError:
+        mhash = None
+    rows, out = [], []
+    for g in REGISTRY:
+        r = recs.get(g.id)
+        stale = ""
+        if r is not None:
+            why = []
+            if r.config_hash != chash:
+                why.append("config changed")
+            if r.model_hash and mhash and r.model_hash != mhash:
+                why.append("model changed")
+            stale = ", ".join(why) or "no"
+        rows.append((g.id, g.title, r, stale))
+        out.append({"gate": g.id, "verdict": r.verdict if r else "not run", "key_figure": r.key_figure if r else "",
+                    "age_s": round(r.age_s()) if r else None, "stale": stale or None})
+    report.console().print(report.status_table(rows))
+    if as_json:
+        report.print_json({"config_hash": chash, "model_hash": mhash, "gates": out})
+
+
+@cli.command()
+@click.argument("gate_id")
+def explain(gate_id):
+    """What a gate measures, its exact pass condition (words and code), its inputs and its guide."""
+    from tic.gates import get
+    from tic.skill import report
+
+    g = get(gate_id)
+    con = report.console()
+    con.print(f"[bold]{g.id} — {g.title}[/] (step {g.step})")
+    con.print(f"\n[bold]Measures[/]: {g.measures}")
+    con.print(f"[bold]Passes when[/]: {g.pass_condition}")
+    if g.available:
+        con.print("[bold]Pass condition as code[/]:")
+        con.print(textwrap.indent(inspect.getsource(g.judge), "    "), markup=False)
+    else:
+        con.print(f"[yellow]unavailable: implemented by a later release ({g.implemented_by})[/]")
+    if g.inputs:
+        con.print(f"[bold]Inputs[/]: {', '.join(g.inputs)}")
+    if g.artifacts:
+        con.print(f"[bold]Artifacts[/]: {', '.join(g.artifacts)}")
+    guide = Path(tic.__file__).parent / g.guide
+    con.print(f"[bold]Guide[/]: {guide}")
+    if guide.is_file():
+        con.print("")
+        con.print(guide.read_text(), markup=False)
+
+
+@cli.command(epilog=EXIT_CODES)
+@click.argument("rollout", type=click.Path(path_type=Path))
+@click.argument("train", type=click.Path(path_type=Path))
+@JSON_OPT
+def compare(rollout, train, as_json):
+    """Compare two dump files (JSONL: prompt_ids, response_ids, logprobs[, mask, weight_version, id]) with
+    C5's metric and pass condition. Nothing is written to .tic/."""
+    from tic.gates import c5
+    from tic.harness.engines.dump import align, read_dump
+    from tic.harness.metrics import NonFiniteLogprob, compare_logprobs
+    from tic.skill import report
+    from tic.skill.records import GateResult, environment_fingerprint
+
+    r = read_dump(rollout)
+    t = align(r, read_dump(train), "train")
+    masks = [a.mask if a.mask is not None else b.mask for a, b in zip(r, t)]
+    try:
+        m = compare_logprobs([s.logprobs for s in r], [s.logprobs for s in t], masks)
+        j = c5.judge({"metrics": m})
+    except NonFiniteLogprob as e:
+        m, j = {}, c5.Judgement("fail", f"non-finite logprob: {e}", "NaN/Inf")
+    res = GateResult(gate="compare", title=f"{rollout} vs {train}", verdict=j.verdict, reason=j.reason,
+                     key_figure=j.key_figure, metrics=m, evidence=[str(rollout), str(train)],
+                     environment=environment_fingerprint(), tic_version=tic.__version__)
+    report.console().print(report.ladder_table([res], "tic compare"))
+    if as_json:
+        report.print_json(res.model_dump(mode="json"))
+    sys.exit(0 if res.passed else 1)
+
+
+# Commands that live in their own modules (declared here, loaded when present).
+EXTRA_COMMANDS = ("tic.skill.cut_cmd", "tic.skill.locate_cmd")
+for _mod in EXTRA_COMMANDS:
+    try:
+        _m = importlib.import_module(_mod)
+    except ModuleNotFoundError as _e:
+        if _e.name != _mod:
+            raise
+        continue
+    cli.add_command(_m.command)
+
+
+def main(argv=None) -> None:
+    try:
+        cli.main(args=argv, standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(EXIT_INPUT)
+    except click.exceptions.Abort:
+        sys.exit(EXIT_INPUT)
+    except TicInputError as e:
+        click.echo(f"tic: error: {e}", err=True)
+        sys.exit(EXIT_INPUT)
+    except SystemExit:
+        raise
+    except Exception as e:  # noqa: BLE001
+        click.echo(f"tic: internal error: {type(e).__name__}: {e}", err=True)
+        if os.environ.get("TIC_DEBUG"):
+            raise
+        sys.exit(EXIT_INTERNAL)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""tic.yaml: one pydantic model, strict (unknown keys and wrong types are rejected with their path)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tic.skill.errors import TicInputError
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True)
+
+
+class GenerateSpec(Strict):
+    """Weights generated from config.json with a seed (no download), cached on first use."""
+
+    seed: int = 0
+    init_std: float | None = Field(None, gt=0, description="override config.initializer_range")
+
+
+class ModelConfig(Strict):
+    path: Path = Field(description="HF model directory (config.json + safetensors), relative to tic.yaml")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    generate: GenerateSpec | None = None
+
+
+class EngineConfig(Strict):
+    engine: Literal["hf", "vllm", "dump"] = "hf"
+    # hf: "stock" is plain transformers; "consistent" swaps in tic's row-invariant CPU kernels.
+    kernels: Literal["stock", "consistent"] = "stock"
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    batch_size: int = Field(8, ge=1, description="requests per rollout batch / sequences per scoring batch")
+    micro_batch_size: int = Field(4, ge=1, description="train: sequences per forward")
+    padding_side: Literal["left", "right"] = "right"
+    packing: bool = False
+    tensor_parallel_size: int = Field(1, ge=1)
+    dump: Path | None = Field(None, description="dump engine: JSONL file")
+    options: dict[str, Any] = Field(default_factory=dict, description="engine-specific options (vllm)")
+
+    @model_validator(mode="after")
+    def _dump_needs_file(self) -> "EngineConfig":
+        if self.engine == "dump" and self.dump is None:
+            raise ValueError("engine 'dump' needs 'dump: FILE.jsonl'")
+        return self
+
+
+class PromptsConfig(Strict):
+    source: Literal["random", "file"] = "random"
+    count: int = Field(8, ge=1)
+    seed: int = 0
+    min_len: int = Field(4, ge=1)
+    max_len: int = Field(16, ge=1)
+    file: Path | None = Field(None, description="JSONL, one list of token ids per line (or {prompt_ids: [...]})")
+
+    @model_validator(mode="after")
+    def _check(self) -> "PromptsConfig":
+        if self.min_len > self.max_len:
+            raise ValueError(f"min_len {self.min_len} > max_len {self.max_len}")
+        if self.source == "file" and self.file is None:
+            raise ValueError("source 'file' needs 'file: PROMPTS.jsonl'")
+        return self
+
+
+class SamplingConfig(Strict):
+    temperature: float = Field(1.0, ge=0)
+    max_tokens: int = Field(16, ge=1)
+    seed: int = 0
+
+
+class LayoutsConfig(Strict):
+    """C3: where a probe request is placed when it is compared with itself alone."""
+
+    batch_sizes: list[int] = Field(default_factory=lambda: [2, 5, 8])
+    positions: list[Literal["first", "middle", "last"]] = Field(default_factory=lambda: ["first", "last"])
+    probes: int = Field(2, ge=1, description="how many requests are checked alone vs in batch")
+
+
+class TrainingConfig(Strict):
+    """RL loop facts that C0 checks against the method's coverage."""
+
+    updates_per_step: int = Field(1, ge=1)
+    speculative_decoding: bool = False
+
+
+class LocateConfig(Strict):
+    enabled: bool = True
+
+
+class TicConfig(Strict):
+    model: ModelConfig
+    rollout: EngineConfig = Field(default_factory=EngineConfig)
+    train: EngineConfig = Field(default_factory=EngineConfig)
+    prompts: PromptsConfig = Field(default_factory=PromptsConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    layouts: LayoutsConfig = Field(default_factory=LayoutsConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    locate: LocateConfig = Field(default_factory=LocateConfig)
+    state_dir: Path = Path(".tic")
+
+    # set by load_config, not by the user
+    base_dir: Path = Field(Path("."), exclude=True)
+
+    def resolve(self, p: Path | None) -> Path | None:
+        if p is None:
+            return None
+        p = Path(p).expanduser()
+        return p if p.is_absolute() else (self.base_dir / p)
+
+    def config_hash(self) -> str:
+        """Hash of what changes the numbers (paths resolved, state_dir left out)."""
+        data = self.model_dump(mode="json", exclude={"state_dir", "base_dir"})
+        data["model"]["path"] = str(self.resolve(self.model.path))
+        for side in ("rollout", "train"):
+            if data[side]["dump"]:
+                data[side]["dump"] = str(self.resolve(Path(data[side]["dump"])))
+        blob = json.dumps(data, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(x) for x in first["loc"]) or "(top level)"
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{source}: {where}: {msg}{more}"
+
+
+def parse_config(data: Any, base_dir: Path, source: str = "tic.yaml") -> TicConfig:
+    if not isinstance(data, dict):
+        raise TicInputError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        cfg = TicConfig.model_validate(data)
+    except ValidationError as err:
+        raise TicInputError(_format_validation_error(err, source)) from None
+    cfg.base_dir = base_dir
+    return cfg
+
+
+def load_config(path: str | Path) -> TicConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise TicInputError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise TicInputError(f"{path}: not valid YAML: {str(err).splitlines()[0]}") from None
+    return parse_config(data, path.resolve().parent, str(path))

@@ -1,0 +1,112 @@
+"""What a gate sees: the config, lazily built engines, and data shared along one ladder run.
+
+Engines and rollout samples are built once per run and reused (C4 and C5 compare against the same rollout).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+from tic.harness.engines.base import Engine, Sample, Sampling
+from tic.skill.config import TicConfig
+from tic.skill.errors import TicInputError
+from tic.skill.state import LadderState
+
+
+class GateContext:
+    def __init__(self, cfg: TicConfig):
+        self.cfg = cfg
+        self.state = LadderState(Path(cfg.state_dir))  # relative to the working directory, like .git
+        self._engines: dict[str, Engine] = {}
+        self._rollout: list[Sample] | None = None
+
+    # -- model ------------------------------------------------------------------------------------------
+    @cached_property
+    def model_source_dir(self) -> Path:
+        """The configured model directory (config.json; weights may be generated elsewhere)."""
+        d = self.cfg.resolve(self.cfg.model.path)
+        if not d.is_dir():
+            raise TicInputError(f"model directory not found: {d}")
+        return d
+
+    @cached_property
+    def model_config(self) -> dict:
+        from tic.harness.modelgen import read_model_config
+
+        return read_model_config(self.model_source_dir)
+
+    @cached_property
+    def model_dir(self) -> Path:
+        from tic.harness.modelgen import resolve_model_dir
+
+        return resolve_model_dir(self.cfg)
+
+    @cached_property
+    def model_hash(self) -> str:
+        from tic.harness.modelgen import model_hash
+
+        return model_hash(self.model_dir)
+
+    @property
+    def vocab_size(self) -> int:
+        c = self.model_config
+        v = c.get("vocab_size") or c.get("text_config", {}).get("vocab_size")
+        if not isinstance(v, int) or v <= 0:
+            raise TicInputError("model config.json has no vocab_size")
+        return v
+
+    @property
+    def dtype(self) -> str:
+        return self.cfg.model.dtype
+
+    # -- inputs -----------------------------------------------------------------------------------------
+    @property
+    def sampling(self) -> Sampling:
+        s = self.cfg.sampling
+        return Sampling(s.temperature, s.max_tokens, s.seed)
+
+    @cached_property
+    def prompts(self) -> list[list[int]]:
+        from tic.harness.prompts import file_prompts, random_prompts
+
+        p = self.cfg.prompts
+        if p.source == "file":
+            return file_prompts(self.cfg.resolve(p.file), self.vocab_size)
+        return random_prompts(p.count, self.vocab_size, p.min_len, p.max_len, p.seed)
+
+    # -- engines ----------------------------------------------------------------------------------------
+    def engine(self, side: str) -> Engine:
+        if side not in self._engines:
+            from tic.harness.engines import build_engine
+
+            self._engines[side] = build_engine(self, side)
+        return self._engines[side]
+
+    def rollout_engine(self) -> Engine:
+        return self.engine("rollout")
+
+    def train_engine(self) -> Engine:
+        return self.engine("train")
+
+    def live_rollout_engine(self, gate: str) -> Engine:
+        eng = self.rollout_engine()
+        if eng.dumped_samples() is not None:
+            raise TicInputError(f"{gate} needs a live rollout engine (hf or vllm), not a dump")
+        return eng
+
+    def rollout_samples(self) -> list[Sample]:
+        """The rollout every comparison starts from: a dump's records, or one live sampling pass."""
+        if self._rollout is None:
+            eng = self.rollout_engine()
+            dumped = eng.dumped_samples()
+            if dumped is not None:
+                self._rollout = dumped
+            else:
+                self._rollout = eng.generate(self.prompts, self.sampling, list(range(len(self.prompts))))
+        return self._rollout
+
+    def artifacts(self, gate: str) -> Path:
+        d = self.state.artifacts_dir(gate)
+        d.mkdir(parents=True, exist_ok=True)
+        return d

@@ -1,0 +1,71 @@
+"""Reports: rich tables on stderr, JSON on stdout, JUnit XML to a file."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from xml.etree import ElementTree as ET
+
+from rich.console import Console
+from rich.table import Table
+
+from tic.skill.records import GateResult
+from tic.skill.state import atomic_write_text
+
+STYLE = {"pass": "bold green", "fail": "bold red", "error": "bold magenta", "unavailable": "yellow",
+         "skipped": "dim"}
+
+
+def console() -> Console:
+    return Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")), highlight=False)
+
+
+def ladder_table(results: list[GateResult], title: str = "tic ladder") -> Table:
+    t = Table(title=title, title_justify="left")
+    for col in ("gate", "title", "verdict", "key figure", "reason"):
+        t.add_column(col, overflow="fold")
+    for r in results:
+        t.add_row(r.gate, r.title, f"[{STYLE.get(r.verdict, '')}]{r.verdict}[/]", r.key_figure, r.reason)
+    return t
+
+
+def _age(seconds: float) -> str:
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= n:
+            return f"{int(seconds // n)}{unit}"
+    return f"{int(seconds)}s"
+
+
+def status_table(rows: list[tuple[str, str, GateResult | None, str]]) -> Table:
+    t = Table(title="tic status", title_justify="left")
+    for col in ("gate", "title", "verdict", "key figure", "age", "stale?"):
+        t.add_column(col, overflow="fold")
+    for gid, title, r, stale in rows:
+        if r is None:
+            t.add_row(gid, title, "[dim]not run[/]", "", "", "")
+        else:
+            t.add_row(gid, title, f"[{STYLE.get(r.verdict, '')}]{r.verdict}[/]", r.key_figure, _age(r.age_s()), stale)
+    return t
+
+
+def print_json(payload: dict) -> None:
+    print(json.dumps(payload, indent=2, default=str))
+
+
+def write_junit(path: Path, results: list[GateResult]) -> None:
+    suite = ET.Element("testsuite", name="tic", tests=str(len(results)),
+                       failures=str(sum(r.verdict == "fail" for r in results)),
+                       errors=str(sum(r.verdict == "error" for r in results)),
+                       skipped=str(sum(r.verdict in ("unavailable", "skipped") for r in results)),
+                       time=f"{sum(r.duration_s for r in results):.3f}")
+    for r in results:
+        case = ET.SubElement(suite, "testcase", classname="tic.ladder", name=f"{r.gate} {r.title}",
+                             time=f"{r.duration_s:.3f}")
+        if r.verdict == "fail":
+            ET.SubElement(case, "failure", message=r.reason).text = json.dumps(r.metrics, default=str)
+        elif r.verdict == "error":
+            ET.SubElement(case, "error", message=r.reason).text = r.details.get("traceback", "")
+        elif r.verdict in ("unavailable", "skipped"):
+            ET.SubElement(case, "skipped", message=r.reason)
+    atomic_write_text(Path(path), ET.tostring(suite, encoding="unicode", xml_declaration=True))

@@ -1,0 +1,66 @@
+"""Ladder state in .tic/: one JSON record per gate, written atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from tic.skill.records import GateResult
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temporary file beside `path`, then rename: readers see the old or the new file, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+class LadderState:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    @property
+    def results_dir(self) -> Path:
+        return self.root / "results"
+
+    def artifacts_dir(self, gate: str) -> Path:
+        """Where a gate writes evidence; created only when a gate writes there."""
+        return self.root / "artifacts" / gate
+
+    def save(self, result: GateResult) -> Path:
+        path = self.results_dir / f"{result.gate}.json"
+        atomic_write_text(path, result.model_dump_json(indent=2))
+        return path
+
+    def load(self, gate: str) -> GateResult | None:
+        path = self.results_dir / f"{gate}.json"
+        if not path.is_file():
+            return None
+        try:
+            return GateResult.model_validate(json.loads(path.read_text()))
+        except (ValueError, OSError):
+            return None  # an unreadable record is treated as absent, never as a pass
+
+    def all(self) -> dict[str, GateResult]:
+        out = {}
+        if self.results_dir.is_dir():
+            for p in sorted(self.results_dir.glob("C*.json")):
+                r = self.load(p.stem)
+                if r is not None:
+                    out[r.gate] = r
+        return out
