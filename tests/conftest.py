@@ -1,0 +1,64 @@
+"""Shared test fixtures. Generated model weights go to a per-session cache, never ~/.cache."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tic_cache(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tic-cache")
+    old = os.environ.get("TIC_CACHE")
+    os.environ["TIC_CACHE"] = str(d)
+    yield d
+    if old is None:
+        os.environ.pop("TIC_CACHE", None)
+    else:
+        os.environ["TIC_CACHE"] = old
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """Run in an empty directory so .tic/ lands in tmp."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def example(tmp_path):
+    """Copy an example directory (config.json + tic*.yaml) into tmp; returns a function name -> Path."""
+
+    def copy(name: str) -> Path:
+        dst = tmp_path / "ex" / name
+        shutil.copytree(EXAMPLES / name, dst, ignore=shutil.ignore_patterns("weights"))
+        return dst
+
+    return copy
+
+
+@pytest.fixture
+def tic(capsys):
+    """Run the CLI in-process: returns (exit_code, stdout, stderr)."""
+    from tic.skill.cli import main
+
+    def run(*args: str):
+        code = 0
+        try:
+            main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
