@@ -18,7 +18,10 @@ STYLE = {"pass": "bold green", "fail": "bold red", "error": "bold magenta", "una
 
 
 def console() -> Console:
-    return Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")), highlight=False)
+    c = Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")), highlight=False)
+    if not c.is_terminal:  # logs and CI: wide enough that reasons stay on one line
+        c = Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, width=200)
+    return c
 
 
 def ladder_table(results: list[GateResult], title: str = "tic ladder") -> Table:

@@ -36,7 +36,8 @@ def run_gate(gate: Gate, ctx: GateContext, save: bool = True) -> GateResult:
     t0 = time.perf_counter()
     base = dict(gate=gate.id, title=gate.title, config_hash=ctx.cfg.config_hash(), tic_version=tic.__version__)
     if not gate.available:
-        res = GateResult(**base, verdict="unavailable", reason=f"{UNAVAILABLE} ({gate.implemented_by})")
+        res = GateResult(**base, verdict="unavailable", reason=UNAVAILABLE,
+                         details={"implemented_by": gate.implemented_by})
         if save:
             ctx.state.save(res)
         return res

@@ -1,0 +1,75 @@
+"""Config validation, exit codes, status/staleness, explain, JSON/NO_COLOR behaviour."""
+
+import json
+
+import pytest
+
+from tic.harness.engines import hf
+
+
+@pytest.mark.parametrize("text, message", [
+    ("model: {path: ., colour: red}\n", "model.colour: unknown key"),
+    ("model: {path: .}\nsampling: {max_tokens: lots}\n", "sampling.max_tokens"),
+    ("model: {path: .}\nrollout: {engine: sglang}\n", "rollout.engine"),
+    ("model: {path: .}\nprompts: {min_len: 9, max_len: 3}\n", "min_len 9 > max_len 3"),
+    ("- just\n- a list\n", "expected a mapping"),
+    ("model: {path: .\n", "not valid YAML"),
+    ("rollout: {engine: hf}\n", "model: Field required"),
+    ("model: {path: ./nowhere}\n", "model directory not found"),
+    ("model: {path: .}\n", "no *.safetensors"),
+])
+def test_bad_config_exits_2_with_the_path(example, workdir, tic, text, message):
+    ex = example("tiny-qwen3")
+    cfg = ex / "bad.yaml"
+    cfg.write_text(text)
+    code, out, err = tic("gate", "C0", "-c", str(cfg))
+    assert code == 2, err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (workdir / ".tic").exists()
+
+
+def test_usage_errors_exit_2(example, workdir, tic):
+    ex = example("tiny-qwen3")
+    assert tic("gate", "C42", "-c", str(ex / "tic.yaml"))[0] == 2
+    assert tic("ladder", "-c", str(ex / "tic.yaml"), "--from", "C5", "--to", "C3")[0] == 2
+    assert tic("gate", "C0", "-c", str(workdir / "missing.yaml"))[0] == 2
+    assert tic("frobnicate")[0] == 2
+    assert not (workdir / ".tic").exists()
+
+
+def test_help_documents_exit_codes(tic):
+    code, out, _ = tic("--help")
+    assert code == 0 and "Exit codes" in out and "internal error" in out
+
+
+def test_explain_shows_condition_as_code(tic):
+    code, _, err = tic("explain", "C5")
+    assert code == 0 and "def judge" in err and "diff = 0" in err and "C5.md" in err
+
+
+def test_status_marks_stale_after_config_change(example, workdir, tic):
+    hf._MODELS.clear()
+    ex = example("tiny-qwen3")
+    assert tic("gate", "C0", "-c", str(ex / "tic.yaml"))[0] == 0
+    code, out, err = tic("status", "-c", str(ex / "tic.yaml"), "--json")
+    gates = {g["gate"]: g for g in json.loads(out)["gates"]}
+    assert gates["C0"]["verdict"] == "pass" and gates["C0"]["stale"] == "no"
+    assert gates["C3"]["verdict"] == "not run"
+    changed = ex / "tic.yaml"
+    changed.write_text(changed.read_text().replace("max_tokens: 16", "max_tokens: 12"))
+    out = tic("status", "-c", str(changed), "--json")[1]
+    assert {g["gate"]: g for g in json.loads(out)["gates"]}["C0"]["stale"] == "config changed"
+
+
+def test_no_color(example, workdir, tic, monkeypatch):
+    monkeypatch.setenv("NO_COLOR", "1")
+    code, _, err = tic("explain", "C0")
+    assert code == 0 and "\x1b[" not in err
+
+
+def test_json_record_has_fingerprint(example, workdir, tic):
+    ex = example("tiny-qwen3")
+    out = tic("gate", "C0", "-c", str(ex / "tic.yaml"), "--json")[1]
+    r = json.loads(out)["results"][0]
+    assert r["config_hash"] and r["model_hash"] and "torch" in r["environment"]["packages"]
+    assert "env" in r["environment"] and r["environment"]["device"]

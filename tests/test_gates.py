@@ -1,0 +1,146 @@
+"""Every implemented gate: a planted divergence that must fail it, and a control that must pass it."""
+
+import json
+
+import pytest
+import torch
+
+from tic.gates import get
+from tic.harness.engines import hf
+from tic.skill.config import load_config
+from tic.skill.context import GateContext
+from tic.skill.runner import run_gate
+
+
+@pytest.fixture
+def consistent_ctx(example, workdir):
+    hf._MODELS.clear()  # planted models must not leak between tests
+    ex = example("tiny-qwen3")
+    cfg = load_config(ex / "tic-consistent.yaml")
+    cfg.prompts.count = 5
+    cfg.sampling.max_tokens = 8
+    cfg.layouts.batch_sizes = [3]
+    cfg.layouts.probes = 1
+    cfg.locate.enabled = False
+    yield GateContext(cfg)
+    hf._MODELS.clear()
+
+
+def wrap_forward(module, fn):
+    orig = module.forward
+
+    def forward(x, *a, **k):
+        return fn(x, orig(x, *a, **k))
+
+    module.forward = forward
+
+
+def bf16_round(out):
+    return out.to(torch.bfloat16).to(out.dtype)
+
+
+# ---- C0 -----------------------------------------------------------------------------------------------------
+def test_c0_inventory_passes(example, workdir, tic):
+    ex = example("tiny-qwen3-moe")
+    code, out, _ = tic("gate", "C0", "-c", str(ex / "tic.yaml"), "--json")
+    rec = json.loads(out)["results"][0]
+    assert code == 0 and rec["verdict"] == "pass"
+    manifest = json.loads((workdir / ".tic/artifacts/C0/manifest.json").read_text())
+    assert [L["mlp"] for L in manifest["layers"]] == ["dense", "moe", "moe", "moe"]
+    assert "mlp:moe" in manifest["operator_classes"] and manifest["dtypes"] == ["F32"]
+
+
+@pytest.mark.parametrize("extra, why", [
+    ("rollout: {tensor_parallel_size: 2}", "TP>1"),
+    ("training: {updates_per_step: 4}", "updates_per_step=4"),
+    ("training: {speculative_decoding: true}", "speculative"),
+])
+def test_c0_rejects_uncovered_setups(example, workdir, tic, extra, why):
+    ex = example("tiny-qwen3")
+    cfg = ex / "bad.yaml"
+    cfg.write_text("model: {path: ., generate: {seed: 0}}\n" + extra + "\n")
+    code, out, _ = tic("gate", "C0", "-c", str(cfg), "--json")
+    rec = json.loads(out)["results"][0]
+    assert code == 1 and rec["verdict"] == "fail" and why in rec["reason"]
+
+
+# ---- C3/C4/C5 controls: consistent kernels pass --------------------------------------------------------------
+@pytest.mark.parametrize("gate", ["C3", "C4", "C5"])
+def test_consistent_kernels_pass(consistent_ctx, gate):
+    res = run_gate(get(gate), consistent_ctx)
+    assert res.verdict == "pass", res.reason
+
+
+def test_consistent_moe_passes_c5(example, workdir):
+    hf._MODELS.clear()
+    cfg = load_config(example("tiny-qwen3-moe") / "tic-consistent.yaml")
+    cfg.prompts.count, cfg.sampling.max_tokens, cfg.train.packing = 4, 8, True
+    assert run_gate(get("C5"), GateContext(cfg)).verdict == "pass"
+
+
+# ---- planted divergences on top of the consistent kernels ----------------------------------------------------
+def test_c3_fails_on_a_batch_dependent_kernel(consistent_ctx):
+    model = consistent_ctx.rollout_engine().model
+    # layer 1's MLP rounds through bf16 only when more than one request is in the batch
+    wrap_forward(model.model.layers[1].mlp, lambda x, out: bf16_round(out) if x.shape[0] > 1 else out)
+    res = run_gate(get("C3"), consistent_ctx)
+    assert res.verdict == "fail" and res.metrics["identical_requests"] < res.metrics["comparisons"]
+
+
+def test_c4_fails_on_a_phase_dependent_kernel(consistent_ctx):
+    model = consistent_ctx.rollout_engine().model
+    # layer 2's MLP rounds through bf16 only on single-token (decode) steps
+    wrap_forward(model.model.layers[2].mlp, lambda x, out: bf16_round(out) if x.shape[1] == 1 else out)
+    res = run_gate(get("C4"), consistent_ctx)
+    assert res.verdict == "fail" and res.metrics["equal_fraction"] < 1 and res.metrics["max"] > 0
+
+
+def test_c5_fails_when_training_changes_one_norm_eps(consistent_ctx):
+    consistent_ctx.rollout_engine()
+    hf._MODELS.clear()  # the train side gets its own model object
+    train = consistent_ctx.train_engine()
+    train.model.model.layers[3].post_attention_layernorm.variance_epsilon = 1e-5
+    res = run_gate(get("C5"), consistent_ctx)
+    assert res.verdict == "fail" and res.metrics["first_mismatch"] is not None
+    assert res.metrics["k3_kl"] != 0 or res.metrics["max"] > 0
+
+
+# ---- stock kernels: the real CPU divergences -----------------------------------------------------------------
+def test_stock_ladder_reports_real_divergences(example, workdir, tic, tmp_path):
+    hf._MODELS.clear()
+    ex = example("tiny-qwen3")
+    junit = tmp_path / "junit.xml"
+    code, out, err = tic("ladder", "-c", str(ex / "tic.yaml"), "--keep-going", "--json", "--junit", str(junit))
+    rec = {r["gate"]: r for r in json.loads(out)["results"]}
+    assert code == 1
+    assert rec["C0"]["verdict"] == "pass"
+    for g in ("C3", "C4", "C5"):
+        assert rec[g]["verdict"] == "fail", rec[g]["reason"]
+    assert 0 < rec["C5"]["metrics"]["equal_fraction"] < 1
+    for g in ("C1", "C2", "C6", "C7", "C8", "C9", "C10"):
+        assert rec[g]["verdict"] in ("unavailable", "pass", "fail")  # C2 arrives with tic cut
+        assert rec[g]["verdict"] != "pass" or g == "C2"
+    assert "<testsuite" in junit.read_text() and "failure" in junit.read_text()
+    assert "C5" in err  # the table goes to stderr
+
+
+def test_consistent_ladder_exits_0_over_c3_c5(example, workdir, tic):
+    hf._MODELS.clear()
+    ex = example("tiny-qwen3")
+    code, _, err = tic("ladder", "-c", str(ex / "tic-consistent.yaml"), "--from", "C3", "--to", "C5")
+    assert code == 0, err
+
+
+def test_ladder_stops_at_first_failure_without_keep_going(example, workdir, tic):
+    hf._MODELS.clear()
+    ex = example("tiny-qwen3")
+    code, out, _ = tic("ladder", "-c", str(ex / "tic.yaml"), "--from", "C3", "--to", "C5", "--json")
+    v = [r["verdict"] for r in json.loads(out)["results"]]
+    assert code == 1 and v == ["fail", "skipped", "skipped"]
+
+
+def test_unavailable_gate_is_never_a_pass(example, workdir, tic):
+    ex = example("tiny-qwen3")
+    code, out, _ = tic("gate", "C8", "-c", str(ex / "tic.yaml"), "--json")
+    r = json.loads(out)["results"][0]
+    assert code == 1 and r["verdict"] == "unavailable" and "later release" in r["reason"]
