@@ -20,7 +20,8 @@ QUANT_SUFFIXES = ("weight_scale_inv", "weight_scale_2", "weight_scale", "input_s
                   "qweight", "scales", "qzeros")
 
 
-def read_safetensors_header(path: Path) -> dict:
+def read_safetensors_header(path: Path, with_size: bool = False):
+    """The tensor entries of a safetensors header; with_size=True also returns where the data starts."""
     try:
         with Path(path).open("rb") as f:
             raw = f.read(8)
@@ -33,29 +34,58 @@ def read_safetensors_header(path: Path) -> dict:
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TicInputError(f"{path}: unreadable safetensors header ({e})") from None
     header.pop("__metadata__", None)
-    return header
+    return (header, 8 + n) if with_size else header
 
 
-def tensor_table(model_dir: Path) -> dict[str, dict]:
-    """name -> {dtype, shape, file}, via model.safetensors.index.json when present."""
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors shards of a model: those the index names, or every *.safetensors without an index."""
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
-    files: list[Path]
     if index.is_file():
         try:
             wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise TicInputError(f"{index}: malformed index ({e})") from None
         files = sorted({model_dir / f for f in wm.values()})
     else:
         files = sorted(model_dir.glob("*.safetensors"))
-    table = {}
     for f in files:
         if not f.is_file():
             raise TicInputError(f"missing weight shard: {f}")
-        for name, info in read_safetensors_header(f).items():
-            table[name] = {"dtype": info["dtype"], "shape": info["shape"], "file": f.name}
-    return table
+    return files
+
+
+def tensor_locations(model_dir: Path) -> dict[str, dict]:
+    """name -> {dtype, shape, path, start, end}: absolute byte range of each tensor's data in its shard."""
+    out = {}
+    for f in weight_files(model_dir):
+        header, data_start = read_safetensors_header(f, with_size=True)
+        size = f.stat().st_size
+        for name, info in header.items():
+            s, e = info["data_offsets"]
+            if not (0 <= s <= e and data_start + e <= size):
+                raise TicInputError(f"{f}: tensor {name} lies outside the file")
+            if name in out:
+                raise TicInputError(f"tensor {name} appears in two shards ({out[name]['path'].name}, {f.name})")
+            out[name] = {"dtype": info["dtype"], "shape": info["shape"], "path": f,
+                         "start": data_start + s, "end": data_start + e}
+    return out
+
+
+def tensor_table(model_dir: Path) -> dict[str, dict]:
+    """name -> {dtype, shape, file}, via model.safetensors.index.json when present."""
+    return {name: {"dtype": t["dtype"], "shape": t["shape"], "file": t["path"].name}
+            for name, t in tensor_locations(model_dir).items()}
+
+
+def layer_tensors(table: dict) -> dict[int, dict[str, dict]]:
+    """Decoder layer index -> {name inside the layer: tensor info}, for comparing layers across models."""
+    out: dict[int, dict[str, dict]] = defaultdict(dict)
+    for name, info in table.items():
+        m = LAYER_RE.search(name)
+        if m:
+            out[int(m.group(1))][m.group(2)] = info
+    return dict(out)
 
 
 def _tensor_kinds(names: list[str]) -> dict:

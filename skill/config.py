@@ -40,6 +40,7 @@ class EngineConfig(Strict):
     padding_side: Literal["left", "right"] = "right"
     packing: bool = False
     tensor_parallel_size: int = Field(1, ge=1)
+    device: Literal["cpu", "cuda"] = Field("cpu", description="hf engine: where the model runs")
     dump: Path | None = Field(None, description="dump engine: JSONL file")
     options: dict[str, Any] = Field(default_factory=dict, description="engine-specific options (vllm)")
 
@@ -92,6 +93,14 @@ class LocateConfig(Strict):
     enabled: bool = True
 
 
+class CutConfig(Strict):
+    """C2 / `tic cut`: where the small model goes and which layers it keeps."""
+
+    out: Path | None = Field(None, description="cut directory, relative to tic.yaml (default .tic/artifacts/C2/cut)")
+    layers: str | list[int] = Field("auto", description="'auto' or layer indices, e.g. [3, 4, 17]")
+    max_layers: int = Field(6, ge=1, description="auto: at most this many layers")
+
+
 class TicConfig(Strict):
     model: ModelConfig
     rollout: EngineConfig = Field(default_factory=EngineConfig)
@@ -101,6 +110,7 @@ class TicConfig(Strict):
     layouts: LayoutsConfig = Field(default_factory=LayoutsConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     locate: LocateConfig = Field(default_factory=LocateConfig)
+    cut: CutConfig | None = None
     state_dir: Path = Path(".tic")
 
     # set by load_config, not by the user

@@ -1,0 +1,61 @@
+"""`tic cut`: cut a 4-6 layer small model out of a full checkpoint (the cut C2 then checks)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+@click.command("cut")
+@click.argument("model_dir", required=False, type=click.Path(path_type=Path))
+@click.argument("out_dir", required=False, type=click.Path(path_type=Path))
+@click.option("--layers", default=None, help="'auto' (default) or comma-separated source layer indices, e.g. 3,4,17")
+@click.option("--max-layers", type=int, default=None, help="auto: at most this many layers (default 6)")
+@click.option("-c", "--config", "config_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="take MODEL_DIR (model.path) and OUT_DIR/--layers/--max-layers (cut:) from this tic.yaml")
+@click.option("--json", "as_json", is_flag=True, help="print the cut record on stdout")
+def command(model_dir, out_dir, layers, max_layers, config_path, as_json):
+    """Cut MODEL_DIR into OUT_DIR keeping layers that cover every operator class and every transition between
+    layer kinds; per-layer config fields, quantization tensors and dtypes move with their layers.
+
+    \b
+    Without MODEL_DIR/OUT_DIR, both come from tic.yaml (model.path, cut.out)."""
+    from tic.harness.cut import cut_model
+    from tic.skill.errors import TicInputError
+
+    section = None
+    if model_dir is None or out_dir is None:
+        from tic.harness.modelgen import resolve_model_dir
+        from tic.skill.config import load_config
+
+        cfg = load_config(config_path or Path("tic.yaml"))
+        section = cfg.cut
+        model_dir = model_dir or resolve_model_dir(cfg)
+        if out_dir is None:
+            if section is None or section.out is None:
+                raise TicInputError("no OUT_DIR given and tic.yaml has no 'cut: {out: DIR}'")
+            out_dir = cfg.resolve(section.out)
+    elif config_path is not None:
+        from tic.skill.config import load_config
+
+        section = load_config(config_path).cut
+    if layers is None:
+        layers = section.layers if section is not None else "auto"
+    if max_layers is None:
+        max_layers = section.max_layers if section is not None else 6
+    if not Path(model_dir).is_dir():
+        raise TicInputError(f"model directory not found: {model_dir}")
+    rec = cut_model(Path(model_dir), Path(out_dir), layers=layers, max_layers=max_layers)
+    if as_json:
+        click.echo(json.dumps(rec, indent=2))
+        return
+    for line in rec["explanation"]:
+        click.echo(line)
+    for note in rec["notes"]:
+        click.echo(f"note: {note}")
+    if rec["uncovered"]:
+        click.echo("warning: the given layers leave requirements uncovered; C2 will say which classes are missing")
+    click.echo(f"wrote {out_dir}: {len(rec['layers'])} of {rec['source_layers']} layers, {rec['tensors']} tensors, "
+               f"{rec['bytes_kept']} bytes ({rec['seconds']} s)")
