@@ -1,0 +1,382 @@
+"""Capture per-module rows of one compared sequence, in whatever batch layout an engine runs it.
+
+Every hooked tensor is normalised to per-token rows keyed by the token's position in the compared sequence,
+so a decode batch (left padding, one token per step), a right-padded micro-batch and a packed row all line up
+by position. Only the compared sequence's rows are kept; batch-mates and padding are run but not stored.
+
+Engine interface (`CaptureRunner`): an engine that wants localisation supplies
+  - `stages()`: ordered stable names compared first (embeddings, rotary, decoder layers, final norm, head);
+  - `children(name)`: the stable names of a stage's submodules (norms, projections, attention, router, ...);
+  - `decode(samples, target, upto, spec, together=False)`: teacher-forced decode of the target's batch;
+  - `score(samples, target, spec)`: the engine's teacher-forced scoring layout for the target's micro-batch.
+Both runs return a `Capture`. The HF implementation is `HFCaptureRunner`; an engine may expose its own via a
+`capture_runner()` method (e.g. vLLM, whose decoder layers return the residual separately: its runner
+maps stable names to its modules and adds residual + hidden in `module_rows`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tic.harness.engines.base import Sample
+
+RowTensors = tuple  # one tensor per row-shaped output (or input) of a module, for one token
+
+
+@dataclass
+class CaptureSpec:
+    """What one run records or changes."""
+
+    outputs: set[str] = field(default_factory=set)  # stable names whose output rows are kept
+    inputs: set[str] = field(default_factory=set)  # stable names whose input rows are kept
+    replace: dict[str, dict[int, RowTensors]] = field(default_factory=dict)  # name -> pos -> input rows
+    trail_module: str | None = None  # record the operator sequence inside this module ...
+    trail_position: int | None = None  # ... during the forward call that computes this position
+
+
+@dataclass
+class OpCall:
+    op: str  # e.g. "aten.mm.default"
+    func: object
+    args: tuple
+    kwargs: dict
+    outputs: tuple  # tensor outputs, in order
+
+
+@dataclass
+class Trail:
+    calls: list[OpCall]
+    batch: int  # B of the recorded forward call
+    length: int  # T of the recorded forward call
+    flat_index: int  # b * T + t of the traced position inside that call
+
+
+@dataclass
+class Capture:
+    outputs: dict[str, dict[int, RowTensors]] = field(default_factory=dict)
+    inputs: dict[str, dict[int, RowTensors]] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)  # stable names in first-execution order
+    logprobs: dict[int, torch.Tensor] = field(default_factory=dict)  # response position -> logprob
+    forwards: int = 0
+    trail: Trail | None = None
+
+
+class CaptureRunner(Protocol):
+    def stages(self) -> list[str]: ...
+
+    def children(self, name: str) -> list[str]: ...
+
+    def descendants(self, name: str) -> list[str]: ...
+
+    def decode(self, samples: list[Sample], target: int, upto: int, spec: CaptureSpec,
+               together: bool = False) -> Capture: ...
+
+    def score(self, samples: list[Sample], target: int, spec: CaptureSpec) -> Capture: ...
+
+
+# -- row extraction ---------------------------------------------------------------------------------------
+def flat_rows(x: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:
+    """View x as [B*T, ...] when it is laid out per token ([B, T, ...] or [B*T, ...]); else None."""
+    n = batch * length
+    if x.dim() >= 2 and tuple(x.shape[:2]) == (batch, length):
+        return x.reshape(n, *x.shape[2:])
+    if x.dim() >= 1 and x.shape[0] == n:
+        return x
+    return None
+
+
+def row_shaped(x, batch: int, length: int) -> bool:
+    return isinstance(x, torch.Tensor) and flat_rows(x, batch, length) is not None
+
+
+def tensors_of(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    if hasattr(out, "to_tuple"):  # transformers ModelOutput
+        return [t for t in out.to_tuple() if isinstance(t, torch.Tensor)]
+    return []
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Exact equality of dtype, shape and every bit (so -0.0 != 0.0 and NaN payloads count)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point():
+        a, b = a.contiguous(), b.contiguous()
+        ib = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return bool(torch.equal(a.view(ib), b.view(ib)))
+    return bool(torch.equal(a, b))
+
+
+def rows_equal(a: RowTensors, b: RowTensors) -> bool:
+    return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
+
+
+class _RowMap:
+    """Which (b, t) of the current forward call holds which position of the compared sequence (-1: none)."""
+
+    def __init__(self):
+        self.map: torch.Tensor | None = None
+
+    def set(self, m: torch.Tensor) -> None:
+        self.map = m
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.map.shape)
+
+    def targets(self) -> list[tuple[int, int]]:
+        """(flat index, position) of every compared-sequence token in this call."""
+        flat = self.map.reshape(-1)
+        idx = (flat >= 0).nonzero().flatten().tolist()
+        return [(i, int(flat[i])) for i in idx]
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls: list[OpCall] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        clone = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+        self.calls.append(OpCall(str(func), func, tuple(_tree_map(clone, a) for a in args),
+                                 {k: _tree_map(clone, v) for k, v in kwargs.items()},
+                                 tuple(clone(t) for t in tensors_of(out))))
+        return out
+
+
+def _tree_map(fn, v):
+    if isinstance(v, (list, tuple)):
+        return type(v)(_tree_map(fn, x) for x in v)
+    return fn(v)
+
+
+def _input_tensors(args: tuple, kwargs: dict, batch: int, length: int) -> list[tuple[object, torch.Tensor]]:
+    """The token-row inputs of a call: row-shaped positional tensors and the `hidden_states` keyword."""
+    found = [(i, a) for i, a in enumerate(args) if row_shaped(a, batch, length)]
+    hs = kwargs.get("hidden_states")
+    if row_shaped(hs, batch, length):
+        found.append(("hidden_states", hs))
+    return found
+
+
+class HookSet:
+    """Forward hooks on named modules that keep, or replace, the compared sequence's rows."""
+
+    def __init__(self, modules: dict[str, torch.nn.Module], spec: CaptureSpec, rowmap: _RowMap,
+                 module_rows=None):
+        self.modules, self.spec, self.rowmap = modules, spec, rowmap
+        self.module_rows = module_rows or (lambda name, out: tensors_of(out))
+        self.capture = Capture()
+        self.handles = []
+        self._recorder: _Recorder | None = None
+
+    def __enter__(self):
+        names = set(self.spec.outputs) | set(self.spec.inputs) | set(self.spec.replace)
+        if self.spec.trail_module:
+            names.add(self.spec.trail_module)
+        for name in sorted(names):
+            m = self.modules.get(name)
+            if m is None:
+                continue
+            self.handles.append(m.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._post(name), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        if self._recorder is not None:  # an exception inside the traced call
+            self._recorder.__exit__(None, None, None)
+            self._recorder = None
+
+    def _pre(self, name):
+        def hook(module, args, kwargs):
+            B, T = self.rowmap.shape
+            targets = self.rowmap.targets()
+            if name not in self.capture.order:
+                self.capture.order.append(name)
+            new_args, new_kwargs = args, kwargs
+            if name in self.spec.replace:
+                repl = self.spec.replace[name]
+                new_args, new_kwargs = list(args), dict(kwargs)
+                for k, (key, x) in enumerate(_input_tensors(args, kwargs, B, T)):
+                    x = x.clone()
+                    flat = flat_rows(x, B, T)
+                    for i, pos in targets:
+                        if pos in repl and k < len(repl[pos]):
+                            flat[i] = repl[pos][k].to(flat.dtype)
+                    if key == "hidden_states":
+                        new_kwargs[key] = x
+                    else:
+                        new_args[key] = x
+                new_args = tuple(new_args)
+            if name in self.spec.inputs:
+                store = self.capture.inputs.setdefault(name, {})
+                ins = [flat_rows(x, B, T) for _, x in _input_tensors(new_args, new_kwargs, B, T)]
+                for i, pos in targets:
+                    store[pos] = tuple(f[i].clone() for f in ins)
+            if (name == self.spec.trail_module and self._recorder is None and self.capture.trail is None
+                    and any(pos == self.spec.trail_position for _, pos in targets)):
+                fi = next(i for i, pos in targets if pos == self.spec.trail_position)
+                self.capture.trail = Trail([], B, T, fi)
+                self._recorder = _Recorder()
+                self._recorder.__enter__()
+            if name in self.spec.replace:
+                return new_args, new_kwargs
+            return None
+        return hook
+
+    def _post(self, name):
+        def hook(module, args, kwargs, out):
+            if name == self.spec.trail_module and self._recorder is not None:
+                self._recorder.__exit__(None, None, None)
+                self.capture.trail.calls = self._recorder.calls
+                self._recorder = None
+            if name not in self.spec.outputs:
+                return None
+            B, T = self.rowmap.shape
+            outs = [f for f in (flat_rows(t, B, T) for t in self.module_rows(name, out)) if f is not None]
+            store = self.capture.outputs.setdefault(name, {})
+            for i, pos in self.rowmap.targets():
+                store[pos] = tuple(f[i].clone() for f in outs)
+            return None
+        return hook
+
+
+# -- the HF implementation --------------------------------------------------------------------------------
+class HFCaptureRunner:
+    """Runs an HFEngine's two layouts teacher-forced, exactly as its generate/score compute them."""
+
+    def __init__(self, engine, temperature: float = 1.0):
+        self.engine = engine
+        self.model = engine.model
+        self.temperature = temperature
+        self.modules = dict(self.model.named_modules())
+        self.rowmap = _RowMap()
+
+    # names
+    def layer_names(self) -> list[str]:
+        return [n for n, m in self.modules.items()
+                if n.count(".") == 2 and n.split(".")[-2] == "layers" and n.split(".")[-1].isdigit()]
+
+    def stages(self) -> list[str]:
+        layers = self.layer_names()
+        prefix = layers[0].rsplit(".", 2)[0] if layers else "model"
+        pre = [n for n in (f"{prefix}.embed_tokens", f"{prefix}.rotary_emb") if n in self.modules]
+        post = [n for n in (f"{prefix}.norm", "lm_head") if n in self.modules]
+        return pre + layers + post
+
+    def children(self, name: str) -> list[str]:
+        return [f"{name}.{c}" if name else c for c, _ in self.modules[name].named_children()]
+
+    def descendants(self, name: str) -> list[str]:
+        return [n for n in self.modules if n.startswith(name + ".")]
+
+    # runs
+    def _hooks(self, spec: CaptureSpec) -> HookSet:
+        return HookSet(self.modules, spec, self.rowmap)
+
+    @torch.inference_mode()
+    def decode(self, samples, target, upto, spec, together=False) -> Capture:
+        from transformers import DynamicCache
+
+        bs = len(samples) if together else self.engine.batch_size
+        start = 0 if together else (target // bs) * bs
+        batch = samples[start:start + bs]
+        tb = target - start
+        prompts = [s.prompt_ids for s in batch]
+        B, L = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros(B, L, dtype=torch.long)
+        mask = torch.zeros(B, L, dtype=torch.long)
+        for b, p in enumerate(prompts):  # left padding, as HFEngine._generate_batch
+            ids[b, L - len(p):] = torch.tensor(p)
+            mask[b, L - len(p):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        P = len(prompts[tb])
+        with self._hooks(spec) as hooks:
+            step_ids, step_pos = ids, pos
+            for step in range(upto + 1):
+                rm = torch.full(step_ids.shape, -1, dtype=torch.long)
+                if step == 0:
+                    rm[tb, L - P:] = torch.arange(P)
+                else:
+                    rm[tb, 0] = P + step - 1
+                self.rowmap.set(rm)
+                logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
+                                    past_key_values=cache, use_cache=True).logits[:, -1]
+                hooks.capture.forwards += 1
+                lp = self.engine.logprobs_of(logits, self.temperature)
+                hooks.capture.logprobs[step] = lp[tb, batch[tb].response_ids[step]].float().clone()
+                nxt = [s.response_ids[step] if step < len(s.response_ids) else 0 for s in batch]
+                step_ids = torch.tensor(nxt, dtype=torch.long)[:, None]
+                step_pos = step_pos[:, -1:] + 1
+                mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
+        return hooks.capture
+
+    @torch.inference_mode()
+    def score(self, samples, target, spec) -> Capture:
+        eng = self.engine
+        mb = eng.micro_batch_size
+        start = (target // mb) * mb
+        chunk = samples[start:start + mb]
+        tb = target - start
+        seqs = [s.ids for s in chunk]
+        with self._hooks(spec) as hooks:
+            if eng.packing:  # one row, positions restarting per sequence (HFEngine._score_packed)
+                ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None]
+                pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+                off = sum(len(s) for s in seqs[:tb])
+                rm = torch.full(ids.shape, -1, dtype=torch.long)
+                rm[0, off:off + len(seqs[tb])] = torch.arange(len(seqs[tb]))
+                self.rowmap.set(rm)
+                logits = self.model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+            else:  # HFEngine._score_padded
+                B, L = len(seqs), max(len(s) for s in seqs)
+                ids = torch.zeros(B, L, dtype=torch.long)
+                mask = torch.zeros(B, L, dtype=torch.long)
+                starts = []
+                for b, s in enumerate(seqs):
+                    st = L - len(s) if eng.padding_side == "left" else 0
+                    ids[b, st:st + len(s)] = torch.tensor(s)
+                    mask[b, st:st + len(s)] = 1
+                    starts.append(st)
+                pos = (mask.cumsum(-1) - 1).clamp(min=0)
+                rm = torch.full(ids.shape, -1, dtype=torch.long)
+                rm[tb, starts[tb]:starts[tb] + len(seqs[tb])] = torch.arange(len(seqs[tb]))
+                self.rowmap.set(rm)
+                logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+                off = None
+            hooks.capture.forwards += 1
+            s = chunk[tb]
+            P, R = len(s.prompt_ids), len(s.response_ids)
+            rows = logits[off + P - 1: off + P - 1 + R] if eng.packing else \
+                logits[tb, starts[tb] + P - 1: starts[tb] + P - 1 + R]
+            lp = eng.logprobs_of(rows, self.temperature)
+            got = lp[torch.arange(R), torch.tensor(s.response_ids)].float()
+            hooks.capture.logprobs = {j: got[j].clone() for j in range(R)}
+        return hooks.capture
+
+
+def runner_for(engine, temperature: float) -> CaptureRunner:
+    """The engine's own capture runner if it has one, else the HF one for HF engines."""
+    own = getattr(engine, "capture_runner", None)
+    if callable(own):
+        return own(temperature)
+    from tic.harness.engines.hf import HFEngine
+
+    if isinstance(engine, HFEngine):
+        return HFCaptureRunner(engine, temperature)
+    from tic.skill.errors import TicInputError
+
+    raise TicInputError(f"engine {getattr(engine, 'name', engine)!r} cannot run with capture (no capture_runner)")
+

@@ -1,0 +1,379 @@
+"""Localise a bitwise divergence: first divergent layer, then module, then operator, then a minimal repro.
+
+Side A and side B run the same compared sequence (same weights, same tokens) in their own layouts, with
+capture hooks (tic.harness.capture). The loop:
+  1. stages (embeddings, rotary, decoder layers, final norm, head) compared bitwise in order: the first that
+     differs is the first divergent layer;
+  2. replay: side B reruns with side A's recorded inputs fed to that layer and to each of its submodules at
+     once, so each module's output is seen on identical inputs in one extra run. If the layer then agrees, the
+     cause is upstream (an input that is not the hidden state). Otherwise descend: the first child in
+     execution order that still differs, until no child does: that module is the culprit;
+  3. inside the culprit, both sides' operator sequences are recorded (TorchDispatchMode) for the forward call
+     that computes the first differing token; the first operator on side B whose value for that token is not
+     a value side A computed is the first divergent operator (identical inputs, different output);
+  4. that operator is reduced to a minimal repro (tic.harness.repro), verified in a fresh process.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from tic.harness.capture import Capture, CaptureRunner, CaptureSpec, Trail, rows_equal, runner_for
+from tic.harness.metrics import _ordered_int
+from tic.skill.errors import TicInputError
+from tic.skill.state import atomic_write_bytes, atomic_write_text
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+@dataclass
+class Side:
+    label: str  # e.g. "rollout decode (KV cache, batch of 8)"
+    runner: CaptureRunner
+    run: Callable[[CaptureSpec], Capture]
+
+
+# -- comparing captured rows ------------------------------------------------------------------------------
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    if not (a.is_floating_point() and b.is_floating_point()) or a.shape != b.shape:
+        return 0
+    if a.dtype != torch.float32 or b.dtype != torch.float32:
+        a, b = a.to(torch.float64), b.to(torch.float64)
+    d = (_ordered_int(a.flatten()) - _ordered_int(b.flatten())).abs()
+    return int(d.max()) if d.numel() else 0
+
+
+def compare_rows(a: dict[int, tuple], b: dict[int, tuple]) -> dict:
+    common = sorted(set(a) & set(b))
+    diff = [p for p in common if not rows_equal(a[p], b[p])]
+    elements, max_ulp = 0, 0
+    for p in diff:
+        for x, y in zip(a[p], b[p]):
+            if x.shape == y.shape and x.dtype == y.dtype:
+                elements += int((x.flatten() != y.flatten()).sum()) if x.is_floating_point() else \
+                    int((x != y).sum())
+                max_ulp = max(max_ulp, _ulps(x, y))
+    return {"positions": len(common), "differing_positions": len(diff), "first_position": diff[0] if diff else None,
+            "differing_elements": elements, "max_ulp": max_ulp, "equal": not diff and bool(common)}
+
+
+# -- operator trails --------------------------------------------------------------------------------------
+def _row_of(x, B: int, T: int, f: int):
+    """The traced token's slice of a per-token tensor and where it sits; None if x is not laid out per token."""
+    if not isinstance(x, torch.Tensor):
+        return None
+    b, t = divmod(f, T)
+    if x.dim() >= 2 and tuple(x.shape[:2]) == (B, T):
+        return {"kind": "bt", "b": b, "t": t}, x[b, t]
+    if x.dim() >= 1 and x.shape[0] == B * T:
+        return {"kind": "row", "row": f}, x[f]
+    if x.dim() >= 3 and x.shape[0] == B and x.shape[2] == T:
+        return {"kind": "bht", "b": b, "t": t}, x[b, :, t]
+    return None
+
+
+def trail_rows(trail: Trail) -> tuple[list[list[tuple]], list[list[torch.Tensor]]]:
+    """Per op call: the traced token's output values [(output k, where, value, rows)], and its input values.
+
+    Batched calls carry the token as one of their rows; row-by-row kernels call each operator once (or c
+    times) per row in order, so the j-th such call belongs to row j // c."""
+    B, T, f = trail.batch, trail.length, trail.flat_index
+    R = B * T
+    outs: list[list[tuple]] = []
+    ins: list[list[torch.Tensor]] = []
+    single = defaultdict(list)
+    for ci, call in enumerate(trail.calls):
+        got, got_in = [], []
+        if not call.func.is_view:
+            for k, o in enumerate(call.outputs):
+                r = _row_of(o, B, T, f)
+                if r is not None:
+                    got.append((k, {**r[0], "output": k}, r[1], R if r[0]["kind"] == "row" else B))
+            for a in call.args:
+                r = _row_of(a, B, T, f)
+                if r is not None:
+                    got_in.append(r[1])
+            if not got and call.outputs and call.outputs[0].dim() >= 1 and call.outputs[0].shape[0] == 1:
+                single[call.op].append(ci)
+        outs.append(got)
+        ins.append(got_in)
+    for op, cis in single.items():
+        if len(cis) % R:
+            continue
+        c = len(cis) // R
+        for j, ci in enumerate(cis):
+            if j // c == f:
+                call = trail.calls[ci]
+                outs[ci] = [(k, {"kind": "row", "row": 0, "output": k}, o[0], 1)
+                            for k, o in enumerate(call.outputs) if o.dim() >= 1 and o.shape[0] == 1]
+                ins[ci] = [a[0] for a in call.args if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == 1]
+    return outs, ins
+
+
+def _key(t: torch.Tensor) -> tuple:
+    t = t.contiguous()
+    return str(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _describe_args(call) -> str:
+    parts = []
+    for a in call.args:
+        if isinstance(a, torch.Tensor):
+            parts.append(f"{str(a.dtype).replace('torch.', '')}{list(a.shape)}")
+        elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            parts.append(f"[{len(a)} tensors]")
+        else:
+            parts.append(repr(a))
+    parts += [f"{k}={v!r}" for k, v in call.kwargs.items() if not isinstance(v, torch.Tensor)]
+    return ", ".join(parts)
+
+
+def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
+    """The first op on side B whose value for the traced token is none of side A's values (inputs equal)."""
+    outs_a, ins_a = trail_rows(trail_a)
+    outs_b, ins_b = trail_rows(trail_b)
+    seen = {_key(v) for got in outs_a for (_, _, v, _) in got} | {_key(v) for got in ins_a for v in got}
+    rank = defaultdict(int)
+    a_by_op = defaultdict(list)
+    for ci, got in enumerate(outs_a):
+        if got:
+            a_by_op[trail_a.calls[ci].op].append(ci)
+    steps = []
+    found = None
+    for ci, got in enumerate(outs_b):
+        if not got:
+            continue
+        call = trail_b.calls[ci]
+        r = rank[call.op]
+        rank[call.op] += 1
+        bad = [g for g in got if _key(g[2]) not in seen]
+        steps.append({"op": call.op, "args": _describe_args(call), "equal": not bad})
+        if bad and found is None:
+            k, where_b, value_b, rows_b = bad[0]
+            a_ci = a_by_op[call.op][r] if r < len(a_by_op[call.op]) else None
+            found = {"b_call": ci, "b_where": where_b, "b_rows": rows_b, "a_call": None, "a_where": None,
+                     "a_rows": 0, "a_value": None, "op": call.op, "b_args": _describe_args(call)}
+            if a_ci is not None:
+                match = [g for g in outs_a[a_ci] if g[0] == k]
+                if match and not rows_equal((match[0][2].to(torch.float64) if match[0][2].is_floating_point()
+                                             else match[0][2],),
+                                            (value_b.to(torch.float64) if value_b.is_floating_point() else value_b,)):
+                    found.update(a_call=a_ci, a_where=match[0][1], a_rows=match[0][3],
+                                 a_args=_describe_args(trail_a.calls[a_ci]))
+            if found["a_call"] is None and ins_b[ci]:
+                found["a_value"] = ins_b[ci][0].clone()  # side A has no such step: its value is the input
+    return {"found": found, "steps": steps,
+            "a_ops": [c.op for c in trail_a.calls if not c.func.is_view],
+            "b_ops": [c.op for c in trail_b.calls if not c.func.is_view]}
+
+
+# -- the locator ------------------------------------------------------------------------------------------
+def _short(name: str) -> str:
+    return name.replace("model.layers.", "L").replace("model.", "")
+
+
+def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expected: dict | None = None,
+           emit_repro: bool = True) -> dict:
+    """Run the whole loop for one compared sequence, through response position `upto`. Writes the report."""
+    from tic.harness import repro as repro_mod
+
+    t0 = time.perf_counter()
+    runner = side_a.runner
+    stages = runner.stages()
+    layer_set = set(n for n in stages if ".layers." in n)
+    names = set(stages)
+    for s in layer_set:
+        names |= set(runner.descendants(s))
+    cap_a = side_a.run(CaptureSpec(outputs=set(names), inputs=set(names)))
+    cap_b = side_b.run(CaptureSpec(outputs=set(names)))
+    forwards = cap_a.forwards + cap_b.forwards
+    out = {"gate": gate, "side_a": side_a.label, "side_b": side_b.label, "compared_through_response_position": upto}
+    lp_a, lp_b = cap_a.logprobs.get(upto), cap_b.logprobs.get(upto)
+    out["logprob_a"] = None if lp_a is None else float(lp_a)
+    out["logprob_b"] = None if lp_b is None else float(lp_b)
+    logprobs_differ = lp_a is not None and lp_b is not None and not rows_equal((lp_a,), (lp_b,))
+    if expected:  # the rerun must give the very bits the gate measured, or the localisation is of something else
+        out["reproduced_gate_values"] = (out["logprob_a"] == expected.get("a") and out["logprob_b"] == expected.get("b"))
+    table = []
+    first = None
+    for s in stages:
+        c = compare_rows(cap_a.outputs.get(s, {}), cap_b.outputs.get(s, {}))
+        row = {"stage": s, **c, "first_divergent": False}
+        if first is None and not c["equal"] and c["positions"]:
+            first = s
+            row["first_divergent"] = True
+        table.append(row)
+    out["layers"] = table
+    out["first_divergent_layer"] = first
+    culprit, descent, trail_info, repro_info = None, [], None, None
+    if first is None:
+        out["status"] = "divergence after the head: log-softmax" if logprobs_differ else "no divergence"
+        out["culprit_module"] = "log_softmax" if logprobs_differ else None
+        out["first_operator"] = None
+    else:
+        # One replay per level: feeding a parent and its children at once would hide the parent's own
+        # arithmetic (e.g. attention between q_proj and o_proj), while siblings cannot mask each other.
+        iso: dict[str, dict] = {}
+
+        def replay(level: list[str]) -> None:
+            nonlocal forwards
+            spec = CaptureSpec(outputs=set(level), replace={n: cap_a.inputs[n] for n in level if n in cap_a.inputs})
+            cap_r = side_b.run(spec)
+            forwards += cap_r.forwards
+            for n in level:
+                iso[n] = compare_rows(cap_a.outputs.get(n, {}), cap_r.outputs.get(n, {}))
+
+        diverges = lambda n: iso[n]["positions"] > 0 and not iso[n]["equal"]  # noqa: E731
+        replay([first])
+        if not diverges(first):
+            out["status"] = (f"upstream: {first} agrees when fed side A's hidden states, so the difference comes "
+                             "from its other inputs (positions, mask, cache)")
+            out["culprit_module"] = None
+            out["first_operator"] = None
+        else:
+            node = first
+            descent.append({"module": first, "diverges_on_identical_inputs": True, "siblings": []})
+            while True:
+                kids = [c for c in cap_a.order if c in set(runner.children(node)) and cap_a.outputs.get(c)]
+                if kids:
+                    replay(kids)
+                checked = [{"module": c, "diverges": diverges(c), "max_ulp": iso[c]["max_ulp"]} for c in kids]
+                nxt = next((c for c in kids if diverges(c)), None)
+                descent[-1]["siblings"] = checked
+                if nxt is None:
+                    break
+                node = nxt
+                descent.append({"module": node, "diverges_on_identical_inputs": True, "siblings": []})
+            culprit = node
+            out["culprit_module"] = culprit
+            pos = iso[culprit]["first_position"]
+            out["traced_position"] = pos
+            repl = {culprit: cap_a.inputs[culprit]} if culprit in cap_a.inputs else {}
+            ta = side_a.run(CaptureSpec(trail_module=culprit, trail_position=pos))
+            tb = side_b.run(CaptureSpec(replace=repl, trail_module=culprit, trail_position=pos))
+            forwards += ta.forwards + tb.forwards
+            trail_info = first_operator(ta.trail, tb.trail) if ta.trail and tb.trail else None
+            found = trail_info and trail_info["found"]
+            out["first_operator"] = found["op"] if found else None
+            out["operator_args"] = {"a": found.get("a_args"), "b": found["b_args"]} if found else None
+            out["status"] = "localized" if found else "localized to a module; operator not resolved"
+            if found and emit_repro:
+                a_side = None if found["a_call"] is None else repro_mod.OpSide(
+                    ta.trail.calls[found["a_call"]], found["a_where"], found["a_rows"])
+                b_side = repro_mod.OpSide(tb.trail.calls[found["b_call"]], found["b_where"], found["b_rows"])
+                if a_side is not None or found["a_value"] is not None:
+                    headline = f"{found['op']} in {culprit} differs between the two sides on identical inputs"
+                    repro_info = repro_mod.emit(out_dir, gate, a_side, b_side, found["a_value"],
+                                                side_a.label, side_b.label, headline)
+    out["module_trail"] = descent
+    out["operator_trail"] = trail_info["steps"][:80] if trail_info else []
+    out["operators_a"] = trail_info["a_ops"][:80] if trail_info else []
+    out["operators_b"] = trail_info["b_ops"][:80] if trail_info else []
+    out["repro"] = repro_info["script"] if repro_info else None
+    out["repro_check"] = {k: v for k, v in repro_info.items() if k != "script"} if repro_info else None
+    out["forward_passes"] = forwards
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out["chart"] = write_chart(out_dir / "divergence.png", table, gate)
+    out["report"] = str(out_dir / "report.md")
+    atomic_write_text(out_dir / "locate.json", json.dumps(out, indent=2, default=str))
+    atomic_write_text(Path(out["report"]), render_report(out))
+    return out
+
+
+def write_chart(path: Path, table: list[dict], gate: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import io
+
+    import matplotlib.pyplot as plt
+
+    labels = [_short(r["stage"]) for r in table]
+    vals = [r["max_ulp"] for r in table]
+    colors = ["#c0392b" if r["first_divergent"] else ("#e67e22" if not r["equal"] else "#27ae60") for r in table]
+    fig, ax = plt.subplots(figsize=(max(5, 0.6 * len(labels) + 2), 3.2))
+    ax.bar(range(len(labels)), [max(v, 0) for v in vals], color=colors)
+    ax.set_yscale("symlog", linthresh=1)
+    ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
+    ax.set_ylabel("max ulp distance")
+    ax.set_title(f"{gate}: per-stage divergence (red = first divergent, green = bitwise equal)", fontsize=9)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+    return str(path)
+
+
+def render_report(out: dict) -> str:
+    from jinja2 import Environment, FileSystemLoader, StrictUndefined
+
+    env = Environment(loader=FileSystemLoader(str(TEMPLATES)), undefined=StrictUndefined, keep_trailing_newline=True)
+    return env.get_template("report.md.j2").render(r=out, short=_short, Path=Path)
+
+
+# -- gate recipes -----------------------------------------------------------------------------------------
+def _expected(fm: dict, a: str, b: str) -> dict:
+    return {"a": fm.get(a), "b": fm.get(b)}
+
+
+def sides_for_gate(ctx, gate_id: str, measured: dict) -> tuple[Side, Side, int, dict | None]:
+    fm = (measured or {}).get("metrics", {}).get("first_mismatch")
+    if not fm:
+        raise TicInputError(f"{gate_id} reports no first mismatch: nothing to localise")
+    sp = ctx.sampling
+    if gate_id in ("C4", "C5"):
+        eng = ctx.live_rollout_engine(f"locating {gate_id}")
+        samples = ctx.rollout_samples()
+        s, j = fm["sequence"], fm["position"]
+        ra = runner_for(eng, sp.temperature)
+        side_a = Side(f"rollout decode ({eng.name}, KV cache, one token per step)", ra,
+                      lambda spec: ra.decode(samples, s, j, spec))
+        other = eng if gate_id == "C4" else ctx.train_engine()
+        if other.dumped_samples() is not None:
+            raise TicInputError(f"locating {gate_id} needs a live train engine, not a dump")
+        rb = ra if other is eng else runner_for(other, sp.temperature)
+        what = "rollout prefill scoring" if gate_id == "C4" else "train recompute"
+        side_b = Side(f"{what} ({other.name}, teacher-forced forward)", rb, lambda spec: rb.score(samples, s, spec))
+        return side_a, side_b, j, _expected(fm, "rollout", "train")
+    if gate_id == "C3":
+        eng = ctx.live_rollout_engine("locating C3")
+        prompts, p, size, at, j = ctx.prompts, fm["probe"], fm["batch_size"], fm["index_in_batch"], fm["position"]
+        alone = eng.generate_together([prompts[p]], sp, [p])
+        others = [i for i in range(len(prompts)) if i != p]  # the batch exactly as gates/c3.py builds it
+        mates = [others[k % len(others)] for k in range(size - 1)] if others else [p] * (size - 1)
+        bp = [prompts[i] for i in mates]
+        bids = [len(prompts) + 1000 * (k + 1) + i for k, i in enumerate(mates)]
+        bp.insert(at, prompts[p])
+        bids.insert(at, p)
+        batch = eng.generate_together(bp, sp, bids)
+        batch[at] = alone[0]  # identical tokens up to the compared position; the probe is teacher-forced
+        r = runner_for(eng, sp.temperature)
+        side_a = Side("probe decoded alone (batch of 1)", r, lambda spec: r.decode(alone, 0, j, spec, together=True))
+        side_b = Side(f"probe decoded in a batch of {size} at index {at}", r,
+                      lambda spec: r.decode(batch, at, j, spec, together=True))
+        return side_a, side_b, j, _expected(fm, "alone", "batched")
+    raise TicInputError(f"no locator recipe for gate {gate_id} (C3, C4, C5)")
+
+
+def locate_for_gate(ctx, gate_id: str, measured: dict) -> dict:
+    """What the runner calls when C3/C4/C5 fail: localise the gate's first mismatch, return the findings."""
+    side_a, side_b, upto, expected = sides_for_gate(ctx, gate_id, measured)
+    out_dir = ctx.artifacts(gate_id) / "locate"
+    found = locate(side_a, side_b, out_dir, gate_id, upto, expected)
+    keep = ("status", "first_divergent_layer", "culprit_module", "first_operator", "operator_args",
+            "traced_position", "reproduced_gate_values", "forward_passes", "seconds", "report", "repro", "chart",
+            "repro_check")
+    res = {k: found.get(k) for k in keep}
+    res["layers"] = [{k: r[k] for k in ("stage", "equal", "differing_positions", "max_ulp", "first_divergent")}
+                     for r in found["layers"]]
+    res["module_trail"] = [d["module"] for d in found["module_trail"]]
+    return res
