@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -67,12 +65,9 @@ def _plant_scales(model_dir: Path) -> None:
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
     """family -> (full model dir, auto cut dir, cut record)."""
-    import os
-
     from tic.harness.modelgen import generate_model
 
     root = tmp_path_factory.mktemp("cut")
-    os.environ.setdefault("TIC_CACHE", str(root / "cache"))
     out = {}
     for fam, cfg in CONFIGS.items():
         src = root / "src" / fam
@@ -187,7 +182,8 @@ def test_planted_stale_layer_config_fails_c2(models, fam, tmp_path):
     src_cfg = json.loads((full / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps(_stale(cfg, src_cfg, rec["layers"])))
     r = check_cut(full, bad)
-    assert r["problems"], "a stale per-layer config must fail C2"
+    assert any(k in p for p in r["problems"] for k in ("differs from source", "cut config declares",
+                                                        "built differently", "missing weights")), r["problems"]
 
 
 # --- what moves with the layers ---------------------------------------------------------------------------
@@ -254,18 +250,13 @@ def test_rewrite_config_refuses_unreachable_moe_rule():
 
 
 # --- CLI and gate ------------------------------------------------------------------------------------------
-def _tic(*args, cwd=None):
-    exe = Path(sys.executable).with_name("tic")
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, cwd=cwd)
-
-
-def test_cli_cut_explains_and_bad_layers_exit_2(models, tmp_path):
+def test_cli_cut_explains_and_bad_layers_exit_2(models, tmp_path, tic):
     full, _, _ = models["qwen3"]
-    ok = _tic("cut", str(full), str(tmp_path / "c"), "--layers", "2,3,4,5")
-    assert ok.returncode == 0, ok.stderr
-    assert "layer 3:" in ok.stdout and "wrote" in ok.stdout
-    bad = _tic("cut", str(full), str(tmp_path / "d"), "--layers", "2,99")
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "out of range" in bad.stderr
+    code, out, err = tic("cut", str(full), str(tmp_path / "c"), "--layers", "2,3,4,5")
+    assert code == 0, err
+    assert "layer 3:" in out and "wrote" in out
+    code, out, err = tic("cut", str(full), str(tmp_path / "d"), "--layers", "2,99")
+    assert code == 2 and err.count("\n") == 1 and "out of range" in err
     assert not (tmp_path / "d").exists()
 
 
@@ -278,18 +269,18 @@ def _yaml(tmp_path: Path, full: Path, cut_out: Path | None) -> Path:
     return y
 
 
-def test_gate_c2_passes_through_cli(models, tmp_path):
+def test_gate_c2_passes_through_cli(models, tmp_path, tic):
     full, _, _ = models["qwen3_moe"]
-    res = _tic("gate", "C2", "-c", str(_yaml(tmp_path, full, None)), "--json")
-    assert res.returncode == 0, res.stdout + res.stderr
+    code, out, err = tic("gate", "C2", "-c", str(_yaml(tmp_path, full, None)), "--json")
+    assert code == 0, out + err
     assert (tmp_path / ".tic" / "artifacts" / "C2" / "cut" / "cut.json").is_file()
 
 
-def test_gate_c2_fails_through_cli_on_broken_cut(models, tmp_path):
+def test_gate_c2_fails_through_cli_on_broken_cut(models, tmp_path, tic):
     full, cut, _ = models["qwen3_moe"]
     bad = _copy_cut(cut, tmp_path)
     _edit_tensors(bad, lambda sd: {k: v for k, v in sd.items() if "layers.2.mlp" not in k})
-    res = _tic("gate", "C2", "-c", str(_yaml(tmp_path, full, bad)), "--json")
-    assert res.returncode == 1, res.stdout + res.stderr
+    code, out, err = tic("gate", "C2", "-c", str(_yaml(tmp_path, full, bad)), "--json")
+    assert code == 1, out + err
     rec = json.loads((tmp_path / ".tic" / "results" / "C2.json").read_text())
     assert rec["verdict"] == "fail" and "missing" in rec["reason"], rec["reason"]
