@@ -324,7 +324,8 @@ def _shard_plan(items: list[tuple[str, dict]], max_shard: int) -> list[list[tupl
     return shards
 
 
-def write_shards(out_dir: Path, renamed: list[tuple[str, dict]], max_shard: int) -> tuple[dict, int]:
+def write_shards(out_dir: Path, renamed: list[tuple[str, dict]], max_shard: int,
+                 fsync: bool = True) -> tuple[dict, int]:
     """Write (cut name, source location) tensors as safetensors shards + index; returns (weight_map, bytes)."""
     shards = _shard_plan(renamed, max_shard)
     weight_map, total, fds = {}, 0, {}
@@ -348,7 +349,8 @@ def write_shards(out_dir: Path, renamed: list[tuple[str, dict]], max_shard: int)
                         fds[src] = os.open(src, os.O_RDONLY)
                     _copy_range(fds[src], f.fileno(), loc["start"], loc["end"] - loc["start"])
                     weight_map[name] = fname
-                os.fsync(f.fileno())
+                if fsync:
+                    os.fsync(f.fileno())
             total += off
     finally:
         for fd in fds.values():
@@ -379,8 +381,9 @@ def plan_for(model_dir: Path, cfg: dict, layers=None, max_layers: int = 6, min_l
 
 
 def cut_model(model_dir: Path, out_dir: Path, layers=None, max_layers: int = 6, min_layers: int = 4,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD) -> dict:
-    """Cut model_dir into out_dir (written beside it, then renamed into place); returns the cut record."""
+              max_shard_bytes: int = DEFAULT_MAX_SHARD, fsync: bool = True) -> dict:
+    """Cut model_dir into out_dir (written beside it, then renamed into place); returns the cut record.
+    fsync=False leaves shards in the page cache (faster; not crash-safe until the OS writes them back)."""
     t0 = time.perf_counter()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     cfg = _read_config(model_dir)
@@ -405,7 +408,7 @@ def cut_model(model_dir: Path, out_dir: Path, layers=None, max_layers: int = 6, 
         for p in model_dir.iterdir():  # tokenizer, generation config, ...: carried as they are
             if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX, "config.json", CUT_RECORD):
                 shutil.copy2(p, tmp / p.name)
-        _, kept_bytes = write_shards(tmp, renamed, max_shard_bytes)
+        _, kept_bytes = write_shards(tmp, renamed, max_shard_bytes, fsync)
         (tmp / "config.json").write_text(json.dumps(new_cfg, indent=2))
         record = {
             "source": str(model_dir.resolve()), "model_type": cfg.get("model_type"), "source_layers": n,

@@ -1,0 +1,165 @@
+"""Benchmark `tic cut` on a multi-GB generated checkpoint: peak RSS and throughput.
+
+The checkpoint is written tensor by tensor from a reused random block (never the whole model in memory). The cut
+runs in a child process so its peak RSS (ru_maxrss) is its own. Baseline: reading exactly the kept byte ranges
+from the same shards with the same page-cache state. Targets (issue 3): peak RSS < 2 x largest tensor; cut time
+within 80 % of the read time (read_s / cut_s >= 0.8).
+
+    .venv/bin/python benchmarks/bench_cut.py [--gib 2.5] [--dir /tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HIDDEN, INTER, VOCAB, SHARD_LAYERS = 2048, 5632, 8192, 4
+
+
+def write_checkpoint(d: Path, n_layers: int) -> int:
+    """Llama-shaped float32 checkpoint in shards of SHARD_LAYERS layers; returns the largest tensor's bytes."""
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": HIDDEN,
+           "intermediate_size": INTER, "num_hidden_layers": n_layers, "num_attention_heads": 16,
+           "num_key_value_heads": 16, "vocab_size": VOCAB, "dtype": "float32", "tie_word_embeddings": False}
+    (d / "config.json").write_text(json.dumps(cfg))
+    per_layer = [("self_attn.q_proj.weight", [HIDDEN, HIDDEN]), ("self_attn.k_proj.weight", [HIDDEN, HIDDEN]),
+                 ("self_attn.v_proj.weight", [HIDDEN, HIDDEN]), ("self_attn.o_proj.weight", [HIDDEN, HIDDEN]),
+                 ("mlp.gate_proj.weight", [INTER, HIDDEN]), ("mlp.up_proj.weight", [INTER, HIDDEN]),
+                 ("mlp.down_proj.weight", [HIDDEN, INTER]), ("input_layernorm.weight", [HIDDEN]),
+                 ("post_attention_layernorm.weight", [HIDDEN])]
+    groups = [[("model.embed_tokens.weight", [VOCAB, HIDDEN])]]
+    for s in range(0, n_layers, SHARD_LAYERS):
+        groups.append([(f"model.layers.{i}.{n}", sh) for i in range(s, min(s + SHARD_LAYERS, n_layers))
+                       for n, sh in per_layer])
+    groups[-1] += [("model.norm.weight", [HIDDEN]), ("lm_head.weight", [VOCAB, HIDDEN])]
+    block = os.urandom(16 << 20)
+    weight_map, largest = {}, 0
+    for k, group in enumerate(groups, 1):
+        fname = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+        header, off = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape in group:
+            nbytes = 4 * (shape[0] * (shape[1] if len(shape) > 1 else 1))
+            header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [off, off + nbytes]}
+            off += nbytes
+            largest = max(largest, nbytes)
+            weight_map[name] = fname
+        hb = json.dumps(header).encode()
+        hb += b" " * (-len(hb) % 8)
+        with (d / fname).open("wb") as f:
+            f.write(len(hb).to_bytes(8, "little") + hb)
+            left = off
+            while left:  # the same random block again and again: the cut cannot tell, and RAM stays small
+                step = min(left, len(block))
+                f.write(memoryview(block)[:step])
+                left -= step
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return largest
+
+
+CHILD = """
+import json, resource, sys, time
+from pathlib import Path
+from tic.harness.cut import cut_model
+t = time.perf_counter()
+rec = cut_model(Path(sys.argv[1]), Path(sys.argv[2]), layers=sys.argv[3], fsync=sys.argv[4] == "1")
+print(json.dumps({"cut_s": time.perf_counter() - t, "layers": rec["layers"], "bytes_kept": rec["bytes_kept"],
+                  "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def read_kept(model_dir: Path, cut_dir: Path) -> float:
+    """Seconds to read the kept tensors' byte ranges from the source shards (1 MiB-chunk readinto)."""
+    from tic.harness.inventory import tensor_locations
+
+    rec = json.loads((cut_dir / "cut.json").read_text())
+    kept = set(rec["layers"])
+    locs = tensor_locations(model_dir)
+    buf = bytearray(64 << 20)
+    t = time.perf_counter()
+    for name, loc in sorted(locs.items(), key=lambda kv: (str(kv[1]["path"]), kv[1]["start"])):
+        parts = name.split(".")
+        if "layers" in parts and int(parts[parts.index("layers") + 1]) not in kept:
+            continue
+        with open(loc["path"], "rb", buffering=0) as f:
+            f.seek(loc["start"])
+            left = loc["end"] - loc["start"]
+            while left:
+                k = f.readinto(memoryview(buf)[:min(left, len(buf))])
+                left -= k
+    return time.perf_counter() - t
+
+
+def drop_page_cache() -> bool:
+    """Cold-cache timing where allowed (root): both the baseline and the cut then read from the disk."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=2.5)
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    a = ap.parse_args()
+    per_layer_bytes = 4 * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTER + 2 * HIDDEN)
+    n_layers = max(8, int((a.gib * (1 << 30) - 2 * 4 * VOCAB * HIDDEN) // per_layer_bytes))
+    root = Path(tempfile.mkdtemp(prefix="tic-bench-cut-", dir=a.dir))
+    try:
+        src, out = root / "full", root / "cut"
+        src.mkdir()
+        t = time.perf_counter()
+        largest = write_checkpoint(src, n_layers)
+        gen_s = time.perf_counter() - t
+        total = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+        env = dict(os.environ)
+        # warm-up cut (page cache in the same state for both measurements), then the measured cut
+        subprocess.run([sys.executable, "-c", CHILD, str(src), str(root / "warm"), "auto", "1"], check=True,
+                       capture_output=True, env=env)
+        cold = drop_page_cache()
+        read_s = read_kept(src, root / "warm")
+        drop_page_cache()
+        r = subprocess.run([sys.executable, "-c", CHILD, str(src), str(out), "auto", "1"], check=True,
+                           capture_output=True, text=True, env=env)
+        m = json.loads(r.stdout.strip().splitlines()[-1])
+        drop_page_cache()
+        r = subprocess.run([sys.executable, "-c", CHILD, str(src), str(root / "nosync"), "auto", "0"], check=True,
+                           capture_output=True, text=True, env=env)
+        m0 = json.loads(r.stdout.strip().splitlines()[-1])
+        rss = m["maxrss_kib"] * 1024
+        rows = [
+            ("checkpoint", f"{total / 2**30:.2f} GiB, {n_layers} layers (written in {gen_s:.1f} s)"),
+            ("kept layers", f"{m['layers']}"),
+            ("bytes kept", f"{m['bytes_kept'] / 2**20:.0f} MiB"),
+            ("largest tensor", f"{largest / 2**20:.1f} MiB"),
+            ("peak RSS of cut", f"{rss / 2**20:.1f} MiB  ({rss / largest:.2f} x largest tensor; target < 2)"),
+            ("page cache", "dropped before each timing (cold reads)" if cold else "warm (no root to drop it)"),
+            ("time: read kept bytes", f"{read_s:.2f} s  ({m['bytes_kept'] / read_s / 2**20:.0f} MiB/s)"),
+            ("time: tic cut", f"{m['cut_s']:.2f} s  ({m['bytes_kept'] / m['cut_s'] / 2**20:.0f} MiB/s)"),
+            ("read_s / cut_s", f"{read_s / m['cut_s']:.2f}  (target >= 0.80)"),
+            ("time: tic cut, no fsync", f"{m0['cut_s']:.2f} s  (read_s / cut_s = {read_s / m0['cut_s']:.2f}; "
+                                         "shards left in page cache)"),
+        ]
+        w = max(len(k) for k, _ in rows)
+        print("| " + "what".ljust(w) + " | value |\n|" + "-" * (w + 2) + "|-------|")
+        for k, v in rows:
+            print(f"| {k.ljust(w)} | {v} |")
+        ok = rss < 2 * largest and read_s / m["cut_s"] >= 0.8
+        print(f"\nRSS target {'met' if rss < 2 * largest else 'MISSED'}; "
+              f"time target {'met' if read_s / m['cut_s'] >= 0.8 else 'MISSED'}")
+        sys.exit(0 if ok else 1)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
