@@ -79,6 +79,14 @@ def _row_of(x, B: int, T: int, f: int):
     return None
 
 
+def _is_view(call) -> bool:
+    """A pure view (slice, reshape, transpose): no arithmetic. `to` is declared aliasing but may convert."""
+    if not call.func.is_view:
+        return False
+    src = next((a for a in call.args if isinstance(a, torch.Tensor)), None)
+    return src is None or all(o.dtype == src.dtype for o in call.outputs)
+
+
 def trail_rows(trail: Trail) -> tuple[list[list[tuple]], list[list[torch.Tensor]]]:
     """Per op call: the traced token's output values [(output k, where, value, rows)], and its input values.
 
@@ -91,7 +99,7 @@ def trail_rows(trail: Trail) -> tuple[list[list[tuple]], list[list[torch.Tensor]
     single = defaultdict(list)
     for ci, call in enumerate(trail.calls):
         got, got_in = [], []
-        if not call.func.is_view:
+        if not _is_view(call):
             for k, o in enumerate(call.outputs):
                 r = _row_of(o, B, T, f)
                 if r is not None:
@@ -170,8 +178,8 @@ def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
             if found["a_call"] is None and ins_b[ci]:
                 found["a_value"] = ins_b[ci][0].clone()  # side A has no such step: its value is the input
     return {"found": found, "steps": steps,
-            "a_ops": [c.op for c in trail_a.calls if not c.func.is_view],
-            "b_ops": [c.op for c in trail_b.calls if not c.func.is_view]}
+            "a_ops": [c.op for c in trail_a.calls if not _is_view(c)],
+            "b_ops": [c.op for c in trail_b.calls if not _is_view(c)]}
 
 
 # -- the locator ------------------------------------------------------------------------------------------

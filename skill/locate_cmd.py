@@ -1,0 +1,66 @@
+"""`tic locate`: run a consistency gate, and if it differs, localise its first mismatch (layer, module,
+operator) and emit a verified minimal repro. The gate's record is not rewritten; `tic gate`/`tic ladder` do
+that and link the same report when locate.enabled is on."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from tic.skill.errors import TicInputError
+
+LOCATABLE = ("C3", "C4", "C5")
+
+
+@click.command("locate", epilog="""\b
+Exit codes:
+  0  the gate shows no divergence
+  1  a divergence was found and localised (see the report)
+  2  usage error or bad input
+  3  internal error""")
+@click.option("-c", "--config", "config_path", default="tic.yaml", show_default=True,
+              type=click.Path(dir_okay=False, path_type=Path), help="tic.yaml to use")
+@click.option("--gate", "gate_id", default="C5", show_default=True, help="which comparison to localise: C3, C4 or C5")
+@click.option("--json", "as_json", is_flag=True, help="print the findings as JSON on stdout")
+def command(config_path, gate_id, as_json):
+    """Find the first divergent layer and operator of a failing C3/C4/C5 and write a minimal repro."""
+    from tic.gates import get
+    from tic.harness.locate import locate_for_gate
+    from tic.skill import report
+    from tic.skill.config import load_config
+    from tic.skill.context import GateContext
+
+    gate_id = gate_id.upper()
+    if gate_id not in LOCATABLE:
+        raise TicInputError(f"--gate {gate_id}: the locator covers C3, C4 or C5")
+    gate = get(gate_id)
+    ctx = GateContext(load_config(config_path))
+    con = report.console()
+    with con.status(f"measuring {gate_id} ..."):
+        measured = gate.measure(ctx)
+        verdict = gate.judge(measured)
+    if verdict.verdict == "pass":
+        con.print(f"{gate_id} passes ({verdict.key_figure}): no divergence to localise")
+        if as_json:
+            report.print_json({"gate": gate_id, "status": "no divergence"})
+        sys.exit(0)
+    with con.status(f"localising {gate_id}: {verdict.reason} ..."):
+        found = locate_for_gate(ctx, gate_id, measured)
+    con.print(f"{gate_id}: {verdict.reason}")
+    for row in found["layers"]:
+        mark = "  <- first divergent" if row["first_divergent"] else ""
+        con.print(f"  {row['stage']:<40} {'equal' if row['equal'] else 'differs':<8} max {row['max_ulp']} ulp{mark}")
+    con.print(f"status:    {found['status']}")
+    con.print(f"module:    {' > '.join(found['module_trail']) or '-'}")
+    con.print(f"operator:  {found['first_operator'] or '-'}")
+    check = found.get("repro_check") or {}
+    con.print(f"repro:     {found['repro'] or 'not emitted'}"
+              + (f" (rows A {check.get('rows_a')}, B {check.get('rows_b')}; fresh run: {check.get('output')})"
+                 if found["repro"] else ""))
+    con.print(f"report:    {found['report']}\nchart:     {found['chart']}")
+    con.print(f"cost:      {found['forward_passes']} forward passes, {found['seconds']} s")
+    if as_json:
+        report.print_json({"gate": gate_id, **found})
+    sys.exit(1 if found["first_divergent_layer"] or found["culprit_module"] else 0)

@@ -1,0 +1,170 @@
+"""The locator: planted divergences on one side are found at exactly the planted layer, module and operator,
+with a repro that reproduces in a fresh process; a control with nothing planted reports no divergence; and
+the embedded default's real C4/C5 failures are localised through the runner."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tic.harness.capture import HFCaptureRunner
+from tic.harness.engines.base import Sampling
+from tic.harness.engines.hf import HFEngine
+from tic.harness.kernels.consistent_cpu import rowwise
+from tic.harness.locate import Side, locate
+from tic.skill.config import load_config
+from tic.skill.context import GateContext
+
+ROOT = Path(__file__).resolve().parent.parent
+DENSE = ROOT / "examples" / "tiny-qwen3"
+MOE = ROOT / "examples" / "tiny-qwen3-moe"
+
+
+def _engines(example: Path):
+    """Two consistent-kernel engines over private copies of one model (plants never leak into the cache)."""
+    ctx = GateContext(load_config(example / "tic-consistent.yaml"))
+    a = HFEngine(ctx.model_dir, "float32", kernels="consistent", batch_size=4, micro_batch_size=2)
+    b = HFEngine(ctx.model_dir, "float32", kernels="consistent", batch_size=4, micro_batch_size=2)
+    a.model = copy.deepcopy(a.model)
+    b.model = copy.deepcopy(a.model)
+    return a, b
+
+
+def _run(a: HFEngine, b: HFEngine, out: Path, upto: int = 2):
+    sp = Sampling(temperature=1.0, max_tokens=upto + 1, seed=0)
+    prompts = [[5, 17, 99, 3, 250, 31], [7, 8, 9], [400, 2, 77, 13, 14]]
+    samples = a.generate(prompts, sp, [0, 1, 2])
+    ra, rb = HFCaptureRunner(a), HFCaptureRunner(b)
+    side_a = Side("decode", ra, lambda spec: ra.decode(samples, 0, upto, spec))
+    side_b = Side("score", rb, lambda spec: rb.score(samples, 0, spec))
+    return locate(side_a, side_b, out, "plant", upto)
+
+
+def _check_repro(res: dict):
+    assert res["repro"] and res["repro_check"]["reproduces"], res.get("repro_check")
+    proc = subprocess.run([sys.executable, res["repro"]], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "ulp" in proc.stdout
+
+
+def plant_eps(model):
+    model.model.layers[2].post_attention_layernorm.variance_epsilon = 1e-5
+
+
+def plant_reduction_order(model):
+    down = model.model.layers[1].mlp.down_proj
+    h = down.weight.shape[1] // 2
+
+    def split_k(self, x):  # the same dot products, summed as two halves
+        w = self.weight
+        return rowwise(lambda r: F.linear(r[:, :h], w[:, :h]) + F.linear(r[:, h:], w[:, h:]), x)
+
+    down.forward = types.MethodType(split_k, down)
+
+
+def plant_bf16_intermediate(model):
+    act = model.model.layers[3].mlp.act_fn
+    inner = act.forward
+    act.forward = lambda x: inner(x).to(torch.bfloat16).to(x.dtype)
+
+
+PLANTS = [
+    (plant_eps, "model.layers.2", "model.layers.2.post_attention_layernorm", {"aten.add.Tensor"}),
+    (plant_reduction_order, "model.layers.1", "model.layers.1.mlp.down_proj",
+     {"aten.linear.default", "aten.mm.default", "aten.addmm.default"}),
+    (plant_bf16_intermediate, "model.layers.3", "model.layers.3.mlp.act_fn", {"aten.to.dtype", "aten._to_copy.default"}),
+]
+
+
+@pytest.mark.parametrize("plant,layer,module,ops", PLANTS, ids=[p[0].__name__ for p in PLANTS])
+def test_planted_divergence_is_localised(tmp_path, monkeypatch, plant, layer, module, ops):
+    monkeypatch.chdir(tmp_path)
+    a, b = _engines(DENSE)
+    plant(b.model)
+    res = _run(a, b, tmp_path / "out")
+    assert res["status"] == "localized", res["status"]
+    assert res["first_divergent_layer"] == layer
+    assert res["culprit_module"] == module
+    assert res["first_operator"] in ops
+    _check_repro(res)
+    assert Path(res["chart"]).read_bytes()[:4] == b"\x89PNG"
+    assert "first divergent" in Path(res["report"]).read_text()
+
+
+def test_planted_moe_tie_break(tmp_path, monkeypatch):
+    """Three experts tied in one router; side B breaks ties towards the higher index."""
+    monkeypatch.chdir(tmp_path)
+    a, b = _engines(MOE)
+    for m in (a.model, b.model):
+        w = m.model.layers[2].mlp.gate.weight
+        w[1:3] = w[0]
+        w[0:3] *= 8  # the tied experts win, so the tie decides which two are chosen
+    blk = b.model.model.layers[2].mlp
+    orig_topk = torch.topk
+
+    def topk_high_index_first(x, k, dim=-1, **kw):
+        v, i = orig_topk(x.flip(dim), k, dim=dim, **kw)
+        return v, x.shape[dim] - 1 - i
+
+    fwd = blk.forward
+
+    def planted(hidden):
+        torch.topk = topk_high_index_first
+        try:
+            return fwd(hidden)
+        finally:
+            torch.topk = orig_topk
+
+    blk.forward = planted
+    res = _run(a, b, tmp_path / "out", upto=1)
+    assert res["first_divergent_layer"] == "model.layers.2"
+    assert res["culprit_module"] == "model.layers.2.mlp"
+    assert res["first_operator"] in {"aten.flip.default", "aten.topk.default"}
+    _check_repro(res)
+
+
+def test_control_reports_no_divergence(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    a, b = _engines(DENSE)
+    res = _run(a, b, tmp_path / "out")
+    assert res["status"] == "no divergence"
+    assert res["first_divergent_layer"] is None and res["repro"] is None
+    assert all(r["equal"] for r in res["layers"])
+
+
+def test_embedded_default_c4_c5_localised(tmp_path, monkeypatch):
+    """Stock kernels: the ladder's C4/C5 failures carry a named layer, operator and a small working repro."""
+    monkeypatch.chdir(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "tic.skill.cli", "ladder", "-c", str(DENSE / "tic.yaml"),
+                           "--from", "C4", "--to", "C5", "--keep-going"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    for gate in ("C4", "C5"):
+        rec = json.loads((tmp_path / ".tic" / "results" / f"{gate}.json").read_text())
+        loc = rec["details"]["locate"]
+        assert loc["status"] == "localized", loc
+        assert loc["first_divergent_layer"].startswith("model.layers.")
+        assert loc["culprit_module"] and loc["first_operator"].startswith("aten.")
+        assert loc["reproduced_gate_values"] is True
+        assert loc["repro_check"]["reproduces"] and loc["repro_check"]["rows_b"] <= 8
+        assert any(e.endswith("repro.py") for e in rec["evidence"])
+        out = subprocess.run([sys.executable, loc["repro"]], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1
+
+
+def test_locate_command_bad_gate(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    from tic.skill.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["locate", "-c", str(DENSE / "tic.yaml"), "--gate", "C9"])
+    assert e.value.code == 2
+    assert "C3, C4 or C5" in capsys.readouterr().err
