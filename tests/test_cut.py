@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from tic.gates.c2 import check_cut  # noqa: E402
+from tic.harness.cut_check import check_cut  # noqa: E402
 from tic.harness.cut import choose_layers, cut_model, rewrite_config  # noqa: E402
 from tic.harness.families import layer_kinds  # noqa: E402
 from tic.harness.inventory import tensor_locations  # noqa: E402

@@ -1,0 +1,236 @@
+"""C2's checks on a cut: loads, covers the full model's operator classes, keeps each layer's tensors, and each
+kept layer computes bit for bit what its source layer computes on the same hidden states."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tic.harness.cut import CUT_RECORD, cut_model, layer_signatures
+from tic.harness.inventory import build_manifest, layer_tensors, tensor_table
+from tic.skill.errors import TicInputError
+
+FIDELITY_BATCH = 2
+FIDELITY_MIN_LEN = 24
+_SKIP_ATTRS = {"layer_idx", "training", "layer_id", "layer_number"}
+
+
+# --- loading ---------------------------------------------------------------------------------------------
+def load_hf(model_dir: Path):
+    """(model, loading problems) with transformers; an exception becomes a problem, not a crash."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto", output_loading_info=True)
+    except Exception as e:  # noqa: BLE001 - any loader error means "does not load"
+        return None, [f"does not load with transformers: {type(e).__name__}: {str(e).splitlines()[0][:300]}"]
+    model.eval()
+    model.requires_grad_(False)
+    torch.manual_seed(0)
+    return model, info
+
+
+def decoder_layers(model, n: int):
+    """The ModuleList of decoder layers: the one named '*layers' holding n blocks."""
+    import torch
+
+    for name, mod in model.named_modules():
+        if name.split(".")[-1] == "layers" and isinstance(mod, torch.nn.ModuleList) and len(mod) == n:
+            return mod
+    raise TicInputError(f"no decoder ModuleList 'layers' of length {n} in {type(model).__name__}")
+
+
+def _relative_keys(keys, n_layers_map=None) -> set[str]:
+    from tic.harness.inventory import LAYER_RE
+
+    out = set()
+    for k in keys:
+        m = LAYER_RE.search(k)
+        out.add(f"layers.*.{m.group(2)}" if m else k)
+    return out
+
+
+def module_signature(layer) -> list:
+    """Class names and scalar settings of a layer's modules (layer_idx left out): a layer built from a stale
+    config (e.g. full attention where the source slides a window) differs here even when outputs agree."""
+    sig = []
+    for name, mod in layer.named_modules():
+        attrs = {k: v for k, v in vars(mod).items() if not k.startswith("_") and k not in _SKIP_ATTRS
+                 and isinstance(v, (int, float, str, bool, type(None)))}
+        sig.append((name, type(mod).__name__, sorted(attrs.items(), key=lambda kv: kv[0])))
+    return sig
+
+
+# --- fidelity --------------------------------------------------------------------------------------------
+def _outputs(out):
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [o for o in out if isinstance(o, torch.Tensor)]
+    return [getattr(out, "last_hidden_state", out)]
+
+
+def layer_fidelity(full, cut, kept: list[int], n_full: int, vocab: int, seq_len: int) -> list[dict]:
+    """For each kept layer: the full model's layer input (args and kwargs as the model passed them) goes into
+    the cut's layer; both outputs must be bitwise equal (torch.equal)."""
+    import torch
+
+    full_layers, cut_layers = decoder_layers(full, n_full), decoder_layers(cut, len(kept))
+    captured: dict[int, dict] = {}
+    hooks = []
+    for i in kept:
+        def pre(mod, args, kwargs, i=i):
+            captured.setdefault(i, {})["in"] = (args, dict(kwargs))
+
+        def post(mod, args, kwargs, out, i=i):
+            captured[i]["out"] = [o.detach().clone() for o in _outputs(out)]
+        hooks.append(full_layers[i].register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(full_layers[i].register_forward_hook(post, with_kwargs=True))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (FIDELITY_BATCH, seq_len), generator=gen)
+    try:
+        with torch.no_grad():
+            full(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    rows = []
+    for j, i in enumerate(kept):
+        row = {"cut_layer": j, "source_layer": i}
+        if i not in captured or "out" not in captured[i]:
+            rows.append({**row, "equal": False, "why": "source layer was not reached by the forward"})
+            continue
+        args, kwargs = captured[i]["in"]
+        with torch.no_grad():
+            got = _outputs(cut_layers[j](*args, **kwargs))
+        want = captured[i]["out"]
+        same = len(got) == len(want) and all(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+                                             for a, b in zip(got, want))
+        if not same:
+            a, b = got[0], want[0]
+            diff = (a.float() - b.float()).abs().max().item() if a.shape == b.shape else None
+            row["why"] = f"max |diff| {diff}" if diff is not None else f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
+        rows.append({**row, "equal": same})
+    return rows
+
+
+# --- the check -------------------------------------------------------------------------------------------
+def check_cut(full_dir: Path, cut_dir: Path) -> dict:
+    """Every C2 measurement on a full model and its cut; problems is empty only when the cut is faithful."""
+    from tic.harness.modelgen import read_model_config
+
+    full_dir, cut_dir = Path(full_dir), Path(cut_dir)
+    full_cfg, cut_cfg = read_model_config(full_dir), read_model_config(cut_dir)
+    problems: list[str] = []
+    rec_path = cut_dir / CUT_RECORD
+    try:
+        rec = json.loads(rec_path.read_text())
+        kept = [int(i) for i in rec["layers"]]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return {"problems": [f"{rec_path}: missing or malformed cut record; the source of each layer is unknown"],
+                "layers": [], "fidelity": [], "full_classes": [], "missing_classes": []}
+    full_man, cut_man = build_manifest(full_dir, full_cfg), build_manifest(cut_dir, cut_cfg)
+    n_full = full_man["num_layers"]
+    if any(not 0 <= i < n_full for i in kept):
+        problems.append(f"cut record names layers {kept} but the full model has {n_full}")
+        kept = [i for i in kept if 0 <= i < n_full]
+    if cut_man["num_layers"] != len(kept):
+        problems.append(f"cut config declares {cut_man['num_layers']} layers, cut record keeps {len(kept)}")
+    # 1. operator-class coverage (C0 manifest of the cut vs the full model's)
+    missing = sorted(set(full_man["operator_classes"]) - set(cut_man["operator_classes"]))
+    if missing:
+        problems.append(f"cut manifest lacks operator classes of the full model: {', '.join(missing)}")
+    full_sigs, cut_sigs = layer_signatures(full_man), layer_signatures(cut_man)
+    full_tr = {(a, b) for a, b in zip(full_sigs, full_sigs[1:]) if a != b}
+    cut_tr = {(a, b) for a, b in zip(cut_sigs, cut_sigs[1:]) if a != b}
+    missing_tr = sorted(f"{a} -> {b}" for a, b in full_tr - cut_tr)
+    # 2. per-layer tensors, shapes, dtypes and kinds equal the source layer's
+    ft, ct = tensor_table(full_dir), tensor_table(cut_dir)
+    fl, cl = layer_tensors(ft), layer_tensors(ct)
+    for j, i in enumerate(kept):
+        src, got = fl.get(i, {}), cl.get(j, {})
+        for name in sorted(set(src) - set(got)):
+            problems.append(f"cut layer {j} (source {i}): tensor {name} missing")
+        for name in sorted(set(got) - set(src)):
+            problems.append(f"cut layer {j} (source {i}): extra tensor {name}")
+        for name in sorted(set(src) & set(got)):
+            a, b = src[name], got[name]
+            if (a["dtype"], a["shape"]) != (b["dtype"], b["shape"]):
+                problems.append(f"cut layer {j} (source {i}): {name} is {b['dtype']}{b['shape']}, source "
+                                f"{a['dtype']}{a['shape']}")
+        if j < len(cut_sigs) and full_sigs[i] != cut_sigs[j]:
+            problems.append(f"cut layer {j} (source {i}): kind [{cut_sigs[j]}] differs from source [{full_sigs[i]}]"
+                            " (stale per-layer config?)")
+    for name in sorted(set(full_man["non_layer_tensors"]) - set(cut_man["non_layer_tensors"])):
+        if not name.startswith(("mtp.", "model.mtp.")):
+            problems.append(f"non-layer tensor {name} missing from the cut")
+    for name in sorted(set(full_man["non_layer_tensors"]) & set(cut_man["non_layer_tensors"])):
+        if (ft[name]["dtype"], ft[name]["shape"]) != (ct[name]["dtype"], ct[name]["shape"]):
+            problems.append(f"non-layer tensor {name}: {ct[name]['dtype']}{ct[name]['shape']} vs source "
+                            f"{ft[name]['dtype']}{ft[name]['shape']}")
+    # 3. loads; 4. fidelity
+    full, finfo = load_hf(full_dir)
+    if full is None:
+        raise TicInputError(f"the full model {full_dir} " + finfo[0])
+    cut, cinfo = load_hf(cut_dir)
+    rows: list[dict] = []
+    if cut is None:
+        problems.append("cut " + cinfo[0])
+    else:
+        if cinfo["missing_keys"]:
+            problems.append(f"cut loads with missing weights (randomly initialised): {sorted(cinfo['missing_keys'])[:3]}")
+        if cinfo["mismatched_keys"]:
+            problems.append(f"cut loads with mismatched shapes: {sorted(cinfo['mismatched_keys'])[:3]}")
+        extra = _relative_keys(cinfo["unexpected_keys"]) - _relative_keys(finfo["unexpected_keys"])
+        if extra:
+            problems.append(f"cut has weights its model ignores: {sorted(extra)[:3]}")
+        if len(kept) and not problems_block_fidelity(problems):
+            fl_mods, cl_mods = decoder_layers(full, n_full), decoder_layers(cut, len(kept))
+            for j, i in enumerate(kept):
+                if module_signature(fl_mods[i]) != module_signature(cl_mods[j]):
+                    diff = next((f"{a[0] or 'layer'}: {a[1]} {dict(a[2])} vs {b[1]} {dict(b[2])}"
+                                 for a, b in zip(module_signature(cl_mods[j]), module_signature(fl_mods[i]))
+                                 if a != b), "module count differs")
+                    problems.append(f"cut layer {j} (source {i}) is built differently: {diff[:300]}")
+            vocab = full.config.get_text_config().vocab_size
+            window = getattr(full.config.get_text_config(), "sliding_window", None)
+            seq_len = max(FIDELITY_MIN_LEN, min(int(window) + 8, 512)) if isinstance(window, int) else FIDELITY_MIN_LEN
+            rows = layer_fidelity(full, cut, kept, n_full, vocab, seq_len)
+            for r in rows:
+                if not r["equal"]:
+                    problems.append(f"cut layer {r['cut_layer']} (source {r['source_layer']}) is not bitwise equal "
+                                    f"to its source on the same hidden states ({r['why']})")
+    return {"problems": problems, "layers": kept, "fidelity": rows, "full_classes": full_man["operator_classes"],
+            "missing_classes": missing, "missing_transitions": missing_tr, "full_layers": n_full,
+            "explanation": rec.get("explanation", []), "notes": rec.get("notes", [])}
+
+
+def problems_block_fidelity(problems: list[str]) -> bool:
+    """Fidelity needs each cut layer to be the right module; a layer-count mismatch makes that meaningless."""
+    return any(p.startswith("cut config declares") or p.startswith("cut record names") for p in problems)
+
+
+def cut_dir_for(ctx) -> Path:
+    """The cut under test: `cut.out` from tic.yaml, or .tic/artifacts/C2/cut; made when absent."""
+    section = getattr(ctx.cfg, "cut", None)
+    out = ctx.cfg.resolve(section.out) if section is not None and section.out else ctx.artifacts("C2") / "cut"
+    full = ctx.model_dir
+    rec = out / CUT_RECORD
+    if rec.is_file():
+        try:
+            src = json.loads(rec.read_text()).get("source")
+        except json.JSONDecodeError:
+            src = None
+        if src == str(Path(full).resolve()):
+            return out
+        if section is not None and section.out:
+            raise TicInputError(f"cut.out {out} was cut from {src}, not from the configured model {full}")
+    elif out.exists() and any(out.iterdir()):
+        return out  # a cut without record: checked, and failed for it
+    layers = section.layers if section is not None else "auto"
+    max_layers = section.max_layers if section is not None else 6
+    cut_model(full, out, layers=layers, max_layers=max_layers)
+    return out
