@@ -308,7 +308,9 @@ def write_chart(path: Path, table: list[dict], gate: str) -> str:
     vals = [r["max_ulp"] for r in table]
     colors = ["#c0392b" if r["first_divergent"] else ("#e67e22" if not r["equal"] else "#27ae60") for r in table]
     fig, ax = plt.subplots(figsize=(max(5, 0.6 * len(labels) + 2), 3.2))
-    ax.bar(range(len(labels)), [max(v, 0) for v in vals], color=colors)
+    # equal stages get a token bar so that "bitwise equal" is visible, not an empty slot
+    ax.bar(range(len(labels)), [v if v > 0 else (0.3 if r["equal"] else 0) for v, r in zip(vals, table)],
+           color=colors)
     ax.set_yscale("symlog", linthresh=1)
     ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
     ax.set_ylabel("max ulp distance")
@@ -372,9 +374,17 @@ def sides_for_gate(ctx, gate_id: str, measured: dict) -> tuple[Side, Side, int, 
     raise TicInputError(f"no locator recipe for gate {gate_id} (C3, C4, C5)")
 
 
-def locate_for_gate(ctx, gate_id: str, measured: dict) -> dict:
-    """What the runner calls when C3/C4/C5 fail: localise the gate's first mismatch, return the findings."""
-    side_a, side_b, upto, expected = sides_for_gate(ctx, gate_id, measured)
+def locate_for_gate(ctx, gate_id: str, measured: dict, strict: bool = False) -> dict:
+    """What the runner calls when C3/C4/C5 fail: localise the gate's first mismatch, return the findings.
+
+    When the comparison cannot be rerun (a dump, an engine without capture, no first mismatch) the gate's
+    verdict must still stand: the reason goes into the findings, unless `strict` (tic locate) asks to fail."""
+    try:
+        side_a, side_b, upto, expected = sides_for_gate(ctx, gate_id, measured)
+    except TicInputError as e:
+        if strict:
+            raise
+        return {"status": f"not localised: {e}"}
     out_dir = ctx.artifacts(gate_id) / "locate"
     found = locate(side_a, side_b, out_dir, gate_id, upto, expected)
     keep = ("status", "first_divergent_layer", "culprit_module", "first_operator", "operator_args",

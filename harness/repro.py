@@ -143,7 +143,8 @@ def emit(out_dir: Path, gate: str, a: OpSide | None, b: OpSide, a_value: torch.T
     env = Environment(loader=FileSystemLoader(str(TEMPLATES)), undefined=StrictUndefined, keep_trailing_newline=True)
     script = env.get_template("repro.py.j2").render(
         gate=gate, headline=headline, side_a=side_a, side_b=side_b, op=b.call.op, has_a=a is not None,
-        rows_a=rows_a, rows_b=rows_b, threads=torch.get_num_threads(), tensor_file=tensor_file)
+        rows_a=rows_a, rows_b=rows_b,
+        unit="tokens" if b.where["kind"] == "row" else "sequences of the batch", threads=torch.get_num_threads(), tensor_file=tensor_file)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / tensor_file, buf.getvalue())
     path = out_dir / "repro.py"

@@ -47,7 +47,7 @@ def command(config_path, gate_id, as_json):
             report.print_json({"gate": gate_id, "status": "no divergence"})
         sys.exit(0)
     with con.status(f"localising {gate_id}: {verdict.reason} ..."):
-        found = locate_for_gate(ctx, gate_id, measured)
+        found = locate_for_gate(ctx, gate_id, measured, strict=True)
     con.print(f"{gate_id}: {verdict.reason}")
     for row in found["layers"]:
         mark = "  <- first divergent" if row["first_divergent"] else ""
