@@ -131,7 +131,7 @@ def emit(out_dir: Path, gate: str, a: OpSide | None, b: OpSide, a_value: torch.T
     """Shrink, write repro.py + repro_tensors.pt, run it in a fresh process; report what happened."""
     from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-    out_dir = Path(out_dir).resolve()
+    out_dir = Path(out_dir)
     call_a, call_b, evals = shrink(a, b, a_value)
     data = {"op": b.call.op, "a_op": a.call.op if a else None, "a": call_a, "b": call_b,
             "a_value": None if a_value is None else a_value.clone()}
@@ -149,7 +149,8 @@ def emit(out_dir: Path, gate: str, a: OpSide | None, b: OpSide, a_value: torch.T
     atomic_write_bytes(out_dir / tensor_file, buf.getvalue())
     path = out_dir / "repro.py"
     atomic_write_text(path, script)
-    proc = subprocess.run([sys.executable, str(path)], cwd=out_dir, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(path.resolve())], cwd=out_dir.resolve(), capture_output=True,
+                          text=True, timeout=300)
     result = {"script": str(path), "tensors": str(out_dir / tensor_file), "exit_code": proc.returncode,
               "output": (proc.stdout + proc.stderr).strip()[-2000:], "rows_a": rows_a, "rows_b": rows_b,
               "shrink_evaluations": evals, "reproduces": proc.returncode == 1}
