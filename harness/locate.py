@@ -208,7 +208,8 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
     out["logprob_b"] = None if lp_b is None else float(lp_b)
     logprobs_differ = lp_a is not None and lp_b is not None and not rows_equal((lp_a,), (lp_b,))
     if expected:  # the rerun must give the very bits the gate measured, or the localisation is of something else
-        out["reproduced_gate_values"] = (out["logprob_a"] == expected.get("a") and out["logprob_b"] == expected.get("b"))
+        out["reproduced_gate_values"] = (out["logprob_a"] == expected.get("a")
+                                         and out["logprob_b"] == expected.get("b"))
     table = []
     first = None
     for s in stages:

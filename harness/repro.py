@@ -144,7 +144,8 @@ def emit(out_dir: Path, gate: str, a: OpSide | None, b: OpSide, a_value: torch.T
     script = env.get_template("repro.py.j2").render(
         gate=gate, headline=headline, side_a=side_a, side_b=side_b, op=b.call.op, has_a=a is not None,
         rows_a=rows_a, rows_b=rows_b,
-        unit="tokens" if b.where["kind"] == "row" else "sequences of the batch", threads=torch.get_num_threads(), tensor_file=tensor_file)
+        unit="tokens" if b.where["kind"] == "row" else "sequences of the batch",
+        threads=torch.get_num_threads(), tensor_file=tensor_file)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / tensor_file, buf.getvalue())
     path = out_dir / "repro.py"

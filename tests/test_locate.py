@@ -80,7 +80,8 @@ PLANTS = [
     (plant_eps, "model.layers.2", "model.layers.2.post_attention_layernorm", {"aten.add.Tensor"}),
     (plant_reduction_order, "model.layers.1", "model.layers.1.mlp.down_proj",
      {"aten.linear.default", "aten.mm.default", "aten.addmm.default"}),
-    (plant_bf16_intermediate, "model.layers.3", "model.layers.3.mlp.act_fn", {"aten.to.dtype", "aten._to_copy.default"}),
+    (plant_bf16_intermediate, "model.layers.3", "model.layers.3.mlp.act_fn",
+     {"aten.to.dtype", "aten._to_copy.default"}),
 ]
 
 
