@@ -17,8 +17,8 @@ from tic.skill.errors import TicInputError
 _MODELS: dict[tuple, torch.nn.Module] = {}
 
 
-def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa"):
-    key = (str(model_dir), dtype, kernels, attn)
+def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa", device: str = "cpu"):
+    key = (str(model_dir), dtype, kernels, attn, device)
     if key in _MODELS:
         return _MODELS[key]
     from transformers import AutoModelForCausalLM
@@ -29,6 +29,12 @@ def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", att
             model_dir, attn_implementation="eager" if kernels == "consistent" else attn, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         raise TicInputError(f"cannot load model from {model_dir}: {str(e).splitlines()[0]}") from None
+    if device != "cpu":
+        if kernels == "consistent":
+            raise TicInputError("kernels: consistent are CPU kernels; use device: cpu")
+        if not torch.cuda.is_available():
+            raise TicInputError(f"device {device!r} asked for but torch sees no CUDA GPU")
+        model.to(device)
     model.eval()
     model.requires_grad_(False)
     if kernels == "consistent":
@@ -57,10 +63,11 @@ class HFEngine(Engine):
 
     def __init__(self, model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa",
                  batch_size: int = 8, micro_batch_size: int = 4, padding_side: str = "right",
-                 packing: bool = False):
+                 packing: bool = False, device: str = "cpu"):
         self.model_dir = Path(model_dir)
         self.kernels = kernels
-        self.model = load_model(self.model_dir, dtype, kernels, attn)
+        self.device = torch.device(device)
+        self.model = load_model(self.model_dir, dtype, kernels, attn, device)
         self.batch_size = batch_size
         self.micro_batch_size = micro_batch_size
         self.padding_side = padding_side
@@ -70,7 +77,8 @@ class HFEngine(Engine):
     @classmethod
     def from_config(cls, side_cfg, model_dir: Path, dtype: str) -> "HFEngine":
         return cls(model_dir, dtype, side_cfg.kernels, side_cfg.attn_implementation, side_cfg.batch_size,
-                   side_cfg.micro_batch_size, side_cfg.padding_side, side_cfg.packing)
+                   side_cfg.micro_batch_size, side_cfg.padding_side, side_cfg.packing,
+                   getattr(side_cfg, "device", "cpu"))
 
     # -- numerics shared by both phases -------------------------------------------------------------
     def logprobs_of(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -115,6 +123,7 @@ class HFEngine(Engine):
         for b, p in enumerate(prompts):  # left padding: every request's next token sits in the last column
             ids[b, L - len(p):] = torch.tensor(p)
             mask[b, L - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         gens = [request_generator(sampling.seed, r) for r in request_ids]
         cache = DynamicCache(config=self.model.config)
@@ -124,16 +133,16 @@ class HFEngine(Engine):
         for _ in range(sampling.max_tokens):
             logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
                                 past_key_values=cache, use_cache=True).logits[:, -1]
-            lp = self.logprobs_of(logits, sampling.temperature)
+            lp = self.logprobs_of(logits, sampling.temperature).cpu()
             nxt = []
             for b in range(B):
                 tok = sample_token(lp[b], sampling.temperature, gens[b])
                 responses[b].append(tok)
                 lps[b].append(lp[b, tok])
                 nxt.append(tok)
-            step_ids = torch.tensor(nxt, dtype=torch.long)[:, None]
+            step_ids = torch.tensor(nxt, dtype=torch.long, device=self.device)[:, None]
             step_pos = step_pos[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long, device=self.device)], dim=1)
         return [Sample(list(p), responses[b], torch.stack(lps[b]).float(), id=request_ids[b],
                        meta={"engine": self.name, "kernels": self.kernels})
                 for b, p in enumerate(prompts)]
@@ -150,7 +159,7 @@ class HFEngine(Engine):
 
     def _gather(self, logits_rows: torch.Tensor, targets: list[int], sampling: Sampling) -> torch.Tensor:
         lp = self.logprobs_of(logits_rows, sampling.temperature)
-        return lp[torch.arange(len(targets)), torch.tensor(targets)].float()
+        return lp[torch.arange(len(targets)), torch.tensor(targets)].float().cpu()
 
     def _score_padded(self, chunk: list[Sample], sampling: Sampling) -> list[torch.Tensor]:
         seqs = [s.ids for s in chunk]
@@ -163,6 +172,7 @@ class HFEngine(Engine):
             ids[b, start:start + len(s)] = torch.tensor(s)
             mask[b, start:start + len(s)] = 1
             starts.append(start)
+        ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
         out = []
@@ -177,6 +187,7 @@ class HFEngine(Engine):
         seqs = [s.ids for s in chunk]
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None]
         pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+        ids, pos = ids.to(self.device), pos.to(self.device)
         logits = self.model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
         out, off = [], 0
         for s in chunk:

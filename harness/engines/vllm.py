@@ -1,0 +1,385 @@
+"""vLLM rollout engine (vLLM 0.26, V1 engine, in-process) for C3, C4, C5 and the locator.
+
+- Prompts are token ids (TokensPrompt); the tokenizer is skipped (skip_tokenizer_init, detokenize=False).
+- Rollout: SamplingParams(seed=per request, logprobs=0, ignore_eos=True); each sampled token's logprob is read
+  exactly as vLLM reports it (logprobs_mode raw_logprobs by default: log_softmax of the raw logits in float32).
+- Scoring (C4's prefill side): the whole sequence as one prompt with prompt_logprobs=0 and max_tokens=1.
+- generate_together submits all requests in one call, sized so that vLLM's scheduler runs them in one batch.
+- Capture (locator): forward hooks on the model inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0);
+  a vLLM decoder layer returns (hidden, residual) apart, the common per-layer output is hidden + residual.
+
+vLLM is imported only when an engine is built; the record conversions below need only torch, so the CPU
+tests exercise them on records saved from a real device run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tic.harness.engines.base import Engine, Sample, Sampling
+from tic.skill.errors import TicInputError
+
+# rollout.options understood by this engine, with their defaults.
+OPTIONS: dict[str, Any] = {
+    "enforce_eager": True,            # no torch.compile, no CUDA graphs (hooks for capture need eager)
+    "attention_backend": None,        # e.g. FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, FLASHINFER (None: vLLM picks)
+    "batch_invariant": None,          # True/False sets VLLM_BATCH_INVARIANT before vLLM is imported; None: env
+    "gpu_memory_utilization": 0.3,
+    "kv_cache_memory_bytes": None,    # set to skip vLLM's memory profiling (several engines on one GPU)
+    "max_model_len": None,            # None: min(max_position_embeddings, 2048)
+    "seed": 0,                        # LLM(seed=...): vLLM's global seed; requests carry their own seeds
+    "compilation_config": None,       # passed to LLM(compilation_config=...) (int level or dict)
+    "cudagraph_mode": None,           # shorthand for compilation_config.cudagraph_mode (NONE, PIECEWISE, FULL, ...)
+    "enable_chunked_prefill": None,
+    "max_num_batched_tokens": None,   # chunked prefill: the prefill chunk size per step
+    "max_num_seqs": None,
+    "enable_prefix_caching": False,   # off: a repeated prompt is recomputed, not read from the cache
+    "async_scheduling": None,
+    "logprobs_mode": "raw_logprobs",
+    "model_runner": None,             # v1 or v2 sets VLLM_USE_V2_MODEL_RUNNER (capture needs v1); None: vLLM picks
+    "record": None,                   # JSONL file: every raw vLLM output this engine converts (device fixtures)
+}
+
+_LLMS: dict[str, Any] = {}  # one vLLM engine per process and configuration (they hold the GPU)
+
+
+def check_options(options: dict) -> dict:
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TicInputError(f"rollout.options: unknown vllm option {unknown[0]!r} (known: {', '.join(OPTIONS)})")
+    out = {**OPTIONS, **options}
+    if out["logprobs_mode"] not in ("raw_logprobs", "processed_logprobs"):
+        raise TicInputError(f"rollout.options.logprobs_mode: {out['logprobs_mode']!r} is not a logprob mode "
+                            "(raw_logprobs or processed_logprobs)")
+    if out["batch_invariant"] not in (None, True, False):
+        raise TicInputError("rollout.options.batch_invariant: expected true, false or null")
+    return out
+
+
+def request_seed(seed: int, request_id: int) -> int:
+    """The per-request sampler seed (same rule as the HF engine): batch-mates cannot shift it."""
+    return (seed * 1_000_003 + int(request_id)) % (1 << 63)
+
+
+# -- conversions between vLLM outputs, plain records and Samples (no vLLM needed) ---------------------------
+def _lp_dict(d) -> dict[str, float]:
+    """One position of vLLM logprobs ({token_id: Logprob}) as {str(token_id): float}."""
+    if d is None:
+        return None
+    return {str(int(k)): float(v.logprob if hasattr(v, "logprob") else v) for k, v in d.items()}
+
+
+def output_record(out, kind: str, request_id: int | None) -> dict:
+    """A vLLM RequestOutput as a plain JSON record: ids and every logprob entry exactly as reported."""
+    comp = out.outputs[0]
+    return {
+        "kind": kind,
+        "request_id": request_id,
+        "prompt_token_ids": [int(t) for t in out.prompt_token_ids],
+        "token_ids": [int(t) for t in comp.token_ids],
+        "logprobs": None if comp.logprobs is None else [_lp_dict(d) for d in comp.logprobs],
+        "prompt_logprobs": None if out.prompt_logprobs is None else [_lp_dict(d) for d in out.prompt_logprobs],
+    }
+
+
+def _exact_f32(values: list[float], what: str) -> torch.Tensor:
+    """Python floats that vLLM produced from float32 tensors -> float32 tensor, refusing any rounding."""
+    t64 = torch.tensor(values, dtype=torch.float64)
+    t32 = t64.to(torch.float32)
+    if not torch.equal(t32.to(torch.float64), t64):
+        raise TicInputError(f"{what}: a logprob is not a float32 value; vLLM's logprobs were post-processed")
+    return t32
+
+
+def sample_from_record(rec: dict) -> Sample:
+    """A generation record -> Sample whose logprobs are the sampled tokens' logprobs, bit for bit."""
+    ids, lps = rec["token_ids"], rec["logprobs"]
+    if lps is None or len(lps) != len(ids):
+        raise TicInputError(f"vLLM output for request {rec.get('request_id')}: {0 if lps is None else len(lps)} "
+                            f"logprob entries for {len(ids)} tokens (was logprobs=0 set?)")
+    vals = []
+    for i, (tok, d) in enumerate(zip(ids, lps)):
+        key = str(int(tok))
+        if key not in d:
+            raise TicInputError(f"vLLM output for request {rec.get('request_id')}: position {i} has no logprob "
+                                f"for its sampled token {tok}")
+        vals.append(d[key])
+    return Sample(list(rec["prompt_token_ids"]), list(ids), _exact_f32(vals, "vLLM sample logprobs"),
+                  id=rec.get("request_id"), meta={"engine": "vllm"})
+
+
+def scored_from_record(rec: dict, prompt_len: int) -> torch.Tensor:
+    """A prompt_logprobs record of prompt+response -> the logprobs of the response tokens (positions P..)."""
+    ids, plp = rec["prompt_token_ids"], rec["prompt_logprobs"]
+    if plp is None or len(plp) != len(ids):
+        raise TicInputError(f"vLLM scoring output: {0 if plp is None else len(plp)} prompt logprob entries for "
+                            f"{len(ids)} tokens (was prompt_logprobs=0 set and prefix caching off?)")
+    if not 1 <= prompt_len <= len(ids):
+        raise TicInputError(f"prompt length {prompt_len} outside the scored sequence of {len(ids)} tokens")
+    vals = []
+    for i in range(prompt_len, len(ids)):
+        key = str(int(ids[i]))
+        if plp[i] is None or key not in plp[i]:
+            raise TicInputError(f"vLLM scoring output: position {i} has no logprob for token {ids[i]}")
+        vals.append(plp[i][key])
+    return _exact_f32(vals, "vLLM prompt logprobs") if vals else torch.zeros(0, dtype=torch.float32)
+
+
+# -- the engine ------------------------------------------------------------------------------------------------
+def _import_vllm(batch_invariant: bool | None, model_runner: str | None = None):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+        raise TicInputError("VLLM_ENABLE_V1_MULTIPROCESSING must be 0: tic runs vLLM in-process")
+    if batch_invariant is not None:
+        want = "1" if batch_invariant else "0"
+        import sys
+
+        if "vllm" in sys.modules and os.environ.get("VLLM_BATCH_INVARIANT", "0") != want:
+            raise TicInputError("rollout.options.batch_invariant differs from VLLM_BATCH_INVARIANT of the vLLM "
+                                "already imported in this process; set it before vLLM is imported")
+        os.environ["VLLM_BATCH_INVARIANT"] = want
+    if model_runner is not None:
+        if model_runner not in ("v1", "v2"):
+            raise TicInputError(f"rollout.options.model_runner: {model_runner!r} (expected v1 or v2)")
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if model_runner == "v2" else "0"
+    if not torch.cuda.is_available():
+        raise TicInputError("rollout.engine is vllm but torch sees no CUDA GPU (vLLM needs one)")
+    try:
+        import vllm  # noqa: F401
+        from vllm import LLM, SamplingParams  # noqa: F401
+        from vllm.inputs import TokensPrompt  # noqa: F401
+    except ImportError as e:
+        raise TicInputError(f"rollout.engine is vllm but vLLM cannot be imported ({e}); "
+                            "install tic[vllm] on a GPU machine") from None
+    return vllm
+
+
+class VLLMEngine(Engine):
+    name = "vllm"
+
+    def __init__(self, model_dir: Path, dtype: str, options: dict, batch_size: int, max_positions: int,
+                 vocab_size: int):
+        self.opts = check_options(options)
+        vllm = _import_vllm(self.opts["batch_invariant"], self.opts["model_runner"])
+        self.vllm_version = vllm.__version__
+        self.model_dir = Path(model_dir)
+        self.batch_size = batch_size
+        self.vocab_size = vocab_size
+        self.batch_invariant = os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1"
+        o = self.opts
+        self.max_model_len = o["max_model_len"] or min(max_positions, 2048)
+        kwargs: dict[str, Any] = dict(
+            model=str(self.model_dir), skip_tokenizer_init=True, dtype=dtype, seed=o["seed"],
+            enforce_eager=o["enforce_eager"], gpu_memory_utilization=o["gpu_memory_utilization"],
+            max_model_len=self.max_model_len, logprobs_mode=o["logprobs_mode"],
+            enable_prefix_caching=o["enable_prefix_caching"], tensor_parallel_size=1)
+        for k in ("attention_backend", "kv_cache_memory_bytes", "enable_chunked_prefill",
+                  "max_num_batched_tokens", "max_num_seqs", "async_scheduling"):
+            if o[k] is not None:
+                kwargs[k] = o[k]
+        comp = o["compilation_config"]
+        if o["cudagraph_mode"] is not None:
+            comp = dict(comp or {}) if not isinstance(comp, int) else {"mode": comp}
+            comp["cudagraph_mode"] = o["cudagraph_mode"]
+        if comp is not None:
+            kwargs["compilation_config"] = comp
+        self.llm_kwargs = kwargs
+        key = json.dumps(kwargs, sort_keys=True, default=str)
+        if key not in _LLMS:
+            from vllm import LLM
+
+            try:
+                _LLMS[key] = LLM(**kwargs)
+            except (ValueError, TypeError) as e:
+                raise TicInputError(f"vLLM refused the configuration: {str(e).splitlines()[0]}") from None
+        self.llm = _LLMS[key]
+        sched = self.llm.llm_engine.vllm_config.scheduler_config
+        self.max_num_seqs = sched.max_num_seqs
+        self.max_num_batched_tokens = sched.max_num_batched_tokens
+        self._record = Path(o["record"]) if o["record"] else None
+        self._call = 0
+
+    @classmethod
+    def from_config(cls, side_cfg, ctx) -> "VLLMEngine":
+        c = ctx.model_config
+        text = c.get("text_config", c)
+        opts = dict(side_cfg.options)
+        if opts.get("record"):
+            opts["record"] = str(ctx.cfg.resolve(Path(opts["record"])))
+        return cls(ctx.model_dir, ctx.dtype, opts, side_cfg.batch_size,
+                   int(text.get("max_position_embeddings", 2048)), ctx.vocab_size)
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def _check(self, seqs: list[list[int]], extra: int) -> None:
+        for s in seqs:
+            if not s:
+                raise TicInputError("empty prompt")
+            if min(s) < 0 or max(s) >= self.vocab_size:
+                raise TicInputError(f"token id outside the vocabulary (size {self.vocab_size}): {s}")
+            if len(s) + extra > self.max_model_len:
+                raise TicInputError(f"sequence of {len(s)}+{extra} tokens exceeds max_model_len "
+                                    f"{self.max_model_len}")
+
+    def _sampling_params(self, sampling: Sampling, rid: int):
+        from vllm import SamplingParams
+
+        if sampling.temperature not in (0, 1) and self.opts["logprobs_mode"] == "raw_logprobs":
+            raise TicInputError(f"sampling.temperature {sampling.temperature}: vLLM raw logprobs (and "
+                                "prompt_logprobs) are taken before temperature, the train side after it; use "
+                                "temperature 1 (or 0) with vllm")
+        return SamplingParams(n=1, temperature=sampling.temperature, top_p=1.0, top_k=0,
+                              max_tokens=sampling.max_tokens, seed=request_seed(sampling.seed, rid),
+                              logprobs=0, ignore_eos=True, detokenize=False)
+
+    def _run(self, prompts: list[list[int]], params: list, kind: str, rids: list) -> list[dict]:
+        from vllm.inputs import TokensPrompt
+
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                 use_tqdm=False)
+        self._call += 1
+        recs = [output_record(o, kind, r) for o, r in zip(outs, rids)]
+        for rec, p in zip(recs, prompts):
+            if rec["prompt_token_ids"] != list(p):
+                raise TicInputError("vLLM returned outputs out of order (prompt ids differ)")
+        if self._record is not None:
+            from tic.skill.state import atomic_write_text
+
+            old = self._record.read_text() if self._record.is_file() else ""
+            lines = "".join(json.dumps({**r, "call": self._call, "batch": len(recs), "index": i}) + "\n"
+                            for i, r in enumerate(recs))
+            atomic_write_text(self._record, old + lines)
+        return recs
+
+    # -- interface -----------------------------------------------------------------------------------------
+    def generate(self, prompts, sampling: Sampling, request_ids) -> list[Sample]:
+        self._check(prompts, sampling.max_tokens)
+        out: list[Sample] = []
+        for i in range(0, len(prompts), self.batch_size):
+            out += self.generate_together(prompts[i:i + self.batch_size], sampling,
+                                          list(request_ids[i:i + self.batch_size]), _kind="generate")
+        return out
+
+    def generate_together(self, prompts, sampling: Sampling, request_ids, _kind: str = "together") -> list[Sample]:
+        self._check(prompts, sampling.max_tokens)
+        if len(prompts) > self.max_num_seqs:
+            raise TicInputError(f"{len(prompts)} requests cannot share one vLLM batch (max_num_seqs "
+                                f"{self.max_num_seqs})")
+        params = [self._sampling_params(sampling, r) for r in request_ids]
+        recs = self._run(prompts, params, _kind, list(request_ids))
+        out = []
+        for rec in recs:
+            s = sample_from_record(rec)
+            s.meta.update({"batch_invariant": self.batch_invariant, "vllm": self.vllm_version})
+            out.append(s)
+        return out
+
+    def score(self, samples: list[Sample], sampling: Sampling) -> list[torch.Tensor]:
+        from vllm import SamplingParams
+
+        seqs = [s.ids for s in samples]
+        self._check(seqs, 1)
+        out: list[torch.Tensor] = []
+        for i in range(0, len(samples), self.batch_size):
+            chunk = samples[i:i + self.batch_size]
+            params = [SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
+                                     ignore_eos=True) for _ in chunk]
+            recs = self._run([s.ids for s in chunk], params, "score", [s.id for s in chunk])
+            out += [scored_from_record(r, len(s.prompt_ids)) for r, s in zip(recs, chunk)]
+        return out
+
+    # -- in-process model access (locator capture) -----------------------------------------------------------
+    def model(self) -> torch.nn.Module:
+        """The torch module vLLM runs (in this process)."""
+        return self.llm.apply_model(lambda m: m)[0]  # in-process engine: the module itself comes back
+
+    def model_runner(self):
+        return self.llm.collective_rpc(lambda w: getattr(w, "worker", w).model_runner)[0]
+
+    def capture(self, prompts: list[list[int]], sampling: Sampling | None, request_ids: list, probe: int,
+                score: bool = False) -> dict[str, torch.Tensor]:
+        """Per-layer states of one request while vLLM runs the given batch, keyed like the HF capture.
+
+        Runs `prompts` together (sampling, as C3/C4's decode side) or, with score=True, scores them as whole
+        sequences with prompt_logprobs (C4's prefill side / C5's rollout side). Returns for request `probe`
+        {key: tensor [positions, hidden]} on the CPU in the model dtype, every position it computed (prompt
+        and generated tokens) in position order. Keys: embed, layers.<i> (hidden + residual, the common per-
+        layer output: vLLM's decoder layers return the two apart), norm (the final norm's output).
+        """
+        model = self.model()
+        runner = self.model_runner()
+        if not hasattr(runner, "input_batch"):
+            raise TicInputError("capture needs vLLM's V1 GPU model runner (its per-step request layout); this "
+                                "engine runs the V2 runner: set rollout.options.model_runner: v1 to localise")
+        inner = model.model
+        target = tuple(int(t) for t in prompts[probe])
+        steps: list[dict[str, torch.Tensor]] = []
+        state: dict[str, Any] = {}
+
+        def rows_of_probe():
+            """Token rows of this step that belong to the probe request (None if it is not in the step)."""
+            n = runner.input_batch.num_reqs
+            qsl = runner.query_start_loc.np[:n + 1]
+            for i, rid in enumerate(runner.input_batch.req_ids[:n]):
+                req = runner.requests[rid]
+                if tuple(int(t) for t in req.prompt_token_ids) == target:
+                    return int(qsl[i]), int(qsl[i + 1])
+            return None
+
+        # vLLM's model class is wrapped for torch.compile and its forward may bypass module hooks; the decoder
+        # layers and the final norm are plain modules. Layer 0's inputs carry the step's positions and the
+        # embedding output (residual None); the final norm closes the step.
+        def pre0(mod, args, kwargs):
+            positions = kwargs.get("positions", args[0] if args else None)
+            hidden = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
+            rows = rows_of_probe()
+            state["rows"] = rows
+            if rows is not None:
+                state["step"] = {"positions": positions[rows[0]:rows[1]].detach().cpu().clone(),
+                                 "embed": hidden[rows[0]:rows[1]].detach().cpu().clone()}
+
+        def hook(key, kind):
+            def fn(mod, args, out):
+                rows = state.get("rows")
+                if rows is None:
+                    return
+                if kind == "layer":   # (hidden, residual): the common output is their sum
+                    h, r = out
+                    t = h if r is None else h + r
+                else:                 # final norm: (normed, residual) or normed
+                    t = out[0] if isinstance(out, tuple) else out
+                state["step"][key] = t[rows[0]:rows[1]].detach().cpu().clone()
+                if key == "norm":
+                    steps.append(state.pop("step"))
+                    state["rows"] = None
+            return fn
+
+        handles = [inner.layers[0].register_forward_pre_hook(pre0, with_kwargs=True),
+                   inner.norm.register_forward_hook(hook("norm", "norm"))]
+        handles += [layer.register_forward_hook(hook(f"layers.{i}", "layer"))
+                    for i, layer in enumerate(inner.layers)]
+        try:
+            if score:
+                from vllm import SamplingParams
+
+                params = [SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
+                                         ignore_eos=True) for _ in prompts]
+                self._run(prompts, params, "capture-score", list(request_ids))
+            else:
+                self._run(prompts, [self._sampling_params(sampling, r) for r in request_ids], "capture",
+                          list(request_ids))
+        finally:
+            for h in handles:
+                h.remove()
+        if not steps:
+            raise TicInputError("capture: the probe request never ran (was it in the batch?)")
+        keys = [k for k in steps[0] if k != "positions"]
+        pos = torch.cat([s["positions"] for s in steps])
+        order = torch.argsort(pos, stable=True)
+        out = {k: torch.cat([s[k] for s in steps])[order] for k in keys}
+        out["positions"] = pos[order]
+        return out
