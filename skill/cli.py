@@ -125,8 +125,8 @@ def status(config_path, as_json):
     try:
         from tic.harness.modelgen import resolve_model_dir
 
-        src = cfg.resolve(cfg.model.path)
-        if src.is_dir() and (has_weights(src) or cfg.model.generate is not None):
+        src = cfg.resolve(cfg.model.path) if cfg.model is not None else None
+        if src is not None and src.is_dir() and (has_weights(src) or cfg.model.generate is not None):
             mhash = model_hash(resolve_model_dir(cfg))
     except TicInputError:
         mhash = None
@@ -184,23 +184,19 @@ def explain(gate_id):
 def compare(rollout, train, as_json):
     """Compare two dump files (JSONL: prompt_ids, response_ids, logprobs[, mask, weight_version, id]) with
     C5's metric and pass condition. Nothing is written to .tic/."""
-    from tic.gates import c5
-    from tic.harness.engines.dump import align, read_dump
-    from tic.harness.metrics import NonFiniteLogprob, compare_logprobs
+    from tic.gates import get
     from tic.skill import report
-    from tic.skill.records import GateResult, environment_fingerprint
+    from tic.skill.config import parse_config
+    from tic.skill.context import GateContext
+    from tic.skill.runner import run_gate
 
-    r = read_dump(rollout)
-    t = align(r, read_dump(train), "train")
-    masks = [a.mask if a.mask is not None else b.mask for a, b in zip(r, t)]
-    try:
-        m = compare_logprobs([s.logprobs for s in r], [s.logprobs for s in t], masks)
-        j = c5.judge({"metrics": m})
-    except NonFiniteLogprob as e:
-        m, j = {}, c5.Judgement("fail", f"non-finite logprob: {e}", "NaN/Inf")
-    res = GateResult(gate="compare", title=f"{rollout} vs {train}", verdict=j.verdict, reason=j.reason,
-                     key_figure=j.key_figure, metrics=m, evidence=[str(rollout), str(train)],
-                     environment=environment_fingerprint(), tic_version=tic.__version__)
+    # C5 itself, on a dump-only config: one metric, one pass condition, whichever way dumps arrive.
+    cfg = parse_config({"rollout": {"engine": "dump", "dump": str(rollout.resolve())},
+                        "train": {"engine": "dump", "dump": str(train.resolve())},
+                        "locate": {"enabled": False}}, Path.cwd(), "tic compare")
+    res = run_gate(get("C5"), GateContext(cfg), save=False)
+    res.gate, res.title = "compare", f"{rollout} vs {train}"
+    res.evidence = [str(rollout), str(train)]
     report.console().print(report.ladder_table([res], "tic compare"))
     if as_json:
         report.print_json(res.model_dump(mode="json"))

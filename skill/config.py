@@ -102,7 +102,7 @@ class CutConfig(Strict):
 
 
 class TicConfig(Strict):
-    model: ModelConfig
+    model: ModelConfig | None = Field(None, description="needed by every gate except dump-only C5")
     rollout: EngineConfig = Field(default_factory=EngineConfig)
     train: EngineConfig = Field(default_factory=EngineConfig)
     prompts: PromptsConfig = Field(default_factory=PromptsConfig)
@@ -125,7 +125,8 @@ class TicConfig(Strict):
     def config_hash(self) -> str:
         """Hash of what changes the numbers (paths resolved, state_dir left out)."""
         data = self.model_dump(mode="json", exclude={"state_dir", "base_dir"})
-        data["model"]["path"] = str(self.resolve(self.model.path))
+        if self.model is not None:
+            data["model"]["path"] = str(self.resolve(self.model.path))
         for side in ("rollout", "train"):
             if data[side]["dump"]:
                 data[side]["dump"] = str(self.resolve(Path(data[side]["dump"])))

@@ -25,6 +25,8 @@ class GateContext:
     @cached_property
     def model_source_dir(self) -> Path:
         """The configured model directory (config.json; weights may be generated elsewhere)."""
+        if self.cfg.model is None:
+            raise TicInputError("this gate needs a model: add 'model: {path: DIR}' to tic.yaml")
         d = self.cfg.resolve(self.cfg.model.path)
         if not d.is_dir():
             raise TicInputError(f"model directory not found: {d}")
@@ -40,6 +42,7 @@ class GateContext:
     def model_dir(self) -> Path:
         from tic.harness.modelgen import resolve_model_dir
 
+        self.model_source_dir  # noqa: B018 - the clear error when tic.yaml has no model
         return resolve_model_dir(self.cfg)
 
     @cached_property
@@ -58,7 +61,7 @@ class GateContext:
 
     @property
     def dtype(self) -> str:
-        return self.cfg.model.dtype
+        return self.cfg.model.dtype if self.cfg.model is not None else "auto"
 
     # -- inputs -----------------------------------------------------------------------------------------
     @property

@@ -14,7 +14,7 @@ from tic.harness.engines import hf
     ("model: {path: .}\nprompts: {min_len: 9, max_len: 3}\n", "min_len 9 > max_len 3"),
     ("- just\n- a list\n", "expected a mapping"),
     ("model: {path: .\n", "not valid YAML"),
-    ("rollout: {engine: hf}\n", "model: Field required"),
+    ("rollout: {engine: hf}\n", "this gate needs a model"),
     ("model: {path: ./nowhere}\n", "model directory not found"),
     ("model: {path: .}\n", "no *.safetensors"),
 ])

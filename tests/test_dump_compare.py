@@ -108,3 +108,27 @@ def test_dump_engines_in_a_ladder_and_state_untouched_on_bad_input(tmp_path, wor
     assert code == 2 and "length mismatch" in err
     after = {p: p.read_bytes() for p in (workdir / ".tic").rglob("*") if p.is_file()}
     assert after == saved
+
+
+def test_dump_only_config_needs_no_model(tmp_path, workdir, tic):
+    write(tmp_path / "r.jsonl", records())
+    write(tmp_path / "t.jsonl", records())
+    cfg = tmp_path / "dumps.yaml"
+    cfg.write_text(f"rollout: {{engine: dump, dump: {tmp_path / 'r.jsonl'}}}\n"
+                   f"train: {{engine: dump, dump: {tmp_path / 't.jsonl'}}}\n")
+    code, out, err = tic("gate", "C5", "-c", str(cfg), "--json")
+    assert code == 0, err
+    assert tic("gate", "C0", "-c", str(cfg))[0] == 2  # C0 does need the model
+
+
+def test_train_mask_is_used_and_must_agree(tmp_path, tic):
+    a = write(tmp_path / "r.jsonl", records())
+    t = one_ulp(records(), seq=0, pos=1)
+    t[0]["mask"] = [1, 0] + [1] * (len(t[0]["response_ids"]) - 2)  # the changed token is masked out
+    b = write(tmp_path / "t.jsonl", t)
+    assert tic("compare", str(a), str(b))[0] == 0
+    r = records()
+    r[0]["mask"] = [1] * len(r[0]["response_ids"])
+    a = write(tmp_path / "r2.jsonl", r)
+    code, _, err = tic("compare", str(a), str(b))
+    assert code == 2 and "mask differs" in err

@@ -132,6 +132,12 @@ def align(rollout: list[Sample], train: list[Sample], train_name: str = "train")
         if r.weight_version is not None and t.weight_version is not None and r.weight_version != t.weight_version:
             raise TicInputError(f"sequence {i}: weight_version {r.weight_version} (rollout) vs "
                                 f"{t.weight_version} ({train_name}); diff is defined under one weight version")
+        # The response mask belongs to the rollout record; a train-side mask must agree with it or stand alone.
+        if t.mask is not None:
+            if r.mask is None:
+                r.mask = t.mask
+            elif not torch.equal(r.mask, t.mask):
+                raise TicInputError(f"sequence {i}: the response mask differs between rollout and {train_name}")
     return matched
 
 
