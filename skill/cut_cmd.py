@@ -15,8 +15,9 @@ import click
 @click.option("--max-layers", type=int, default=None, help="auto: at most this many layers (default 6)")
 @click.option("-c", "--config", "config_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
               help="take MODEL_DIR (model.path) and OUT_DIR/--layers/--max-layers (cut:) from this tic.yaml")
+@click.option("--fsync", is_flag=True, help="flush the shards to disk before returning (durable, slower)")
 @click.option("--json", "as_json", is_flag=True, help="print the cut record on stdout")
-def command(model_dir, out_dir, layers, max_layers, config_path, as_json):
+def command(model_dir, out_dir, layers, max_layers, config_path, fsync, as_json):
     """Cut MODEL_DIR into OUT_DIR keeping layers that cover every operator class and every transition between
     layer kinds; per-layer config fields, quantization tensors and dtypes move with their layers.
 
@@ -47,7 +48,7 @@ def command(model_dir, out_dir, layers, max_layers, config_path, as_json):
         max_layers = section.max_layers if section is not None else 6
     if not Path(model_dir).is_dir():
         raise TicInputError(f"model directory not found: {model_dir}")
-    rec = cut_model(Path(model_dir), Path(out_dir), layers=layers, max_layers=max_layers)
+    rec = cut_model(Path(model_dir), Path(out_dir), layers=layers, max_layers=max_layers, fsync=fsync)
     if as_json:
         click.echo(json.dumps(rec, indent=2))
         return
