@@ -168,6 +168,16 @@ def _input_tensors(args: tuple, kwargs: dict, batch: int, length: int) -> list[t
     return found
 
 
+def _keep(store: dict, flats: list[torch.Tensor], targets: list[tuple[int, int]]) -> None:
+    """store[pos] = the target rows of every flat tensor, as CPU copies (engines on a GPU compare with CPU ones)."""
+    if not targets:
+        return
+    idx = torch.tensor([i for i, _ in targets], dtype=torch.long)
+    got = [f.detach().index_select(0, idx.to(f.device)).cpu() for f in flats]
+    for j, (_, pos) in enumerate(targets):
+        store[pos] = tuple(g[j].clone() for g in got)
+
+
 class HookSet:
     """Forward hooks on named modules that keep, or replace, the compared sequence's rows."""
 
@@ -213,7 +223,7 @@ class HookSet:
                     flat = flat_rows(x, B, T)
                     for i, pos in targets:
                         if pos in repl and k < len(repl[pos]):
-                            flat[i] = repl[pos][k].to(flat.dtype)
+                            flat[i] = repl[pos][k].to(flat.device, flat.dtype)
                     if key == "hidden_states":
                         new_kwargs[key] = x
                     else:
@@ -222,8 +232,7 @@ class HookSet:
             if name in self.spec.inputs:
                 store = self.capture.inputs.setdefault(name, {})
                 ins = [flat_rows(x, B, T) for _, x in _input_tensors(new_args, new_kwargs, B, T)]
-                for i, pos in targets:
-                    store[pos] = tuple(f[i].clone() for f in ins)
+                _keep(store, ins, targets)
             if (name == self.spec.trail_module and self._recorder is None and self.capture.trail is None
                     and any(pos == self.spec.trail_position for _, pos in targets)):
                 fi = next(i for i, pos in targets if pos == self.spec.trail_position)
@@ -245,9 +254,7 @@ class HookSet:
                 return None
             B, T = self.rowmap.shape
             outs = [f for f in (flat_rows(t, B, T) for t in self.module_rows(name, out)) if f is not None]
-            store = self.capture.outputs.setdefault(name, {})
-            for i, pos in self.rowmap.targets():
-                store[pos] = tuple(f[i].clone() for f in outs)
+            _keep(self.capture.outputs.setdefault(name, {}), outs, self.rowmap.targets())
             return None
         return hook
 
@@ -300,6 +307,8 @@ class HFCaptureRunner:
         for b, p in enumerate(prompts):  # left padding, as HFEngine._generate_batch
             ids[b, L - len(p):] = torch.tensor(p)
             mask[b, L - len(p):] = 1
+        dev = self.engine.device
+        ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         P = len(prompts[tb])
@@ -316,11 +325,11 @@ class HFCaptureRunner:
                                     past_key_values=cache, use_cache=True).logits[:, -1]
                 hooks.capture.forwards += 1
                 lp = self.engine.logprobs_of(logits, self.temperature)
-                hooks.capture.logprobs[step] = lp[tb, batch[tb].response_ids[step]].float().clone()
+                hooks.capture.logprobs[step] = lp[tb, batch[tb].response_ids[step]].float().cpu().clone()
                 nxt = [s.response_ids[step] if step < len(s.response_ids) else 0 for s in batch]
-                step_ids = torch.tensor(nxt, dtype=torch.long)[:, None]
+                step_ids = torch.tensor(nxt, dtype=torch.long, device=dev)[:, None]
                 step_pos = step_pos[:, -1:] + 1
-                mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
+                mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long, device=dev)], dim=1)
         return hooks.capture
 
     @torch.inference_mode()
@@ -339,7 +348,8 @@ class HFCaptureRunner:
                 rm = torch.full(ids.shape, -1, dtype=torch.long)
                 rm[0, off:off + len(seqs[tb])] = torch.arange(len(seqs[tb]))
                 self.rowmap.set(rm)
-                logits = self.model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+                logits = self.model(input_ids=ids.to(eng.device), position_ids=pos.to(eng.device),
+                                    use_cache=False).logits[0]
             else:  # HFEngine._score_padded
                 B, L = len(seqs), max(len(s) for s in seqs)
                 ids = torch.zeros(B, L, dtype=torch.long)
@@ -354,6 +364,7 @@ class HFCaptureRunner:
                 rm = torch.full(ids.shape, -1, dtype=torch.long)
                 rm[tb, starts[tb]:starts[tb] + len(seqs[tb])] = torch.arange(len(seqs[tb]))
                 self.rowmap.set(rm)
+                ids, mask, pos = ids.to(eng.device), mask.to(eng.device), pos.to(eng.device)
                 logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
                 off = None
             hooks.capture.forwards += 1
@@ -362,7 +373,7 @@ class HFCaptureRunner:
             rows = logits[off + P - 1: off + P - 1 + R] if eng.packing else \
                 logits[tb, starts[tb] + P - 1: starts[tb] + P - 1 + R]
             lp = eng.logprobs_of(rows, self.temperature)
-            got = lp[torch.arange(R), torch.tensor(s.response_ids)].float()
+            got = lp[torch.arange(R), torch.tensor(s.response_ids)].float().cpu()
             hooks.capture.logprobs = {j: got[j].clone() for j in range(R)}
         return hooks.capture
 

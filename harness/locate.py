@@ -126,7 +126,7 @@ def trail_rows(trail: Trail) -> tuple[list[list[tuple]], list[list[torch.Tensor]
 
 
 def _key(t: torch.Tensor) -> tuple:
-    t = t.contiguous()
+    t = t.detach().cpu().contiguous()
     return str(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 

@@ -54,7 +54,7 @@ def _run(side: OpSide, args, kwargs, where) -> torch.Tensor:
 def _subset(side: OpSide, keep: list[int]):
     """The call's args with only rows `keep` of every row-carrying tensor, and where the traced row lands."""
     idx = torch.tensor(keep, dtype=torch.long)
-    args = tuple(a.index_select(0, idx) if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == side.rows
+    args = tuple(a.index_select(0, idx.to(a.device)) if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == side.rows
                  else a for a in side.call.args)
     key = "row" if side.where["kind"] == "row" else "b"
     where = dict(side.where, **{key: keep.index(side.where[key])})
@@ -107,8 +107,8 @@ def shrink(a: OpSide | None, b: OpSide, a_value: torch.Tensor | None) -> tuple[d
         return ok
 
     for key, side in (("a", a), ("b", b)):
-        if side is None or side.rows <= 1:
-            continue
+        if side is None or side.rows <= 1 or not side.call.op.startswith("aten."):
+            continue  # custom kernels (e.g. vLLM's attention) tie rows together through other arguments
         must = side.where["row" if side.where["kind"] == "row" else "b"]
         keep = _ddmin(list(range(side.rows)), must, lambda k: trial(key, side, k))
         if len(keep) < side.rows and not trial(key, side, keep):  # leave the state at the minimum found
@@ -124,6 +124,20 @@ def _rows_of(call: dict | None, fallback: int) -> int:
         if isinstance(x, torch.Tensor) and x.dim() >= 1:
             return int(x.shape[0])
     return fallback
+
+
+def op_imports(*ops: str | None) -> list[str]:
+    """Modules a fresh process must import to have these operators: the loaded extension module named like the
+    operator's namespace (e.g. vllm.vllm_flash_attn._vllm_fa3_C for torch.ops._vllm_fa3_C); none for aten."""
+    out = []
+    for op in ops:
+        ns = op.split(".")[0] if op else "aten"
+        if ns in ("aten", "prims"):
+            continue
+        hits = sorted((m for m in list(sys.modules) if m.split(".")[-1] == ns), key=lambda m: (m.startswith("torch"), m))
+        if hits and hits[0] not in out:
+            out.append(hits[0])
+    return out
 
 
 def emit(out_dir: Path, gate: str, a: OpSide | None, b: OpSide, a_value: torch.Tensor | None,
@@ -145,7 +159,8 @@ def emit(out_dir: Path, gate: str, a: OpSide | None, b: OpSide, a_value: torch.T
         gate=gate, headline=headline, side_a=side_a, side_b=side_b, op=b.call.op, has_a=a is not None,
         rows_a=rows_a, rows_b=rows_b,
         unit="tokens" if b.where["kind"] == "row" else "sequences of the batch",
-        threads=torch.get_num_threads(), tensor_file=tensor_file)
+        threads=torch.get_num_threads(), tensor_file=tensor_file,
+        imports=op_imports(b.call.op, a.call.op if a else None))
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / tensor_file, buf.getvalue())
     path = out_dir / "repro.py"

@@ -266,6 +266,7 @@ class VLLMEngine(Engine):
 
     def generate_together(self, prompts, sampling: Sampling, request_ids, _kind: str = "together") -> list[Sample]:
         self._check(prompts, sampling.max_tokens)
+        self.last_sampling = sampling  # the capture runner reruns the same seeded requests
         if len(prompts) > self.max_num_seqs:
             raise TicInputError(f"{len(prompts)} requests cannot share one vLLM batch (max_num_seqs "
                                 f"{self.max_num_seqs})")
@@ -291,6 +292,10 @@ class VLLMEngine(Engine):
             recs = self._run([s.ids for s in chunk], params, "score", [s.id for s in chunk])
             out += [scored_from_record(r, len(s.prompt_ids)) for r, s in zip(recs, chunk)]
         return out
+
+    def capture_runner(self, temperature: float):
+        """The locator's CaptureRunner for this engine (tic.harness.capture); see VLLMCaptureRunner."""
+        return VLLMCaptureRunner(self, temperature)
 
     # -- in-process model access (locator capture) -----------------------------------------------------------
     def model(self) -> torch.nn.Module:
@@ -383,3 +388,394 @@ class VLLMEngine(Engine):
         out = {k: torch.cat([s[k] for s in steps])[order] for k in keys}
         out["positions"] = pos[order]
         return out
+
+
+# -- the locator's capture runner (tic.harness.capture.CaptureRunner) ------------------------------------------
+# vLLM runs every step as one flat batch of token rows [num_tokens, ...] with a positions tensor; the V1 GPU model
+# runner's input batch says which rows belong to which request (query_start_loc). A step's rows of the compared
+# request are mapped to (request, position) when the step starts (a pre-hook on the embedding), and every hooked
+# module keeps, or replaces, just those rows, keyed by position - the same keys the HF runner uses, so vLLM can be
+# compared with itself (C3, C4) or with HF (C5) by stable module names.
+#
+# Stable per-layer values: a vLLM decoder layer takes and returns (hidden, residual) apart; the residual stream HF
+# carries is hidden + residual (in the model dtype, as the next fused add-RMSNorm forms it). So a layer's (and an
+# add-norm's) recorded input is (hidden + residual, hidden, residual): HF replays the first, vLLM replays the
+# two raw parts (exact). Its output is hidden + residual (layers) or the normed value (norms).
+#
+# Teacher-forced decode: the same seeded requests are rerun in the same batch (vLLM samples per request with its
+# own seed, so the tokens are reproduced; checked up to the compared position). Scoring step by step with
+# prompt+prefix would run prefill kernels, not decode, and so would not be the computation the gate measured.
+
+
+def _float_rows(x, n: int) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 1 and x.shape[0] == n
+
+
+def _signature(module):
+    """The forward's named signature; vLLM's CustomOps (RMSNorm, ...) forward(*args, **kwargs) to forward_native
+    & co., whose signature names the parameters (x, residual)."""
+    import inspect
+
+    var = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    for attr in ("forward", "forward_native", "forward_cuda"):
+        f = getattr(module, attr, None)
+        if f is None:
+            continue
+        try:
+            sig = inspect.signature(f)
+        except (TypeError, ValueError):
+            continue
+        if not any(p.kind in var for p in sig.parameters.values()):
+            return sig
+    return None
+
+
+def _bind(module, args, kwargs) -> list[tuple[str, Any]]:
+    """(parameter name, value) of a call, in the forward's parameter order."""
+    sig = _signature(module)
+    try:
+        if sig is None:
+            raise TypeError
+        return list(sig.bind(*args, **kwargs).arguments.items())
+    except TypeError:
+        return [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
+
+
+def flat_inputs(module, args, kwargs, n: int) -> tuple[list[tuple[str, torch.Tensor]], str | None]:
+    """The token-row float inputs of a call [(name, tensor)], and the name of its residual input if it has one."""
+    bound = _bind(module, args, kwargs)
+    rows = [(k, v) for k, v in bound if _float_rows(v, n)]
+    res = "residual" if any(k == "residual" for k, _ in rows) else None
+    return rows, res
+
+
+def stable_inputs(rows: list[tuple[str, torch.Tensor]], res: str | None) -> list[torch.Tensor]:
+    """Per-token input tensors as compared/replayed: (x + residual, x, residual) for add-norm calls."""
+    if res is not None and len(rows) == 2:
+        x = next(v for k, v in rows if k != res)
+        r = next(v for k, v in rows if k == res)
+        return [x + r, x, r]
+    return [v for _, v in rows]
+
+
+def stable_outputs(is_layer: bool, out, n: int) -> list[torch.Tensor]:
+    """Per-token output as compared: a layer's hidden + residual, else the first token-row tensor."""
+    if is_layer and isinstance(out, tuple) and len(out) == 2:
+        h, r = out
+        return [h if r is None else h + r]
+    ts = [out] if isinstance(out, torch.Tensor) else [t for t in (out if isinstance(out, (tuple, list)) else [])
+                                                      if isinstance(t, torch.Tensor)]
+    ts = [t for t in ts if _float_rows(t, n)]
+    return ts[:1]
+
+
+def replace_rows(module, args, kwargs, n: int, targets: list[tuple[int, int]], repl: dict) -> tuple[tuple, dict]:
+    """args/kwargs with the compared request's input rows replaced by the other side's recorded rows."""
+    bound = _bind(module, args, kwargs)
+    rows, res = flat_inputs(module, args, kwargs, n)
+    new = {k: v for k, v in bound}
+    if res is not None and len(rows) == 2:
+        x_name = next(k for k, _ in rows if k != res)
+        xs, rs = new[x_name].clone(), new[res].clone()
+        for i, pos in targets:
+            got = repl.get(pos)
+            if got is None:
+                continue
+            if len(got) == 3:      # vLLM's own (sum, hidden, residual): replay the two parts exactly
+                xs[i], rs[i] = got[1].to(xs.device, xs.dtype), got[2].to(rs.device, rs.dtype)
+            else:                  # the residual stream from another engine: hidden = it, residual = 0
+                xs[i] = got[0].to(xs.device, xs.dtype)
+                rs[i] = 0
+        new[x_name], new[res] = xs, rs
+    else:
+        for k, (name, v) in enumerate(rows):
+            v = v.clone()
+            for i, pos in targets:
+                got = repl.get(pos)
+                if got is not None and k < len(got):
+                    v[i] = got[k].to(v.device, v.dtype)
+            new[name] = v
+    names = [k for k, _ in bound]
+    if all(k.isdigit() for k in names):  # could not bind by name: positional as given
+        return tuple(new[str(i)] for i in range(len(args))), {k: new[k] for k in kwargs}
+    import inspect
+
+    params = _signature(module).parameters
+    pos_names = [p for p in params if params[p].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                           inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    out_args = tuple(new[p] for p in pos_names[:len(args)])
+    out_kwargs = {k: new[k] for k in new if k not in pos_names[:len(args)]}
+    return out_args, out_kwargs
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """Tensors an operator writes in place (schema alias_info is_write): vLLM's kernels return None and fill
+    their `out`/input arguments."""
+    got = []
+    try:
+        schema = func._schema
+    except AttributeError:
+        return got
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        if isinstance(v, torch.Tensor):
+            got.append(v)
+    return got
+
+
+class _OpFailed(Exception):
+    pass
+
+
+def _make_recorder():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tic.harness.capture import OpCall, tensors_of
+
+    clone = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+
+    def tree(fn, v):
+        if isinstance(v, (list, tuple)):
+            return type(v)(tree(fn, x) for x in v)
+        return fn(v)
+
+    class Recorder(TorchDispatchMode):
+        """Operator trail for vLLM: inputs cloned before the call (kernels mutate them), outputs = returned
+        tensors + tensors written in place; factory ops (no tensor input: empty, arange, ...) are not
+        computations on the token and are left out. vLLM's wrapper ops (torch.ops.vllm.unified_attention_with_
+        output, ...) are recorded as they are dispatched, as one operator. Recording never changes what runs:
+        each operator runs once, as given; a recording failure is kept in `errors`."""
+
+        def __init__(self, calls: list):
+            super().__init__()
+            self.calls = calls
+            self.errors: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            try:
+                return self._record(func, args, kwargs)
+            except _OpFailed as e:
+                raise e.__cause__ from None
+            except Exception as e:  # noqa: BLE001  the recording broke, not the operator: run it plainly
+                self.errors.append(f"{func}: {type(e).__name__}: {e}")
+                return func(*args, **kwargs)
+
+        def _record(self, func, args, kwargs):
+            has_input = any(isinstance(x, torch.Tensor) for v in list(args) + list(kwargs.values())
+                            for x in (v if isinstance(v, (list, tuple)) else [v]))
+            if not has_input:
+                return func(*args, **kwargs)
+            pre_args = tuple(tree(clone, a) for a in args)
+            pre_kwargs = {k: tree(clone, v) for k, v in kwargs.items()}
+            try:
+                out = func(*args, **kwargs)
+            except Exception as e:  # the operator itself failed: not a recording problem
+                raise _OpFailed() from e
+            outs = tensors_of(out)
+            extra = [w for w in _written(func, args, kwargs) if not any(w is o for o in outs)]
+            self.calls.append(OpCall(str(func), func, pre_args, pre_kwargs, tuple(clone(t) for t in outs + extra)))
+            return out
+
+    return Recorder
+
+
+class VLLMCaptureRunner:
+    """CaptureRunner over a VLLMEngine (in-process, V1 GPU model runner, eager)."""
+
+    def __init__(self, engine: "VLLMEngine", temperature: float = 1.0):
+        if engine.opts["enforce_eager"] is not True:
+            raise TicInputError("capture on vllm needs rollout.options.enforce_eager: true (CUDA graphs and "
+                                "torch.compile replay kernels without running module hooks)")
+        runner = engine.model_runner()
+        if not (hasattr(runner, "input_batch") and hasattr(runner, "query_start_loc")):
+            raise TicInputError("capture on vllm needs its V1 GPU model runner (per-step request layout); this "
+                                "engine runs the V2 runner: set rollout.options.model_runner: v1")
+        self.engine, self.runner, self.temperature = engine, runner, temperature
+        self.model = engine.model()
+        self.modules = dict(self.model.named_modules())
+        self.layers = [n for n in self.modules if n.count(".") == 2 and n.split(".")[-2] == "layers"
+                       and n.split(".")[-1].isdigit()]
+        self.prefix = self.layers[0].rsplit(".", 2)[0] if self.layers else "model"
+        self._layer_set = set(self.layers)
+
+    # names (the same stable names as the HF runner: embed_tokens, layers.<i>, norm; vLLM has no model-level
+    # rotary module and computes the head's logits outside a module call on a row subset, so neither is a stage)
+    def stages(self) -> list[str]:
+        pre = [n for n in (f"{self.prefix}.embed_tokens",) if n in self.modules]
+        post = [n for n in (f"{self.prefix}.norm",) if n in self.modules]
+        return pre + self.layers + post
+
+    def children(self, name: str) -> list[str]:
+        return [f"{name}.{c}" if name else c for c, _ in self.modules[name].named_children()]
+
+    def descendants(self, name: str) -> list[str]:
+        return [n for n in self.modules if n.startswith(name + ".")]
+
+    # the step's rows of the compared request
+    def _step_targets(self, prompt: tuple[int, ...], n: int) -> list[tuple[int, int]]:
+        r = self.runner
+        k = r.input_batch.num_reqs
+        qsl = r.query_start_loc.np[:k + 1]
+        hit = [i for i, rid in enumerate(r.input_batch.req_ids[:k])
+               if tuple(int(t) for t in r.requests[rid].prompt_token_ids) == prompt]
+        if len(hit) > 1:
+            raise RuntimeError("capture: the compared prompt occurs twice in one vLLM step")
+        if not hit:
+            return []
+        a, b = int(qsl[hit[0]]), int(qsl[hit[0] + 1])
+        if b > n:
+            raise RuntimeError(f"capture: request rows {a}:{b} outside the step's {n} token rows")
+        pos = r.positions[a:b].detach().cpu().tolist() if isinstance(r.positions, torch.Tensor) else \
+            r.positions.np[a:b].tolist()
+        return [(a + j, int(p)) for j, p in enumerate(pos)]
+
+    def _run(self, prompts, params, kind, rids, probe: int, spec):
+        from tic.harness.capture import Capture, Trail
+
+        prompt = tuple(int(t) for t in prompts[probe])
+        cap = Capture()
+        st: dict[str, Any] = {"targets": [], "n": 0, "rec": None, "err": None}
+        names = set(spec.outputs) | set(spec.inputs) | set(spec.replace)
+        if spec.trail_module:
+            names.add(spec.trail_module)
+        embed = self.modules[f"{self.prefix}.embed_tokens"]
+        Recorder = _make_recorder()
+
+        def guarded(fn):
+            """A hook that fails must not abort vLLM's step (its requests would stay queued): the error is
+            kept, capture stops, and it is raised once vLLM has finished the run."""
+            def g(*a):
+                if st["err"] is not None:
+                    return None
+                try:
+                    return fn(*a)
+                except Exception as e:  # noqa: BLE001
+                    st["err"], st["targets"] = e, []
+                    return None
+            return g
+
+        def step(mod, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            st["n"] = int(ids.shape[0])
+            st["targets"] = self._step_targets(prompt, st["n"])
+            if st["targets"]:
+                cap.forwards += 1
+
+        def keep(store, ts, targets):
+            if not ts or not targets:
+                return
+            idx = torch.tensor([i for i, _ in targets], dtype=torch.long, device=ts[0].device)
+            got = [t.detach().index_select(0, idx).cpu() for t in ts]
+            for j, (_, pos) in enumerate(targets):
+                store[pos] = tuple(g[j].clone() for g in got)
+
+        def pre(name):
+            mod = self.modules[name]
+
+            def fn(module, args, kwargs):
+                targets, n = st["targets"], st["n"]
+                if not targets:
+                    return None
+                if name not in cap.order:
+                    cap.order.append(name)
+                new = None
+                if name in spec.replace:
+                    new = replace_rows(mod, args, kwargs, n, targets, spec.replace[name])
+                    args, kwargs = new
+                if name in spec.inputs:
+                    rows, res = flat_inputs(mod, args, kwargs, n)
+                    keep(cap.inputs.setdefault(name, {}), stable_inputs(rows, res), targets)
+                if (name == spec.trail_module and st["rec"] is None and cap.trail is None
+                        and any(p == spec.trail_position for _, p in targets)):
+                    fi = next(i for i, p in targets if p == spec.trail_position)
+                    cap.trail = Trail([], 1, n, fi)
+                    st["rec"] = Recorder(cap.trail.calls)
+                    st["rec"].__enter__()
+                return new
+            return fn
+
+        def post(name):
+            is_layer = name in self._layer_set
+
+            def fn(module, args, kwargs, out):
+                if name == spec.trail_module and st["rec"] is not None:
+                    st["rec"].__exit__(None, None, None)
+                    st["rec"] = None
+                if name in spec.outputs and st["targets"]:
+                    keep(cap.outputs.setdefault(name, {}), stable_outputs(is_layer, out, st["n"]), st["targets"])
+                return None
+            return fn
+
+        handles = [embed.register_forward_pre_hook(guarded(step), with_kwargs=True)]
+        try:
+            for name in sorted(names):
+                m = self.modules.get(name)
+                if m is None:
+                    continue
+                handles.append(m.register_forward_pre_hook(guarded(pre(name)), with_kwargs=True))
+                handles.append(m.register_forward_hook(guarded(post(name)), with_kwargs=True))
+            try:
+                recs = self.engine._run(prompts, params, kind, rids)
+            except BaseException:
+                self._abort_unfinished()
+                raise
+        finally:
+            for h in handles:
+                h.remove()
+            if st["rec"] is not None:
+                st["rec"].__exit__(None, None, None)
+        if st["err"] is not None:
+            e = st["err"]
+            raise RuntimeError(f"capture hook failed: {type(e).__name__}: {e}") from e
+        return cap, recs[probe]
+
+    def _abort_unfinished(self) -> None:
+        """A run broken off mid-step leaves its requests queued in vLLM; drop them so that later runs (the
+        ladder's next gates) see only their own requests."""
+        eng = self.engine.llm.llm_engine
+        states = getattr(getattr(eng, "output_processor", None), "request_states", None)
+        if states:
+            eng.abort_request(list(states))
+
+    @torch.inference_mode()
+    def decode(self, samples, target, upto, spec, together=False):
+        eng = self.engine
+        sp = getattr(eng, "last_sampling", None)
+        if sp is None:
+            raise RuntimeError("capture: this vLLM engine has not generated yet (no sampling to rerun)")
+        sp = Sampling(temperature=self.temperature, max_tokens=sp.max_tokens, seed=sp.seed)
+        bs = len(samples) if together else eng.batch_size
+        start = 0 if together else (target // bs) * bs
+        batch = samples[start:start + bs]
+        tb = target - start
+        params = [eng._sampling_params(sp, s.id) for s in batch]
+        cap, rec = self._run([s.prompt_ids for s in batch], params, "capture", [s.id for s in batch], tb, spec)
+        want = list(batch[tb].response_ids[:upto + 1])
+        got = rec["token_ids"][:upto + 1]
+        if not spec.replace and got[:upto] != want[:upto]:
+            raise RuntimeError(f"capture: vLLM's rerun sampled other tokens than the compared rollout before "
+                               f"response position {upto} (rerun not deterministic)")
+        for j, tok in enumerate(want):
+            d = rec["logprobs"][j] if rec["logprobs"] and j < len(rec["logprobs"]) else None
+            if d is not None and j < len(got) and got[j] == tok and str(tok) in d:
+                cap.logprobs[j] = _exact_f32([d[str(tok)]], "vLLM capture logprob")[0]
+        return cap
+
+    @torch.inference_mode()
+    def score(self, samples, target, spec):
+        from vllm import SamplingParams
+
+        eng = self.engine
+        bs = eng.batch_size
+        start = (target // bs) * bs
+        chunk = samples[start:start + bs]
+        tb = target - start
+        params = [SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
+                                 ignore_eos=True) for _ in chunk]
+        cap, rec = self._run([s.ids for s in chunk], params, "capture-score", [s.id for s in chunk], tb, spec)
+        got = scored_from_record(rec, len(chunk[tb].prompt_ids))
+        cap.logprobs = {j: got[j].clone() for j in range(len(got))}
+        return cap
