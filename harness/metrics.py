@@ -45,13 +45,18 @@ class Mismatch:
                 f"vs train {self.train!r} ({self.ulps} ulp)")
 
 
+_INT_OF = {torch.float16: (torch.int16, 0x7FFF), torch.bfloat16: (torch.int16, 0x7FFF),
+           torch.float32: (torch.int32, 0x7FFFFFFF), torch.float64: (torch.int64, 0x7FFFFFFFFFFFFFFF)}
+
+
 def _ordered_int(x: torch.Tensor) -> torch.Tensor:
-    """Map floats to integers whose order and spacing follow the floats (adjacent floats differ by 1)."""
-    if x.dtype == torch.float32:
-        i = x.view(torch.int32).to(torch.int64)
-        return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
-    i = x.to(torch.float64).view(torch.int64)
-    return torch.where(i < 0, -(i & 0x7FFFFFFFFFFFFFFF), i)
+    """Map floats to integers whose order and spacing follow the floats of x's own dtype (adjacent floats
+    differ by 1), so ulps are counted in the dtype the kernel produced."""
+    if x.dtype not in _INT_OF:
+        x = x.to(torch.float64)
+    int_dtype, magnitude = _INT_OF[x.dtype]
+    i = x.view(int_dtype).to(torch.int64)
+    return torch.where(i < 0, -(i & magnitude), i)
 
 
 def ulp_distance(a: float, b: float) -> int:

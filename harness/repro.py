@@ -169,7 +169,10 @@ def emit(out_dir: Path, gate: str, a: OpSide | None, b: OpSide, a_value: torch.T
                           text=True, timeout=300)
     result = {"script": str(path), "tensors": str(out_dir / tensor_file), "exit_code": proc.returncode,
               "output": (proc.stdout + proc.stderr).strip()[-2000:], "rows_a": rows_a, "rows_b": rows_b,
-              "shrink_evaluations": evals, "reproduces": proc.returncode == 1}
+              "shrink_evaluations": evals,
+              # exit 1 *and* the script's own verdict line: an uncaught error elsewhere cannot pass as a repro
+              "reproduces": proc.returncode == 1 and any(
+                  line.startswith("DIFFERS") for line in proc.stdout.splitlines())}
     if not result["reproduces"]:  # a repro that does not reproduce is not emitted
         path.unlink(missing_ok=True)
         (out_dir / tensor_file).unlink(missing_ok=True)

@@ -181,3 +181,32 @@ def test_gate_without_mismatch_is_not_localised_but_does_not_raise(tmp_path, mon
     assert got["status"].startswith("not localised")
     got = locate_for_gate(ctx, "C9", {"metrics": {"first_mismatch": {"sequence": 0, "position": 0}}})
     assert "no locator recipe" in got["status"]
+
+
+def _mm_side(op_name: str):
+    from tic.harness.capture import OpCall
+    from tic.harness.repro import OpSide
+
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    w = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    out = torch.ops.aten.mm.default(x, w)
+    call = OpCall(op=op_name, func=torch.ops.aten.mm.default, args=(x, w), kwargs={}, outputs=(out,))
+    return OpSide(call=call, where={"kind": "row", "output": 0, "row": 1}, rows=3), out[1]
+
+
+def test_repro_is_emitted_only_when_the_script_itself_says_it_differs(tmp_path):
+    from tic.harness.repro import emit
+
+    side, value = _mm_side("aten.mm.default")
+    planted = value.clone()
+    planted[0] = torch.nextafter(planted[0], torch.tensor(float("inf")))
+    ok = emit(tmp_path / "ok", "C5", None, side, planted, "a", "b", "planted one-ulp difference")
+    assert ok["reproduces"] and ok["exit_code"] == 1 and (tmp_path / "ok" / "repro.py").is_file()
+    # control: the same value on both sides is not a repro
+    same = emit(tmp_path / "same", "C5", None, side, value.clone(), "a", "b", "no difference")
+    assert not same["reproduces"] and same["exit_code"] == 0
+    # a script that crashes in a fresh process (its op cannot be resolved there) must not count as reproducing
+    broken, _ = _mm_side("aten.no_such_operator.default")
+    bad = emit(tmp_path / "bad", "C5", None, broken, planted, "a", "b", "unresolvable op")
+    assert not bad["reproduces"] and bad["exit_code"] == 3
+    assert not (tmp_path / "bad" / "repro.py").exists()
