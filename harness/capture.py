@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tic.harness.engines.base import Sample
+from tic.harness.engines.hf import packed_row, padded_batch
 
 RowTensors = tuple  # one tensor per row-shaped output (or input) of a module, for one token
 
@@ -302,14 +303,8 @@ class HFCaptureRunner:
         tb = target - start
         prompts = [s.prompt_ids for s in batch]
         B, L = len(prompts), max(len(p) for p in prompts)
-        ids = torch.zeros(B, L, dtype=torch.long)
-        mask = torch.zeros(B, L, dtype=torch.long)
-        for b, p in enumerate(prompts):  # left padding, as HFEngine._generate_batch
-            ids[b, L - len(p):] = torch.tensor(p)
-            mask[b, L - len(p):] = 1
         dev = self.engine.device
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, pos, _ = padded_batch(prompts, "left", dev)  # as HFEngine._generate_batch
         cache = DynamicCache(config=self.model.config)
         P = len(prompts[tb])
         with self._hooks(spec) as hooks:
@@ -341,30 +336,18 @@ class HFCaptureRunner:
         tb = target - start
         seqs = [s.ids for s in chunk]
         with self._hooks(spec) as hooks:
-            if eng.packing:  # one row, positions restarting per sequence (HFEngine._score_packed)
-                ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None]
-                pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
-                off = sum(len(s) for s in seqs[:tb])
+            if eng.packing:  # the layout of HFEngine._score_packed
+                ids, pos, offsets = packed_row(seqs, eng.device)
+                off = offsets[tb]
                 rm = torch.full(ids.shape, -1, dtype=torch.long)
                 rm[0, off:off + len(seqs[tb])] = torch.arange(len(seqs[tb]))
                 self.rowmap.set(rm)
-                logits = self.model(input_ids=ids.to(eng.device), position_ids=pos.to(eng.device),
-                                    use_cache=False).logits[0]
-            else:  # HFEngine._score_padded
-                B, L = len(seqs), max(len(s) for s in seqs)
-                ids = torch.zeros(B, L, dtype=torch.long)
-                mask = torch.zeros(B, L, dtype=torch.long)
-                starts = []
-                for b, s in enumerate(seqs):
-                    st = L - len(s) if eng.padding_side == "left" else 0
-                    ids[b, st:st + len(s)] = torch.tensor(s)
-                    mask[b, st:st + len(s)] = 1
-                    starts.append(st)
-                pos = (mask.cumsum(-1) - 1).clamp(min=0)
+                logits = self.model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+            else:  # the layout of HFEngine._score_padded
+                ids, mask, pos, starts = padded_batch(seqs, eng.padding_side, eng.device)
                 rm = torch.full(ids.shape, -1, dtype=torch.long)
                 rm[tb, starts[tb]:starts[tb] + len(seqs[tb])] = torch.arange(len(seqs[tb]))
                 self.rowmap.set(rm)
-                ids, mask, pos = ids.to(eng.device), mask.to(eng.device), pos.to(eng.device)
                 logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
                 off = None
             hooks.capture.forwards += 1

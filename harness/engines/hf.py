@@ -45,6 +45,30 @@ def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", att
     return model
 
 
+def padded_batch(seqs: list[list[int]], side: str, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """The padded layout both phases and the locator use: (ids, mask, position ids, start column of each row)."""
+    B, L = len(seqs), max(len(s) for s in seqs)
+    ids = torch.zeros(B, L, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.long)
+    starts = []
+    for b, s in enumerate(seqs):
+        start = L - len(s) if side == "left" else 0
+        ids[b, start:start + len(s)] = torch.tensor(s)
+        mask[b, start:start + len(s)] = 1
+        starts.append(start)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids.to(device), mask.to(device), pos.to(device), starts
+
+
+def packed_row(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """One row, position ids restarting per sequence (transformers builds the block-causal mask from them):
+    (ids [1, N], position ids [1, N], offset of each sequence)."""
+    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None]
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    offsets = [sum(len(s) for s in seqs[:i]) for i in range(len(seqs))]
+    return ids.to(device), pos.to(device), offsets
+
+
 def request_generator(seed: int, request_id: int) -> torch.Generator:
     """One sampler per request, seeded by the request alone: batch-mates cannot shift its random stream."""
     return torch.Generator().manual_seed(seed * 1_000_003 + int(request_id))
@@ -117,14 +141,8 @@ class HFEngine(Engine):
         from transformers import DynamicCache
 
         B = len(prompts)
-        L = max(len(p) for p in prompts)
-        ids = torch.zeros(B, L, dtype=torch.long)
-        mask = torch.zeros(B, L, dtype=torch.long)
-        for b, p in enumerate(prompts):  # left padding: every request's next token sits in the last column
-            ids[b, L - len(p):] = torch.tensor(p)
-            mask[b, L - len(p):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        # left padding: every request's next token sits in the last column
+        ids, mask, pos, _ = padded_batch(prompts, "left", self.device)
         gens = [request_generator(sampling.seed, r) for r in request_ids]
         cache = DynamicCache(config=self.model.config)
         responses = [[] for _ in range(B)]
@@ -162,18 +180,7 @@ class HFEngine(Engine):
         return lp[torch.arange(len(targets)), torch.tensor(targets)].float().cpu()
 
     def _score_padded(self, chunk: list[Sample], sampling: Sampling) -> list[torch.Tensor]:
-        seqs = [s.ids for s in chunk]
-        B, L = len(seqs), max(len(s) for s in seqs)
-        ids = torch.zeros(B, L, dtype=torch.long)
-        mask = torch.zeros(B, L, dtype=torch.long)
-        starts = []
-        for b, s in enumerate(seqs):
-            start = L - len(s) if self.padding_side == "left" else 0
-            ids[b, start:start + len(s)] = torch.tensor(s)
-            mask[b, start:start + len(s)] = 1
-            starts.append(start)
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, pos, starts = padded_batch([s.ids for s in chunk], self.padding_side, self.device)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
         out = []
         for b, s in enumerate(chunk):
@@ -183,15 +190,10 @@ class HFEngine(Engine):
         return out
 
     def _score_packed(self, chunk: list[Sample], sampling: Sampling) -> list[torch.Tensor]:
-        # One row, position ids restarting per sequence; transformers builds the block-causal mask from them.
-        seqs = [s.ids for s in chunk]
-        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None]
-        pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
-        ids, pos = ids.to(self.device), pos.to(self.device)
+        ids, pos, offsets = packed_row([s.ids for s in chunk], self.device)
         logits = self.model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
-        out, off = [], 0
-        for s in chunk:
+        out = []
+        for s, off in zip(chunk, offsets):
             P, R = len(s.prompt_ids), len(s.response_ids)
             out.append(self._gather(logits[off + P - 1: off + P - 1 + R], s.response_ids, sampling))
-            off += P + R
         return out
