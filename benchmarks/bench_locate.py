@@ -16,7 +16,10 @@ from pathlib import Path
 
 import torch
 
-from tic.gates import get
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # keep the table readable
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+from tic.gates import get  # noqa: E402
 from tic.harness.capture import HFCaptureRunner
 from tic.harness.engines.base import Sampling
 from tic.harness.engines.hf import HFEngine
