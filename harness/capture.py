@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tic.harness.engines.base import Sample
-from tic.harness.engines.hf import packed_row, padded_batch
+from tic.harness.engines.hf import cache_kwargs, packed_row, padded_batch
 
 RowTensors = tuple  # one tensor per row-shaped output (or input) of a module, for one token
 
@@ -317,7 +317,7 @@ class HFCaptureRunner:
                     rm[tb, 0] = P + step - 1
                 self.rowmap.set(rm)
                 logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
-                                    past_key_values=cache, use_cache=True).logits[:, -1]
+                                    **cache_kwargs(self.model, cache), use_cache=True).logits[:, -1]
                 hooks.capture.forwards += 1
                 lp = self.engine.logprobs_of(logits, self.temperature)
                 hooks.capture.logprobs[step] = lp[tb, batch[tb].response_ids[step]].float().cpu().clone()

@@ -69,6 +69,15 @@ def packed_row(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tenso
     return ids.to(device), pos.to(device), offsets
 
 
+def cache_kwargs(model, cache) -> dict:
+    """The KV cache argument under the name this transformers version takes (`cache` from 5.2x on,
+    `past_key_values` before), so no release warns or breaks."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
 def request_generator(seed: int, request_id: int) -> torch.Generator:
     """One sampler per request, seeded by the request alone: batch-mates cannot shift its random stream."""
     return torch.Generator().manual_seed(seed * 1_000_003 + int(request_id))
@@ -150,7 +159,7 @@ class HFEngine(Engine):
         step_ids, step_pos = ids, pos
         for _ in range(sampling.max_tokens):
             logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
-                                past_key_values=cache, use_cache=True).logits[:, -1]
+                                **cache_kwargs(self.model, cache), use_cache=True).logits[:, -1]
             lp = self.logprobs_of(logits, sampling.temperature).cpu()
             nxt = []
             for b in range(B):
