@@ -4,11 +4,8 @@ batches of several sizes and at several positions."""
 from __future__ import annotations
 
 from tic.gates.base import Gate, Judgement
+from tic.harness.layouts import probe_batch
 from tic.harness.metrics import compare_generation
-
-
-def _place(size: int, position: str) -> int:
-    return {"first": 0, "middle": size // 2, "last": size - 1}[position]
 
 
 def measure(ctx) -> dict:
@@ -18,15 +15,9 @@ def measure(ctx) -> dict:
     rows, compared, equal, identical, first = [], 0, 0, 0, None
     for p in probes:
         alone = eng.generate_together([prompts[p]], sp, [p])[0]
-        others = [i for i in range(len(prompts)) if i != p]
         for size in lay.batch_sizes:
             for position in lay.positions:
-                mates = [others[k % len(others)] for k in range(size - 1)] if others else [p] * (size - 1)
-                at = _place(size, position)
-                batch_prompts = [prompts[i] for i in mates]
-                batch_ids = [len(prompts) + 1000 * (k + 1) + i for k, i in enumerate(mates)]  # mates' own seeds
-                batch_prompts.insert(at, prompts[p])
-                batch_ids.insert(at, p)
+                batch_prompts, batch_ids, at = probe_batch(prompts, p, size, position)
                 got = eng.generate_together(batch_prompts, sp, batch_ids)[at]
                 c = compare_generation(alone, got)
                 layout = f"probe {p}, batch {size}, {position}"

@@ -1,10 +1,54 @@
-"""C6: Training layout invariance. Declared here; measured by a later release (its verdict says so, never pass)."""
+"""C6: training layout invariance. The training forward must give the same logprob bits whatever its own
+layout: micro-batch size, padding side, sequence packing."""
 
-from tic.gates.base import Gate
+from __future__ import annotations
+
+from tic.gates.base import Gate, Judgement
+from tic.harness.layouts import describe_train_layout
+from tic.harness.metrics import compare_logprobs, is_exact_match
+
+
+def measure(ctx) -> dict:
+    samples = ctx.rollout_samples()
+    masks = [s.mask for s in samples]
+    reference = ctx.train_engine().score(samples, ctx.sampling)
+    rows, total, equal, first = [], 0, 0, None
+    for lay in ctx.cfg.layouts.train:
+        changes = lay.changes()
+        got = ctx.train_layout_engine(changes).score(samples, ctx.sampling)
+        m = compare_logprobs(reference, got, masks)
+        rows.append({"layout": describe_train_layout(changes), "equal_fraction": m["equal_fraction"],
+                     "exact": is_exact_match(m), "max": m["max"]})
+        total += m["tokens"]
+        equal += m["equal_tokens"]
+        if first is None and m["first_mismatch"]:
+            # "rollout"/"train" name the two columns for the locator: reference layout vs this layout
+            first = {**m["first_mismatch"], "layout": changes}
+    return {
+        "metrics": {"layouts": len(rows), "identical_layouts": sum(r["exact"] for r in rows),
+                    "compared_tokens": total, "equal_tokens": equal,
+                    "equal_fraction": equal / total if total else 0.0, "first_mismatch": first},
+        "details": {"reference": {k: getattr(ctx.cfg.train, k) for k in ("micro_batch_size", "padding_side",
+                                                                         "packing")},
+                    "layouts": rows},
+    }
+
+
+def judge(m: dict) -> Judgement:
+    x = m["metrics"]
+    key = f"{100 * x['equal_fraction']:.1f}% tokens equal, {x['identical_layouts']}/{x['layouts']} layouts identical"
+    if x["layouts"] > 0 and x["identical_layouts"] == x["layouts"] and x["equal_tokens"] == x["compared_tokens"]:
+        return Judgement("pass", "every training layout reproduces the reference layout bit for bit", key)
+    f = x["first_mismatch"] or {}
+    return Judgement("fail", f"layout {describe_train_layout(f.get('layout', {}))} differs first at sequence "
+                             f"{f.get('sequence')}, position {f.get('position')}: {f.get('rollout')!r} vs "
+                             f"{f.get('train')!r} ({f.get('ulps')} ulp)", key)
+
 
 GATE = Gate(
     id="C6", title="Training layout invariance", step=3,
-    measures="training logprobs under different micro-batch sizes, padding sides and packing",
-    pass_condition="every layout's logprobs are bitwise equal to the reference layout's",
-    inputs=[], artifacts=[], guide="guides/C6.md",
-    implemented_by="a later release")
+    measures="training logprobs of the rollout's sequences under each layout in layouts.train (micro-batch size, "
+             "padding side, packing) vs the configured train layout, bit for bit",
+    pass_condition="every layout's logprobs are bitwise equal to the reference layout's (100% equal tokens)",
+    inputs=["train engine (live)", "rollout samples", "layouts.train"], artifacts=[], guide="guides/C6.md",
+    measure=measure, judge=judge, locate_on_fail=True)

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from tic.harness.capture import Capture, CaptureRunner, CaptureSpec, Trail, rows_equal, runner_for
+from tic.harness.layouts import describe_train_layout, probe_batch
 from tic.harness.metrics import _ordered_int
 from tic.skill.errors import TicInputError
 from tic.skill.state import atomic_write_bytes, atomic_write_text
@@ -359,12 +360,7 @@ def sides_for_gate(ctx, gate_id: str, measured: dict) -> tuple[Side, Side, int, 
         eng = ctx.live_rollout_engine("locating C3")
         prompts, p, size, at, j = ctx.prompts, fm["probe"], fm["batch_size"], fm["index_in_batch"], fm["position"]
         alone = eng.generate_together([prompts[p]], sp, [p])
-        others = [i for i in range(len(prompts)) if i != p]  # the batch exactly as gates/c3.py builds it
-        mates = [others[k % len(others)] for k in range(size - 1)] if others else [p] * (size - 1)
-        bp = [prompts[i] for i in mates]
-        bids = [len(prompts) + 1000 * (k + 1) + i for k, i in enumerate(mates)]
-        bp.insert(at, prompts[p])
-        bids.insert(at, p)
+        bp, bids, _ = probe_batch(prompts, p, size, at)  # the batch exactly as gates/c3.py builds it
         batch = eng.generate_together(bp, sp, bids)
         batch[at] = alone[0]  # identical tokens up to the compared position; the probe is teacher-forced
         r = runner_for(eng, sp.temperature)
@@ -372,7 +368,15 @@ def sides_for_gate(ctx, gate_id: str, measured: dict) -> tuple[Side, Side, int, 
         side_b = Side(f"probe decoded in a batch of {size} at index {at}", r,
                       lambda spec: r.decode(batch, at, j, spec, together=True))
         return side_a, side_b, j, _expected(fm, "alone", "batched")
-    raise TicInputError(f"no locator recipe for gate {gate_id} (C3, C4, C5)")
+    if gate_id == "C6":
+        samples, s, j = ctx.rollout_samples(), fm["sequence"], fm["position"]
+        ref, var = ctx.train_engine(), ctx.train_layout_engine(fm["layout"])
+        ra, rb = runner_for(ref, sp.temperature), runner_for(var, sp.temperature)
+        side_a = Side("train recompute, reference layout", ra, lambda spec: ra.score(samples, s, spec))
+        side_b = Side(f"train recompute, layout {describe_train_layout(fm['layout'])}", rb,
+                      lambda spec: rb.score(samples, s, spec))
+        return side_a, side_b, j, _expected(fm, "rollout", "train")
+    raise TicInputError(f"no locator recipe for gate {gate_id} (C3, C4, C5, C6)")
 
 
 def locate_for_gate(ctx, gate_id: str, measured: dict, strict: bool = False) -> dict:

@@ -74,12 +74,26 @@ class SamplingConfig(Strict):
     seed: int = 0
 
 
+class TrainLayout(Strict):
+    """C6: one training layout, as changes to the train engine's configured one."""
+
+    micro_batch_size: int | None = Field(None, ge=1)
+    padding_side: Literal["left", "right"] | None = None
+    packing: bool | None = None
+
+    def changes(self) -> dict:
+        return self.model_dump(exclude_none=True)
+
+
 class LayoutsConfig(Strict):
-    """C3: where a probe request is placed when it is compared with itself alone."""
+    """C3: where a probe request is placed when it is compared with itself alone.
+    C6: which training layouts must reproduce the configured one bit for bit."""
 
     batch_sizes: list[int] = Field(default_factory=lambda: [2, 5, 8])
     positions: list[Literal["first", "middle", "last"]] = Field(default_factory=lambda: ["first", "last"])
     probes: int = Field(2, ge=1, description="how many requests are checked alone vs in batch")
+    train: list[TrainLayout] = Field(default_factory=lambda: [
+        TrainLayout(micro_batch_size=1), TrainLayout(padding_side="left"), TrainLayout(packing=True)])
 
 
 class TrainingConfig(Strict):

@@ -92,6 +92,17 @@ class GateContext:
     def train_engine(self) -> Engine:
         return self.engine("train")
 
+    def train_layout_engine(self, changes: dict) -> Engine:
+        """The train engine with some layout fields changed (C6); the model itself is shared."""
+        key = "train " + repr(sorted(changes.items()))
+        if key not in self._engines:
+            from tic.harness.engines import build_engine
+
+            if self.cfg.train.engine == "dump":
+                raise TicInputError("C6 needs a live train engine (hf), not a dump")
+            self._engines[key] = build_engine(self, "train", self.cfg.train.model_copy(update=changes))
+        return self._engines[key]
+
     def live_rollout_engine(self, gate: str) -> Engine:
         eng = self.rollout_engine()
         if eng.dumped_samples() is not None:

@@ -11,7 +11,7 @@ import click
 
 from tic.skill.errors import TicInputError
 
-LOCATABLE = ("C3", "C4", "C5")
+LOCATABLE = ("C3", "C4", "C5", "C6")
 
 
 @click.command("locate", epilog="""\b
@@ -22,10 +22,10 @@ Exit codes:
   3  internal error""")
 @click.option("-c", "--config", "config_path", default="tic.yaml", show_default=True,
               type=click.Path(dir_okay=False, path_type=Path), help="tic.yaml to use")
-@click.option("--gate", "gate_id", default="C5", show_default=True, help="which comparison to localise: C3, C4 or C5")
+@click.option("--gate", "gate_id", default="C5", show_default=True, help="which comparison to localise: C3, C4, C5 or C6")
 @click.option("--json", "as_json", is_flag=True, help="print the findings as JSON on stdout")
 def command(config_path, gate_id, as_json):
-    """Find the first divergent layer and operator of a failing C3/C4/C5 and write a minimal repro."""
+    """Find the first divergent layer and operator of a failing C3/C4/C5/C6 and write a minimal repro."""
     from tic.gates import get
     from tic.harness.locate import locate_for_gate
     from tic.skill import report
@@ -34,7 +34,7 @@ def command(config_path, gate_id, as_json):
 
     gate_id = gate_id.upper()
     if gate_id not in LOCATABLE:
-        raise TicInputError(f"--gate {gate_id}: the locator covers C3, C4 or C5")
+        raise TicInputError(f"--gate {gate_id}: the locator covers C3, C4, C5 or C6")
     gate = get(gate_id)
     ctx = GateContext(load_config(config_path))
     con = report.console()

@@ -169,7 +169,7 @@ def test_locate_command_bad_gate(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         main(["locate", "-c", str(DENSE / "tic.yaml"), "--gate", "C9"])
     assert e.value.code == 2
-    assert "C3, C4 or C5" in capsys.readouterr().err
+    assert "C3, C4, C5 or C6" in capsys.readouterr().err
 
 
 def test_gate_without_mismatch_is_not_localised_but_does_not_raise(tmp_path, monkeypatch):

@@ -8,8 +8,8 @@ from tic.skill.errors import TicInputError
 __all__ = ["Engine", "Sample", "Sampling", "build_engine"]
 
 
-def build_engine(ctx, side: str) -> Engine:
-    side_cfg = getattr(ctx.cfg, side)
+def build_engine(ctx, side: str, side_cfg=None) -> Engine:
+    side_cfg = side_cfg if side_cfg is not None else getattr(ctx.cfg, side)
     if side_cfg.engine == "dump":
         from tic.harness.engines.dump import DumpEngine
 
