@@ -139,25 +139,74 @@ class _RowMap:
         return [(i, int(flat[i])) for i in idx]
 
 
-class _Recorder(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls: list[OpCall] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        clone = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
-        self.calls.append(OpCall(str(func), func, tuple(_tree_map(clone, a) for a in args),
-                                 {k: _tree_map(clone, v) for k, v in kwargs.items()},
-                                 tuple(clone(t) for t in tensors_of(out))))
-        return out
-
-
 def _tree_map(fn, v):
     if isinstance(v, (list, tuple)):
         return type(v)(_tree_map(fn, x) for x in v)
     return fn(v)
+
+
+def _clone(v):
+    return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """Tensors an operator writes in place (schema alias_info is_write): e.g. vLLM's kernels return None and
+    fill their `out`/input arguments."""
+    try:
+        schema = func._schema
+    except AttributeError:
+        return []
+    got = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        if isinstance(v, torch.Tensor):
+            got.append(v)
+    return got
+
+
+class _OpFailed(Exception):
+    pass
+
+
+class OpRecorder(TorchDispatchMode):
+    """Operator trail of one module call, for every engine: inputs cloned before the call (kernels may mutate
+    them), outputs = returned tensors + tensors written in place; factory ops (no tensor input: empty,
+    arange, ...) are not computations on the token and are left out. Wrapper ops (e.g. vLLM's
+    unified_attention_with_output) are recorded as dispatched, as one operator. Recording never changes what
+    runs: each operator runs once, as given; a recording failure is kept in `errors`."""
+
+    def __init__(self, calls: list | None = None):
+        super().__init__()
+        self.calls: list[OpCall] = calls if calls is not None else []
+        self.errors: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            return self._record(func, args, kwargs)
+        except _OpFailed as e:
+            raise e.__cause__ from None
+        except Exception as e:  # noqa: BLE001  the recording broke, not the operator: run it plainly
+            self.errors.append(f"{func}: {type(e).__name__}: {e}")
+            return func(*args, **kwargs)
+
+    def _record(self, func, args, kwargs):
+        has_input = any(isinstance(x, torch.Tensor) for v in list(args) + list(kwargs.values())
+                        for x in (v if isinstance(v, (list, tuple)) else [v]))
+        if not has_input:
+            return func(*args, **kwargs)
+        pre_args = tuple(_tree_map(_clone, a) for a in args)
+        pre_kwargs = {k: _tree_map(_clone, v) for k, v in kwargs.items()}
+        try:
+            out = func(*args, **kwargs)
+        except Exception as e:  # the operator itself failed: not a recording problem
+            raise _OpFailed() from e
+        outs = tensors_of(out)
+        extra = [w for w in _written(func, args, kwargs) if not any(w is o for o in outs)]
+        self.calls.append(OpCall(str(func), func, pre_args, pre_kwargs, tuple(_clone(t) for t in outs + extra)))
+        return out
 
 
 def _input_tensors(args: tuple, kwargs: dict, batch: int, length: int) -> list[tuple[object, torch.Tensor]]:
@@ -188,7 +237,7 @@ class HookSet:
         self.module_rows = module_rows or (lambda name, out: tensors_of(out))
         self.capture = Capture()
         self.handles = []
-        self._recorder: _Recorder | None = None
+        self._recorder: OpRecorder | None = None
 
     def __enter__(self):
         names = set(self.spec.outputs) | set(self.spec.inputs) | set(self.spec.replace)
@@ -238,7 +287,7 @@ class HookSet:
                     and any(pos == self.spec.trail_position for _, pos in targets)):
                 fi = next(i for i, pos in targets if pos == self.spec.trail_position)
                 self.capture.trail = Trail([], B, T, fi)
-                self._recorder = _Recorder()
+                self._recorder = OpRecorder()
                 self._recorder.__enter__()
             if name in self.spec.replace:
                 return new_args, new_kwargs

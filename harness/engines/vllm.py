@@ -424,80 +424,6 @@ def replace_rows(module, args, kwargs, n: int, targets: list[tuple[int, int]], r
     return out_args, out_kwargs
 
 
-def _written(func, args, kwargs) -> list[torch.Tensor]:
-    """Tensors an operator writes in place (schema alias_info is_write): vLLM's kernels return None and fill
-    their `out`/input arguments."""
-    got = []
-    try:
-        schema = func._schema
-    except AttributeError:
-        return got
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = args[i] if i < len(args) else kwargs.get(a.name)
-        if isinstance(v, torch.Tensor):
-            got.append(v)
-    return got
-
-
-class _OpFailed(Exception):
-    pass
-
-
-def _make_recorder():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from tic.harness.capture import OpCall, tensors_of
-
-    clone = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
-
-    def tree(fn, v):
-        if isinstance(v, (list, tuple)):
-            return type(v)(tree(fn, x) for x in v)
-        return fn(v)
-
-    class Recorder(TorchDispatchMode):
-        """Operator trail for vLLM: inputs cloned before the call (kernels mutate them), outputs = returned
-        tensors + tensors written in place; factory ops (no tensor input: empty, arange, ...) are not
-        computations on the token and are left out. vLLM's wrapper ops (torch.ops.vllm.unified_attention_with_
-        output, ...) are recorded as they are dispatched, as one operator. Recording never changes what runs:
-        each operator runs once, as given; a recording failure is kept in `errors`."""
-
-        def __init__(self, calls: list):
-            super().__init__()
-            self.calls = calls
-            self.errors: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            try:
-                return self._record(func, args, kwargs)
-            except _OpFailed as e:
-                raise e.__cause__ from None
-            except Exception as e:  # noqa: BLE001  the recording broke, not the operator: run it plainly
-                self.errors.append(f"{func}: {type(e).__name__}: {e}")
-                return func(*args, **kwargs)
-
-        def _record(self, func, args, kwargs):
-            has_input = any(isinstance(x, torch.Tensor) for v in list(args) + list(kwargs.values())
-                            for x in (v if isinstance(v, (list, tuple)) else [v]))
-            if not has_input:
-                return func(*args, **kwargs)
-            pre_args = tuple(tree(clone, a) for a in args)
-            pre_kwargs = {k: tree(clone, v) for k, v in kwargs.items()}
-            try:
-                out = func(*args, **kwargs)
-            except Exception as e:  # the operator itself failed: not a recording problem
-                raise _OpFailed() from e
-            outs = tensors_of(out)
-            extra = [w for w in _written(func, args, kwargs) if not any(w is o for o in outs)]
-            self.calls.append(OpCall(str(func), func, pre_args, pre_kwargs, tuple(clone(t) for t in outs + extra)))
-            return out
-
-    return Recorder
-
-
 class VLLMCaptureRunner:
     """CaptureRunner over a VLLMEngine (in-process, V1 GPU model runner, eager)."""
 
@@ -549,7 +475,7 @@ class VLLMCaptureRunner:
         return [(a + j, int(p)) for j, p in enumerate(pos)]
 
     def _run(self, prompts, params, kind, rids, probe: int, spec):
-        from tic.harness.capture import Capture, Trail
+        from tic.harness.capture import Capture, OpRecorder, Trail
 
         prompt = tuple(int(t) for t in prompts[probe])
         cap = Capture()
@@ -558,7 +484,6 @@ class VLLMCaptureRunner:
         if spec.trail_module:
             names.add(spec.trail_module)
         embed = self.modules[f"{self.prefix}.embed_tokens"]
-        Recorder = _make_recorder()
 
         def guarded(fn):
             """A hook that fails must not abort vLLM's step (its requests would stay queued): the error is
@@ -608,7 +533,7 @@ class VLLMCaptureRunner:
                         and any(p == spec.trail_position for _, p in targets)):
                     fi = next(i for i, p in targets if p == spec.trail_position)
                     cap.trail = Trail([], 1, n, fi)
-                    st["rec"] = Recorder(cap.trail.calls)
+                    st["rec"] = OpRecorder(cap.trail.calls)
                     st["rec"].__enter__()
                 return new
             return fn
