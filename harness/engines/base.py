@@ -24,6 +24,11 @@ class Sample:
         return list(self.prompt_ids) + list(self.response_ids)
 
 
+def request_seed(seed: int, request_id: int) -> int:
+    """Every engine's per-request sampler seed: a function of the request alone, so batch-mates cannot shift it."""
+    return (seed * 1_000_003 + int(request_id)) % (1 << 63)
+
+
 @dataclass
 class Sampling:
     temperature: float = 1.0

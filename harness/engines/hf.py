@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tic.harness.engines.base import Engine, Sample, Sampling
+from tic.harness.engines.base import Engine, Sample, Sampling, request_seed
 from tic.skill.errors import TicInputError
 
 _MODELS: dict[tuple, torch.nn.Module] = {}
@@ -80,7 +80,7 @@ def cache_kwargs(model, cache) -> dict:
 
 def request_generator(seed: int, request_id: int) -> torch.Generator:
     """One sampler per request, seeded by the request alone: batch-mates cannot shift its random stream."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + int(request_id))
+    return torch.Generator().manual_seed(request_seed(seed, request_id))
 
 
 def sample_token(logprobs: torch.Tensor, temperature: float, gen: torch.Generator) -> int:

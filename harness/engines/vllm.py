@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tic.harness.engines.base import Engine, Sample, Sampling
+from tic.harness.engines.base import Engine, Sample, Sampling, request_seed
 from tic.skill.errors import TicInputError
 
 # rollout.options understood by this engine, with their defaults.
@@ -59,11 +59,6 @@ def check_options(options: dict) -> dict:
     if out["batch_invariant"] not in (None, True, False):
         raise TicInputError("rollout.options.batch_invariant: expected true, false or null")
     return out
-
-
-def request_seed(seed: int, request_id: int) -> int:
-    """The per-request sampler seed (same rule as the HF engine): batch-mates cannot shift it."""
-    return (seed * 1_000_003 + int(request_id)) % (1 << 63)
 
 
 # -- conversions between vLLM outputs, plain records and Samples (no vLLM needed) ---------------------------
