@@ -21,7 +21,6 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 from tic.gates import get  # noqa: E402
 from tic.harness.capture import HFCaptureRunner
-from tic.harness.engines.base import Sampling
 from tic.harness.engines.hf import HFEngine
 from tic.harness.locate import Side, locate, locate_for_gate
 from tic.skill.config import load_config

@@ -195,7 +195,6 @@ def test_run3_check_script_agrees(records3, run):
 # -- the vLLM capture runner on a synthetic model with vLLM's layout (flat token rows, hidden/residual apart) -----
 def _synthetic_vllm():
     from torch import nn
-    from types import SimpleNamespace as NS
     from tic.harness.engines.base import Sampling
     import numpy as np
     from types import SimpleNamespace as NS
