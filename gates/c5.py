@@ -9,7 +9,7 @@ from tic.harness.metrics import compare_logprobs, is_exact_match, summary
 
 def measure(ctx) -> dict:
     samples = ctx.rollout_samples()
-    train = ctx.train_engine().score(samples, ctx.sampling)
+    train = ctx.train_logprobs()
     m = compare_logprobs([s.logprobs for s in samples], train, [s.mask for s in samples])
     return {"metrics": m, "details": {"rollout": ctx.cfg.rollout.engine, "train": ctx.cfg.train.engine}}
 

@@ -11,7 +11,7 @@ from tic.harness.metrics import compare_logprobs, is_exact_match
 def measure(ctx) -> dict:
     samples = ctx.rollout_samples()
     masks = [s.mask for s in samples]
-    reference = ctx.train_engine().score(samples, ctx.sampling)
+    reference = ctx.train_logprobs()
     rows, total, equal, first = [], 0, 0, None
     for lay in ctx.cfg.layouts.train:
         changes = lay.changes()

@@ -20,6 +20,7 @@ class GateContext:
         self.state = LadderState(Path(cfg.state_dir))  # relative to the working directory, like .git
         self._engines: dict[str, Engine] = {}
         self._rollout: list[Sample] | None = None
+        self._train: list | None = None
 
     # -- model ------------------------------------------------------------------------------------------
     @cached_property
@@ -119,6 +120,12 @@ class GateContext:
             else:
                 self._rollout = eng.generate(self.prompts, self.sampling, list(range(len(self.prompts))))
         return self._rollout
+
+    def train_logprobs(self) -> list:
+        """The train engine's recompute of the rollout, in its configured layout (C5 and C6 share it)."""
+        if self._train is None:
+            self._train = self.train_engine().score(self.rollout_samples(), self.sampling)
+        return self._train
 
     def artifacts(self, gate: str) -> Path:
         d = self.state.artifacts_dir(gate)
