@@ -27,12 +27,19 @@ CONFIGS = [("run-small", n) for n in ("dense-default", "dense-bi", "moe-default"
                                      "dense-v1runner")]
 
 
+def extract(fixture: Path, d: Path) -> Path:
+    """Unpack committed device records; the safe 'data' filter where this Python has it (3.11.4+, 3.12+)."""
+    with tarfile.open(fixture) as tf:
+        if hasattr(tarfile, "data_filter"):
+            tf.extractall(d, filter="data")
+        else:
+            tf.extractall(d)
+    return d
+
+
 @pytest.fixture(scope="module")
 def records(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("vllm-records")
-    with tarfile.open(FIXTURE) as tf:
-        tf.extractall(d, filter="data")
-    return d
+    return extract(FIXTURE, tmp_path_factory.mktemp("vllm-records"))
 
 
 def load(d: Path, run: str, name: str):
@@ -150,10 +157,7 @@ RUN3 = {  # config -> (C3 equal/compared, C4 equal/tokens, C5 equal/tokens or No
 
 @pytest.fixture(scope="module")
 def records3(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("vllm-records-3")
-    with tarfile.open(FIXTURE3) as tf:
-        tf.extractall(d, filter="data")
-    return d
+    return extract(FIXTURE3, tmp_path_factory.mktemp("vllm-records-3"))
 
 
 @pytest.mark.parametrize("run,name", sorted(RUN3))
