@@ -46,6 +46,10 @@ class OpCall:
     args: tuple
     kwargs: dict
     outputs: tuple  # tensor outputs, in order
+    # where each tensor argument came from, shaped like (args, kwargs): (call index, output index) of an earlier
+    # call of the same trail, or None for a value from outside (weights, module inputs, buffers). Lets a repro
+    # replay a whole module's operator sequence as a program.
+    sources: tuple | None = None
 
 
 @dataclass
@@ -170,20 +174,51 @@ class _OpFailed(Exception):
     pass
 
 
+# Operator namespaces whose ops are Python wrappers over compiled kernels and read per-step state that exists only
+# inside the engine's forward (vLLM's attention and KV-cache update take a layer name and look up the step's
+# metadata). A repro cannot call them in a fresh process, so the recorder opens them and records the kernels they
+# call (e.g. torch.ops._vllm_fa3_C.fwd with its explicit cu_seqlens, page table and KV cache) instead.
+OPEN_NAMESPACES: set[str] = {"vllm", "vllm_ir"}  # vllm_ir: kernel chosen by the engine's config
+
+
+def _device_key(args, kwargs):
+    for v in list(args) + list(kwargs.values()):
+        for x in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(x, torch.Tensor):
+                return "CUDA" if x.is_cuda else "CPU"
+    return None
+
+
 class OpRecorder(TorchDispatchMode):
     """Operator trail of one module call, for every engine: inputs cloned before the call (kernels may mutate
     them), outputs = returned tensors + tensors written in place; factory ops (no tensor input: empty,
     arange, ...) are not computations on the token and are left out. Wrapper ops (e.g. vLLM's
-    unified_attention_with_output) are recorded as dispatched, as one operator. Recording never changes what
-    runs: each operator runs once, as given; a recording failure is kept in `errors`."""
+    unified_attention_with_output) of OPEN_NAMESPACES are opened: the kernels they call are recorded, not the
+    wrapper. Recording never changes what runs: each operator runs once, as given; a recording failure is kept
+    in `errors`."""
 
-    def __init__(self, calls: list | None = None):
+    def __init__(self, calls: list | None = None, errors: list | None = None, produced: dict | None = None):
         super().__init__()
         self.calls: list[OpCall] = calls if calls is not None else []
-        self.errors: list[str] = []
+        self.errors: list[str] = errors if errors is not None else []
+        # id(tensor) -> (call index, output index, the tensor): which recorded call last produced or wrote it;
+        # the tensor is held so that its id is not reused while recording
+        self.produced: dict[int, tuple] = produced if produced is not None else {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        key = _device_key(args, kwargs) if func.namespace in OPEN_NAMESPACES else None
+        if key and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key):
+            # run the wrapper's own kernel (below the Python-mode key) with a recorder pushed again, so the
+            # operators it dispatches are seen; the wrapper itself is not recorded
+            n = len(self.calls)
+            try:
+                with OpRecorder(self.calls, self.errors, self.produced):
+                    return func.redispatch(torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key)),
+                                           *args, **kwargs)
+            except Exception as e:  # noqa: BLE001  e.g. an argument type the boxed call refuses: record it whole
+                del self.calls[n:]  # (vLLM's wrappers are idempotent: KV-cache writes, attention into `out`)
+                self.errors.append(f"{func}: not opened: {type(e).__name__}: {e}")
         try:
             return self._record(func, args, kwargs)
         except _OpFailed as e:
@@ -199,13 +234,19 @@ class OpRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         pre_args = tuple(_tree_map(_clone, a) for a in args)
         pre_kwargs = {k: _tree_map(_clone, v) for k, v in kwargs.items()}
+        src = lambda v: self.produced[id(v)][:2] if isinstance(v, torch.Tensor) and id(v) in self.produced else None  # noqa: E731
+        sources = (tuple(_tree_map(src, a) for a in args), {k: _tree_map(src, v) for k, v in kwargs.items()})
         try:
             out = func(*args, **kwargs)
         except Exception as e:  # the operator itself failed: not a recording problem
             raise _OpFailed() from e
         outs = tensors_of(out)
         extra = [w for w in _written(func, args, kwargs) if not any(w is o for o in outs)]
-        self.calls.append(OpCall(str(func), func, pre_args, pre_kwargs, tuple(_clone(t) for t in outs + extra)))
+        ci = len(self.calls)
+        for k, t in enumerate(outs + extra):
+            self.produced[id(t)] = (ci, k, t)
+        self.calls.append(OpCall(str(func), func, pre_args, pre_kwargs, tuple(_clone(t) for t in outs + extra),
+                                 sources))
         return out
 
 

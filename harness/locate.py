@@ -144,11 +144,30 @@ def _describe_args(call) -> str:
     return ", ".join(parts)
 
 
+# Operators whose output is their input in another dtype or memory: when side A has no such step, side A's value is
+# the operator's input, and the repro compares the two directly.
+CAST_OPS = {"aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten.clone.default",
+            "aten.copy_.default", "aten.contiguous.default", "prims.convert_element_type.default"}
+
+
+def module_target(trail: Trail, value: torch.Tensor) -> tuple[int, dict] | None:
+    """The last call whose output row for the traced token is the module's recorded output (bit for bit)."""
+    outs, _ = trail_rows(trail)
+    for ci in range(len(outs) - 1, -1, -1):
+        for k, where, v, _rows in outs[ci]:
+            if rows_equal((v.detach().cpu(),), (value.detach().cpu(),)):
+                return ci, where
+    return None
+
+
 def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
     """The first op on side B whose value for the traced token is none of side A's values (inputs equal)."""
     outs_a, ins_a = trail_rows(trail_a)
     outs_b, ins_b = trail_rows(trail_b)
-    seen = {_key(v) for got in outs_a for (_, _, v, _) in got} | {_key(v) for got in ins_a for v in got}
+    seen_values = [v for got in outs_a for (_, _, v, _) in got] + [v for got in ins_a for v in got]
+    seen = {_key(v) for v in seen_values}
+    # a lossless dtype change of a value side A has (e.g. bf16 -> fp32 before a norm) is not a new value
+    seen |= {_key(v.to(torch.float64)) for v in seen_values if v.is_floating_point()}
     rank = defaultdict(int)
     a_by_op = defaultdict(list)
     for ci, got in enumerate(outs_a):
@@ -162,7 +181,8 @@ def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
         call = trail_b.calls[ci]
         r = rank[call.op]
         rank[call.op] += 1
-        bad = [g for g in got if _key(g[2]) not in seen]
+        bad = [g for g in got if _key(g[2]) not in seen
+               and not (g[2].is_floating_point() and _key(g[2].to(torch.float64)) in seen)]
         steps.append({"op": call.op, "args": _describe_args(call), "equal": not bad})
         if bad and found is None:
             k, where_b, value_b, rows_b = bad[0]
@@ -176,8 +196,10 @@ def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
                                             (value_b.to(torch.float64) if value_b.is_floating_point() else value_b,)):
                     found.update(a_call=a_ci, a_where=match[0][1], a_rows=match[0][3],
                                  a_args=_describe_args(trail_a.calls[a_ci]))
-            if found["a_call"] is None and ins_b[ci]:
-                found["a_value"] = ins_b[ci][0].clone()  # side A has no such step: its value is the input
+            if found["a_call"] is None and ins_b[ci] and call.op in CAST_OPS:
+                found["a_value"] = ins_b[ci][0].clone()  # side A skips this conversion: its value is the input
+            elif found["a_call"] is None:
+                found["implementations_differ"] = True  # no counterpart: the module is computed another way
     return {"found": found, "steps": steps,
             "a_ops": [c.op for c in trail_a.calls if not _is_view(c)],
             "b_ops": [c.op for c in trail_b.calls if not _is_view(c)]}
@@ -266,15 +288,30 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
             pos = iso[culprit]["first_position"]
             out["traced_position"] = pos
             repl = {culprit: cap_a.inputs[culprit]} if culprit in cap_a.inputs else {}
-            ta = side_a.run(CaptureSpec(trail_module=culprit, trail_position=pos))
-            tb = side_b.run(CaptureSpec(replace=repl, trail_module=culprit, trail_position=pos))
+            ta = side_a.run(CaptureSpec(outputs={culprit}, trail_module=culprit, trail_position=pos))
+            tb = side_b.run(CaptureSpec(outputs={culprit}, replace=repl, trail_module=culprit, trail_position=pos))
             forwards += ta.forwards + tb.forwards
             trail_info = first_operator(ta.trail, tb.trail) if ta.trail and tb.trail else None
             found = trail_info and trail_info["found"]
             out["first_operator"] = found["op"] if found else None
             out["operator_args"] = {"a": found.get("a_args"), "b": found["b_args"]} if found else None
             out["status"] = "localized" if found else "localized to a module; operator not resolved"
-            if found and emit_repro:
+            if found and found.get("implementations_differ"):
+                out["status"] = (f"localized: the two sides compute {culprit} with different operators (side B's "
+                                 f"{found['op']} has no counterpart on side A)")
+                out["implementations"] = {"a": trail_info["a_ops"][:40], "b": trail_info["b_ops"][:40]}
+                if emit_repro:
+                    targets = [module_target(t.trail, t.outputs.get(culprit, {}).get(pos, (None,))[0])
+                               if t.outputs.get(culprit, {}).get(pos) else None for t in (ta, tb)]
+                    if all(targets):
+                        progs = [repro_mod.module_program(t.trail, ci, where, t.outputs[culprit][pos][0])
+                                 for t, (ci, where) in zip((ta, tb), targets)]
+                        repro_info = repro_mod.emit_module(
+                            out_dir, gate, culprit, progs[0], progs[1], side_a.label, side_b.label,
+                            f"{culprit} differs between the two sides' implementations on identical inputs")
+                    else:
+                        out["status"] += "; no repro: the module's output is not an operator output in the trail"
+            elif found and emit_repro:
                 a_side = None if found["a_call"] is None else repro_mod.OpSide(
                     ta.trail.calls[found["a_call"]], found["a_where"], found["a_rows"])
                 b_side = repro_mod.OpSide(tb.trail.calls[found["b_call"]], found["b_where"], found["b_rows"])

@@ -31,8 +31,16 @@ class OpSide:
     rows: int  # leading-dim rows of the call: tokens (kind "row") or sequences (kinds "bt", "bht")
 
 
-def pick(out, where: dict) -> torch.Tensor:
-    ts = [out] if isinstance(out, torch.Tensor) else [x for x in out if isinstance(x, torch.Tensor)]
+def outputs_of(func, args, kwargs) -> list[torch.Tensor]:
+    """Run the operator; its outputs as the recorder counts them: returned tensors, then the arguments it
+    writes in place (vLLM's kernels return nothing and fill `out`/`result`)."""
+    from tic.harness.capture import _written, tensors_of
+
+    out = tensors_of(func(*args, **kwargs))
+    return out + [w for w in _written(func, args, kwargs) if not any(w is o for o in out)]
+
+
+def pick(ts: list[torch.Tensor], where: dict) -> torch.Tensor:
     t = ts[where["output"]]
     if where["kind"] == "bt":
         return t[where["b"], where["t"]]
@@ -48,7 +56,7 @@ def _values_differ(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _run(side: OpSide, args, kwargs, where) -> torch.Tensor:
-    return pick(side.call.func(*args, **kwargs), where)
+    return pick(outputs_of(side.call.func, args, kwargs), where)
 
 
 def _subset(side: OpSide, keep: list[int]):
@@ -59,6 +67,50 @@ def _subset(side: OpSide, keep: list[int]):
     key = "row" if side.where["kind"] == "row" else "b"
     where = dict(side.where, **{key: keep.index(side.where[key])})
     return args, dict(side.call.kwargs), where
+
+
+# Varlen attention kernels over a paged KV cache (FlashAttention 2/3 as vLLM calls them) tie a call's token rows
+# together through cu_seqlens_q / seqused_k / the page table, so rows cannot be dropped one by one. What can be
+# dropped is every other sequence: the traced token's sequence alone, with only its own KV pages. Recognised by
+# the schema's argument names, so any kernel with this calling convention is reduced the same way.
+PAGED_VARLEN = ("q", "k", "v", "out", "cu_seqlens_q", "seqused_k", "page_table")
+
+
+def one_sequence(side: OpSide, args, kwargs, where):
+    """The call reduced to the traced token's sequence and its KV pages, or None if it is not a paged varlen
+    attention call (by schema) or the traced value is not a row of `out`."""
+    try:
+        names = [a.name for a in side.call.func._schema.arguments]
+    except AttributeError:
+        return None
+    bound = dict(zip(names, args), **kwargs)
+    if where.get("kind") != "row" or not all(isinstance(bound.get(n), torch.Tensor) for n in PAGED_VARLEN):
+        return None
+    q, k, cu, used, pages = (bound[n] for n in ("q", "k", "cu_seqlens_q", "seqused_k", "page_table"))
+    if k.dim() != 4 or bound.get("cu_seqlens_k") is not None:
+        return None
+    cuts = cu.tolist()
+    row = where["row"]
+    seq = next((i for i in range(len(cuts) - 1) if cuts[i] <= row < cuts[i + 1]), None)
+    if seq is None:
+        return None
+    a, b, n_keys = cuts[seq], cuts[seq + 1], int(used[seq])
+    n_pages = -(-n_keys // k.shape[1])
+    keep = pages[seq, :n_pages].long()
+    new = dict(bound)
+    new.update(q=q[a:b].clone(), out=bound["out"][a:b].clone(), k=k.index_select(0, keep),
+               v=bound["v"].index_select(0, keep), cu_seqlens_q=torch.tensor([0, b - a], dtype=cu.dtype, device=cu.device),
+               seqused_k=used[seq:seq + 1].clone(),
+               page_table=torch.arange(n_pages, dtype=pages.dtype, device=pages.device)[None])
+    if "max_seqlen_q" in new:
+        new["max_seqlen_q"] = b - a
+    if "max_seqlen_k" in new:
+        new["max_seqlen_k"] = n_keys
+    if "scheduler_metadata" in new:
+        new["scheduler_metadata"] = None  # planned for the whole step's batch: the kernel plans the one sequence
+    n_args = len(args)
+    return (tuple(new[nm] for nm in names[:n_args]), {nm: new[nm] for nm in kwargs},
+            dict(where, row=row - a))
 
 
 def _ddmin(rows: list[int], must: int, differs) -> list[int]:
@@ -107,7 +159,21 @@ def shrink(a: OpSide | None, b: OpSide, a_value: torch.Tensor | None) -> tuple[d
         return ok
 
     for key, side in (("a", a), ("b", b)):
-        if side is None or side.rows <= 1 or not side.call.op.startswith("aten."):
+        if side is None:
+            continue
+        reduced = one_sequence(side, *state[key])
+        if reduced is not None:
+            evals += 1
+            saved = state[key]
+            state[key] = reduced
+            try:
+                kept = _values_differ(value("a", a), value("b", b))
+            except (RuntimeError, ValueError, IndexError, TypeError):
+                kept = False
+            if not kept:
+                state[key] = saved
+            continue
+        if side.rows <= 1 or not side.call.op.startswith("aten."):
             continue  # custom kernels (e.g. vLLM's attention) tie rows together through other arguments
         must = side.where["row" if side.where["kind"] == "row" else "b"]
         keep = _ddmin(list(range(side.rows)), must, lambda k: trial(key, side, k))
@@ -128,39 +194,41 @@ def _rows_of(call: dict | None, fallback: int) -> int:
 
 def op_imports(*ops: str | None) -> list[str]:
     """Modules a fresh process must import to have these operators: the loaded extension module named like the
-    operator's namespace (e.g. vllm.vllm_flash_attn._vllm_fa3_C for torch.ops._vllm_fa3_C); none for aten."""
-    out = []
+    operator's namespace (torch.ops._vllm_fa3_C -> vllm.vllm_flash_attn._vllm_fa3_C), or named after it with a
+    suffix (torch.ops._C -> vllm._C_stable_libtorch), else a Python module of that name (a test's op library);
+    none for aten and prims. torch's own modules only when nothing else matches."""
+    out: list[str] = []
     for op in ops:
         ns = op.split(".")[0] if op else "aten"
         if ns in ("aten", "prims"):
             continue
-        hits = sorted((m for m in list(sys.modules) if m.split(".")[-1] == ns), key=lambda m: (m.startswith("torch"), m))
-        if hits and hits[0] not in out:
-            out.append(hits[0])
+        mods = {m: sys.modules[m] for m in list(sys.modules)}
+        ext = lambda m: str(getattr(mods[m], "__file__", "") or "").endswith(".so")  # noqa: E731
+        last = lambda m: m.split(".")[-1]  # noqa: E731
+        exact = [m for m in mods if last(m) == ns]
+        suffixed = [m for m in mods if last(m).startswith(ns + "_") and ext(m)]
+        ours = lambda m: not m.startswith("torch")  # noqa: E731
+        for group in ([m for m in exact if ext(m) and ours(m)], [m for m in suffixed if ours(m)],
+                      [m for m in exact if ours(m)], exact):
+            if group:
+                for m in sorted(group, key=lambda m: (m.startswith("torch"), m)):
+                    if m not in out:
+                        out.append(m)
+                break
     return out
 
 
-def emit(out_dir: Path, gate: str, a: OpSide | None, b: OpSide, a_value: torch.Tensor | None,
-         side_a: str, side_b: str, headline: str) -> dict:
-    """Shrink, write repro.py + repro_tensors.pt, run it in a fresh process; report what happened."""
+def _imports_and_check(out_dir: Path, data: dict, ops: list[str], **render) -> dict:
+    """Write repro.py + repro_tensors.pt, run the script in a fresh process; keep it only if it reproduces."""
     from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
     out_dir = Path(out_dir)
-    call_a, call_b, evals = shrink(a, b, a_value)
-    data = {"op": b.call.op, "a_op": a.call.op if a else None, "a": call_a, "b": call_b,
-            "a_value": None if a_value is None else a_value.clone()}
     buf = io.BytesIO()
     torch.save(data, buf)
     tensor_file = "repro_tensors.pt"
-    rows_a = "1 (its input value)" if a is None else _rows_of(call_a, a.rows)
-    rows_b = _rows_of(call_b, b.rows)
     env = Environment(loader=FileSystemLoader(str(TEMPLATES)), undefined=StrictUndefined, keep_trailing_newline=True)
-    script = env.get_template("repro.py.j2").render(
-        gate=gate, headline=headline, side_a=side_a, side_b=side_b, op=b.call.op, has_a=a is not None,
-        rows_a=rows_a, rows_b=rows_b,
-        unit="tokens" if b.where["kind"] == "row" else "sequences of the batch",
-        threads=torch.get_num_threads(), tensor_file=tensor_file,
-        imports=op_imports(b.call.op, a.call.op if a else None))
+    script = env.get_template("repro.py.j2").render(threads=torch.get_num_threads(), tensor_file=tensor_file,
+                                                     imports=op_imports(*ops), **render)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / tensor_file, buf.getvalue())
     path = out_dir / "repro.py"
@@ -168,8 +236,8 @@ def emit(out_dir: Path, gate: str, a: OpSide | None, b: OpSide, a_value: torch.T
     proc = subprocess.run([sys.executable, str(path.resolve())], cwd=out_dir.resolve(), capture_output=True,
                           text=True, timeout=300)
     result = {"script": str(path), "tensors": str(out_dir / tensor_file), "exit_code": proc.returncode,
-              "output": (proc.stdout + proc.stderr).strip()[-2000:], "rows_a": rows_a, "rows_b": rows_b,
-              "shrink_evaluations": evals,
+              "output": (proc.stdout + proc.stderr).strip()[-2000:], "rows_a": render["rows_a"],
+              "rows_b": render["rows_b"],
               # exit 1 *and* the script's own verdict line: an uncaught error elsewhere cannot pass as a repro
               "reproduces": proc.returncode == 1 and any(
                   line.startswith("DIFFERS") for line in proc.stdout.splitlines())}
@@ -179,3 +247,53 @@ def emit(out_dir: Path, gate: str, a: OpSide | None, b: OpSide, a_value: torch.T
         result["script"] = None
         result["tensors"] = None
     return result
+
+
+def emit(out_dir: Path, gate: str, a: OpSide | None, b: OpSide, a_value: torch.Tensor | None,
+         side_a: str, side_b: str, headline: str) -> dict:
+    """One operator, shrunk, as both sides ran it on the same inputs."""
+    call_a, call_b, evals = shrink(a, b, a_value)
+    if call_a is not None:
+        call_a["op"] = a.call.op
+    call_b["op"] = b.call.op
+    data = {"a": call_a, "b": call_b, "a_value": None if a_value is None else a_value.clone()}
+    rows_a = "1 (its input value)" if a is None else _rows_of(call_a, a.rows)
+    res = _imports_and_check(
+        out_dir, data, [b.call.op] + ([a.call.op] if a else []), gate=gate, headline=headline, side_a=side_a,
+        side_b=side_b, op=b.call.op, what=b.call.op, has_a=a is not None, module=None, calls_a=0, calls_b=0,
+        rows_a=rows_a, rows_b=_rows_of(call_b, b.rows),
+        unit="tokens" if b.where["kind"] == "row" else "sequences of the batch")
+    res["shrink_evaluations"] = evals
+    return res
+
+
+# -- a whole module, when the two sides implement it with different operators ------------------------------
+def _with_refs(v, src):
+    if isinstance(v, (list, tuple)):
+        return type(v)(_with_refs(x, y) for x, y in zip(v, src))
+    return {"ref": list(src)} if src is not None else v
+
+
+def module_program(trail, target: int, where: dict, recorded: torch.Tensor) -> dict:
+    """The trail's operator calls up to `target`, each tensor argument either a recorded value from outside the
+    module or a reference to an earlier call's output, so that a fresh process replays the module's arithmetic."""
+    calls = []
+    for call in trail.calls[:target + 1]:
+        src_args, src_kwargs = call.sources if call.sources is not None else ((None,) * len(call.args), {})
+        calls.append({"op": call.op,
+                      "args": tuple(_with_refs(a, s) for a, s in zip(call.args, src_args)),
+                      "kwargs": {k: _with_refs(v, src_kwargs.get(k)) for k, v in call.kwargs.items()}})
+    return {"calls": calls, "target": target, "where": where, "recorded": recorded.clone(),
+            "rows": trail.batch * trail.length}
+
+
+def emit_module(out_dir: Path, gate: str, module: str, prog_a: dict, prog_b: dict, side_a: str, side_b: str,
+                headline: str) -> dict:
+    """Both sides' operator sequences for one module, replayed on their recorded module inputs."""
+    ops = sorted({c["op"] for p in (prog_a, prog_b) for c in p["calls"]})
+    res = _imports_and_check(
+        out_dir, {"a": prog_a, "b": prog_b, "a_value": None}, ops, gate=gate, headline=headline, side_a=side_a,
+        side_b=side_b, op=module, what=module, has_a=True, module=module, calls_a=len(prog_a["calls"]),
+        calls_b=len(prog_b["calls"]), rows_a=prog_a["rows"], rows_b=prog_b["rows"], unit="token rows of the call")
+    res["shrink_evaluations"] = 0
+    return res

@@ -130,6 +130,16 @@ def test_planted_moe_tie_break(tmp_path, monkeypatch):
     assert res["culprit_module"] == "model.layers.2.mlp"
     assert res["first_operator"] in {"aten.flip.default", "aten.topk.default"}
     _check_repro(res)
+    # side B's extra flip has no counterpart on side A: the repro replays both sides' whole mlp, not flip alone
+    assert res["status"].startswith("localized: the two sides compute model.layers.2.mlp"), res["status"]
+    script = Path(res["repro"]).read_text()
+    assert "Module: model.layers.2.mlp, replayed as each side's recorded operator sequence" in script
+    # the replay must give each side's recorded value: a program that does not is a broken repro (exit 3)
+    data = torch.load(res["repro_check"]["tensors"], weights_only=False)
+    data["a"]["recorded"] = data["a"]["recorded"] + 1
+    torch.save(data, res["repro_check"]["tensors"])
+    proc = subprocess.run([sys.executable, res["repro"]], capture_output=True, text=True)
+    assert proc.returncode == 3 and "does not give the value it recorded" in proc.stdout, proc.stdout
 
 
 def test_control_reports_no_divergence(tmp_path, monkeypatch):

@@ -1,0 +1,105 @@
+"""Kernels behind engine wrapper ops: the recorder opens wrapper ops that need the engine's per-step state
+(vLLM's attention) and records the kernel they call; a paged varlen attention repro is cut down to the traced
+token's own sequence and KV pages, and still reproduces in a fresh process (or is not emitted when the two
+layouts agree)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tic.harness import capture, repro
+
+SUPPORT = Path(__file__).resolve().parent / "support"
+sys.path.insert(0, str(SUPPORT))
+import tic_pageddemo  # noqa: E402  registers torch.ops.tic_pageddemo / tic_wrapdemo
+
+H, D, BLOCK = 2, 8, 8
+LENS = [20, 37, 9]
+
+
+def _step(rows_per_seq: list[int], pages_order: list[int]):
+    """The KV cache, page table and cu_seqlens of one step where sequence s runs its last rows_per_seq[s] rows."""
+    g = torch.Generator().manual_seed(0)
+    qs = [torch.randn(n, H, D, generator=g) for n in LENS]
+    ks = [torch.randn(n, H, D, generator=g) for n in LENS]
+    vs = [torch.randn(n, H, D, generator=g) for n in LENS]
+    n_pages = [-(-n // BLOCK) for n in LENS]
+    total = 20  # a few pages more than the sequences use
+    k = torch.zeros(total, BLOCK, H, D)
+    v = torch.zeros(total, BLOCK, H, D)
+    table = torch.zeros(len(LENS), max(n_pages), dtype=torch.int32)
+    free = iter(pages_order)
+    for s, n in enumerate(LENS):
+        for j in range(n_pages[s]):
+            p = next(free)
+            table[s, j] = p
+            lo, hi = j * BLOCK, min(n, (j + 1) * BLOCK)
+            k[p, :hi - lo], v[p, :hi - lo] = ks[s][lo:hi], vs[s][lo:hi]
+    q = torch.cat([qs[s][LENS[s] - r:] for s, r in enumerate(rows_per_seq)])
+    cu = torch.tensor([0] + list(torch.tensor(rows_per_seq).cumsum(0)), dtype=torch.int32)
+    return q, dict(k=k, v=v, cu_seqlens_q=cu, seqused_k=torch.tensor(LENS, dtype=torch.int32),
+                   max_seqlen_q=max(rows_per_seq), max_seqlen_k=max(LENS), page_table=table)
+
+
+def _record(rows_per_seq, pages_order, traced_seq=1):
+    """Run the wrapper under the recorder as the locator does; the kernel's OpSide for the traced token
+    (the last row of sequence `traced_seq`)."""
+    q, meta = _step(rows_per_seq, pages_order)
+    tic_pageddemo.STEP["l0"] = meta
+    out = torch.zeros_like(q)
+    rec = capture.OpRecorder()
+    with rec:
+        torch.ops.tic_wrapdemo.attention(q, out, "l0")
+    row = int(meta["cu_seqlens_q"][traced_seq + 1]) - 1
+    call = next(c for c in rec.calls if c.op == "tic_pageddemo.fwd.default")
+    return rec, repro.OpSide(call, {"kind": "row", "row": row, "output": 0}, q.shape[0]), out
+
+
+@pytest.fixture
+def open_demo(monkeypatch):
+    monkeypatch.setattr(capture, "OPEN_NAMESPACES", {"tic_wrapdemo"})
+    monkeypatch.setenv("PYTHONPATH", str(SUPPORT))  # the fresh repro process imports the kernel's module
+
+
+def test_wrapper_is_opened_and_its_kernel_recorded(open_demo):
+    rec, side, out = _record([1, 1, 1], list(range(20)))
+    ops = [c.op for c in rec.calls]
+    assert "tic_pageddemo.fwd.default" in ops and not any(o.startswith("tic_wrapdemo") for o in ops), ops
+    assert not rec.errors
+    assert torch.equal(side.call.outputs[0], out)  # the kernel's recorded output is what the wrapper wrote
+
+
+def test_wrapper_outside_open_namespaces_is_one_operator(monkeypatch):
+    monkeypatch.setattr(capture, "OPEN_NAMESPACES", set())
+    q, meta = _step([1, 1, 1], list(range(20)))
+    tic_pageddemo.STEP["l0"] = meta
+    out = torch.zeros_like(q)
+    rec = capture.OpRecorder()
+    with rec:
+        torch.ops.tic_wrapdemo.attention(q, out, "l0")
+    assert [c.op for c in rec.calls] == ["tic_wrapdemo.attention.default"]
+
+
+def test_decode_vs_prefill_kernel_repro_is_one_sequence_and_reproduces(open_demo, tmp_path):
+    _, decode, _ = _record([1, 1, 1], list(range(20)))
+    _, prefill, _ = _record(LENS, list(reversed(range(20))))  # other pages: the reduction renumbers them
+    res = repro.emit(tmp_path, "C4", decode, prefill, None, "decode", "prefill", "split-KV decode")
+    assert res["reproduces"], res["output"]
+    assert res["rows_a"] == 1 and res["rows_b"] == LENS[1], res
+    data = torch.load(res["tensors"], weights_only=False)
+    k_b = data["b"]["args"][1]
+    assert k_b.shape[0] == -(-LENS[1] // BLOCK)  # only the traced sequence's KV pages are kept
+    assert data["b"]["args"][4].tolist() == [0, LENS[1]]
+    assert "DIFFERS tic_pageddemo.fwd.default" in res["output"]
+
+
+def test_identical_layouts_emit_no_repro(open_demo, tmp_path):
+    _, a, _ = _record(LENS, list(range(20)))
+    _, b, _ = _record(LENS, list(reversed(range(20))))  # same rows, other pages: the same bits
+    res = repro.emit(tmp_path, "C4", a, b, None, "prefill", "prefill, other pages", "none")
+    assert not res["reproduces"] and res["script"] is None and res["exit_code"] == 0, res["output"]
+    assert not (tmp_path / "repro.py").exists()
