@@ -190,7 +190,9 @@ def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
             found = {"b_call": ci, "b_where": where_b, "b_rows": rows_b, "a_call": None, "a_where": None,
                      "a_rows": 0, "a_value": None, "op": call.op, "b_args": _describe_args(call)}
             if a_ci is not None:
-                match = [g for g in outs_a[a_ci] if g[0] == k]
+                # the same operator at the same rank computes the same quantity only if the shapes agree (vLLM's
+                # fused qkv GEMM vs HF's q_proj GEMM do not): otherwise the implementations differ
+                match = [g for g in outs_a[a_ci] if g[0] == k and g[2].shape == value_b.shape]
                 if match and not rows_equal((match[0][2].to(torch.float64) if match[0][2].is_floating_point()
                                              else match[0][2],),
                                             (value_b.to(torch.float64) if value_b.is_floating_point() else value_b,)):
@@ -431,7 +433,7 @@ def locate_for_gate(ctx, gate_id: str, measured: dict, strict: bool = False) -> 
     found = locate(side_a, side_b, out_dir, gate_id, upto, expected)
     keep = ("status", "first_divergent_layer", "culprit_module", "first_operator", "operator_args",
             "traced_position", "reproduced_gate_values", "forward_passes", "seconds", "report", "repro", "chart",
-            "repro_check")
+            "repro_check", "implementations")
     res = {k: found.get(k) for k in keep}
     res["layers"] = [{k: r[k] for k in ("stage", "equal", "differing_positions", "max_ulp", "first_divergent")}
                      for r in found["layers"]]
