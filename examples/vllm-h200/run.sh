@@ -26,7 +26,7 @@ cp -r records "$W/res/"
 python3 check.py "$W/res" $names | tee "$W/res/check.md"
 cp "$W"/res-*.log "$W/res/"
 for f in $(find "$W/state" -name repro.py | sort); do
-  (cd "$(dirname "$f")" && timeout 120 python3 repro.py; echo "rc=$? $f") 2>&1 | tail -2
+  (cd "$(dirname "$f")" && timeout 60 python3 repro.py; echo "rc=$? $f") 2>&1 | tail -2
 done | tee "$W/res/repro-check.txt"
 tar czf "$OUT/vllm-h200-results.tgz" --exclude='*.pt' --exclude='*.safetensors' -C "$W" res state
 ls -la "$OUT"
