@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tic.harness.engines.base import Sample
@@ -58,6 +59,7 @@ class Trail:
     batch: int  # B of the recorded forward call
     length: int  # T of the recorded forward call
     flat_index: int  # b * T + t of the traced position inside that call
+    errors: list[str] = field(default_factory=list)  # what the recorder could not record as asked
 
 
 @dataclass
@@ -208,17 +210,24 @@ class OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         key = _device_key(args, kwargs) if func.namespace in OPEN_NAMESPACES else None
-        if key and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key):
-            # run the wrapper's own kernel (below the Python-mode key) with a recorder pushed again, so the
-            # operators it dispatches are seen; the wrapper itself is not recorded
+        if key and torch._C._dispatch_has_computed_kernel_for_dispatch_key(func.name(), key):
+            # run the wrapper's own kernel (below the Python-mode key) with the operators it calls recorded as
+            # they are called from Python (a function mode: a second trip through Python dispatch breaks some
+            # compiled kernels' argument conversion, e.g. FlashAttention 3's); the wrapper itself is not recorded
             n = len(self.calls)
             try:
-                with OpRecorder(self.calls, self.errors, self.produced):
+                with _PythonOpRecorder(self):
                     return func.redispatch(torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key)),
                                            *args, **kwargs)
             except Exception as e:  # noqa: BLE001  e.g. an argument type the boxed call refuses: record it whole
                 del self.calls[n:]  # (vLLM's wrappers are idempotent: KV-cache writes, attention into `out`)
-                self.errors.append(f"{func}: not opened: {type(e).__name__}: {e}")
+                import traceback
+
+                where = " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(traceback.extract_tb(e.__traceback__)[-4:]))
+                self.errors.append(f"{func}: not opened: {type(e).__name__}: {e} (at {where})")
+        return self.record(func, args, kwargs)
+
+    def record(self, func, args, kwargs):
         try:
             return self._record(func, args, kwargs)
         except _OpFailed as e:
@@ -248,6 +257,25 @@ class OpRecorder(TorchDispatchMode):
         self.calls.append(OpCall(str(func), func, pre_args, pre_kwargs, tuple(_clone(t) for t in outs + extra),
                                  sources))
         return out
+
+
+class _PythonOpRecorder(TorchFunctionMode):
+    """Inside an opened wrapper: records each torch.ops operator as Python calls it, into the parent recorder.
+    Tensor methods and torch functions run unrecorded (their results enter as recorded values from outside)."""
+
+    def __init__(self, parent: OpRecorder):
+        super().__init__()
+        self.parent = parent
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        op = func
+        if isinstance(func, torch._ops.OpOverloadPacket):
+            names = func.overloads()
+            op = getattr(func, names[0]) if len(names) == 1 else None
+        if not isinstance(op, torch._ops.OpOverload):
+            return func(*args, **kwargs)
+        return self.parent.record(op, args, kwargs)
 
 
 def _input_tensors(args: tuple, kwargs: dict, batch: int, length: int) -> list[tuple[object, torch.Tensor]]:
@@ -340,6 +368,7 @@ class HookSet:
             if name == self.spec.trail_module and self._recorder is not None:
                 self._recorder.__exit__(None, None, None)
                 self.capture.trail.calls = self._recorder.calls
+                self.capture.trail.errors = self._recorder.errors
                 self._recorder = None
             if name not in self.spec.outputs:
                 return None

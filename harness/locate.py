@@ -207,6 +207,17 @@ def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
             "b_ops": [c.op for c in trail_b.calls if not _is_view(c)]}
 
 
+def _setup(*sides: Side) -> list[str]:
+    """Python lines a repro runs first so that its process selects the kernels the engines ran (e.g. vLLM's
+    batch-invariant mode replaces aten kernels process-wide); from the runners' `repro_setup`."""
+    lines: list[str] = []
+    for side in sides:
+        for line in getattr(side.runner, "repro_setup", None) or []:
+            if line not in lines:
+                lines.append(line)
+    return lines
+
+
 # -- the locator ------------------------------------------------------------------------------------------
 def _short(name: str) -> str:
     return name.replace("model.layers.", "L").replace("model.", "")
@@ -294,6 +305,9 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
             tb = side_b.run(CaptureSpec(outputs={culprit}, replace=repl, trail_module=culprit, trail_position=pos))
             forwards += ta.forwards + tb.forwards
             trail_info = first_operator(ta.trail, tb.trail) if ta.trail and tb.trail else None
+            errs = [e for t in (ta.trail, tb.trail) if t for e in t.errors]
+            if errs:
+                out["recording_errors"] = errs[:10]
             found = trail_info and trail_info["found"]
             out["first_operator"] = found["op"] if found else None
             out["operator_args"] = {"a": found.get("a_args"), "b": found["b_args"]} if found else None
@@ -310,7 +324,8 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
                                  for t, (ci, where) in zip((ta, tb), targets)]
                         repro_info = repro_mod.emit_module(
                             out_dir, gate, culprit, progs[0], progs[1], side_a.label, side_b.label,
-                            f"{culprit} differs between the two sides' implementations on identical inputs")
+                            f"{culprit} differs between the two sides' implementations on identical inputs",
+                            setup=_setup(side_a, side_b))
                     else:
                         out["status"] += "; no repro: the module's output is not an operator output in the trail"
             elif found and emit_repro:
@@ -320,7 +335,7 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
                 if a_side is not None or found["a_value"] is not None:
                     headline = f"{found['op']} in {culprit} differs between the two sides on identical inputs"
                     repro_info = repro_mod.emit(out_dir, gate, a_side, b_side, found["a_value"],
-                                                side_a.label, side_b.label, headline)
+                                                side_a.label, side_b.label, headline, setup=_setup(side_a, side_b))
     out["module_trail"] = descent
     out["operator_trail"] = trail_info["steps"][:80] if trail_info else []
     out["operators_a"] = trail_info["a_ops"][:80] if trail_info else []
@@ -433,7 +448,7 @@ def locate_for_gate(ctx, gate_id: str, measured: dict, strict: bool = False) -> 
     found = locate(side_a, side_b, out_dir, gate_id, upto, expected)
     keep = ("status", "first_divergent_layer", "culprit_module", "first_operator", "operator_args",
             "traced_position", "reproduced_gate_values", "forward_passes", "seconds", "report", "repro", "chart",
-            "repro_check", "implementations")
+            "repro_check", "implementations", "recording_errors")
     res = {k: found.get(k) for k in keep}
     res["layers"] = [{k: r[k] for k in ("stage", "equal", "differing_positions", "max_ulp", "first_divergent")}
                      for r in found["layers"]]

@@ -218,7 +218,8 @@ def op_imports(*ops: str | None) -> list[str]:
     return out
 
 
-def _imports_and_check(out_dir: Path, data: dict, ops: list[str], **render) -> dict:
+def _imports_and_check(out_dir: Path, data: dict, ops: list[str], setup: list[str] | None = None,
+                       **render) -> dict:
     """Write repro.py + repro_tensors.pt, run the script in a fresh process; keep it only if it reproduces."""
     from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
@@ -228,7 +229,7 @@ def _imports_and_check(out_dir: Path, data: dict, ops: list[str], **render) -> d
     tensor_file = "repro_tensors.pt"
     env = Environment(loader=FileSystemLoader(str(TEMPLATES)), undefined=StrictUndefined, keep_trailing_newline=True)
     script = env.get_template("repro.py.j2").render(threads=torch.get_num_threads(), tensor_file=tensor_file,
-                                                     imports=op_imports(*ops), **render)
+                                                     imports=op_imports(*ops), setup=list(setup or []), **render)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / tensor_file, buf.getvalue())
     path = out_dir / "repro.py"
@@ -250,18 +251,20 @@ def _imports_and_check(out_dir: Path, data: dict, ops: list[str], **render) -> d
 
 
 def emit(out_dir: Path, gate: str, a: OpSide | None, b: OpSide, a_value: torch.Tensor | None,
-         side_a: str, side_b: str, headline: str) -> dict:
-    """One operator, shrunk, as both sides ran it on the same inputs."""
+         side_a: str, side_b: str, headline: str, setup: list[str] | None = None) -> dict:
+    """One operator, shrunk, as both sides ran it on the same inputs. Each side's value as computed here is
+    kept: the fresh process must give the same bits (else its kernels are not the ones that ran here)."""
     call_a, call_b, evals = shrink(a, b, a_value)
-    if call_a is not None:
-        call_a["op"] = a.call.op
-    call_b["op"] = b.call.op
+    for call, side in ((call_a, a), (call_b, b)):
+        if call is not None:
+            call["op"] = side.call.op
+            call["expect"] = _run(side, call["args"], call["kwargs"], call["where"]).detach().clone()
     data = {"a": call_a, "b": call_b, "a_value": None if a_value is None else a_value.clone()}
     rows_a = "1 (its input value)" if a is None else _rows_of(call_a, a.rows)
     res = _imports_and_check(
         out_dir, data, [b.call.op] + ([a.call.op] if a else []), gate=gate, headline=headline, side_a=side_a,
         side_b=side_b, op=b.call.op, what=b.call.op, has_a=a is not None, module=None, calls_a=0, calls_b=0,
-        rows_a=rows_a, rows_b=_rows_of(call_b, b.rows),
+        rows_a=rows_a, rows_b=_rows_of(call_b, b.rows), setup=setup,
         unit="tokens" if b.where["kind"] == "row" else "sequences of the batch")
     res["shrink_evaluations"] = evals
     return res
@@ -288,12 +291,13 @@ def module_program(trail, target: int, where: dict, recorded: torch.Tensor) -> d
 
 
 def emit_module(out_dir: Path, gate: str, module: str, prog_a: dict, prog_b: dict, side_a: str, side_b: str,
-                headline: str) -> dict:
+                headline: str, setup: list[str] | None = None) -> dict:
     """Both sides' operator sequences for one module, replayed on their recorded module inputs."""
     ops = sorted({c["op"] for p in (prog_a, prog_b) for c in p["calls"]})
     res = _imports_and_check(
         out_dir, {"a": prog_a, "b": prog_b, "a_value": None}, ops, gate=gate, headline=headline, side_a=side_a,
         side_b=side_b, op=module, what=module, has_a=True, module=module, calls_a=len(prog_a["calls"]),
-        calls_b=len(prog_b["calls"]), rows_a=prog_a["rows"], rows_b=prog_b["rows"], unit="token rows of the call")
+        calls_b=len(prog_b["calls"]), rows_a=prog_a["rows"], rows_b=prog_b["rows"], unit="token rows of the call",
+        setup=setup)
     res["shrink_evaluations"] = 0
     return res

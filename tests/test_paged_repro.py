@@ -103,3 +103,19 @@ def test_identical_layouts_emit_no_repro(open_demo, tmp_path):
     res = repro.emit(tmp_path, "C4", a, b, None, "prefill", "prefill, other pages", "none")
     assert not res["reproduces"] and res["script"] is None and res["exit_code"] == 0, res["output"]
     assert not (tmp_path / "repro.py").exists()
+
+
+def test_repro_runs_the_engines_process_setup_or_refuses(open_demo, tmp_path, monkeypatch):
+    """A kernel mode switched on process-wide (as vLLM's batch-invariant mode is): without the runner's setup
+    lines the fresh process computes other bits than the engine did, and the repro must refuse (exit 3), not
+    report a difference; with them it reproduces."""
+    monkeypatch.setitem(tic_pageddemo.MODE, "thirds", True)
+    _, decode, _ = _record([1, 1, 1], list(range(20)))
+    _, prefill, _ = _record(LENS, list(range(20)))
+    res = repro.emit(tmp_path / "bare", "C4", decode, prefill, None, "decode", "prefill", "mode")
+    assert not res["reproduces"] and res["exit_code"] == 3, res["output"]
+    assert "does not give the value it recorded" in res["output"]
+    setup = ["import tic_pageddemo", "tic_pageddemo.MODE['thirds'] = True"]
+    res = repro.emit(tmp_path / "setup", "C4", decode, prefill, None, "decode", "prefill", "mode", setup=setup)
+    assert res["reproduces"], res["output"]
+    assert "tic_pageddemo.MODE['thirds'] = True" in Path(res["script"]).read_text()

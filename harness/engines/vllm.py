@@ -438,6 +438,16 @@ class VLLMCaptureRunner:
         self.prefix = self.layers[0].rsplit(".", 2)[0] if self.layers else "model"
         self._layer_set = set(self.layers)
 
+    @property
+    def repro_setup(self) -> list[str]:
+        """vLLM's batch-invariant mode swaps aten kernels (softmax, mean, ...) and cuBLAS settings for the whole
+        process, the train side's too: a repro must switch it on the same way before it runs anything."""
+        if not self.engine.batch_invariant:
+            return []
+        return ["import os", "os.environ['VLLM_BATCH_INVARIANT'] = '1'",
+                "from vllm.model_executor.layers.batch_invariant import init_batch_invariance",
+                "init_batch_invariance()"]
+
     # names (the same stable names as the HF runner: embed_tokens, layers.<i>, norm; vLLM has no model-level
     # rotary module and computes the head's logits outside a module call on a row subset, so neither is a stage)
     def stages(self) -> list[str]:
@@ -528,7 +538,7 @@ class VLLMCaptureRunner:
                         and any(p == spec.trail_position for _, p in targets)):
                     fi = next(i for i, p in targets if p == spec.trail_position)
                     cap.trail = Trail([], 1, n, fi)
-                    st["rec"] = OpRecorder(cap.trail.calls)
+                    st["rec"] = OpRecorder(cap.trail.calls, cap.trail.errors)
                     st["rec"].__enter__()
                 return new
             return fn

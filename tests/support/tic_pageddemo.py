@@ -9,6 +9,7 @@ the same row, exactly the kind of difference seen in vLLM's attention. Importing
 import torch
 from torch.library import Library
 
+MODE = {"thirds": False}
 _lib = Library("tic_pageddemo", "DEF")
 _lib.define("fwd(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor cu_seqlens_q, Tensor seqused_k, "
             "int max_seqlen_q, int max_seqlen_k, Tensor page_table, Tensor? scheduler_metadata, int num_splits) "
@@ -29,7 +30,7 @@ def _fwd(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, page
             qi = q[i].float()  # [heads, dim]
             scores = torch.einsum("hd,nhd->hn", qi, ks[:p + 1]) * qi.shape[-1] ** -0.5
             if b - a == 1 and num_splits != 1 and p >= 2:  # split-KV: two partial softmaxes merged
-                h = (p + 1) // 2
+                h = (p + 1) // (3 if MODE["thirds"] else 2)  # a process-wide setting, like a kernel mode
                 parts = []
                 for lo, hi in ((0, h), (h, p + 1)):
                     m = scores[:, lo:hi].amax(-1, keepdim=True)
