@@ -236,6 +236,17 @@ class OpRecorder(TorchDispatchMode):
             self.errors.append(f"{func}: {type(e).__name__}: {e}")
             return func(*args, **kwargs)
 
+    def _source(self, v, pre):
+        """(call, output) that produced argument v, if its value now is still what that call recorded. A value
+        changed since through another view of its storage (vLLM's attention writes a slice of a buffer that
+        o_proj then reads whole) enters as a recorded value instead, so a replay never reads a stale one."""
+        if isinstance(v, (list, tuple)):
+            return type(v)(self._source(x, y) for x, y in zip(v, pre))
+        if not isinstance(v, torch.Tensor) or id(v) not in self.produced:
+            return None
+        ci, k, _ = self.produced[id(v)]
+        return (ci, k) if same_bits(self.calls[ci].outputs[k], pre) else None
+
     def _record(self, func, args, kwargs):
         has_input = any(isinstance(x, torch.Tensor) for v in list(args) + list(kwargs.values())
                         for x in (v if isinstance(v, (list, tuple)) else [v]))
@@ -243,8 +254,8 @@ class OpRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         pre_args = tuple(_tree_map(_clone, a) for a in args)
         pre_kwargs = {k: _tree_map(_clone, v) for k, v in kwargs.items()}
-        src = lambda v: self.produced[id(v)][:2] if isinstance(v, torch.Tensor) and id(v) in self.produced else None  # noqa: E731
-        sources = (tuple(_tree_map(src, a) for a in args), {k: _tree_map(src, v) for k, v in kwargs.items()})
+        sources = (tuple(self._source(a, p) for a, p in zip(args, pre_args)),
+                   {k: self._source(v, pre_kwargs[k]) for k, v in kwargs.items()})
         try:
             out = func(*args, **kwargs)
         except Exception as e:  # the operator itself failed: not a recording problem

@@ -207,6 +207,16 @@ def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
             "b_ops": [c.op for c in trail_b.calls if not _is_view(c)]}
 
 
+def _only(ops: list[str], other: list[str], most: int = 8) -> list[str]:
+    """Operators of one side that the other side never runs, in order, once each (short names)."""
+    seen, out = set(other), []
+    for op in ops:
+        short = op.removesuffix(".default")
+        if op not in seen and short not in out:
+            out.append(short)
+    return out[:most] + (["..."] if len(out) > most else [])
+
+
 def _setup(*sides: Side) -> list[str]:
     """Python lines a repro runs first so that its process selects the kernels the engines ran (e.g. vLLM's
     batch-invariant mode replaces aten kernels process-wide); from the runners' `repro_setup`."""
@@ -313,8 +323,10 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
             out["operator_args"] = {"a": found.get("a_args"), "b": found["b_args"]} if found else None
             out["status"] = "localized" if found else "localized to a module; operator not resolved"
             if found and found.get("implementations_differ"):
-                out["status"] = (f"localized: the two sides compute {culprit} with different operators (side B's "
-                                 f"{found['op']} has no counterpart on side A)")
+                only_a, only_b = _only(trail_info["a_ops"], trail_info["b_ops"]), _only(trail_info["b_ops"], trail_info["a_ops"])
+                out["first_operator"] = f"side A: {', '.join(only_a) or '-'} | side B: {', '.join(only_b) or '-'}"
+                out["status"] = (f"localized: the two sides compute {culprit} with different operators (only side A "
+                                 f"runs {', '.join(only_a) or 'nothing else'}; only side B runs {', '.join(only_b)})")
                 out["implementations"] = {"a": trail_info["a_ops"][:40], "b": trail_info["b_ops"][:40]}
                 if emit_repro:
                     targets = [module_target(t.trail, t.outputs.get(culprit, {}).get(pos, (None,))[0])
@@ -327,7 +339,8 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
                             f"{culprit} differs between the two sides' implementations on identical inputs",
                             setup=_setup(side_a, side_b))
                     else:
-                        out["status"] += "; no repro: the module's output is not an operator output in the trail"
+                        out["status"] += ("; no repro: the module's output is not produced by a recorded torch "
+                                          "operator (a kernel launched directly, e.g. a Triton GEMM)")
             elif found and emit_repro:
                 a_side = None if found["a_call"] is None else repro_mod.OpSide(
                     ta.trail.calls[found["a_call"]], found["a_where"], found["a_rows"])

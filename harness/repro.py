@@ -254,11 +254,12 @@ def emit(out_dir: Path, gate: str, a: OpSide | None, b: OpSide, a_value: torch.T
          side_a: str, side_b: str, headline: str, setup: list[str] | None = None) -> dict:
     """One operator, shrunk, as both sides ran it on the same inputs. Each side's value as computed here is
     kept: the fresh process must give the same bits (else its kernels are not the ones that ran here)."""
-    call_a, call_b, evals = shrink(a, b, a_value)
-    for call, side in ((call_a, a), (call_b, b)):
-        if call is not None:
-            call["op"] = side.call.op
-            call["expect"] = _run(side, call["args"], call["kwargs"], call["where"]).detach().clone()
+    with torch.inference_mode():  # the recorded tensors come from engines' inference-mode forwards; kernels
+        call_a, call_b, evals = shrink(a, b, a_value)  # that write their `out` argument need the same mode
+        for call, side in ((call_a, a), (call_b, b)):
+            if call is not None:
+                call["op"] = side.call.op
+                call["expect"] = _run(side, call["args"], call["kwargs"], call["where"]).detach().clone()
     data = {"a": call_a, "b": call_b, "a_value": None if a_value is None else a_value.clone()}
     rows_a = "1 (its input value)" if a is None else _rows_of(call_a, a.rows)
     res = _imports_and_check(

@@ -119,3 +119,32 @@ def test_repro_runs_the_engines_process_setup_or_refuses(open_demo, tmp_path, mo
     res = repro.emit(tmp_path / "setup", "C4", decode, prefill, None, "decode", "prefill", "mode", setup=setup)
     assert res["reproduces"], res["output"]
     assert "tic_pageddemo.MODE['thirds'] = True" in Path(res["script"]).read_text()
+
+
+def _attention_module(q: torch.Tensor, scale: float):
+    """vLLM's attention layer in small: an output buffer, a view of it passed to the wrapper op, whose kernel
+    writes a slice of it made inside the wrapper (unrecorded), and a projection that reads the view."""
+    buf = torch.empty(q.shape[0] + 2, *q.shape[1:])
+    view = buf.view(buf.shape)
+    view[q.shape[0]:].zero_()
+    torch.ops.tic_wrapdemo.attention(q, view, "l0")
+    return torch.ops.aten.mul(view, scale)
+
+
+def test_module_program_replays_values_written_through_another_view(open_demo, tmp_path):
+    from tic.harness.capture import Trail
+
+    q, meta = _step([1, 1, 1], list(range(20)))
+    tic_pageddemo.STEP["l0"] = meta
+    progs = []
+    for scale in (3.0, 3.0000002):  # side B: a different implementation of the same module
+        rec = capture.OpRecorder()
+        with rec:
+            y = _attention_module(q, scale)
+        target = len(rec.calls) - 1
+        assert rec.calls[target].op == "aten.mul.Tensor" and not rec.errors
+        trail = Trail(rec.calls, 1, y.shape[0], 1)  # the traced token: row 1
+        progs.append(repro.module_program(trail, target, {"kind": "row", "row": 1, "output": 0}, y[1]))
+    res = repro.emit_module(tmp_path, "C5", "attn", progs[0], progs[1], "A", "B", "aliasing")
+    # exit 1 needs both replays to give their recorded values first (a stale buffer read would exit 3)
+    assert res["reproduces"], res["output"]

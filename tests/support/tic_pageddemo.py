@@ -58,7 +58,8 @@ STEP: dict = {}
 
 def _attention(q, out, layer_name):
     m = STEP[layer_name]
-    torch.ops.tic_pageddemo.fwd(q, m["k"], m["v"], out, m["cu_seqlens_q"], m["seqused_k"], m["max_seqlen_q"],
+    n = int(m["cu_seqlens_q"][-1])  # like vLLM: the kernel writes the step's rows of a larger buffer
+    torch.ops.tic_pageddemo.fwd(q[:n], m["k"], m["v"], out[:n], m["cu_seqlens_q"], m["seqused_k"], m["max_seqlen_q"],
                                 m["max_seqlen_k"], m["page_table"], None, 0)
 
 
