@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from tic.harness.capture import Capture, CaptureRunner, CaptureSpec, Trail, rows_equal, runner_for
+from tic.harness.capture import Capture, CaptureRunner, CaptureSpec, Trail, rows_equal, runner_for, same_bits
 from tic.harness.layouts import describe_train_layout, probe_batch
 from tic.harness.metrics import _ordered_int
 from tic.skill.errors import TicInputError
@@ -150,6 +150,14 @@ CAST_OPS = {"aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout", "a
             "aten.copy_.default", "aten.contiguous.default", "prims.convert_element_type.default"}
 
 
+def _lossless(value: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
+    """A conversion whose output is its input exactly (bf16 -> fp32) cannot be where two sides part."""
+    if not inputs or not (value.is_floating_point() and inputs[0].is_floating_point()):
+        return False
+    a, b = value.to(torch.float64), inputs[0].to(torch.float64)
+    return a.shape == b.shape and same_bits(a.contiguous(), b.contiguous())
+
+
 def module_target(trail: Trail, value: torch.Tensor) -> tuple[int, dict] | None:
     """The last call whose output row for the traced token is the module's recorded output (bit for bit)."""
     outs, _ = trail_rows(trail)
@@ -182,7 +190,8 @@ def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
         r = rank[call.op]
         rank[call.op] += 1
         bad = [g for g in got if _key(g[2]) not in seen
-               and not (g[2].is_floating_point() and _key(g[2].to(torch.float64)) in seen)]
+               and not (g[2].is_floating_point() and _key(g[2].to(torch.float64)) in seen)
+               and not (call.op in CAST_OPS and _lossless(g[2], ins_b[ci]))]
         steps.append({"op": call.op, "args": _describe_args(call), "equal": not bad})
         if bad and found is None:
             k, where_b, value_b, rows_b = bad[0]

@@ -55,8 +55,16 @@ def _values_differ(a: torch.Tensor, b: torch.Tensor) -> bool:
     return not same_bits(a, b)
 
 
+def _fresh(v):
+    if isinstance(v, (list, tuple)):
+        return type(v)(_fresh(x) for x in v)
+    return v.clone() if isinstance(v, torch.Tensor) else v
+
+
 def _run(side: OpSide, args, kwargs, where) -> torch.Tensor:
-    return pick(outputs_of(side.call.func, args, kwargs), where)
+    """The operator on copies of the arguments: in-place kernels (vLLM's fused_add_rms_norm writes its input
+    and residual) must not change the values a later evaluation or the saved repro starts from."""
+    return pick(outputs_of(side.call.func, _fresh(args), {k: _fresh(v) for k, v in kwargs.items()}), where)
 
 
 def _subset(side: OpSide, keep: list[int]):
@@ -237,7 +245,7 @@ def _imports_and_check(out_dir: Path, data: dict, ops: list[str], setup: list[st
     proc = subprocess.run([sys.executable, str(path.resolve())], cwd=out_dir.resolve(), capture_output=True,
                           text=True, timeout=300)
     result = {"script": str(path), "tensors": str(out_dir / tensor_file), "exit_code": proc.returncode,
-              "output": (proc.stdout + proc.stderr).strip()[-2000:], "rows_a": render["rows_a"],
+              "output": proc.stdout.strip()[-2000:], "stderr": proc.stderr.strip()[-1000:], "rows_a": render["rows_a"],
               "rows_b": render["rows_b"],
               # exit 1 *and* the script's own verdict line: an uncaught error elsewhere cannot pass as a repro
               "reproduces": proc.returncode == 1 and any(

@@ -148,3 +148,21 @@ def test_module_program_replays_values_written_through_another_view(open_demo, t
     res = repro.emit_module(tmp_path, "C5", "attn", progs[0], progs[1], "A", "B", "aliasing")
     # exit 1 needs both replays to give their recorded values first (a stale buffer read would exit 3)
     assert res["reproduces"], res["output"]
+
+
+def test_in_place_kernel_repro_starts_from_the_recorded_inputs(open_demo, tmp_path):
+    """An operator that writes its own inputs: every evaluation (shrink trials, the value kept for the fresh
+    process) must start from the recorded inputs, or the fresh process computes something else (exit 3)."""
+    g = torch.Generator().manual_seed(1)
+    hidden, resid = torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g)
+    sides = []
+    for rows in (slice(0, 2), slice(0, 8)):  # decode-like 2 rows vs prefill-like 8 rows; the traced row is 1
+        x, r = hidden[rows].clone(), resid[rows].clone()
+        rec = capture.OpRecorder()
+        with rec:
+            torch.ops.tic_pageddemo.add_norm(x, r, 1e-6)
+        call = rec.calls[0]
+        sides.append(repro.OpSide(call, {"kind": "row", "row": 1, "output": 0}, call.args[0].shape[0]))
+    res = repro.emit(tmp_path, "C4", sides[0], sides[1], None, "decode", "prefill", "in-place add_norm")
+    assert res["reproduces"], res["output"]
+    assert res["rows_b"] == 8  # a custom kernel's rows are not dropped (its other arguments may index them)

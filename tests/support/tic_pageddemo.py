@@ -64,3 +64,21 @@ def _attention(q, out, layer_name):
 
 
 _wrap.impl("attention", _attention, "CPU")
+
+# An in-place add + RMS norm whose reduction order depends on the number of rows (as vLLM's fused_add_rms_norm
+# picks another kernel variant for large batches): writes residual <- x + residual and x <- norm(residual).
+_lib.define("add_norm(Tensor(a!) x, Tensor(b!) residual, float eps) -> ()")
+
+
+def _add_norm(x, residual, eps):
+    residual.add_(x)
+    sq = residual.float() ** 2
+    if residual.shape[0] > 4:  # "the large-batch variant": the sum in two halves
+        h = sq.shape[-1] // 2
+        var = (sq[:, :h].sum(-1, keepdim=True) + sq[:, h:].sum(-1, keepdim=True)) / sq.shape[-1]
+    else:
+        var = sq.sum(-1, keepdim=True) / sq.shape[-1]
+    x.copy_((residual.float() * torch.rsqrt(var + eps)).to(x.dtype))
+
+
+_lib.impl("add_norm", _add_norm, "CPU")
