@@ -216,7 +216,9 @@ def op_imports(*ops: str | None) -> list[str]:
         exact = [m for m in mods if last(m) == ns]
         suffixed = [m for m in mods if last(m).startswith(ns + "_") and ext(m)]
         ours = lambda m: not m.startswith("torch")  # noqa: E731
-        for group in ([m for m in exact if ext(m) and ours(m)], [m for m in suffixed if ours(m)],
+        # every extension that may define the namespace (torch.ops._C: vllm._C_stable_libtorch, but also
+        # vllm.third_party.deep_gemm._C): importing one more is harmless, missing the right one is not
+        for group in ([m for m in exact if ext(m) and ours(m)] + [m for m in suffixed if ours(m)],
                       [m for m in exact if ours(m)], exact):
             if group:
                 for m in sorted(group, key=lambda m: (m.startswith("torch"), m)):

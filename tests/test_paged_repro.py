@@ -166,3 +166,17 @@ def test_in_place_kernel_repro_starts_from_the_recorded_inputs(open_demo, tmp_pa
     res = repro.emit(tmp_path, "C4", sides[0], sides[1], None, "decode", "prefill", "in-place add_norm")
     assert res["reproduces"], res["output"]
     assert res["rows_b"] == 8  # a custom kernel's rows are not dropped (its other arguments may index them)
+
+
+def test_repro_imports_every_extension_that_may_define_the_namespace(monkeypatch):
+    """torch.ops._C of vLLM lives in vllm._C_stable_libtorch, and other loaded extensions are also named _C:
+    the repro imports each (harmless) rather than guess one; torch's own _C only when nothing else matches."""
+    import types
+
+    for name in ("vllm._C_stable_libtorch", "vllm.third_party.deep_gemm._C"):
+        mod = types.ModuleType(name)
+        mod.__file__ = f"/site/{name.replace('.', '/')}.abi3.so"
+        monkeypatch.setitem(sys.modules, name, mod)
+    assert repro.op_imports("_C.rms_norm.default", "aten.mm.default") == [
+        "vllm._C_stable_libtorch", "vllm.third_party.deep_gemm._C"]
+    assert repro.op_imports("tic_pageddemo.fwd.default") == ["tic_pageddemo"]

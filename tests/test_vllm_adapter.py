@@ -155,17 +155,32 @@ RUN3 = {  # config -> (C3 equal/compared, C4 equal/tokens, C5 equal/tokens or No
 }
 
 
+# run 5 (next session): the same configs with the locator's kernel-level and module-level repros
+FIXTURE5 = REPO / "tests" / "fixtures" / "vllm" / "h200-records-5.tar.xz"
+RUN5 = {
+    ("run-5", "dense-default"): ((576, 576), (1371, 2304), (1, 2304)),
+    ("run-5", "moe-default"): ((576, 576), (1371, 2304), (3, 2304)),
+    ("run-5", "dense-bi"): ((576, 576), (1371, 2304), (0, 2304)),
+    ("run-5", "moe-bi"): ((576, 576), (1371, 2304), (0, 2304)),
+    ("run-5", "big-default"): ((192, 576), (53, 2304), (0, 2304)),
+    ("run-5", "big-bi"): ((576, 576), (2131, 2304), (0, 2304)),
+}
+RUNS = {**RUN3, **RUN5}
+
+
 @pytest.fixture(scope="module")
 def records3(tmp_path_factory) -> Path:
-    return extract(FIXTURE3, tmp_path_factory.mktemp("vllm-records-3"))
+    d = tmp_path_factory.mktemp("vllm-records-3")
+    extract(FIXTURE3, d)
+    return extract(FIXTURE5, d)
 
 
-@pytest.mark.parametrize("run,name", sorted(RUN3))
+@pytest.mark.parametrize("run,name", sorted(RUNS))
 def test_run3_figures_recomputed_from_raw_records(records3, run, name):
     """C3/C4/C5 recomputed here from the raw vLLM outputs and HF logprobs (torch.equal on float32 bits,
     not check.py's struct path) equal the ladder's own record and the figures in docs/results/vllm-h200.md."""
     recs, train, ladder = load(records3, run, name)
-    c3, c4, c5 = RUN3[(run, name)]
+    c3, c4, c5 = RUNS[(run, name)]
     gen = {r["request_id"]: sample_from_record(r) for r in recs if r["kind"] == "generate"}
     scored = {}
     for r in recs:
@@ -188,12 +203,47 @@ def test_run3_figures_recomputed_from_raw_records(records3, run, name):
     assert (ladder["C5"]["metrics"]["equal_tokens"], ladder["C5"]["metrics"]["tokens"]) == c5
 
 
-@pytest.mark.parametrize("run", ["run-3a", "run-3b"])
+@pytest.mark.parametrize("run", ["run-3a", "run-3b", "run-5"])
 def test_run3_check_script_agrees(records3, run):
     r = subprocess.run([sys.executable, str(REPO / "examples" / "vllm-h200" / "check.py"), str(records3 / run)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "| NO |" not in r.stdout
+
+
+RUN5_LOCATED = {  # (config, gate) -> (first divergent layer, culprit module, a repro that reproduced on the GPU)
+    ("dense-default", "C4"): ("model.layers.0", "model.layers.0.self_attn.attn", True),
+    ("moe-default", "C4"): ("model.layers.0", "model.layers.0.self_attn.attn", True),
+    ("dense-bi", "C4"): ("model.layers.0", "model.layers.0.self_attn.attn", True),
+    ("moe-bi", "C4"): ("model.layers.0", "model.layers.0.self_attn.attn", True),
+    ("dense-default", "C5"): ("model.layers.0", "model.layers.0.self_attn", True),
+    ("moe-default", "C5"): ("model.layers.0", "model.layers.0.self_attn", True),
+    ("dense-bi", "C5"): ("model.layers.0", "model.layers.0.self_attn", False),
+    ("moe-bi", "C5"): ("model.layers.0", "model.layers.0.self_attn", False),
+    ("big-default", "C3"): ("model.layers.0", "model.layers.0.mlp.down_proj", True),
+    ("big-default", "C4"): ("model.layers.0", "model.layers.0.mlp.down_proj", True),
+    ("big-default", "C5"): ("model.layers.0", "model.layers.0.self_attn.k_norm", True),
+}
+
+
+@pytest.mark.parametrize("name,gate", sorted(RUN5_LOCATED))
+def test_run5_every_failure_is_located(records3, name, gate):
+    """Run 5's locate records (as the ladder wrote them on the H200): each failing gate is localised, and each
+    repro counted as reproducing exited 1 with its DIFFERS line in a fresh process there."""
+    located = json.loads((records3 / "run-5" / f"{name}-locate.json").read_text())
+    ladder = {r["gate"]: r for r in json.loads((records3 / "run-5" / f"{name}-ladder.json").read_text())["results"]}
+    assert ladder[gate]["verdict"] == "fail" and gate in located
+    f = located[gate]
+    layer, module, reproduced = RUN5_LOCATED[(name, gate)]
+    assert f["status"].startswith("localized") and f["first_divergent_layer"] == layer and f["culprit_module"] == module
+    assert f["reproduced_gate_values"] is True
+    chk = f["repro_check"]
+    if reproduced:
+        assert chk["reproduces"] and chk["exit_code"] == 1 and "DIFFERS" in chk["output"], chk
+    else:  # vLLM's batch-invariant GEMMs are Triton kernels launched outside torch's dispatcher: no repro, said so
+        assert chk is None and "no repro" in f["status"]
+    if gate == "C4" and module.endswith("self_attn.attn"):
+        assert f["first_operator"] == "_vllm_fa3_C.fwd.default" and chk["rows_a"] == 1  # cut to one sequence
 
 
 # -- the vLLM capture runner on a synthetic model with vLLM's layout (flat token rows, hidden/residual apart) -----
