@@ -116,7 +116,7 @@ def main() -> None:
     n_layers = max(8, int((a.gib * (1 << 30) - 2 * 4 * VOCAB * HIDDEN) // per_layer_bytes))
     root = Path(tempfile.mkdtemp(prefix="tic-bench-cut-", dir=a.dir))
     try:
-        src, out = root / "full", root / "cut"
+        src = root / "full"
         src.mkdir()
         t = time.perf_counter()
         largest = write_checkpoint(src, n_layers)
@@ -163,9 +163,11 @@ def main() -> None:
             ("page cache", "dropped before each timing (cold reads)" if cold else "warm (no root to drop it)"),
             ("rounds", f"{a.repeat} (medians below)"),
             ("time: read kept bytes", f"{read_s:.2f} s  ({m['bytes_kept'] / read_s / 2**20:.0f} MiB/s)"),
-            (f"time: tic cut (default, {os.environ.get('TIC_CUT_THREADS', '8')} copies in flight)", f"{m['cut_s']:.2f} s  ({m['bytes_kept'] / m['cut_s'] / 2**20:.0f} MiB/s)"),
+            (f"time: tic cut (default, {os.environ.get('TIC_CUT_THREADS', '8')} copies in flight)",
+             f"{m['cut_s']:.2f} s  ({m['bytes_kept'] / m['cut_s'] / 2**20:.0f} MiB/s)"),
             ("read_s / cut_s", f"{read_s / m['cut_s']:.2f}  (target >= 0.80; per round: {per_round})"),
-            ("time: tic cut, 1 copy at a time", f"{m2['cut_s']:.2f} s  (read_s / cut_s = {read_s / m2['cut_s']:.2f}; per round: {per_round_serial})"),
+            ("time: tic cut, 1 copy at a time",
+             f"{m2['cut_s']:.2f} s  (read_s / cut_s = {read_s / m2['cut_s']:.2f}; per round: {per_round_serial})"),
             ("time: tic cut --fsync", f"{m1['cut_s']:.2f} s  (read_s / cut_s = {read_s / m1['cut_s']:.2f}; "
                                        "bounded by the disk's write speed)"),
         ]

@@ -223,7 +223,8 @@ class OpRecorder(TorchDispatchMode):
                 del self.calls[n:]  # (vLLM's wrappers are idempotent: KV-cache writes, attention into `out`)
                 import traceback
 
-                where = " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(traceback.extract_tb(e.__traceback__)[-4:]))
+                frames = traceback.extract_tb(e.__traceback__)[-4:]
+                where = " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(frames))
                 self.errors.append(f"{func}: not opened: {type(e).__name__}: {e} (at {where})")
         return self.record(func, args, kwargs)
 

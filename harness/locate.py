@@ -332,7 +332,8 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
             out["operator_args"] = {"a": found.get("a_args"), "b": found["b_args"]} if found else None
             out["status"] = "localized" if found else "localized to a module; operator not resolved"
             if found and found.get("implementations_differ"):
-                only_a, only_b = _only(trail_info["a_ops"], trail_info["b_ops"]), _only(trail_info["b_ops"], trail_info["a_ops"])
+                ops_a, ops_b = trail_info["a_ops"], trail_info["b_ops"]
+                only_a, only_b = _only(ops_a, ops_b), _only(ops_b, ops_a)
                 out["first_operator"] = f"side A: {', '.join(only_a) or '-'} | side B: {', '.join(only_b) or '-'}"
                 out["status"] = (f"localized: the two sides compute {culprit} with different operators (only side A "
                                  f"runs {', '.join(only_a) or 'nothing else'}; only side B runs {', '.join(only_b)})")

@@ -70,8 +70,8 @@ def _run(side: OpSide, args, kwargs, where) -> torch.Tensor:
 def _subset(side: OpSide, keep: list[int]):
     """The call's args with only rows `keep` of every row-carrying tensor, and where the traced row lands."""
     idx = torch.tensor(keep, dtype=torch.long)
-    args = tuple(a.index_select(0, idx.to(a.device)) if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == side.rows
-                 else a for a in side.call.args)
+    per_row = lambda a: isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == side.rows  # noqa: E731
+    args = tuple(a.index_select(0, idx.to(a.device)) if per_row(a) else a for a in side.call.args)
     key = "row" if side.where["kind"] == "row" else "b"
     where = dict(side.where, **{key: keep.index(side.where[key])})
     return args, dict(side.call.kwargs), where
@@ -107,7 +107,8 @@ def one_sequence(side: OpSide, args, kwargs, where):
     keep = pages[seq, :n_pages].long()
     new = dict(bound)
     new.update(q=q[a:b].clone(), out=bound["out"][a:b].clone(), k=k.index_select(0, keep),
-               v=bound["v"].index_select(0, keep), cu_seqlens_q=torch.tensor([0, b - a], dtype=cu.dtype, device=cu.device),
+               v=bound["v"].index_select(0, keep),
+               cu_seqlens_q=torch.tensor([0, b - a], dtype=cu.dtype, device=cu.device),
                seqused_k=used[seq:seq + 1].clone(),
                page_table=torch.arange(n_pages, dtype=pages.dtype, device=pages.device)[None])
     if "max_seqlen_q" in new:

@@ -248,52 +248,99 @@ def test_run5_every_failure_is_located(records3, name, gate):
 
 # -- the vLLM capture runner on a synthetic model with vLLM's layout (flat token rows, hidden/residual apart) -----
 def _synthetic_vllm():
-    from torch import nn
-    from tic.harness.engines.base import Sampling
-    import numpy as np
+    """A two-layer model laid out as vLLM runs it (flat token rows, hidden and residual apart, an add-norm with
+    forward(*args) over forward_native) and an engine stub whose steps fill a V1-runner-like input batch: the
+    prompts' prefill first, then one token per request per step, in a request order that flips every step."""
     from types import SimpleNamespace as NS
-    H=8
+
+    import numpy as np
+    from torch import nn
+
+    from tic.harness.engines.base import Sampling
+
+    H = 8
+
     class Norm(nn.Module):
-        def forward(self, *args, **kwargs): return self.forward_native(*args, **kwargs)
+        def forward(self, *args, **kwargs):
+            return self.forward_native(*args, **kwargs)
+
         def forward_native(self, x, residual=None):
-            if residual is None: return x*2
-            x = x + residual; return x*2, x
+            if residual is None:
+                return x * 2
+            x = x + residual
+            return x * 2, x
+
     class Layer(nn.Module):
-        def __init__(s): super().__init__(); s.input_layernorm=Norm(); s.mlp=nn.Linear(H,H)
+        def __init__(self):
+            super().__init__()
+            self.input_layernorm, self.mlp = Norm(), nn.Linear(H, H)
+
         def forward(self, positions, hidden_states, residual):
-            if residual is None: residual=hidden_states; h=self.input_layernorm(hidden_states)
-            else: h, residual = self.input_layernorm(hidden_states, residual)
+            if residual is None:
+                residual, h = hidden_states, self.input_layernorm(hidden_states)
+            else:
+                h, residual = self.input_layernorm(hidden_states, residual)
             return self.mlp(h), residual
+
     class Inner(nn.Module):
-        def __init__(s): super().__init__(); s.embed_tokens=nn.Embedding(50,H); s.layers=nn.ModuleList([Layer(),Layer()]); s.norm=Norm()
-        def forward(s, input_ids, positions):
-            h=s.embed_tokens(input_ids); r=None
-            for l in s.layers: h,r=l(positions,h,r)
-            out,_=s.norm(h,r); return out
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens, self.layers, self.norm = nn.Embedding(50, H), nn.ModuleList([Layer(), Layer()]), Norm()
+
+        def forward(self, input_ids, positions):
+            h, r = self.embed_tokens(input_ids), None
+            for layer in self.layers:
+                h, r = layer(positions, h, r)
+            out, _ = self.norm(h, r)
+            return out
+
     class M(nn.Module):
-        def __init__(s): super().__init__(); s.model=Inner()
-    torch.manual_seed(0); m=M()
+        def __init__(self):
+            super().__init__()
+            self.model = Inner()
+
+    torch.manual_seed(0)
+    m = M()
+
     class Eng:
-        opts={"enforce_eager":True}; batch_size=8; last_sampling=Sampling(1.0,3,0)
-        def __init__(s): s.r=NS(input_batch=NS(), query_start_loc=NS(), requests={}, positions=torch.zeros(64,dtype=torch.long))
-        def model(s): return m
-        def model_runner(s): return s.r
-        def _sampling_params(s, sp, rid): return None
-        def _run(s, prompts, params, kind, rids):
-            toks=[list(p) for p in prompts]; n0=[len(p) for p in prompts]
-            s.r.requests={str(i):NS(prompt_token_ids=list(p)) for i,p in enumerate(prompts)}
+        opts = {"enforce_eager": True}
+        batch_size = 8
+        last_sampling = Sampling(1.0, 3, 0)
+
+        def __init__(self):
+            self.r = NS(input_batch=NS(), query_start_loc=NS(), requests={}, positions=torch.zeros(64, dtype=torch.long))
+
+        def model(self):
+            return m
+
+        def model_runner(self):
+            return self.r
+
+        def _sampling_params(self, sp, rid):
+            return None
+
+        def _run(self, prompts, params, kind, rids):
+            toks = [list(p) for p in prompts]
+            n0 = [len(p) for p in prompts]
+            self.r.requests = {str(i): NS(prompt_token_ids=list(p)) for i, p in enumerate(prompts)}
             for step in range(3):
-                order=list(range(len(prompts)))[::(-1 if step%2 else 1)]
-                ids=[];pos=[];qsl=[0]
+                order = list(range(len(prompts)))[::(-1 if step % 2 else 1)]
+                ids, pos, qsl = [], [], [0]
                 for i in order:
-                    t=toks[i] if step==0 else toks[i][-1:]
-                    p=list(range(len(toks[i]))) if step==0 else [len(toks[i])-1]
-                    ids+=t;pos+=p;qsl.append(len(ids))
-                s.r.input_batch.num_reqs=len(order); s.r.input_batch.req_ids=[str(i) for i in order]
-                s.r.query_start_loc.np=np.array(qsl); s.r.positions[:len(pos)]=torch.tensor(pos)
-                with torch.inference_mode(): m.model(torch.tensor(ids), s.r.positions[:len(pos)])
-                for i in range(len(prompts)): toks[i].append((7*i+step)%50)
-            return [{"token_ids":toks[i][n0[i]:], "logprobs":[{str(t):-1.0} for t in toks[i][n0[i]:]],"prompt_token_ids":list(prompts[i])} for i in range(len(prompts))]
+                    ids += toks[i] if step == 0 else toks[i][-1:]
+                    pos += list(range(len(toks[i]))) if step == 0 else [len(toks[i]) - 1]
+                    qsl.append(len(ids))
+                self.r.input_batch.num_reqs = len(order)
+                self.r.input_batch.req_ids = [str(i) for i in order]
+                self.r.query_start_loc.np = np.array(qsl)
+                self.r.positions[:len(pos)] = torch.tensor(pos)
+                with torch.inference_mode():
+                    m.model(torch.tensor(ids), self.r.positions[:len(pos)])
+                for i in range(len(prompts)):
+                    toks[i].append((7 * i + step) % 50)
+            return [{"token_ids": toks[i][n0[i]:], "logprobs": [{str(t): -1.0} for t in toks[i][n0[i]:]],
+                     "prompt_token_ids": list(prompts[i])} for i in range(len(prompts))]
+
     return Eng(), m
 
 

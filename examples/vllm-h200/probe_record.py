@@ -3,8 +3,6 @@ what was recorded and what could not be.   python probe_record.py CONFIG.yaml"""
 
 import sys
 
-import torch
-
 from tic.harness.capture import OpRecorder
 from tic.skill.config import load_config
 from tic.skill.context import GateContext
