@@ -58,7 +58,8 @@ def command(config_path, gate_id, as_json):
     check = found.get("repro_check") or {}
     con.print(f"repro:     {found['repro'] or 'not emitted'}"
               + (f" (rows A {check.get('rows_a')}, B {check.get('rows_b')}; fresh run: {check.get('output')})"
-                 if found["repro"] else ""))
+                 if found["repro"] else
+                 f" (a fresh run exited {check.get('exit_code')}: {check.get('output')})" if check else ""))
     con.print(f"report:    {found['report']}\nchart:     {found['chart']}")
     con.print(f"cost:      {found['forward_passes']} forward passes, {found['seconds']} s")
     if as_json:
