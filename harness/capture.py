@@ -183,12 +183,20 @@ class _OpFailed(Exception):
 OPEN_NAMESPACES: set[str] = {"vllm", "vllm_ir"}  # vllm_ir: kernel chosen by the engine's config
 
 
-def _device_key(args, kwargs):
+def _first_tensor(args, kwargs) -> torch.Tensor | None:
+    """The first tensor among a call's arguments (one level into lists), or None for a factory call."""
     for v in list(args) + list(kwargs.values()):
         for x in (v if isinstance(v, (list, tuple)) else [v]):
             if isinstance(x, torch.Tensor):
-                return "CUDA" if x.is_cuda else "CPU"
+                return x
     return None
+
+
+def call_outputs(func, args, kwargs, out) -> list[torch.Tensor]:
+    """A call's outputs as the recorder counts them: returned tensors, then the arguments it writes in place
+    that it did not also return (vLLM's kernels return nothing and fill `out`/`result`)."""
+    outs = tensors_of(out)
+    return outs + [w for w in _written(func, args, kwargs) if not any(w is o for o in outs)]
 
 
 class OpRecorder(TorchDispatchMode):
@@ -209,7 +217,8 @@ class OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        key = _device_key(args, kwargs) if func.namespace in OPEN_NAMESPACES else None
+        first = _first_tensor(args, kwargs) if func.namespace in OPEN_NAMESPACES else None
+        key = None if first is None else ("CUDA" if first.is_cuda else "CPU")
         if key and torch._C._dispatch_has_computed_kernel_for_dispatch_key(func.name(), key):
             # run the wrapper's own kernel (below the Python-mode key) with the operators it calls recorded as
             # they are called from Python (a function mode: a second trip through Python dispatch breaks some
@@ -249,9 +258,7 @@ class OpRecorder(TorchDispatchMode):
         return (ci, k) if same_bits(self.calls[ci].outputs[k], pre) else None
 
     def _record(self, func, args, kwargs):
-        has_input = any(isinstance(x, torch.Tensor) for v in list(args) + list(kwargs.values())
-                        for x in (v if isinstance(v, (list, tuple)) else [v]))
-        if not has_input:
+        if _first_tensor(args, kwargs) is None:
             return func(*args, **kwargs)
         pre_args = tuple(_tree_map(_clone, a) for a in args)
         pre_kwargs = {k: _tree_map(_clone, v) for k, v in kwargs.items()}
@@ -261,13 +268,11 @@ class OpRecorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         except Exception as e:  # the operator itself failed: not a recording problem
             raise _OpFailed() from e
-        outs = tensors_of(out)
-        extra = [w for w in _written(func, args, kwargs) if not any(w is o for o in outs)]
+        outs = call_outputs(func, args, kwargs, out)
         ci = len(self.calls)
-        for k, t in enumerate(outs + extra):
+        for k, t in enumerate(outs):
             self.produced[id(t)] = (ci, k, t)
-        self.calls.append(OpCall(str(func), func, pre_args, pre_kwargs, tuple(_clone(t) for t in outs + extra),
-                                 sources))
+        self.calls.append(OpCall(str(func), func, pre_args, pre_kwargs, tuple(_clone(t) for t in outs), sources))
         return out
 
 
@@ -368,7 +373,7 @@ class HookSet:
                     and any(pos == self.spec.trail_position for _, pos in targets)):
                 fi = next(i for i, pos in targets if pos == self.spec.trail_position)
                 self.capture.trail = Trail([], B, T, fi)
-                self._recorder = OpRecorder()
+                self._recorder = OpRecorder(self.capture.trail.calls, self.capture.trail.errors)
                 self._recorder.__enter__()
             if name in self.spec.replace:
                 return new_args, new_kwargs
@@ -379,8 +384,6 @@ class HookSet:
         def hook(module, args, kwargs, out):
             if name == self.spec.trail_module and self._recorder is not None:
                 self._recorder.__exit__(None, None, None)
-                self.capture.trail.calls = self._recorder.calls
-                self.capture.trail.errors = self._recorder.errors
                 self._recorder = None
             if name not in self.spec.outputs:
                 return None

@@ -168,6 +168,16 @@ def module_target(trail: Trail, value: torch.Tensor) -> tuple[int, dict] | None:
     return None
 
 
+def _module_program(cap: Capture, module: str, pos: int) -> dict | None:
+    """The module's operator sequence up to the call that produced its recorded output for position `pos`, as
+    a replayable program (tic.harness.repro.module_program); None if no recorded operator produced it."""
+    from tic.harness import repro as repro_mod
+
+    row = cap.outputs.get(module, {}).get(pos)
+    target = module_target(cap.trail, row[0]) if row else None
+    return None if target is None else repro_mod.module_program(cap.trail, target[0], target[1], row[0])
+
+
 def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
     """The first op on side B whose value for the traced token is none of side A's values (inputs equal)."""
     outs_a, ins_a = trail_rows(trail_a)
@@ -337,13 +347,10 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
                 out["first_operator"] = f"side A: {', '.join(only_a) or '-'} | side B: {', '.join(only_b) or '-'}"
                 out["status"] = (f"localized: the two sides compute {culprit} with different operators (only side A "
                                  f"runs {', '.join(only_a) or 'nothing else'}; only side B runs {', '.join(only_b)})")
-                out["implementations"] = {"a": trail_info["a_ops"][:40], "b": trail_info["b_ops"][:40]}
+                out["implementations"] = {"a": ops_a[:40], "b": ops_b[:40]}
                 if emit_repro:
-                    targets = [module_target(t.trail, t.outputs.get(culprit, {}).get(pos, (None,))[0])
-                               if t.outputs.get(culprit, {}).get(pos) else None for t in (ta, tb)]
-                    if all(targets):
-                        progs = [repro_mod.module_program(t.trail, ci, where, t.outputs[culprit][pos][0])
-                                 for t, (ci, where) in zip((ta, tb), targets)]
+                    progs = [_module_program(t, culprit, pos) for t in (ta, tb)]
+                    if all(progs):
                         repro_info = repro_mod.emit_module(
                             out_dir, gate, culprit, progs[0], progs[1], side_a.label, side_b.label,
                             f"{culprit} differs between the two sides' implementations on identical inputs",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tic.harness.capture import OpCall, same_bits
+from tic.harness.capture import OpCall, _clone, _tree_map, call_outputs, same_bits
 from tic.skill.state import atomic_write_bytes, atomic_write_text
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -32,12 +32,8 @@ class OpSide:
 
 
 def outputs_of(func, args, kwargs) -> list[torch.Tensor]:
-    """Run the operator; its outputs as the recorder counts them: returned tensors, then the arguments it
-    writes in place (vLLM's kernels return nothing and fill `out`/`result`)."""
-    from tic.harness.capture import _written, tensors_of
-
-    out = tensors_of(func(*args, **kwargs))
-    return out + [w for w in _written(func, args, kwargs) if not any(w is o for o in out)]
+    """Run the operator; its outputs as the recorder counts them (capture.call_outputs)."""
+    return call_outputs(func, args, kwargs, func(*args, **kwargs))
 
 
 def pick(ts: list[torch.Tensor], where: dict) -> torch.Tensor:
@@ -55,16 +51,11 @@ def _values_differ(a: torch.Tensor, b: torch.Tensor) -> bool:
     return not same_bits(a, b)
 
 
-def _fresh(v):
-    if isinstance(v, (list, tuple)):
-        return type(v)(_fresh(x) for x in v)
-    return v.clone() if isinstance(v, torch.Tensor) else v
-
-
 def _run(side: OpSide, args, kwargs, where) -> torch.Tensor:
     """The operator on copies of the arguments: in-place kernels (vLLM's fused_add_rms_norm writes its input
     and residual) must not change the values a later evaluation or the saved repro starts from."""
-    return pick(outputs_of(side.call.func, _fresh(args), {k: _fresh(v) for k, v in kwargs.items()}), where)
+    copies = _tree_map(_clone, args), {k: _tree_map(_clone, v) for k, v in kwargs.items()}
+    return pick(outputs_of(side.call.func, *copies), where)
 
 
 def _subset(side: OpSide, keep: list[int]):
@@ -154,11 +145,12 @@ def shrink(a: OpSide | None, b: OpSide, a_value: torch.Tensor | None) -> tuple[d
         args, kwargs, where = state[key]
         return _run(side, args, kwargs, where)
 
-    def trial(key, side, keep):
+    def trial(key, candidate):
+        """Take `candidate` (args, kwargs, where) for side `key` if the two values still differ with it."""
         nonlocal evals
         evals += 1
         saved = state[key]
-        state[key] = _subset(side, keep)
+        state[key] = candidate
         try:
             ok = _values_differ(value("a", a), value("b", b))
         except (RuntimeError, ValueError, IndexError, TypeError):
@@ -172,21 +164,13 @@ def shrink(a: OpSide | None, b: OpSide, a_value: torch.Tensor | None) -> tuple[d
             continue
         reduced = one_sequence(side, *state[key])
         if reduced is not None:
-            evals += 1
-            saved = state[key]
-            state[key] = reduced
-            try:
-                kept = _values_differ(value("a", a), value("b", b))
-            except (RuntimeError, ValueError, IndexError, TypeError):
-                kept = False
-            if not kept:
-                state[key] = saved
+            trial(key, reduced)
             continue
         if side.rows <= 1 or not side.call.op.startswith("aten."):
             continue  # custom kernels (e.g. vLLM's attention) tie rows together through other arguments
         must = side.where["row" if side.where["kind"] == "row" else "b"]
-        keep = _ddmin(list(range(side.rows)), must, lambda k: trial(key, side, k))
-        if len(keep) < side.rows and not trial(key, side, keep):  # leave the state at the minimum found
+        keep = _ddmin(list(range(side.rows)), must, lambda k: trial(key, _subset(side, k)))
+        if len(keep) < side.rows and not trial(key, _subset(side, keep)):  # leave the state at the minimum found
             state[key] = (side.call.args, dict(side.call.kwargs), dict(side.where))
     pack = lambda s: None if s is None else {"args": s[0], "kwargs": s[1], "where": s[2]}  # noqa: E731
     return pack(state["a"]), pack(state["b"]), evals
@@ -207,16 +191,16 @@ def op_imports(*ops: str | None) -> list[str]:
     suffix (torch.ops._C -> vllm._C_stable_libtorch), else a Python module of that name (a test's op library);
     none for aten and prims. torch's own modules only when nothing else matches."""
     out: list[str] = []
+    mods = dict(sys.modules)
+    ext = lambda m: str(getattr(mods[m], "__file__", "") or "").endswith(".so")  # noqa: E731
+    last = lambda m: m.split(".")[-1]  # noqa: E731
+    ours = lambda m: not m.startswith("torch")  # noqa: E731
     for op in ops:
         ns = op.split(".")[0] if op else "aten"
         if ns in ("aten", "prims"):
             continue
-        mods = {m: sys.modules[m] for m in list(sys.modules)}
-        ext = lambda m: str(getattr(mods[m], "__file__", "") or "").endswith(".so")  # noqa: E731
-        last = lambda m: m.split(".")[-1]  # noqa: E731
         exact = [m for m in mods if last(m) == ns]
         suffixed = [m for m in mods if last(m).startswith(ns + "_") and ext(m)]
-        ours = lambda m: not m.startswith("torch")  # noqa: E731
         # every extension that may define the namespace (torch.ops._C: vllm._C_stable_libtorch, but also
         # vllm.third_party.deep_gemm._C): importing one more is harmless, missing the right one is not
         for group in ([m for m in exact if ext(m) and ours(m)] + [m for m in suffixed if ours(m)],
