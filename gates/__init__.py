@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tic.gates import c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10
 from tic.gates.base import Gate, Judgement
-from tic.skill.errors import TicInputError
+from tic.core.errors import TicInputError
 
 REGISTRY: list[Gate] = [m.GATE for m in (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10)]
 BY_ID: dict[str, Gate] = {g.id: g for g in REGISTRY}

@@ -7,7 +7,7 @@ import json
 
 from tic.gates.base import Gate, Judgement
 from tic.harness.inventory import build_manifest
-from tic.skill.state import atomic_write_text
+from tic.core.fsio import atomic_write_text
 
 
 def measure(ctx) -> dict:

@@ -9,7 +9,7 @@ import json
 from tic.gates.base import Gate, Judgement
 from tic.harness.cut import CUT_RECORD
 from tic.harness.cut_check import check_cut, cut_dir_for
-from tic.skill.state import atomic_write_text
+from tic.core.fsio import atomic_write_text
 
 def measure(ctx) -> dict:
     cut_dir = cut_dir_for(ctx)

@@ -504,7 +504,7 @@ def runner_for(engine, temperature: float) -> CaptureRunner:
 
     if isinstance(engine, HFEngine):
         return HFCaptureRunner(engine, temperature)
-    from tic.skill.errors import TicInputError
+    from tic.core.errors import TicInputError
 
     raise TicInputError(f"engine {getattr(engine, 'name', engine)!r} cannot run with capture (no capture_runner)")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from tic.harness.families import (NOT_PER_LAYER, PER_LAYER_FIELDS, QUANT_NAME_LISTS, Family, family,
                                   first_k_dense_is_moe, layer_kinds, num_layers)
 from tic.harness.inventory import LAYER_RE, build_manifest, tensor_locations
-from tic.skill.errors import TicInputError
+from tic.core.errors import TicInputError
 
 CUT_RECORD = "cut.json"
 INDEX = "model.safetensors.index.json"

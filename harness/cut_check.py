@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tic.harness.cut import CUT_RECORD, cut_model, layer_signatures
 from tic.harness.inventory import build_manifest, layer_tensors, tensor_table
-from tic.skill.errors import TicInputError
+from tic.core.errors import TicInputError
 
 FIDELITY_BATCH = 2
 FIDELITY_MIN_LEN = 24

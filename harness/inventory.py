@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from tic.harness.families import family, layer_kinds
-from tic.skill.errors import TicInputError
+from tic.core.errors import TicInputError
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
 QUANT_SUFFIXES = ("weight_scale_inv", "weight_scale_2", "weight_scale", "input_scale", "weight_zero_point",

@@ -28,8 +28,8 @@ import torch
 from tic.harness.capture import Capture, CaptureRunner, CaptureSpec, Trail, rows_equal, runner_for, same_bits
 from tic.harness.layouts import describe_train_layout, probe_batch
 from tic.harness.metrics import _ordered_int
-from tic.skill.errors import TicInputError
-from tic.skill.state import atomic_write_bytes, atomic_write_text
+from tic.core.errors import TicInputError
+from tic.core.fsio import atomic_write_bytes, atomic_write_text
 
 TEMPLATES = Path(__file__).parent / "templates"
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tic.skill.errors import TicInputError
+from tic.core.errors import TicInputError
 
 # The names verl users already watch on their dashboards.
 VERL_NAMES = {

@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tic.skill.errors import TicInputError
+from tic.core.errors import TicInputError
 
 
 def cache_root() -> Path:

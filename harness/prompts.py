@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tic.skill.errors import TicInputError
+from tic.core.errors import TicInputError
 
 
 def random_prompts(count: int, vocab_size: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:

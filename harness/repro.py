@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from tic.harness.capture import OpCall, _clone, _tree_map, call_outputs, same_bits
-from tic.skill.state import atomic_write_bytes, atomic_write_text
+from tic.core.fsio import atomic_write_bytes, atomic_write_text
 
 TEMPLATES = Path(__file__).parent / "templates"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 import tic
-from tic.skill.errors import EXIT_INPUT, EXIT_INTERNAL, TicInputError
+from tic.core.errors import EXIT_INPUT, EXIT_INTERNAL, TicInputError
 
 EXIT_CODES = """\b
 Exit codes:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tic.skill.errors import TicInputError
+from tic.core.errors import TicInputError
 
 
 class Strict(BaseModel):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tic.harness.engines.base import Engine, Sample, Sampling
 from tic.skill.config import TicConfig
-from tic.skill.errors import TicInputError
+from tic.core.errors import TicInputError
 from tic.skill.state import LadderState
 
 

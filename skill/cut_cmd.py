@@ -24,7 +24,7 @@ def command(model_dir, out_dir, layers, max_layers, config_path, fsync, as_json)
     \b
     Without MODEL_DIR/OUT_DIR, both come from tic.yaml (model.path, cut.out)."""
     from tic.harness.cut import cut_model
-    from tic.skill.errors import TicInputError
+    from tic.core.errors import TicInputError
 
     section = None
     if model_dir is None or out_dir is None:

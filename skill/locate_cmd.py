@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from tic.skill.errors import TicInputError
+from tic.core.errors import TicInputError
 
 LOCATABLE = ("C3", "C4", "C5", "C6")
 

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tic.skill.records import GateResult
-from tic.skill.state import atomic_write_text
+from tic.core.fsio import atomic_write_text
 
 STYLE = {"pass": "bold green", "fail": "bold red", "error": "bold magenta", "unavailable": "yellow",
          "skipped": "dim"}

@@ -10,7 +10,7 @@ from tic.gates import REGISTRY, gate_range
 from tic.gates.base import UNAVAILABLE, Gate
 from tic.harness.metrics import NonFiniteLogprob
 from tic.skill.context import GateContext
-from tic.skill.errors import TicInputError
+from tic.core.errors import TicInputError
 from tic.skill.records import GateResult, environment_fingerprint
 
 

@@ -20,7 +20,7 @@ from tic.harness.cut_check import check_cut  # noqa: E402
 from tic.harness.cut import choose_layers, cut_model, rewrite_config  # noqa: E402
 from tic.harness.families import layer_kinds  # noqa: E402
 from tic.harness.inventory import tensor_locations  # noqa: E402
-from tic.skill.errors import TicInputError  # noqa: E402
+from tic.core.errors import TicInputError  # noqa: E402
 
 BASE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False,

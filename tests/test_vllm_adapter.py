@@ -18,7 +18,7 @@ import torch
 
 from tic.harness.engines.vllm import check_options, sample_from_record, scored_from_record
 from tic.harness.metrics import compare_generation, compare_logprobs
-from tic.skill.errors import TicInputError
+from tic.core.errors import TicInputError
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "fixtures" / "vllm" / "h200-records.tar.xz"

@@ -22,7 +22,7 @@ from tic.harness.engines.hf import HFEngine
 from tic.skill.config import load_config
 from tic.skill.context import GateContext
 from tic.skill.runner import run_ladder
-from tic.skill.state import atomic_write_text
+from tic.core.fsio import atomic_write_text
 
 cfg_path, out = Path(sys.argv[1]), Path(sys.argv[2])
 start = sys.argv[sys.argv.index("--from") + 1] if "--from" in sys.argv else "C0"

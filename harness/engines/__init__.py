@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tic.harness.engines.base import Engine, Sample, Sampling
-from tic.skill.errors import TicInputError
+from tic.core.errors import TicInputError
 
 __all__ = ["Engine", "Sample", "Sampling", "build_engine"]
 

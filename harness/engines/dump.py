@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from tic.harness.engines.base import Engine, Sample, Sampling
-from tic.skill.errors import TicInputError
+from tic.core.errors import TicInputError
 
 REQUIRED = ("prompt_ids", "response_ids", "logprobs")
 KNOWN = set(REQUIRED) | {"mask", "weight_version", "id"}
@@ -97,7 +97,7 @@ def read_dump(path: Path) -> list[Sample]:
 
 def write_dump(path: Path, samples: list[Sample]) -> None:
     """Write samples in the dump schema (floats as Python reprs: exact)."""
-    from tic.skill.state import atomic_write_text
+    from tic.core.fsio import atomic_write_text
 
     lines = []
     for s in samples:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from tic.harness.engines.base import Engine, Sample, Sampling, request_seed
-from tic.skill.errors import TicInputError
+from tic.core.errors import TicInputError
 
 _MODELS: dict[tuple, torch.nn.Module] = {}
 

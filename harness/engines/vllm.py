@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tic.harness.engines.base import Engine, Sample, Sampling, request_seed
-from tic.skill.errors import TicInputError
+from tic.core.errors import TicInputError
 
 # rollout.options understood by this engine, with their defaults.
 OPTIONS: dict[str, Any] = {
@@ -242,7 +242,7 @@ class VLLMEngine(Engine):
             if rec["prompt_token_ids"] != list(p):
                 raise TicInputError("vLLM returned outputs out of order (prompt ids differ)")
         if self._record is not None:
-            from tic.skill.state import atomic_write_text
+            from tic.core.fsio import atomic_write_text
 
             old = self._record.read_text() if self._record.is_file() else ""
             lines = "".join(json.dumps({**r, "call": self._call, "batch": len(recs), "index": i}) + "\n"

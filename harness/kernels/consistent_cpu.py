@@ -185,7 +185,7 @@ def apply(model: nn.Module) -> nn.Module:
             if type(child).__name__ in _ACT_TYPES:
                 setattr(m, attr, _RowAct(child))
     if unsupported:
-        from tic.skill.errors import TicInputError
+        from tic.core.errors import TicInputError
 
         raise TicInputError("consistent CPU kernels do not cover: " + ", ".join(unsupported))
     model.config._attn_implementation = ATTN_NAME

@@ -1,0 +1,1 @@
+"""Base pieces every layer may use (errors, atomic file writes); imports nothing else of tic."""
