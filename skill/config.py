@@ -43,11 +43,22 @@ class EngineConfig(Strict):
     device: Literal["cpu", "cuda"] = Field("cpu", description="hf engine: where the model runs")
     dump: Path | None = Field(None, description="dump engine: JSONL file")
     options: dict[str, Any] = Field(default_factory=dict, description="engine-specific options (vllm)")
+    patches: list[str] = Field(default_factory=list, description="bundled patches to apply (tic patch list)")
 
     @model_validator(mode="after")
     def _dump_needs_file(self) -> "EngineConfig":
         if self.engine == "dump" and self.dump is None:
             raise ValueError("engine 'dump' needs 'dump: FILE.jsonl'")
+        if self.patches:
+            from tic import patches
+
+            known = patches.registry()
+            unknown = [n for n in self.patches if n not in known]
+            if unknown:
+                raise ValueError(f"unknown patch {unknown[0]!r}; bundled patches: {', '.join(sorted(known))}")
+            targets = {known[n].target for n in self.patches}
+            if self.engine not in targets:
+                raise ValueError(f"patches target {', '.join(sorted(targets))}, not engine {self.engine!r}")
         return self
 
 

@@ -16,7 +16,7 @@ Verdict = Literal["pass", "fail", "unavailable", "error", "skipped"]
 # Environment variables that change numerics or kernel choice; recorded with every result.
 NUMERIC_ENV_PREFIXES = ("NCCL_", "CUBLAS_", "CUDNN_", "NVIDIA_TF32", "TORCH_", "VLLM_", "OMP_", "MKL_",
                         "OPENBLAS_", "CUDA_", "PYTORCH_", "TRITON_", "DG_", "DEEPEP_")
-NUMERIC_ENV_NAMES = ("VLLM_BATCH_INVARIANT", "CUBLAS_WORKSPACE_CONFIG", "VLLM_ATTENTION_BACKEND",
+NUMERIC_ENV_NAMES = ("TIC_PATCHES", "VLLM_BATCH_INVARIANT", "CUBLAS_WORKSPACE_CONFIG", "VLLM_ATTENTION_BACKEND",
                      "VLLM_ENABLE_V1_MULTIPROCESSING", "TIC_CACHE")
 _PACKAGES = ("torch", "transformers", "vllm", "triton", "safetensors", "numpy", "tic-consistency")
 
@@ -43,7 +43,15 @@ def environment_fingerprint() -> dict[str, Any]:
         "device": device,
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "env": env,
+        "patches": _active_patches(),
     }
+
+
+def _active_patches() -> list[str]:
+    """Bundled patches active in this process, read back from the patched objects (not from a setting)."""
+    from tic import patches
+
+    return patches.active()
 
 
 class GateResult(BaseModel):

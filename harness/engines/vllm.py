@@ -154,13 +154,27 @@ def _import_vllm(batch_invariant: bool | None, model_runner: str | None = None):
     return vllm
 
 
+def _apply_patches(names: list[str]) -> list[str]:
+    """The bundled patches of rollout.patches, exactly: set TIC_PATCHES for any process vLLM starts (its plugin
+    entry point applies them there) and apply them here, where vLLM may have loaded its plugins already."""
+    from tic import patches
+
+    os.environ[patches.ENV_VAR] = ",".join(names)
+    patches.apply(names)
+    missing = set(names) - set(patches.active())
+    if missing:
+        raise RuntimeError(f"bundled patches not active after apply: {sorted(missing)}")
+    return names
+
+
 class VLLMEngine(Engine):
     name = "vllm"
 
     def __init__(self, model_dir: Path, dtype: str, options: dict, batch_size: int, max_positions: int,
-                 vocab_size: int):
+                 vocab_size: int, patch_names: list[str] | None = None):
         self.opts = check_options(options)
         vllm = _import_vllm(self.opts["batch_invariant"], self.opts["model_runner"])
+        self.patches = _apply_patches(list(patch_names or []))
         self.vllm_version = vllm.__version__
         self.model_dir = Path(model_dir)
         self.batch_size = batch_size
@@ -184,7 +198,7 @@ class VLLMEngine(Engine):
         if comp is not None:
             kwargs["compilation_config"] = comp
         self.llm_kwargs = kwargs
-        key = json.dumps(kwargs, sort_keys=True, default=str)
+        key = json.dumps({**kwargs, "tic_patches": self.patches}, sort_keys=True, default=str)
         if key not in _LLMS:
             from vllm import LLM
 
@@ -207,7 +221,7 @@ class VLLMEngine(Engine):
         if opts.get("record"):
             opts["record"] = str(ctx.cfg.resolve(Path(opts["record"])))
         return cls(ctx.model_dir, ctx.dtype, opts, side_cfg.batch_size,
-                   int(text.get("max_position_embeddings", 2048)), ctx.vocab_size)
+                   int(text.get("max_position_embeddings", 2048)), ctx.vocab_size, side_cfg.patches)
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _check(self, seqs: list[list[int]], extra: int) -> None:

@@ -1,0 +1,46 @@
+"""Swap a module-level function everywhere vLLM bound it, and put it back: the one mechanism the patches share."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Callable
+
+_MARK = "__tic_patch__"
+
+
+def swap_everywhere(home: str, attr: str, make: Callable[[Callable], Callable], name: str, prefix: str) -> None:
+    """Replace `home.attr` by `make(original)` in `home` and in every loaded module under `prefix` that imported
+    it by name (`from home import attr`). Modules imported later read the patched attribute from `home`."""
+    mod = importlib.import_module(home)
+    original = getattr(mod, attr)
+    if getattr(original, _MARK, None) == name:
+        return
+    wrapped = make(original)
+    setattr(wrapped, _MARK, name)
+    wrapped.__wrapped__ = original
+    for m in list(sys.modules.values()):
+        if m is not None and getattr(m, "__name__", "").startswith(prefix) and getattr(m, attr, None) is original:
+            setattr(m, attr, wrapped)
+    setattr(mod, attr, wrapped)
+
+
+def restore_everywhere(home: str, attr: str, name: str, prefix: str) -> None:
+    mod = sys.modules.get(home)
+    if mod is None:
+        return
+    wrapped = getattr(mod, attr)
+    if getattr(wrapped, _MARK, None) != name:
+        return
+    original = wrapped.__wrapped__
+    for m in list(sys.modules.values()):
+        if m is not None and getattr(m, "__name__", "").startswith(prefix) and getattr(m, attr, None) is wrapped:
+            setattr(m, attr, original)
+
+
+def is_swapped(home: str, attr: str, name: str) -> bool:
+    try:
+        mod = importlib.import_module(home)
+    except ImportError:
+        return False
+    return getattr(getattr(mod, attr, None), _MARK, None) == name

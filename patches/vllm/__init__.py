@@ -1,0 +1,1 @@
+"""Bundled patches for vLLM, one module each (each defines PATCH)."""
