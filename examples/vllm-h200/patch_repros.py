@@ -99,6 +99,8 @@ def main(argv: list[str]) -> int:
         "rmsnorm-fixed-block: hidden 2048 misaligned, 48 vs 6667 rows": lambda: rmsnorm_small_vs_large(patched, 2048, 1),
         "rmsnorm-fixed-block: hidden 4096 aligned, 48 vs 6667 rows": lambda: rmsnorm_small_vs_large(patched, 4096, 0),
         "gemm-fixed-m: 2048->8192 linear, 1/48 vs 6667 rows": lambda: gemm_small_vs_large(patched),
+        "gemm-fixed-m: 8192->2048 linear (down_proj), 1/48 vs 6667 rows": lambda: gemm_small_vs_large(patched, 2048, 8192),
+        "gemm-fixed-m: 2048->151936 lm_head, 1/48 vs 2000 rows": lambda: gemm_small_vs_large(patched, 151936, 2048, 2000),
     }
     res, bad = {}, 0
     for name, fn in cases.items():

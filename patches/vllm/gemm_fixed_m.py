@@ -9,8 +9,7 @@ shape: rows are cut into tiles of exactly ROWS rows (the last zero-padded), each
 which cost little while a GEMM that small is bound by reading the weights.
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: torch.library reads the custom ops' annotations as types
 from tic.patches._swap import is_swapped, restore_everywhere, swap_everywhere
 from tic.patches.base import Patch
 
@@ -45,10 +44,12 @@ def linear_fixed_m(x, weight, bias=None):
 def _register_op():
     if "op" in _state:
         return _state["op"]
+    import typing
+
     import torch
 
     @torch.library.custom_op("tic::linear_fixed_m", mutates_args=())
-    def op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def op(x: torch.Tensor, weight: torch.Tensor, bias: typing.Optional[torch.Tensor]) -> torch.Tensor:
         return linear_fixed_m(x, weight, bias)
 
     @op.register_fake

@@ -12,8 +12,7 @@ launches it the way a large batch does: at least 256 rows (a small batch is copi
 and aligned, contiguous buffers, so every row sees 256 threads and the same path.
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: torch.library reads the custom ops' annotations as types
 from tic.patches.base import Patch
 
 NAME = "rmsnorm-fixed-block"
@@ -51,10 +50,12 @@ def _register_op():
     """A torch custom op, so torch.compile and CUDA graphs see one opaque call, not the Python around it."""
     if "op" in _state:
         return _state["op"]
+    import typing
+
     import torch
 
     @torch.library.custom_op("tic::fused_add_rms_norm_fixed_block", mutates_args=("x", "residual"))
-    def op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, epsilon: float) -> None:
+    def op(x: torch.Tensor, residual: torch.Tensor, weight: typing.Optional[torch.Tensor], epsilon: float) -> None:
         fused_add_rms_norm_fixed_block(x, residual, weight, epsilon)
 
     @op.register_fake
