@@ -79,7 +79,9 @@ def main() -> int:
     rounds = int(os.environ.get("BENCH_ROUNDS", "2"))
     make_model(MODEL_DIR)
     res = {}
-    for label, env in VARIANTS:
+    order = os.environ.get("BENCH_ORDER")  # e.g. the reverse order, to see what running first or last costs
+    variants = [next(v for v in VARIANTS if v[0] == n) for n in order.split(",")] if order else VARIANTS
+    for label, env in variants:
         out = f"/tmp/bench-{label}.json"
         e = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **env)
         p = subprocess.run([sys.executable, __file__, "child", out, str(rounds)], env=e, capture_output=True,

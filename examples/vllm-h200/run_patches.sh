@@ -27,7 +27,7 @@ python3 -c "
 from tic.skill.config import load_config; from tic.harness.modelgen import resolve_model_dir
 for n in ['p-dense-eager-off','p-moe-eager-off','p-big-eager-off']: print(resolve_model_dir(load_config(n+'.yaml')))"
 for n in $names; do
-  loc=0; case "$n" in *-eager-on|*-chunk-on) loc=1;; esac
+  loc=0; case "$n" in *-eager-on|*-chunk-on|a-*) loc=1;; esac
   TIC_LOCATE=$loc timeout ${TIC_RUN_TIMEOUT:-400} python3 drive.py "$n.yaml" "$W/res" --from C3 --to C4 > "$W/res/$n.log" 2>&1 &
 done
 wait
