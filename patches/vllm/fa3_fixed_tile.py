@@ -61,7 +61,7 @@ PATCH = Patch(
     fix="every FA3 varlen call is launched with max_seqlen_q >= 128, no AOT scheduler metadata and one split, so "
         "decode, prefill and mixed batches run one tile and one key order; cascade attention is off",
     guide="guides/C4.md",
-    cost="measured before packaging (same wrapper): 96.6 % of default vLLM throughput on a Qwen3-1.7B-like model "
-         "with CUDA graphs (H200, vLLM 0.26.0); see docs/results/vllm-patches.md for this patch's own run",
+    cost="the three patches together: 118-119 % of default vLLM's tokens/s on a Qwen3-1.7B-like model with CUDA "
+         "graphs (H200, vLLM 0.26.0, docs/results/vllm-patches.md); this wrapper alone measured 96.6 % earlier",
     _apply=_apply, _revert=_revert, _is_applied=_is_applied,
 )

@@ -91,7 +91,7 @@ PATCH = Patch(
     fix=f"every unquantized vLLM linear (and the lm_head) runs as GEMMs of exactly {ROWS} rows (the last tile "
         "zero-padded): one cuBLAS kernel, one K order, whatever the batch",
     guide="guides/C3.md",
-    cost="prefill runs one GEMM per 128 rows instead of one per batch; decode below 128 rows pads; measured in "
-         "docs/results/vllm-patches.md",
+    cost="prefill runs one GEMM per 128 rows instead of one per batch; decode below 128 rows pads; the three "
+         "patches together ran at 118-119 % of default (docs/results/vllm-patches.md)",
     _apply=_apply, _revert=_revert, _is_applied=_is_applied,
 )

@@ -129,7 +129,7 @@ PATCH = Patch(
     fix="every fused add+RMSNorm launch gets >= 256 rows (small batches zero-padded) and 16-byte-aligned "
         "contiguous buffers: one block shape (256 threads) and the vectorized path for every token count",
     guide="guides/C4.md",
-    cost="decode steps below 256 tokens copy their rows into a padded buffer (two small copies per norm); "
-         "prefill above 256 tokens is unchanged; measured in docs/results/vllm-patches.md",
+    cost="steps below 256 tokens copy their rows into a padded buffer (small copies per norm); larger steps "
+         "unchanged; the three patches together ran at 118-119 % of default (docs/results/vllm-patches.md)",
     _apply=_apply, _revert=_revert, _is_applied=_is_applied,
 )
