@@ -20,8 +20,8 @@ _state: dict = {}
 
 
 def linear_fixed_m(x, weight, bias=None):
-    import torch
-
+    """vLLM's own unquantized GEMM (the one its dispatcher chose), called only on tiles of exactly ROWS rows."""
+    gemm = _state["gemm"]
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     n = x2.shape[0]
@@ -37,7 +37,7 @@ def linear_fixed_m(x, weight, bias=None):
             if e - s < ROWS:
                 pad[e - s:].zero_()
             tile = pad
-        out[s:e] = torch.nn.functional.linear(tile, weight, bias)[: e - s]
+        out[s:e] = gemm(None, tile, weight, bias)[: e - s]
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -68,7 +68,10 @@ def _make(original_dispatch):
 
     def dispatch():
         chosen = original_dispatch()
-        return fixed_m_gemm if chosen.__name__ == "default_unquantized_gemm" else chosen
+        if chosen.__name__ != "default_unquantized_gemm":  # ROCm / CPU GEMMs take other paths: untouched
+            return chosen
+        _state["gemm"] = chosen
+        return fixed_m_gemm
     return dispatch
 
 

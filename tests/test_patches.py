@@ -1,0 +1,270 @@
+"""Bundled vLLM patches on the CPU: metadata, version refusal, apply/revert, the plugin entry point, and what each
+patch changes, against a stand-in vLLM with the same module paths (the GPU runs are docs/results/vllm-patches.md)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tic import patches
+from tic.core.errors import TicInputError
+
+REPO = Path(__file__).resolve().parent.parent
+ALL = sorted(patches.registry())
+
+FAKE = {
+    "vllm/__init__.py": "__version__ = '{version}'\n",
+    "vllm/v1/__init__.py": "", "vllm/v1/attention/__init__.py": "", "vllm/v1/attention/backends/__init__.py": "",
+    "vllm/v1/attention/backends/flash_attn.py": """
+        def flash_attn_varlen_func(**kwargs):
+            return kwargs
+
+        def use_cascade_attention(*args, **kwargs):
+            return True
+        """,
+    "vllm/model_executor/__init__.py": "", "vllm/model_executor/layers/__init__.py": "",
+    "vllm/model_executor/layers/utils.py": """
+        import torch
+
+        def default_unquantized_gemm(layer, x, weight, bias=None):
+            # like cuBLAS, another kernel (here: split-K) above a row count
+            x2 = x.reshape(-1, x.shape[-1])
+            if x2.shape[0] > 64:
+                k = x2.shape[1] // 2
+                y = x2[:, :k] @ weight[:, :k].T + x2[:, k:] @ weight[:, k:].T
+            else:
+                y = x2 @ weight.T
+            y = y if bias is None else y + bias
+            return y.view(*x.shape[:-1], weight.shape[0])
+
+        def dispatch_unquantized_gemm():
+            return default_unquantized_gemm
+        """,
+    "vllm/model_executor/layers/linear.py": "from vllm.model_executor.layers.utils import dispatch_unquantized_gemm\n",
+    "vllm/_custom_ops.py": """
+        import torch
+
+        def fused_add_rms_norm(input, residual, weight, epsilon):
+            torch.ops._C.fused_add_rms_norm(input, residual, weight, epsilon)
+        """,
+    "vllm/kernels/__init__.py": "",
+    "vllm/kernels/vllm_c.py": """
+        import torch
+        from vllm import ir
+
+        def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None):
+            torch.ops._C.fused_add_rms_norm(x, x_residual, weight, epsilon)
+            return x, x_residual
+
+        ir.ops.fused_add_rms_norm.impls["vllm_c"] = ir.Impl(fused_add_rms_norm)
+        """,
+    "vllm/ir/__init__.py": """
+        class Impl:
+            def __init__(self, fn):
+                self.impl_fn = fn
+
+        class _Op:
+            def __init__(self):
+                self.impls = {}
+
+        class ops:
+            fused_add_rms_norm = _Op()
+        """,
+    "vllm/plugins/__init__.py": """
+        from importlib.metadata import entry_points
+
+        def load_general_plugins():
+            for ep in entry_points(group="vllm.general_plugins"):
+                ep.load()()
+        """,
+}
+
+
+def make_fake_vllm(root: Path, version: str = "0.26.0") -> Path:
+    for rel, text in FAKE.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(textwrap.dedent(text).lstrip().replace("{version}", version))
+    return root
+
+
+def _define_block_dependent_rmsnorm():
+    """A CPU stand-in for vLLM's `_C.fused_add_rms_norm` with the launcher's flaw made loud: below 256 rows the
+    sum of squares goes through another reduction (here: 1024-wide partials rounded to bfloat16), above it
+    256-wide float32 partials, so the same row gets other bits in a small launch than in a large one."""
+    if hasattr(torch.ops, "_C") and hasattr(torch.ops._C, "fused_add_rms_norm"):
+        return
+    lib = torch.library.Library("_C", "FRAGMENT")
+    lib.define("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor? weight, float epsilon) -> ()")
+
+    def impl(x, residual, weight, eps):
+        n, h = x.numel() // x.shape[-1], x.shape[-1]
+        z = (x.float() + residual.float()).to(x.dtype)
+        residual.copy_(z)
+        zf = z.reshape(n, h).float()
+        block = 1024 if n < 256 else 256
+        parts = torch.stack([(zf[:, s::block] ** 2).sum(dim=1) for s in range(min(block, h))], dim=1)
+        if block == 1024:
+            parts = parts.to(torch.bfloat16).float()
+        var = parts.sum(dim=1, keepdim=True)
+        y = zf * torch.rsqrt(var / h + eps)
+        x.copy_((y.to(x.dtype) * (weight if weight is not None else 1)).view(x.shape))
+
+    lib.impl("fused_add_rms_norm", impl, "CPU")
+    _define_block_dependent_rmsnorm.lib = lib  # keep the registration alive
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """The stand-in vLLM importable in this process; vLLM's modules and every patch reverted afterwards."""
+    root = make_fake_vllm(tmp_path / "site")
+    monkeypatch.syspath_prepend(str(root))
+    for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, m)
+    yield root
+    patches.apply([])
+    for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        del sys.modules[m]
+
+
+def test_registry_metadata_is_complete():
+    reg = patches.registry()
+    assert set(reg) == {"fa3-fixed-tile", "gemm-fixed-m", "rmsnorm-fixed-block"}
+    for name, p in reg.items():
+        assert p.target == "vllm" and p.gate in {f"C{i}" for i in range(11)}
+        assert p.symptom and p.fix and p.cost
+        guide = REPO / p.guide
+        assert guide.is_file() and name in guide.read_text(), f"{p.guide} must name {name}"
+        assert name in (REPO / "guides" / "vllm.md").read_text()
+
+
+def test_unknown_patch_and_bad_target_are_input_errors(tmp_path):
+    with pytest.raises(TicInputError, match="unknown patch 'nope'"):
+        patches.parse_names("fa3-fixed-tile,nope")
+    from tic.skill.config import parse_config
+
+    with pytest.raises(TicInputError, match="unknown patch"):
+        parse_config({"rollout": {"engine": "vllm", "patches": ["nope"]}}, tmp_path)
+    with pytest.raises(TicInputError, match="not engine 'hf'"):
+        parse_config({"rollout": {"engine": "hf", "patches": ["fa3-fixed-tile"]}}, tmp_path)
+    cfg = parse_config({"rollout": {"engine": "vllm", "patches": ["fa3-fixed-tile"]}}, tmp_path)
+    assert cfg.rollout.patches == ["fa3-fixed-tile"]
+
+
+def test_refuses_a_target_version_it_was_not_checked_against(tmp_path, monkeypatch):
+    root = make_fake_vllm(tmp_path / "old", "0.25.1")
+    monkeypatch.syspath_prepend(str(root))
+    for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, m)
+    with pytest.raises(TicInputError, match="installed vllm 0.25.1 is outside >=0.26.0,<0.27"):
+        patches.apply(["fa3-fixed-tile"])
+    import vllm.v1.attention.backends.flash_attn as fa
+
+    assert fa.flash_attn_varlen_func(max_seqlen_q=1) == {"max_seqlen_q": 1}  # nothing was changed
+    assert patches.active() == []
+    for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        del sys.modules[m]
+
+
+def test_apply_revert_and_active_read_from_the_patched_objects(fake_vllm):
+    import vllm.model_executor.layers.linear as linear
+    import vllm.model_executor.layers.utils as utils
+
+    original = utils.dispatch_unquantized_gemm
+    assert patches.apply(ALL) == ALL and sorted(patches.active()) == ALL
+    assert patches.apply(ALL) == ALL  # idempotent
+    assert linear.dispatch_unquantized_gemm is utils.dispatch_unquantized_gemm is not original
+    patches.apply(["fa3-fixed-tile"])
+    assert patches.active() == ["fa3-fixed-tile"]
+    assert linear.dispatch_unquantized_gemm is original and utils.dispatch_unquantized_gemm is original
+    patches.apply([])
+    assert patches.active() == []
+    from tic.skill.records import environment_fingerprint
+
+    patches.apply(["gemm-fixed-m"])
+    assert environment_fingerprint()["patches"] == ["gemm-fixed-m"]
+
+
+def test_fa3_fixed_tile_pins_every_launch(fake_vllm):
+    import vllm.v1.attention.backends.flash_attn as fa
+
+    assert fa.flash_attn_varlen_func(max_seqlen_q=1, scheduler_metadata="plan", num_splits=0)["max_seqlen_q"] == 1
+    patches.apply(["fa3-fixed-tile"])
+    for q in (1, 5, 127, 128, 400):
+        kw = fa.flash_attn_varlen_func(max_seqlen_q=q, scheduler_metadata="plan", num_splits=0)
+        assert kw == {"max_seqlen_q": max(q, 128), "scheduler_metadata": None, "num_splits": 1}
+    assert fa.use_cascade_attention(10, None) is False
+
+
+def test_gemm_fixed_m_gives_every_row_the_same_gemm_whatever_the_batch(fake_vllm):
+    from vllm.model_executor.layers import utils
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 96, generator=g)
+    w = torch.randn(40, 96, generator=g)
+    b = torch.randn(40, generator=g)
+    stock = utils.dispatch_unquantized_gemm()
+    assert not torch.equal(stock(None, x[:5].clone(), w, b), stock(None, x, w, b)[:5])  # the planted flaw
+    patches.apply(["gemm-fixed-m"])
+    gemm = utils.dispatch_unquantized_gemm()
+    full = gemm(None, x, w, b)
+    for lo, hi in ((0, 1), (3, 50), (127, 129), (250, 300)):
+        assert torch.equal(gemm(None, x[lo:hi].clone(), w, b), full[lo:hi])
+    assert torch.equal(gemm(None, x.view(3, 100, 96), w, b).reshape(300, 40), full)
+
+
+def test_rmsnorm_fixed_block_removes_the_block_shape_dependence(fake_vllm):
+    _define_block_dependent_rmsnorm()
+    import vllm._custom_ops as ops
+    from vllm import ir
+    import vllm.kernels.vllm_c  # noqa: F401
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(300, 2048, generator=g) * torch.logspace(-3, 3, 2048)).to(torch.bfloat16)
+    r = torch.randn(300, 2048, generator=g).to(torch.bfloat16)
+    w = torch.randn(2048, generator=g).to(torch.bfloat16)
+
+    def run(fn, rows):
+        a, b = x[:rows].clone(), r[:rows].clone()
+        fn(a, b, w, 1e-6)
+        return a[:8], b[:8]
+
+    stock_small, stock_large = run(ops.fused_add_rms_norm, 8), run(ops.fused_add_rms_norm, 300)
+    assert not torch.equal(stock_small[0], stock_large[0])  # the planted flaw shows without the patch
+    patches.apply(["rmsnorm-fixed-block"])
+    for entry in (ops.fused_add_rms_norm, ir.ops.fused_add_rms_norm.impls["vllm_c"].impl_fn):
+        small, large = run(entry, 8), run(entry, 300)
+        assert torch.equal(small[0], large[0]) and torch.equal(small[1], large[1])
+        assert torch.equal(large[0], stock_large[0])  # same values as the kernel's large-batch launch
+
+
+def _run(args, env_extra, fake_root):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake_root), os.environ.get("PYTHONPATH", "")]),
+           **env_extra}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_plugin_entry_point_applies_tic_patches_in_a_fresh_process(tmp_path):
+    from importlib.metadata import entry_points
+
+    if not any(ep.value == "tic.patches.plugin:load" for ep in entry_points(group="vllm.general_plugins")):
+        pytest.skip("tic is not installed as a distribution (pip install -e .): no entry point to load")
+    root = make_fake_vllm(tmp_path / "site")
+    code = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
+            "from tic import patches; print(sorted(patches.active()))")
+    p = _run(["-c", code], {"TIC_PATCHES": "fa3-fixed-tile,gemm-fixed-m"}, root)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "['fa3-fixed-tile', 'gemm-fixed-m']"
+    ok = _run(["-m", "tic.skill.cli", "patch", "status"], {"TIC_PATCHES": "gemm-fixed-m"}, root)
+    assert ok.returncode == 0, ok.stderr
+    assert "gemm-fixed-m" in ok.stdout and "active" in ok.stdout
+    old = make_fake_vllm(tmp_path / "old", "0.27.0")
+    bad = _run(["-m", "tic.skill.cli", "patch", "status"], {"TIC_PATCHES": "gemm-fixed-m"}, old)
+    assert bad.returncode == 2 and "outside >=0.26.0,<0.27" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
