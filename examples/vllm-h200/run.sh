@@ -5,11 +5,7 @@
 # none of them profiles memory while another starts). The ladder runs the locator on each failing C3/C4/C5;
 # each repro it kept is run once more here in a fresh process (repro-check.txt).
 set -uo pipefail
-REPO=$(cd "$(dirname "$0")/../.." && pwd)
-OUT=${OUT:-/tmp/tic-out}
-mkdir -p /tmp/pkg "$OUT" && ln -sfn "$REPO" /tmp/pkg/tic
-export PYTHONPATH=/tmp/site:/tmp/pkg${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export VLLM_ENABLE_V1_MULTIPROCESSING=0 TIC_CACHE=/tmp/tic-cache HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+source "$(dirname "$0")/device_env.sh"
 W=/tmp/tic-work; rm -rf "$W"; cp -r "$REPO/examples/vllm-h200" "$W"; cd "$W"; mkdir -p records
 python3 -c "import vllm, torch, transformers, tic; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" 2>&1 | tail -1 | tee "$OUT/versions.txt"
 names=${*:-dense-default dense-bi moe-default moe-bi dense-chunk64 big-default big-bi big-graph}

@@ -6,15 +6,7 @@
 # 3. C3 and C4 of the given configs (patch_matrix.py), all in parallel on the GPU; locator on for patched
 #    eager configs only (a patched config that still fails is located); a table of the verdicts.
 set -uo pipefail
-REPO=$(cd "$(dirname "$0")/../.." && pwd)
-OUT=${OUT:-/tmp/tic-out}
-mkdir -p /tmp/pkg "$OUT" && ln -sfn "$REPO" /tmp/pkg/tic
-export PYTHONPATH=/tmp/site:/tmp/pkg${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export VLLM_ENABLE_V1_MULTIPROCESSING=0 TIC_CACHE=/tmp/tic-cache HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
-# tic's entry point for vLLM's plugin loader: a dist-info beside vLLM (what `pip install tic-consistency` writes)
-D=/tmp/site/tic_consistency-0.1.0.dist-info; mkdir -p "$D"
-printf 'Metadata-Version: 2.1\nName: tic-consistency\nVersion: 0.1.0\n' > "$D/METADATA"
-printf '[vllm.general_plugins]\ntic_patches = tic.patches.plugin:load\n' > "$D/entry_points.txt"
+source "$(dirname "$0")/device_env.sh"
 W=/tmp/tic-work; mkdir -p "$W"; cp -r "$REPO/examples/vllm-h200/." "$W/"; cd "$W"; mkdir -p records res
 python3 -c "import vllm, torch, transformers, triton; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tail -1 | tee "$OUT/versions.txt"
 if [ -z "${SKIP_REPROS:-}" ]; then
