@@ -2,7 +2,8 @@
 
 Rollout: batched sampling with a KV cache (left padding), each sampled token's logprob taken from the very
 logits it was sampled from. Scoring/training: teacher-forced whole-sequence forward with micro-batch size,
-padding side and packing as options. `kernels: consistent` swaps in tic's row-invariant kernels.
+padding side and packing as options. `kernels: consistent` (tic's row-invariant CPU kernels) and `kernels: vllm` (the installed vLLM's kernels, GPU)
+run every operator through tic's autograd wrappers, so the same forward also trains (policy_gradients).
 """
 
 from __future__ import annotations
@@ -17,30 +18,41 @@ from tic.core.errors import TicInputError
 _MODELS: dict[tuple, torch.nn.Module] = {}
 
 
-def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa", device: str = "cpu"):
-    key = (str(model_dir), dtype, kernels, attn, device)
+WRAPPED_KERNELS = ("consistent", "vllm")  # kernels that run through tic's autograd wrappers
+
+
+def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa", device: str = "cpu",
+               trainable: bool = False):
+    """The model, cached per configuration. trainable=True gives a separate copy whose parameters take
+    gradients (C7), so the inference copy the gates share is never touched."""
+    key = (str(model_dir), dtype, kernels, attn, device, trainable)
     if key in _MODELS:
         return _MODELS[key]
     from transformers import AutoModelForCausalLM
 
+    if kernels == "consistent" and device != "cpu":
+        raise TicInputError("kernels: consistent are CPU kernels; use device: cpu")
+    if kernels == "vllm":
+        from tic.harness.kernels.vllm_provider import require_vllm
+
+        require_vllm(device)
+    elif device != "cpu" and not torch.cuda.is_available():
+        raise TicInputError(f"device {device!r} asked for but torch sees no CUDA GPU")
     kwargs = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype)}
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, attn_implementation="eager" if kernels == "consistent" else attn, **kwargs)
+            model_dir, attn_implementation="eager" if kernels in WRAPPED_KERNELS else attn, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         raise TicInputError(f"cannot load model from {model_dir}: {str(e).splitlines()[0]}") from None
     if device != "cpu":
-        if kernels == "consistent":
-            raise TicInputError("kernels: consistent are CPU kernels; use device: cpu")
-        if not torch.cuda.is_available():
-            raise TicInputError(f"device {device!r} asked for but torch sees no CUDA GPU")
         model.to(device)
     model.eval()
-    model.requires_grad_(False)
-    if kernels == "consistent":
-        from tic.harness.kernels import consistent_cpu
+    model.requires_grad_(trainable)
+    if kernels in WRAPPED_KERNELS:
+        from tic.harness.kernels.modules import apply
+        from tic.harness.kernels.providers import get_provider
 
-        consistent_cpu.apply(model)
+        apply(model, get_provider(kernels))
     _MODELS[key] = model
     return model
 
@@ -100,7 +112,8 @@ class HFEngine(Engine):
         self.model_dir = Path(model_dir)
         self.kernels = kernels
         self.device = torch.device(device)
-        self.model = load_model(self.model_dir, dtype, kernels, attn, device)
+        self._load_args = (self.model_dir, dtype, kernels, attn, device)
+        self.model = load_model(*self._load_args)
         self.batch_size = batch_size
         self.micro_batch_size = micro_batch_size
         self.padding_side = padding_side
@@ -118,10 +131,8 @@ class HFEngine(Engine):
         logits = logits.float()
         if temperature not in (0, 1):
             logits = logits / temperature
-        if self.kernels == "consistent":
-            from tic.harness.kernels.consistent_cpu import row_log_softmax
-
-            return row_log_softmax(logits)
+        if self.kernels in WRAPPED_KERNELS:
+            return self.model._tic_ops.log_softmax(logits)
         return torch.log_softmax(logits, dim=-1)
 
     def _check_ids(self, seqs: list[list[int]]) -> None:
@@ -181,16 +192,40 @@ class HFEngine(Engine):
         out: list[torch.Tensor] = []
         for i in range(0, len(samples), self.micro_batch_size):
             chunk = samples[i:i + self.micro_batch_size]
-            out += self._score_packed(chunk, sampling) if self.packing else self._score_padded(chunk, sampling)
+            out += self._score_chunk(chunk, sampling, self.model)
         return out
+
+    def _score_chunk(self, chunk: list[Sample], sampling: Sampling, model) -> list[torch.Tensor]:
+        return self._score_packed(chunk, sampling, model) if self.packing else self._score_padded(chunk, sampling, model)
+
+    # -- training: gradients through the same forward ------------------------------------------------------
+    def policy_gradients(self, samples: list[Sample], sampling: Sampling,
+                         advantages: list[float]) -> dict[str, torch.Tensor]:
+        """Per-parameter gradients (float32, CPU) of the loss -(1/N) sum_i A_i sum_t logp(i, t) over the valid
+        response tokens, through this engine's forward in its configured layout (micro-batches, padding side,
+        packing), on a trainable copy of the model with the same weights."""
+        self._check_ids([s.ids for s in samples])
+        model = load_model(*self._load_args, trainable=True)
+        model.zero_grad(set_to_none=True)
+        n_tokens = sum(int(s.mask.sum()) if s.mask is not None else len(s.response_ids) for s in samples)
+        for i in range(0, len(samples), self.micro_batch_size):
+            chunk = samples[i:i + self.micro_batch_size]
+            loss = 0.0
+            for s, a, lp in zip(chunk, advantages[i:i + len(chunk)], self._score_chunk(chunk, sampling, model)):
+                if s.mask is not None:
+                    lp = lp * s.mask.to(lp.dtype)
+                loss = loss - a * lp.sum() / max(n_tokens, 1)
+            loss.backward()
+        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
+                for n, p in model.named_parameters()}
 
     def _gather(self, logits_rows: torch.Tensor, targets: list[int], sampling: Sampling) -> torch.Tensor:
         lp = self.logprobs_of(logits_rows, sampling.temperature)
         return lp[torch.arange(len(targets)), torch.tensor(targets)].float().cpu()
 
-    def _score_padded(self, chunk: list[Sample], sampling: Sampling) -> list[torch.Tensor]:
+    def _score_padded(self, chunk: list[Sample], sampling: Sampling, model) -> list[torch.Tensor]:
         ids, mask, pos, starts = padded_batch([s.ids for s in chunk], self.padding_side, self.device)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
         out = []
         for b, s in enumerate(chunk):
             P, R = len(s.prompt_ids), len(s.response_ids)
@@ -198,9 +233,9 @@ class HFEngine(Engine):
             out.append(self._gather(rows, s.response_ids, sampling))
         return out
 
-    def _score_packed(self, chunk: list[Sample], sampling: Sampling) -> list[torch.Tensor]:
+    def _score_packed(self, chunk: list[Sample], sampling: Sampling, model) -> list[torch.Tensor]:
         ids, pos, offsets = packed_row([s.ids for s in chunk], self.device)
-        logits = self.model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
         out = []
         for s, off in zip(chunk, offsets):
             P, R = len(s.prompt_ids), len(s.response_ids)

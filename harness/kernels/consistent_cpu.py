@@ -6,18 +6,15 @@ per-token operator (linear, norm, activation, router, experts, log-softmax) runs
 angles come from one precomputed table, and attention runs per query row over exactly that sequence's keys in
 order. A token's arithmetic then depends only on its own sequence, which is what both sides must share.
 
-`apply(model)` patches an HF model in place; module names stay, so capture and localisation still work.
+`apply(model)` routes an HF model through these kernels with the autograd wrappers (modules.py, providers.py);
+module names stay, so capture and localisation still work.
 """
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-ATTN_NAME = "tic_rowwise"
 
 
 def rows(x: torch.Tensor) -> list[torch.Tensor]:
@@ -39,71 +36,6 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 def row_log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return rowwise(lambda r: torch.log_softmax(r, dim=-1), logits)
-
-
-def _linear_forward(self, x):
-    return row_linear(x, self.weight, self.bias)
-
-
-def _rmsnorm_forward(self, x):
-    eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
-    dtype = x.dtype
-
-    def one(r):
-        r32 = r.to(torch.float32)
-        var = r32.pow(2).mean(-1, keepdim=True)
-        return self.weight * (r32 * torch.rsqrt(var + eps)).to(dtype)
-
-    return rowwise(one, x)
-
-
-class _RowAct(nn.Module):
-    def __init__(self, act: nn.Module):
-        super().__init__()
-        self.act = act
-
-    def forward(self, x):
-        return rowwise(self.act, x)
-
-
-def _rotary_forward(self, x, position_ids):
-    """cos/sin looked up from a table computed once at a fixed shape (as vLLM's cos_sin_cache)."""
-    table = getattr(self, "_tic_table", None)
-    need = int(position_ids.max()) + 1 if position_ids.numel() else 1
-    if table is None or table[0].shape[0] < need:
-        n = max(need, int(getattr(self, "max_seq_len_cached", 0) or 0), 1)
-        pos = torch.arange(n, dtype=torch.float32)[None, :]
-        cos, sin = self._tic_orig_forward(torch.zeros(1, dtype=torch.float32), pos)
-        table = (cos[0], sin[0])
-        self._tic_table = table
-    cos, sin = table
-    return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
-
-
-def _moe_forward(self, hidden_states):
-    """Row-wise routed experts: fp32 router softmax, top-k per row, outputs summed in fp32 in slot order."""
-    router, experts = self.gate, self.experts
-    shape, dtype = hidden_states.shape, hidden_states.dtype
-    x = hidden_states.reshape(-1, shape[-1])
-    top_k = router.top_k
-    norm = getattr(router, "norm_topk_prob", True)
-    act = experts.act_fn
-    outs = []
-    for r in x.split(1, dim=0):
-        logits = F.linear(r, router.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        w, idx = torch.topk(probs, top_k, dim=-1)
-        if norm:
-            w = w / w.sum(dim=-1, keepdim=True)
-        w = w.to(dtype)
-        acc = torch.zeros(1, shape[-1], dtype=torch.float32)
-        for slot in range(top_k):
-            e = int(idx[0, slot])
-            gate, up = F.linear(r, experts.gate_up_proj[e]).chunk(2, dim=-1)
-            h = F.linear(act(gate) * up, experts.down_proj[e])
-            acc = acc + (h * w[0, slot]).to(torch.float32)
-        outs.append(acc.to(dtype))
-    return torch.cat(outs, dim=0).reshape(shape)
 
 
 def rowwise_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -135,63 +67,10 @@ def rowwise_attention(module, query, key, value, attention_mask, scaling, dropou
     return out, None
 
 
-def _mask_for_rowwise(*args, **kwargs):
-    from transformers.masking_utils import sdpa_mask
-
-    kwargs["allow_is_causal_skip"] = False
-    return sdpa_mask(*args, **kwargs)
-
-
-def register_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(ATTN_NAME, rowwise_attention)
-    AttentionMaskInterface.register(ATTN_NAME, _mask_for_rowwise)
-
-
-def _is_rmsnorm(m: nn.Module) -> bool:
-    return type(m).__name__.endswith("RMSNorm") and hasattr(m, "weight")
-
-
-def _is_moe_block(m: nn.Module) -> bool:
-    return (hasattr(m, "gate") and hasattr(m, "experts") and hasattr(getattr(m, "experts"), "gate_up_proj")
-            and hasattr(m.gate, "weight") and hasattr(m.gate, "top_k"))
-
-
-_ACT_TYPES = ("SiLU", "SiLUActivation", "GELUActivation", "NewGELUActivation", "GELU", "ReLU",
-              "PytorchGELUTanh", "GELUTanh")
-
-
 def apply(model: nn.Module) -> nn.Module:
-    """Patch an HF causal LM in place so that every operator is row-invariant. Idempotent."""
-    if getattr(model, "_tic_consistent", False):
-        return model
-    register_attention()
-    unsupported = []
-    for name, m in list(model.named_modules()):
-        if _is_moe_block(m):
-            if any(hasattr(m, a) for a in ("shared_expert", "shared_experts")):
-                unsupported.append(f"{name} (shared experts)")
-            m.forward = types.MethodType(_moe_forward, m)
-        elif isinstance(m, nn.Linear):
-            m.forward = types.MethodType(_linear_forward, m)
-        elif _is_rmsnorm(m):
-            m.forward = types.MethodType(_rmsnorm_forward, m)
-        elif type(m).__name__.endswith("RotaryEmbedding"):
-            m._tic_orig_forward = m.forward
-            m.forward = types.MethodType(_rotary_forward, m)
-        for attr, child in list(m.named_children()):
-            if type(child).__name__ in _ACT_TYPES:
-                setattr(m, attr, _RowAct(child))
-    if unsupported:
-        from tic.core.errors import TicInputError
+    """Patch an HF causal LM in place so that every operator runs these kernels through tic's autograd
+    wrappers (harness/kernels/modules.py). Idempotent."""
+    from tic.harness.kernels.modules import apply as apply_provider
+    from tic.harness.kernels.providers import get_provider
 
-        raise TicInputError("consistent CPU kernels do not cover: " + ", ".join(unsupported))
-    model.config._attn_implementation = ATTN_NAME
-    for sub in model.modules():
-        cfg = getattr(sub, "config", None)
-        if cfg is not None and hasattr(cfg, "_attn_implementation"):
-            cfg._attn_implementation = ATTN_NAME
-    model._tic_consistent = True
-    return model
+    return apply_provider(model, get_provider("consistent"))

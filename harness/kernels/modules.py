@@ -1,0 +1,255 @@
+"""Route an HF decoder model (Qwen3, Qwen3-MoE, Llama) through the autograd wrappers of one kernel provider.
+
+`apply(model, provider)` replaces module forwards in place; module names and parameters stay, so capture, the
+locator and optimizers see the same model. The forward follows vLLM's decoder structure, so a provider that
+runs vLLM's kernels sees the calls vLLM makes:
+- the residual stream as a pair: layer i>0 starts with add+RMSNorm(previous MLP output, residual) and the
+  attention output joins the residual inside the post-attention add+RMSNorm (vLLM's fused_add_rms_norm);
+- q/k/v and gate/up as one GEMM each over concatenated weights when the provider fuses projections;
+- neox rotary from a cos|sin table indexed by position; SiLU*mul rounded once; attention over exactly each
+  sequence's keys; MoE routing top-k then the experts' outputs combined in float32 in slot order.
+
+A decoder layer still returns hidden + residual (what HF's loop and capture hooks expect); the next layer
+reads the two addends it was computed from (see ResidualStream) rather than the rounded sum.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from tic.core.errors import TicInputError
+from tic.harness.kernels.autograd import Ops
+
+ATTN_NAME = "tic_rowwise"
+
+
+class ResidualStream:
+    """The (mlp output, residual) pair behind the tensor a decoder layer returned, for the next consumer.
+
+    Only the exact tensor object the layer returned is matched: anything that replaces it (a hook returning a
+    new tensor) makes the consumer fall back to a plain RMSNorm of what it was given."""
+
+    def __init__(self):
+        self._pending: tuple | None = None
+
+    def put(self, out, delta, residual):
+        self._pending = (out, delta, residual)
+
+    def take(self, x):
+        p, self._pending = self._pending, None
+        return (p[1], p[2]) if p is not None and p[0] is x else None
+
+
+class RopeTable:
+    """cos|sin rows per position [P, rot] in the model's dtype, from the model's own rotary module (its
+    inv_freq and scaling), grown on demand; one table for every layer and both phases."""
+
+    def __init__(self, rotary: nn.Module, dtype: torch.dtype):
+        self.rotary, self.dtype, self.table = rotary, dtype, None
+
+    def get(self, need: int, device) -> torch.Tensor:
+        if self.table is None or self.table.shape[0] < need or self.table.device != torch.device(device):
+            n = max(need, int(getattr(self.rotary, "max_seq_len_cached", 0) or 0), 1)
+            pos = torch.arange(n, dtype=torch.float32, device=device)[None]
+            with torch.no_grad():
+                cos, sin = self.rotary(torch.zeros(1, dtype=torch.float32, device=device), pos)
+            half = cos.shape[-1] // 2
+            self.table = torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).to(self.dtype)
+        return self.table
+
+
+# -- patched forwards -----------------------------------------------------------------------------------------
+def _linear_forward(self, x):
+    return self._tic_ops.linear(x, [self.weight], [self.bias])
+
+
+def _rmsnorm_forward(self, x, residual=None):
+    eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
+    if residual is not None:
+        return self._tic_ops.add_rms_norm(x, residual, self.weight, eps)
+    return self._tic_ops.rms_norm(x, self.weight, eps)
+
+
+def _final_norm_forward(self, x):
+    pair = self._tic_stream.take(x)
+    if pair is not None:
+        return _rmsnorm_forward(self, pair[0], residual=pair[1])[0]
+    return _rmsnorm_forward(self, x)
+
+
+def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                           use_cache=False, position_embeddings=None, **kwargs):
+    kwargs.pop("past_key_values", None)
+    pair = self._tic_stream.take(hidden_states)
+    if pair is not None:
+        h, residual = self.input_layernorm(pair[0], residual=pair[1])
+    else:
+        residual, h = hidden_states, self.input_layernorm(hidden_states)
+    h = self.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                       use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)[0]
+    h, residual = self.post_attention_layernorm(h, residual=residual)
+    delta = self.mlp(h)
+    if isinstance(delta, tuple):
+        delta = delta[0]
+    out = residual + delta
+    self._tic_stream.put(out, delta, residual)
+    return out
+
+
+def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+                       position_ids=None, **kwargs):
+    ops: Ops = self._tic_ops
+    B, T = hidden_states.shape[:2]
+    D = self.head_dim
+    projs = (self.q_proj, self.k_proj, self.v_proj)
+    if ops.provider.fuse_projections:
+        qkv = ops.linear(hidden_states, [p.weight for p in projs], [p.bias for p in projs])
+        q, k, v = qkv.split([p.weight.shape[0] for p in projs], dim=-1)
+    else:
+        q, k, v = (p(hidden_states) for p in projs)
+    q, k, v = q.reshape(B, T, -1, D), k.reshape(B, T, -1, D), v.reshape(B, T, -1, D)
+    if getattr(self, "q_norm", None) is not None:
+        q, k = self.q_norm(q), self.k_norm(k)
+    if position_ids is None:
+        past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+        position_ids = torch.arange(past, past + T, device=q.device)[None].expand(B, T)
+    positions = position_ids.expand(B, T).reshape(-1)
+    table = self._tic_rope.get(int(positions.max()) + 1 if positions.numel() else 1, q.device)
+    q, k = ops.rotary(q.reshape(B * T, -1, D), k.reshape(B * T, -1, D), positions, table)
+    q, k, v = q.reshape(B, T, -1, D).transpose(1, 2), k.reshape(B, T, -1, D).transpose(1, 2), v.transpose(1, 2)
+    if cache is not None:
+        k, v = cache.update(k, v, self.layer_idx)
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask == 0
+    out = ops.attention(q, k, v, attention_mask, self.scaling)
+    return self.o_proj(out.reshape(B, T, -1)), None
+
+
+def _mlp_forward(self, x):
+    ops: Ops = self._tic_ops
+    if ops.provider.fuse_projections:
+        gu = ops.linear(x, [self.gate_proj.weight, self.up_proj.weight],
+                        [getattr(self.gate_proj, "bias", None), getattr(self.up_proj, "bias", None)])
+    else:
+        gu = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+    return self.down_proj(ops.silu_and_mul(gu))
+
+
+def _moe_forward(self, hidden_states):
+    ops: Ops = self._tic_ops
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    router, experts = self.gate, self.experts
+    logits = ops.linear(x, [router.weight])
+    weights, ids = ops.moe_route(logits, router.top_k, getattr(router, "norm_topk_prob", True))
+    return ops.moe_experts(x, weights, ids, experts.gate_up_proj, experts.down_proj).reshape(shape)
+
+
+# -- attention mask registration (bool masks, never skipped as "causal") ---------------------------------------
+def _mask_for_rowwise(*args, **kwargs):
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def _attention_interface(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    return module._tic_ops.attention(query, key, value, attention_mask, scaling), None
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, _attention_interface)
+    AttentionMaskInterface.register(ATTN_NAME, _mask_for_rowwise)
+
+
+# -- recognising the modules ----------------------------------------------------------------------------------
+def _is_rmsnorm(m) -> bool:
+    return type(m).__name__.endswith("RMSNorm") and hasattr(m, "weight")
+
+
+def _is_moe_block(m) -> bool:
+    return (hasattr(m, "gate") and hasattr(m, "experts") and hasattr(m.experts, "gate_up_proj")
+            and hasattr(m.gate, "weight") and hasattr(m.gate, "top_k"))
+
+
+def _is_gated_mlp(m) -> bool:
+    return all(isinstance(getattr(m, a, None), nn.Linear) for a in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _is_attention(m) -> bool:
+    return all(isinstance(getattr(m, a, None), nn.Linear) for a in ("q_proj", "k_proj", "v_proj", "o_proj")) \
+        and hasattr(m, "head_dim") and hasattr(m, "layer_idx")
+
+
+def _is_decoder_layer(m) -> bool:
+    return all(hasattr(m, a) for a in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"))
+
+
+def _act_name(m) -> str:
+    act = getattr(m, "act_fn", None)
+    return type(act).__name__ if act is not None else ""
+
+
+def apply(model: nn.Module, provider) -> nn.Module:
+    """Patch an HF causal LM in place so every operator runs through `provider` with a surrogate backward.
+    Idempotent for one provider; raises TicInputError for what the wrappers do not cover."""
+    done = getattr(model, "_tic_provider", None)
+    if done is not None:
+        if done is not provider:
+            raise TicInputError(f"model already runs {done.name} kernels")
+        return model
+    register_attention()
+    ops = Ops(provider)
+    cfg = model.config.get_text_config()
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        raise TicInputError("the kernel wrappers cover full attention only (this model has sliding-window layers)")
+    stream = ResidualStream()
+    dtype = next(model.parameters()).dtype
+    rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    if len(rotary) != 1:
+        raise TicInputError(f"expected one rotary embedding module, found {len(rotary)}")
+    rope = RopeTable(rotary[0], dtype)
+    problems = []
+    for name, m in list(model.named_modules()):
+        m._tic_ops = ops
+        if _is_moe_block(m):
+            if any(hasattr(m, a) for a in ("shared_expert", "shared_experts")):
+                problems.append(f"{name} (shared experts)")
+            if "SiLU" not in _act_name(m.experts):
+                problems.append(f"{name} (activation {_act_name(m.experts)})")
+            m.forward = types.MethodType(_moe_forward, m)
+        elif _is_gated_mlp(m):
+            if "SiLU" not in _act_name(m):
+                problems.append(f"{name} (activation {_act_name(m)})")
+            m.forward = types.MethodType(_mlp_forward, m)
+        elif _is_attention(m):
+            m._tic_rope = rope
+            m.forward = types.MethodType(_attention_forward, m)
+        elif _is_decoder_layer(m):
+            m._tic_stream = stream
+            m.forward = types.MethodType(_decoder_layer_forward, m)
+        elif isinstance(m, nn.Linear):
+            m.forward = types.MethodType(_linear_forward, m)
+        elif _is_rmsnorm(m):
+            m.forward = types.MethodType(_rmsnorm_forward, m)
+    final = getattr(getattr(model, "model", model), "norm", None)
+    if final is None or not _is_rmsnorm(final):
+        problems.append("final norm (model.model.norm)")
+    else:
+        final._tic_stream = stream
+        final.forward = types.MethodType(_final_norm_forward, final)
+    if problems:
+        raise TicInputError(f"{provider.name} kernel wrappers do not cover: " + ", ".join(problems))
+    for sub in model.modules():
+        c = getattr(sub, "config", None)
+        if c is not None and hasattr(c, "_attn_implementation"):
+            c._attn_implementation = ATTN_NAME
+    model._tic_provider = provider
+    model._tic_ops = ops
+    return model
