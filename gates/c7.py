@@ -1,10 +1,95 @@
-"""C7: Backward vs independent reference. Declared here; measured by a later release (its verdict says so, never pass)."""
+"""C7: backward vs an independent reference. The training path's forward values come from inference kernels
+and its backward is a surrogate (autograd wrappers, straight-through); this gate checks that surrogate's
+gradients per parameter tensor against plain transformers in float32 on the same weights and tokens."""
 
-from tic.gates.base import Gate
+from __future__ import annotations
+
+import json
+import math
+
+from tic.core.errors import TicInputError
+from tic.core.fsio import atomic_write_text
+from tic.gates.base import Gate, Judgement
+from tic.harness.gradcheck import advantages, compare, reference_gradients
+from tic.harness.kernels.autograd import StaleWeightError
+
+# (min cosine, max relative error) by the training model's dtype, unless tic.yaml's gradients: sets them
+DEFAULT_THRESHOLDS = {"float32": (0.999, 1e-2), "low": (0.99, 0.1)}
+
+
+def _finite(x):
+    return x if isinstance(x, float) and math.isfinite(x) else None
+
+
+def thresholds(ctx) -> tuple[float, float]:
+    dtype = ctx.dtype
+    if dtype == "auto":
+        c = ctx.model_config
+        dtype = str(c.get("dtype") or c.get("torch_dtype") or "float32")
+    cos, rel = DEFAULT_THRESHOLDS["float32" if dtype == "float32" else "low"]
+    g = ctx.cfg.gradients
+    return (g.min_cosine if g.min_cosine is not None else cos,
+            g.max_rel_error if g.max_rel_error is not None else rel)
+
+
+def measure(ctx) -> dict:
+    tc = ctx.cfg.train
+    if tc.engine != "hf" or tc.kernels not in ("consistent", "vllm"):
+        raise TicInputError("C7 checks the backward of tic's kernel wrappers: set train: {engine: hf, kernels: "
+                            f"consistent or vllm}} (train is engine {tc.engine}, kernels {tc.kernels})")
+    samples = ctx.rollout_samples()
+    adv = advantages(len(samples), ctx.cfg.gradients.advantage_seed)
+    min_cos, max_rel = thresholds(ctx)
+    details = {"min_cosine": min_cos, "max_rel_error": max_rel, "train_kernels": tc.kernels,
+               "reference": "transformers, float32, eager attention, one sequence per forward",
+               "loss": "-(1/N) sum_i A_i sum_t logp(i, t), A_i seeded normal, centred", "error": None}
+    try:
+        grads = ctx.train_engine().policy_gradients(samples, ctx.sampling, adv)
+    except StaleWeightError as e:
+        details["error"] = f"stale weight version: {e}"
+        return {"metrics": {"tensors": 0, "failing": 0}, "details": {**details, "tensors": []}}
+    ref = reference_gradients(ctx.model_dir, samples, ctx.sampling, adv, device=tc.device)
+    rows = [{**r, "cosine": _finite(r["cosine"]), "rel_error": _finite(r["rel_error"])} for r in compare(grads, ref)]
+    path = ctx.artifacts("C7") / "gradients.json"
+    atomic_write_text(path, json.dumps({**details, "tensors": rows}, indent=2))
+    cos = [r["cosine"] for r in rows if r["cosine"] is not None]
+    rel = [r["rel_error"] for r in rows if r["rel_error"] is not None]
+    return {
+        "metrics": {"tensors": len(rows), "min_cosine": min(cos) if cos else None,
+                    "max_rel_error": max(rel) if rel else None,
+                    "non_finite": sum(r["cosine"] is None or r["rel_error"] is None for r in rows)},
+        "details": {**details, "tensors": rows},
+        "evidence": [str(path)],
+    }
+
+
+def judge(m: dict) -> Judgement:
+    x, d = m["metrics"], m["details"]
+    if d["error"]:
+        return Judgement("fail", f"backward raised: {d['error']}", "no gradients")
+    lo, hi = d["min_cosine"], d["max_rel_error"]
+    bad = [r for r in d["tensors"] if r["cosine"] is None or r["rel_error"] is None
+           or r["cosine"] < lo or r["rel_error"] > hi]
+    key = (f"{len(d['tensors']) - len(bad)}/{len(d['tensors'])} tensors within cosine >= {lo}, rel err <= {hi}; "
+           f"min cosine {x['min_cosine']}, max rel err {x['max_rel_error']}")
+    if d["tensors"] and not bad:
+        return Judgement("pass", "every parameter's gradient is within the stated tolerance of the float32 "
+                                 "reference", key)
+    if not d["tensors"]:
+        return Judgement("fail", "no parameter gradient was compared", key)
+    w = max(bad, key=lambda r: math.inf if r["rel_error"] is None else r["rel_error"])
+    return Judgement("fail", f"{len(bad)} of {len(d['tensors'])} parameter gradients outside the tolerance; worst "
+                             f"{w['parameter']}: cosine {w['cosine']}, rel err {w['rel_error']}", key)
+
 
 GATE = Gate(
     id="C7", title="Backward vs independent reference", step=3,
-    measures="gradients of the consistent training path vs an independent reference implementation",
-    pass_condition="relative gradient error per parameter within the stated tolerance (the only gate with a tolerance)",
-    inputs=[], artifacts=[], guide="guides/C7.md",
-    implemented_by="a later release")
+    measures="per-parameter gradients of a fixed policy-gradient loss on the rollout's tokens through the train "
+             "engine's kernel wrappers vs plain transformers in float32 on the same weights: cosine similarity "
+             "and relative error ||g - g_ref|| / ||g_ref|| per tensor",
+    pass_condition="every parameter tensor has cosine >= min_cosine and relative error <= max_rel_error (defaults: "
+                   "float32 0.999 and 1e-2; bf16/fp16 0.99 and 0.1; tic.yaml gradients: overrides), gradients "
+                   "finite, and no backward saw its weights change since its forward (the only gate with a "
+                   "tolerance)",
+    inputs=["train engine (hf, kernels consistent or vllm)", "rollout samples", "gradients (thresholds)"],
+    artifacts=["artifacts/C7/gradients.json"], guide="guides/C7.md", measure=measure, judge=judge)

@@ -32,8 +32,9 @@ class ModelConfig(Strict):
 
 class EngineConfig(Strict):
     engine: Literal["hf", "vllm", "dump"] = "hf"
-    # hf: "stock" is plain transformers; "consistent" swaps in tic's row-invariant CPU kernels.
-    kernels: Literal["stock", "consistent"] = "stock"
+    # hf: "stock" is plain transformers; "consistent" runs tic's row-invariant CPU kernels and "vllm" the
+    # installed vLLM's GPU kernels, both through tic's autograd wrappers (forward = kernel, backward = reference).
+    kernels: Literal["stock", "consistent", "vllm"] = "stock"
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     batch_size: int = Field(8, ge=1, description="requests per rollout batch / sequences per scoring batch")
     micro_batch_size: int = Field(4, ge=1, description="train: sequences per forward")
@@ -114,6 +115,16 @@ class TrainingConfig(Strict):
     speculative_decoding: bool = False
 
 
+class GradientsConfig(Strict):
+    """C7: how close the training path's gradients must be to the float32 reference, per parameter tensor.
+    Unset: by the model's dtype, float32 cosine >= 0.999 and relative error <= 1e-2; bf16/fp16 cosine >= 0.99
+    and relative error <= 0.1."""
+
+    min_cosine: float | None = Field(None, gt=0, le=1)
+    max_rel_error: float | None = Field(None, gt=0)
+    advantage_seed: int = 0
+
+
 class LocateConfig(Strict):
     enabled: bool = True
 
@@ -135,6 +146,7 @@ class TicConfig(Strict):
     layouts: LayoutsConfig = Field(default_factory=LayoutsConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     locate: LocateConfig = Field(default_factory=LocateConfig)
+    gradients: GradientsConfig = Field(default_factory=GradientsConfig)
     cut: CutConfig | None = None
     state_dir: Path = Path(".tic")
 

@@ -14,8 +14,21 @@ from tic.core.errors import TicInputError
 from tic.skill.state import LadderState
 
 
+def check_kernels(cfg: TicConfig) -> None:
+    for side in ("rollout", "train"):
+        c = getattr(cfg, side)
+        if c.kernels == "vllm" and c.engine == "hf":
+            from tic.harness.kernels.vllm_provider import require_vllm
+
+            try:
+                require_vllm(c.device)
+            except TicInputError as e:
+                raise TicInputError(f"{side}: {e}") from None
+
+
 class GateContext:
     def __init__(self, cfg: TicConfig):
+        check_kernels(cfg)  # refuse what this machine cannot run before anything is written
         self.cfg = cfg
         self.state = LadderState(Path(cfg.state_dir))  # relative to the working directory, like .git
         self._engines: dict[str, Engine] = {}

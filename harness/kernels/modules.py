@@ -44,21 +44,27 @@ class ResidualStream:
 
 
 class RopeTable:
-    """cos|sin rows per position [P, rot] in the model's dtype, from the model's own rotary module (its
-    inv_freq and scaling), grown on demand; one table for every layer and both phases."""
+    """cos|sin rows per position [P, rot] in the model's dtype, built by the provider (from the model's own
+    rotary module, or as the provider's engine builds it), grown on demand; one table for all layers."""
 
-    def __init__(self, rotary: nn.Module, dtype: torch.dtype):
-        self.rotary, self.dtype, self.table = rotary, dtype, None
+    def __init__(self, rotary: nn.Module, dtype: torch.dtype, provider, config):
+        self.rotary, self.dtype, self.provider, self.config, self.table = rotary, dtype, provider, config, None
 
     def get(self, need: int, device) -> torch.Tensor:
         if self.table is None or self.table.shape[0] < need or self.table.device != torch.device(device):
             n = max(need, int(getattr(self.rotary, "max_seq_len_cached", 0) or 0), 1)
-            pos = torch.arange(n, dtype=torch.float32, device=device)[None]
-            with torch.no_grad():
-                cos, sin = self.rotary(torch.zeros(1, dtype=torch.float32, device=device), pos)
-            half = cos.shape[-1] // 2
-            self.table = torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).to(self.dtype)
+            self.table = self.provider.cos_sin_cache(self.rotary, self.config, n, self.dtype, device)
         return self.table
+
+
+def hf_cos_sin_cache(rotary: nn.Module, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """cos|sin [n, rot] from an HF rotary module (its inv_freq, rope scaling and attention factor), float32
+    arithmetic, then cast to dtype."""
+    pos = torch.arange(n, dtype=torch.float32, device=device)[None]
+    with torch.no_grad():
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32, device=device), pos)
+    half = cos.shape[-1] // 2
+    return torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).to(dtype)
 
 
 # -- patched forwards -----------------------------------------------------------------------------------------
@@ -214,7 +220,7 @@ def apply(model: nn.Module, provider) -> nn.Module:
     rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
     if len(rotary) != 1:
         raise TicInputError(f"expected one rotary embedding module, found {len(rotary)}")
-    rope = RopeTable(rotary[0], dtype)
+    rope = RopeTable(rotary[0], dtype, provider, cfg)
     problems = []
     for name, m in list(model.named_modules()):
         m._tic_ops = ops

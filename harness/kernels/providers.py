@@ -9,6 +9,7 @@ Shapes (T = tokens of any leading shape, flattened by the caller where a kernel 
   linear(x [.., K], w [N, K], b [N] | None) -> [.., N]
   rms_norm(x [.., D], w [D], eps) -> [.., D]
   add_rms_norm(x, residual, w, eps) -> (rms_norm(x + residual), x + residual)
+  cos_sin_cache(hf rotary module, config, P, dtype, device) -> [P, R] (cos | sin halves)
   rotary(q [T, Hq, D], k [T, Hk, D], positions [T], cos_sin [P, R]) -> (q, k)   (neox style, R = rotary dims)
   silu_and_mul(x [.., 2I]) -> silu(x[..., :I]) * x[..., I:], rounded once
   attention(q [B, H, Q, D], k/v [B, Hkv, K, D], mask bool [B, 1, Q, K], scale) -> [B, Q, H, D]
@@ -52,6 +53,11 @@ class CPUProvider(KernelProvider):
     def add_rms_norm(self, x, residual, w, eps):
         total = x + residual
         return self.rms_norm(total, w, eps), total
+
+    def cos_sin_cache(self, rotary, config, n, dtype, device):
+        from tic.harness.kernels.modules import hf_cos_sin_cache
+
+        return hf_cos_sin_cache(rotary, n, dtype, device)
 
     def rotary(self, q, k, positions, cos_sin):
         return rotate_neox(q, positions, cos_sin), rotate_neox(k, positions, cos_sin)

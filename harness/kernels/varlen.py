@@ -1,0 +1,53 @@
+"""From a padded or packed batch with a block-causal mask to the varlen layout of prefill kernels.
+
+vLLM's prefill attention takes the batch's tokens packed without padding, [N, H, D], with cumulative
+sequence starts (cu_seqlens). A training forward holds the same sequences padded (left or right) or packed
+into rows; the bool mask HF builds for them says which keys each query sees. This module reads the
+sequences back from that mask, checks that it is exactly block-causal (each valid query sees its own
+sequence's keys from the start up to itself, padding sees nothing), and gives the gather index and
+cu_seqlens. Anything else (sliding windows, a KV cache longer than the queries) is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tic.core.errors import TicInputError
+
+
+@dataclass
+class Varlen:
+    index: torch.Tensor  # [N] flat positions (b * T + t) of the valid tokens, in sequence order
+    cu_seqlens: torch.Tensor  # int32 [S + 1]
+    max_seqlen: int
+
+
+def varlen_from_mask(mask: torch.Tensor | None, batch: int, length: int, device) -> Varlen:
+    """mask: bool [B, 1, T, T] (True = attend) or None (every row one causal sequence)."""
+    if mask is None:
+        index = torch.arange(batch * length, device=device)
+        cu = torch.arange(0, (batch + 1) * length, length, device=device, dtype=torch.int32)
+        return Varlen(index, cu, length)
+    if mask.shape[-1] != mask.shape[-2]:
+        raise TicInputError("prefill-style attention needs as many keys as queries (no KV cache); "
+                            f"got mask {tuple(mask.shape)}")
+    m = mask[:, 0]
+    ar = torch.arange(length, device=device)
+    valid = m.diagonal(dim1=1, dim2=2)  # a valid token sees itself
+    start = m.int().argmax(-1)  # its sequence's first key
+    expected = (ar[None, None, :] >= start[..., None]) & (ar[None, None, :] <= ar[None, :, None]) & valid[..., None]
+    # and each query's first key is its own position or its predecessor's first key (contiguous sequences)
+    prev_start = torch.cat([torch.full_like(start[:, :1], -1), start[:, :-1]], dim=1)
+    chained = (start == ar[None]) | (start == prev_start)
+    if not torch.equal(expected, m) or not bool((chained | ~valid).all()):
+        raise TicInputError("attention mask is not block-causal over contiguous sequences (sliding window or "
+                            "custom mask); the varlen prefill kernel cannot reproduce it")
+    flat_valid = valid.reshape(-1)
+    index = flat_valid.nonzero().squeeze(1)
+    is_start = ((start == ar[None]) & valid).reshape(-1)[index]
+    starts = is_start.nonzero().squeeze(1)
+    cu = torch.cat([starts, torch.tensor([index.numel()], device=device)]).to(torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    return Varlen(index, cu, max_len)

@@ -1,0 +1,154 @@
+"""The vLLM kernel provider: forward values from the installed vLLM's own kernels (GPU).
+
+Each call goes through vLLM's Python entry points, the ones its model layers use, so the training forward
+runs the kernels the rollout ran: RMSNorm and fused add+RMSNorm through vllm.model_executor.layers.layernorm
+(which switches to vLLM's batch-invariant norm when VLLM_BATCH_INVARIANT=1), rotary through
+vllm._custom_ops.rotary_embedding, SiLU*mul through vLLM's _C silu_and_mul, GEMMs through vLLM's unquantized
+GEMM dispatch (aten, which vLLM's batch-invariant mode overrides with its Triton matmul), prefill attention
+through vllm.vllm_flash_attn.flash_attn_varlen_func over contiguous K/V, MoE through vLLM's fused_topk and
+fused_experts, logprobs as vLLM's sampler computes them (float32 log_softmax).
+
+In-place kernels (fused_add_rms_norm, rotary_embedding) run on copies: the wrappers' inputs stay intact for
+the backward. vLLM is imported when the provider is built, never at tic import.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tic.core.errors import TicInputError
+from tic.harness.kernels.providers import KernelProvider
+from tic.harness.kernels.varlen import varlen_from_mask
+
+
+def require_vllm(device: str = "cuda") -> None:
+    """One-line refusal unless this machine can run vLLM's kernels (CUDA GPU, vLLM importable)."""
+    if device != "cuda":
+        raise TicInputError("kernels: vllm runs vLLM's GPU kernels; set device: cuda")
+    if not torch.cuda.is_available():
+        raise TicInputError("kernels: vllm needs a CUDA GPU, and torch sees none on this machine")
+    try:
+        import vllm  # noqa: F401
+        from vllm import _custom_ops  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means: not usable here
+        raise TicInputError(f"kernels: vllm needs vLLM installed ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+class VLLMProvider(KernelProvider):
+    name = "vllm"
+    fuse_projections = True
+
+    def __init__(self):
+        require_vllm("cuda")
+        from vllm import _custom_ops as vops
+        from vllm.model_executor.layers import layernorm
+        from vllm.model_executor.layers.batch_invariant import vllm_is_batch_invariant
+
+        self.vops, self.layernorm = vops, layernorm
+        self.batch_invariant = bool(vllm_is_batch_invariant())
+        if self.batch_invariant:
+            from vllm.model_executor.layers.batch_invariant import init_batch_invariance
+
+            try:
+                init_batch_invariance()
+            except TypeError:  # releases that take the attention backend
+                init_batch_invariance(None)
+        self._gemm = self._find_gemm()
+        self.fa_version = self._find_fa_version()
+
+    # -- lookups that moved between vLLM releases ----------------------------------------------------------
+    @staticmethod
+    def _find_gemm():
+        try:
+            from vllm.model_executor.layers.utils import dispatch_unquantized_gemm
+
+            gemm = dispatch_unquantized_gemm()
+            layer = torch.nn.Module()
+            return lambda x, w, b: gemm(layer, x, w, b)
+        except ImportError:
+            return torch.nn.functional.linear
+
+    @staticmethod
+    def _find_fa_version() -> int:
+        for mod in ("vllm.v1.attention.backends.fa_utils", "vllm.attention.utils.fa_utils"):
+            try:
+                return int(__import__(mod, fromlist=["get_flash_attn_version"]).get_flash_attn_version())
+            except (ImportError, AttributeError, TypeError):
+                continue
+        return int(os.environ.get("VLLM_FLASH_ATTN_VERSION", "2"))
+
+    # -- kernels -----------------------------------------------------------------------------------------------
+    def linear(self, x, w, b=None):
+        return self._gemm(x, w, b)
+
+    def rms_norm(self, x, w, eps):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        fn = getattr(self.layernorm, "rms_norm", None)
+        if fn is not None:
+            out = fn(x2, w, eps)
+        else:
+            out = torch.empty_like(x2)
+            self.vops.rms_norm(out, x2, w, eps)
+        return out.reshape(shape)
+
+    def add_rms_norm(self, x, residual, w, eps):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).clone()
+        r2 = residual.reshape(-1, shape[-1]).clone()
+        fn = getattr(self.layernorm, "fused_add_rms_norm", None)
+        if fn is not None:
+            out, res = fn(x2, r2, w, eps)
+        else:
+            self.vops.fused_add_rms_norm(x2, r2, w, eps)
+            out, res = x2, r2
+        return out.reshape(shape), res.reshape(shape)
+
+    def cos_sin_cache(self, rotary, config, n, dtype, device):
+        from tic.harness.kernels.modules import hf_cos_sin_cache
+
+        return hf_cos_sin_cache(rotary, n, dtype, device)
+
+    def rotary(self, q, k, positions, cos_sin):
+        T, Hq, D = q.shape
+        qo = q.reshape(T, Hq * D).clone()
+        ko = k.reshape(T, -1).clone()
+        self.vops.rotary_embedding(positions, qo, ko, D, cos_sin.to(q.dtype), True)
+        return qo.reshape(q.shape), ko.reshape(k.shape)
+
+    def silu_and_mul(self, x):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        out = torch.empty(x2.shape[0], shape[-1] // 2, dtype=x.dtype, device=x.device)
+        torch.ops._C.silu_and_mul(out, x2)
+        return out.reshape(*shape[:-1], shape[-1] // 2)
+
+    def attention(self, q, k, v, mask, scale):
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        B, H, T, D = q.shape
+        vl = varlen_from_mask(mask, B, T, q.device)
+        flat = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], t.shape[-1])[vl.index].contiguous()  # noqa: E731
+        out = flash_attn_varlen_func(flat(q), flat(k), flat(v), max_seqlen_q=vl.max_seqlen, cu_seqlens_q=vl.cu_seqlens,
+                                     max_seqlen_k=vl.max_seqlen, cu_seqlens_k=vl.cu_seqlens, softmax_scale=scale,
+                                     causal=True, fa_version=self.fa_version)
+        full = torch.zeros(B * T, H, v.shape[-1], dtype=out.dtype, device=out.device)
+        full[vl.index] = out
+        return full.reshape(B, T, H, v.shape[-1])
+
+    def moe_route(self, logits, top_k, renormalize):
+        from vllm.model_executor.layers.fused_moe import fused_topk
+
+        r = fused_topk(logits, logits, top_k, renormalize)
+        return r[0].float(), r[1].long()
+
+    def moe_experts(self, x, weights, ids, gate_up, down):
+        from vllm.model_executor.layers.fused_moe import fused_experts
+
+        return fused_experts(x.contiguous(), gate_up, down, weights, ids.to(torch.int32), inplace=False)
+
+    def log_softmax(self, logits):
+        return logits.log_softmax(dim=-1, dtype=torch.float32)

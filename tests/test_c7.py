@@ -1,0 +1,217 @@
+"""C7 and the autograd wrappers: controls pass, planted wrong backwards fail, stale weights are refused."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tic.gates import get
+from tic.harness.engines import hf
+from tic.harness.kernels import autograd as ag
+from tic.harness.kernels.providers import CPUProvider
+from tic.harness.kernels.varlen import varlen_from_mask
+from tic.core.errors import TicInputError
+from tic.skill.config import load_config
+from tic.skill.context import GateContext
+from tic.skill.runner import run_gate
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _ctx(tmp, name):
+    ex = tmp / name
+    shutil.copytree(EXAMPLES / name, ex, ignore=shutil.ignore_patterns("weights"))
+    cfg = load_config(ex / "tic-consistent.yaml")
+    cfg.prompts.count, cfg.prompts.max_len, cfg.sampling.max_tokens = 3, 10, 6
+    cfg.locate.enabled = False
+    cfg.state_dir = tmp / ".tic"
+    return GateContext(cfg)
+
+
+@pytest.fixture(scope="module")
+def dense_ctx(tmp_path_factory):
+    """One rollout shared by the dense tests; each test gets a fresh trainable model."""
+    hf._MODELS.clear()
+    ctx = _ctx(tmp_path_factory.mktemp("c7"), "tiny-qwen3")
+    ctx.rollout_samples()
+    yield ctx
+    hf._MODELS.clear()
+
+
+def _fresh_train_model():
+    for k in [k for k in hf._MODELS if k[-1]]:  # the trainable copies
+        del hf._MODELS[k]
+
+
+def run_c7(ctx):
+    _fresh_train_model()
+    return run_gate(get("C7"), ctx)
+
+
+# ---- controls ---------------------------------------------------------------------------------------------
+def test_c7_passes_on_the_consistent_kernels(dense_ctx):
+    res = run_c7(dense_ctx)
+    assert res.verdict == "pass", res.reason
+    assert res.metrics["tensors"] == len(list(dense_ctx.train_engine().model.parameters()))
+    assert res.metrics["min_cosine"] > 0.9999 and res.metrics["max_rel_error"] < 1e-4
+
+
+def test_c7_passes_on_the_moe_model(tmp_path):
+    hf._MODELS.clear()
+    res = run_gate(get("C7"), _ctx(tmp_path, "tiny-qwen3-moe"))
+    hf._MODELS.clear()
+    assert res.verdict == "pass", res.reason
+
+
+# ---- planted wrong backwards ---------------------------------------------------------------------------------
+def _negate_first(grads):
+    return (-grads[0], *grads[1:])
+
+
+@pytest.mark.parametrize("op, fault", [
+    ("rms_norm", _negate_first),                                # sign flip in one surrogate
+    ("add_rms_norm", lambda g: (g[0], torch.zeros_like(g[1]), *g[2:])),  # residual gradient dropped
+    ("silu_and_mul", lambda g: (g[0] * 1.5,)),                 # a wrong scale
+])
+def test_c7_fails_on_a_planted_wrong_backward(dense_ctx, op, fault):
+    with ag.planted_fault(op, grads=fault):
+        res = run_c7(dense_ctx)
+    assert res.verdict == "fail" and "outside the tolerance" in res.reason
+
+
+def test_c7_fails_when_weights_change_between_forward_and_backward(dense_ctx):
+    def optimizer_step(weights):
+        for w in weights:
+            w.add_(1e-3)
+
+    with ag.planted_fault("linear", before=optimizer_step):
+        res = run_c7(dense_ctx)
+    assert res.verdict == "fail" and "stale weight version" in res.reason
+
+
+def test_c7_refuses_stock_training_kernels(dense_ctx):
+    dense_ctx.cfg.train.kernels = "stock"
+    try:
+        with pytest.raises(TicInputError, match="C7 checks the backward"):
+            get("C7").measure(dense_ctx)
+    finally:
+        dense_ctx.cfg.train.kernels = "consistent"
+
+
+# ---- the wrappers one by one (CPU provider) ---------------------------------------------------------------
+def _op_cases():
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    w = torch.nn.Parameter(r(8))
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()[None].expand(1, 2, 1, 5, 5)[0].clone()
+    mask[0, 0, :, :2] = False  # left padding in row 0
+    mask[0, 0, :2, :] = False
+    return [
+        ("rms_norm", (r(3, 8), w), {"eps": 1e-6}),
+        ("add_rms_norm", (r(3, 8), r(3, 8), w), {"eps": 1e-6}),
+        ("silu_and_mul", (r(3, 8),), {}),
+        ("rotary", (r(5, 2, 8), r(5, 1, 8), torch.tensor([0, 1, 2, 0, 1]), r(6, 8)), {}),
+        ("attention", (r(2, 4, 5, 8), r(2, 2, 5, 8), r(2, 2, 5, 8), mask), {"scale": 0.3}),
+        ("moe_experts", (r(4, 8), r(4, 2).abs(), torch.tensor([[0, 2], [1, 2], [2, 0], [1, 0]]),
+                         torch.nn.Parameter(r(3, 12, 8)), torch.nn.Parameter(r(3, 8, 6))), {}),
+        ("log_softmax", (r(3, 11),), {}),
+    ]
+
+
+@pytest.mark.parametrize("case", _op_cases(), ids=lambda c: c[0])
+def test_wrapper_forward_is_the_kernel_and_backward_the_reference(case):
+    name, tensors, kw = case
+    prov = CPUProvider()
+    op = ag.OPS[name]
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
+    out = ag.KernelFunction.apply(op, prov, kw, *leaves)
+    outs = out if isinstance(out, tuple) else (out,)
+    with torch.no_grad():
+        direct = op.kernel(prov, *tensors, **kw)
+    for a, b in zip(outs, direct if isinstance(direct, tuple) else (direct,)):
+        assert torch.equal(a, b)  # forward value = the kernel's, bit for bit
+    seeds = [torch.randn_like(o) for o in outs if o.is_floating_point()]
+    torch.autograd.backward([o for o in outs if o.is_floating_point()], seeds)
+    refs_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
+    ref = op.reference(*refs_in, **kw)
+    torch.autograd.backward(list(ref) if isinstance(ref, tuple) else [ref], seeds)
+    for a, b in zip(leaves, refs_in):
+        if a.is_floating_point():
+            assert torch.allclose(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_linear_backward_matches_autograd_and_splits_fused_weights():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    ws = [torch.nn.Parameter(torch.randn(n, 5, generator=g, dtype=torch.float64)) for n in (4, 2)]
+    bs = [torch.nn.Parameter(torch.randn(n, generator=g, dtype=torch.float64)) for n in (4, 2)]
+    ops = ag.Ops(CPUProvider())
+    out = ops.linear(x, ws, bs)
+    seed = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    out.backward(seed)
+    x2 = x.detach().clone().requires_grad_()
+    ws2 = [w.detach().clone().requires_grad_() for w in ws]
+    bs2 = [b.detach().clone().requires_grad_() for b in bs]
+    torch.nn.functional.linear(x2, torch.cat(ws2), torch.cat(bs2)).backward(seed)
+    for a, b in zip([x, *ws, *bs], [x2, *ws2, *bs2]):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-12)
+
+
+@pytest.mark.parametrize("change", ["in_place", "storage"])
+def test_backward_refuses_weights_changed_since_forward(change):
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    out = ag.Ops(CPUProvider()).linear(torch.randn(2, 3, requires_grad=True), [w])
+    if change == "in_place":
+        with torch.no_grad():
+            w.mul_(0.5)  # what an optimizer step does
+    else:
+        w.data = torch.randn(4, 3)  # a weight sync that swaps the tensor
+    with pytest.raises(ag.StaleWeightError, match="changed since its forward"):
+        out.sum().backward()
+
+
+def test_planted_fault_names_a_known_operator():
+    with pytest.raises(KeyError):
+        with ag.planted_fault("no_such_op", grads=lambda g: g):
+            pass
+
+
+# ---- padded / packed batches to the varlen layout ------------------------------------------------------------
+def test_varlen_from_padded_and_packed_masks():
+    ar = torch.arange(6)
+    causal = ar[None, :] <= ar[:, None]
+    left = causal & (ar[None, :] >= 2) & (ar[:, None] >= 2)   # 2 padding tokens on the left
+    right = causal & (ar[None, :] < 4) & (ar[:, None] < 4)    # 2 padding tokens on the right
+    seg = torch.tensor([0, 0, 0, 1, 1, 1])
+    packed = causal & (seg[None, :] == seg[:, None])          # two sequences of 3
+    mask = torch.stack([left, right, packed])[:, None]
+    v = varlen_from_mask(mask, 3, 6, "cpu")
+    assert v.index.tolist() == [2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14, 15, 16, 17]
+    assert v.cu_seqlens.tolist() == [0, 4, 8, 11, 14] and v.max_seqlen == 4
+
+
+def test_varlen_refuses_a_sliding_window_mask():
+    ar = torch.arange(6)
+    window = (ar[None, :] <= ar[:, None]) & (ar[:, None] - ar[None, :] < 3)
+    with pytest.raises(TicInputError, match="not block-causal"):
+        varlen_from_mask(window[None, None], 1, 6, "cpu")
+
+
+# ---- kernels: vllm on a machine without it ----------------------------------------------------------------
+def test_vllm_kernels_are_refused_without_cuda(example, workdir, tic):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    ex = example("tiny-qwen3")
+    cfg = ex / "vllm.yaml"
+    cfg.write_text("model: {path: ., generate: {seed: 0}}\ntrain: {engine: hf, kernels: vllm, device: cuda}\n")
+    code, out, err = tic("gate", "C5", "-c", str(cfg))
+    assert code == 2 and "kernels: vllm" in err and len(err.strip().splitlines()) == 1
+    assert not (workdir / ".tic").exists()
+
+
+def test_c7_gradients_artifact_lists_every_tensor(dense_ctx):
+    res = run_c7(dense_ctx)
+    data = json.loads((dense_ctx.state.artifacts_dir("C7") / "gradients.json").read_text())
+    assert len(data["tensors"]) == res.metrics["tensors"] and data["min_cosine"] == 0.999
