@@ -132,7 +132,8 @@ def test_stock_ladder_reports_real_divergences(example, workdir, tic, tmp_path):
         assert rec[g]["verdict"] == "fail", rec[g]["reason"]
     assert 0 < rec["C5"]["metrics"]["equal_fraction"] < 1
     assert rec["C2"]["verdict"] == "pass"
-    for g in ("C1", "C7", "C8", "C9", "C10"):
+    assert rec["C7"]["verdict"] == "fail" and "train.kernels is stock" in rec["C7"]["reason"]
+    for g in ("C1", "C8", "C9", "C10"):
         assert rec[g]["verdict"] == "unavailable"
     assert "<testsuite" in junit.read_text() and "failure" in junit.read_text()
     assert "C5" in err  # the table goes to stderr

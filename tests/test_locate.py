@@ -71,16 +71,16 @@ def plant_reduction_order(model):
 
 
 def plant_bf16_intermediate(model):
-    act = model.model.layers[3].mlp.act_fn
-    inner = act.forward
-    act.forward = lambda x: inner(x).to(torch.bfloat16).to(x.dtype)
+    down = model.model.layers[3].mlp.down_proj
+    inner = down.forward
+    down.forward = lambda x: inner(x.to(torch.bfloat16).to(x.dtype))  # its input (SiLU*mul) rounded to bf16
 
 
 PLANTS = [
     (plant_eps, "model.layers.2", "model.layers.2.post_attention_layernorm", {"aten.add.Tensor"}),
     (plant_reduction_order, "model.layers.1", "model.layers.1.mlp.down_proj",
      {"aten.linear.default", "aten.mm.default", "aten.addmm.default"}),
-    (plant_bf16_intermediate, "model.layers.3", "model.layers.3.mlp.act_fn",
+    (plant_bf16_intermediate, "model.layers.3", "model.layers.3.mlp.down_proj",
      {"aten.to.dtype", "aten._to_copy.default"}),
 ]
 
@@ -109,20 +109,20 @@ def test_planted_moe_tie_break(tmp_path, monkeypatch):
         w[1:3] = w[0]
         w[0:3] *= 8  # the tied experts win, so the tie decides which two are chosen
     blk = b.model.model.layers[2].mlp
-    orig_topk = torch.topk
+    orig_sort = torch.sort
 
-    def topk_high_index_first(x, k, dim=-1, **kw):
-        v, i = orig_topk(x.flip(dim), k, dim=dim, **kw)
-        return v, x.shape[dim] - 1 - i
+    def sort_high_index_first(x, dim=-1, **kw):  # the router's top-k is a stable descending sort
+        v, i = orig_sort(x.flip(dim), dim=dim, **kw)
+        return torch.return_types.sort((v, x.shape[dim] - 1 - i))
 
     fwd = blk.forward
 
     def planted(hidden):
-        torch.topk = topk_high_index_first
+        torch.sort = sort_high_index_first
         try:
             return fwd(hidden)
         finally:
-            torch.topk = orig_topk
+            torch.sort = orig_sort
 
     blk.forward = planted
     res = _run(a, b, tmp_path / "out", upto=1)

@@ -61,13 +61,24 @@ def hf_cos_sin_cache(rotary: nn.Module, n: int, dtype: torch.dtype, device) -> t
     """cos|sin [n, rot] from an HF rotary module (its inv_freq, rope scaling and attention factor), float32
     arithmetic, then cast to dtype."""
     pos = torch.arange(n, dtype=torch.float32, device=device)[None]
+    forward = getattr(rotary, "_tic_orig_forward", rotary)
     with torch.no_grad():
-        cos, sin = rotary(torch.zeros(1, dtype=torch.float32, device=device), pos)
+        cos, sin = forward(torch.zeros(1, dtype=torch.float32, device=device), pos)
     half = cos.shape[-1] // 2
     return torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).to(dtype)
 
 
 # -- patched forwards -----------------------------------------------------------------------------------------
+def _rotary_module_forward(self, x, position_ids):
+    """HF's (cos, sin) looked up from the shared table: the same bits for a position whatever the batch shape
+    (HF computes them per call, and CPU cos/sin vectorise by length). The wrappers read the table directly;
+    this keeps what HF's own modules and capture see consistent with it."""
+    need = int(position_ids.max()) + 1 if position_ids.numel() else 1
+    cos, sin = self._tic_rope.get(need, x.device).chunk(2, dim=-1)
+    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+    return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
+
+
 def _linear_forward(self, x):
     return self._tic_ops.linear(x, [self.weight], [self.bias])
 
@@ -221,6 +232,8 @@ def apply(model: nn.Module, provider) -> nn.Module:
     if len(rotary) != 1:
         raise TicInputError(f"expected one rotary embedding module, found {len(rotary)}")
     rope = RopeTable(rotary[0], dtype, provider, cfg)
+    rotary[0]._tic_orig_forward, rotary[0]._tic_rope = rotary[0].forward, rope
+    rotary[0].forward = types.MethodType(_rotary_module_forward, rotary[0])
     problems = []
     for name, m in list(model.named_modules()):
         m._tic_ops = ops
