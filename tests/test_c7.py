@@ -183,7 +183,7 @@ def test_varlen_from_padded_and_packed_masks():
     ar = torch.arange(6)
     causal = ar[None, :] <= ar[:, None]
     left = causal & (ar[None, :] >= 2) & (ar[:, None] >= 2)   # 2 padding tokens on the left
-    right = causal & (ar[None, :] < 4) & (ar[:, None] < 4)    # 2 padding tokens on the right
+    right = causal & (ar[None, :] < 4)    # 2 padding tokens on the right (HF lets them see the valid keys)
     seg = torch.tensor([0, 0, 0, 1, 1, 1])
     packed = causal & (seg[None, :] == seg[:, None])          # two sequences of 3
     mask = torch.stack([left, right, packed])[:, None]
@@ -215,3 +215,36 @@ def test_c7_gradients_artifact_lists_every_tensor(dense_ctx):
     res = run_c7(dense_ctx)
     data = json.loads((dense_ctx.state.artifacts_dir("C7") / "gradients.json").read_text())
     assert len(data["tensors"]) == res.metrics["tensors"] and data["min_cosine"] == 0.999
+
+
+def test_vllm_provider_attention_layout_with_a_stand_in_kernel(monkeypatch):
+    """The vLLM provider's padded/packed -> varlen -> padded plumbing, checked on CPU: a stand-in for vLLM's
+    flash_attn_varlen_func (causal attention per cu_seqlens segment) must give the row-wise CPU kernel's
+    result on every valid token of a left-padded, a right-padded and a packed row."""
+    import types
+
+    from tic.harness.kernels.vllm_provider import VLLMProvider
+
+    def varlen(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, softmax_scale, causal, fa_version):
+        assert causal and torch.equal(cu_seqlens_q, cu_seqlens_k) and cu_seqlens_q.dtype == torch.int32
+        cu = cu_seqlens_q.tolist()
+        return torch.cat([ag.attention_ref(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None],
+                                           v[a:b].transpose(0, 1)[None], None, softmax_scale)[0]
+                          for a, b in zip(cu[:-1], cu[1:])]).to(q.dtype)
+
+    monkeypatch.setitem(__import__("sys").modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(__import__("sys").modules, "vllm.vllm_flash_attn",
+                        types.SimpleNamespace(flash_attn_varlen_func=varlen))
+    prov = object.__new__(VLLMProvider)
+    prov.fa_version = 3
+    ar = torch.arange(6)
+    causal = ar[None, :] <= ar[:, None]
+    seg = torch.tensor([0, 0, 0, 1, 1, 1])
+    mask = torch.stack([causal & (ar[None, :] >= 2) & (ar[:, None] >= 2), causal & (ar[None, :] < 4),
+                        causal & (seg[None, :] == seg[:, None])])[:, None]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(3, h, 6, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    got = prov.attention(q, k, v, mask, 0.35)
+    want = CPUProvider().attention(q, k, v, mask, 0.35)
+    valid = mask[:, 0].diagonal(dim1=1, dim2=2)
+    assert torch.allclose(got[valid], want[valid], rtol=1e-5, atol=1e-6) and (got[~valid] == 0).all()

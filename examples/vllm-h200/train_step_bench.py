@@ -1,0 +1,237 @@
+"""One GPU run: tic's training step on vLLM's kernels (forward = vLLM kernel, backward = surrogate) vs a plain
+HF training step on the same bf16 model and batch.
+
+  mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/tic      # the repo root is the tic package
+  PYTHONPATH=/tmp/site:/tmp/pkg python3 examples/vllm-h200/train_step_bench.py [--moe] [--batch 8 --seq 512]
+  (/tmp/site: vLLM 0.26 and its dependencies, as examples/vllm-h200/run.sh expects)
+
+Checks, each printed with its verdict; any failure exits 1:
+  1. every wrapper's forward value equals a direct call of vLLM's kernel on the same inputs, bit for bit;
+  2. the wrapped model's gradients are within C7's bf16 tolerance of plain HF float32 on the same weights;
+  3. time per step (forward + backward, median of --repeats) and peak memory of both steps, and the ratio
+     (goal <= 1.3x; reported, and a miss is flagged, with --strict-time it fails the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+
+import torch
+
+
+def build_model(args, dtype):
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                  num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+                  max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
+    if args.moe:
+        cfg = Qwen3MoeConfig(**common, moe_intermediate_size=args.hidden // 2, num_experts=16, num_experts_per_tok=4,
+                             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    else:
+        cfg = Qwen3Config(**common, intermediate_size=args.hidden * 3)
+    torch.manual_seed(0)
+    cfg._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).cuda()
+
+
+def batch(args):
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(args.seq // 2, args.seq + 1, (args.batch,), generator=g).tolist()
+    ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
+    mask = torch.zeros(args.batch, args.seq, dtype=torch.long)
+    for b, n in enumerate(lens):
+        ids[b, :n] = torch.randint(0, args.vocab, (n,), generator=g)
+        mask[b, :n] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    adv = torch.randn(args.batch, generator=g)
+    return ids.cuda(), mask.cuda(), pos.cuda(), adv.cuda()
+
+
+def step(model, ids, mask, pos, adv, log_softmax):
+    """Forward, a policy-gradient loss on the next-token logprobs of the valid tokens, backward."""
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits[:, :-1]
+    lp = log_softmax(logits.reshape(-1, logits.shape[-1])).reshape(*logits.shape)
+    tok = lp.gather(-1, ids[:, 1:, None])[..., 0]
+    valid = (mask[:, 1:] * mask[:, :-1]).to(tok.dtype)
+    loss = -(adv[:, None] * tok * valid).sum() / valid.sum()
+    loss.backward()
+    return loss
+
+
+def timed(fn, repeats):
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), torch.cuda.max_memory_allocated()
+
+
+# -- check 1: wrapper forward == direct vLLM kernel -----------------------------------------------------------
+def kernel_checks(ops, moe: bool) -> list[tuple[str, bool, str]]:
+    from vllm import _custom_ops as vops
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    torch.manual_seed(2)
+    bf = torch.bfloat16
+    T, H, D, Hkv = 300, 16, 128, 8
+    x, r = torch.randn(T, 1024, device="cuda", dtype=bf), torch.randn(T, 1024, device="cuda", dtype=bf)
+    w = torch.randn(1024, device="cuda", dtype=bf)
+    rows = []
+
+    def check(name, got, want):
+        got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+        ok = all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(want)
+        diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want)) if not ok else 0.0
+        rows.append((name, ok, "bitwise equal" if ok else f"max |diff| {diff:g}"))
+
+    bi = ops.provider.batch_invariant
+    if bi:
+        from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
+
+        check("rms_norm", ops.rms_norm(x, w, 1e-6), rms_norm_batch_invariant(x, w, 1e-6))
+        s = x + r
+        check("add_rms_norm", ops.add_rms_norm(x, r, w, 1e-6), (rms_norm_batch_invariant(s, w, 1e-6), s))
+    else:
+        out = torch.empty_like(x)
+        vops.rms_norm(out, x, w, 1e-6)
+        check("rms_norm", ops.rms_norm(x, w, 1e-6), out)
+        xi, ri = x.clone(), r.clone()
+        vops.fused_add_rms_norm(xi, ri, w, 1e-6)
+        check("add_rms_norm", ops.add_rms_norm(x, r, w, 1e-6), (xi, ri))
+    gu = torch.randn(T, 2 * 3072, device="cuda", dtype=bf)
+    out = torch.empty(T, 3072, device="cuda", dtype=bf)
+    torch.ops._C.silu_and_mul(out, gu)
+    check("silu_and_mul", ops.silu_and_mul(gu), out)
+    wl = torch.randn(2048, 1024, device="cuda", dtype=bf)
+    check("linear", ops.linear(x, [wl]), torch.nn.functional.linear(x, wl))
+    q, k = torch.randn(T, H, D, device="cuda", dtype=bf), torch.randn(T, Hkv, D, device="cuda", dtype=bf)
+    pos = torch.arange(T, device="cuda")
+    cs = torch.randn(4096, D, device="cuda", dtype=bf)
+    qi, ki = q.reshape(T, -1).clone(), k.reshape(T, -1).clone()
+    vops.rotary_embedding(pos, qi, ki, D, cs, True)
+    check("rotary", ops.rotary(q, k, pos, cs), (qi.reshape(q.shape), ki.reshape(k.shape)))
+    # attention: two right-padded rows of 300 and 180 tokens vs the varlen kernel on the packed tokens
+    L, lens = 300, [300, 180]
+    qa = torch.randn(2, H, L, D, device="cuda", dtype=bf)
+    ka, va = torch.randn(2, Hkv, L, D, device="cuda", dtype=bf), torch.randn(2, Hkv, L, D, device="cuda", dtype=bf)
+    ar = torch.arange(L, device="cuda")
+    mask = torch.stack([(ar[None] <= ar[:, None]) & (ar[None] < n) & (ar[:, None] < n) for n in lens])[:, None]
+    got = ops.attention(qa, ka, va, mask, D ** -0.5)
+    pack = lambda t: torch.cat([t[b, :, :n].transpose(0, 1) for b, n in enumerate(lens)]).contiguous()  # noqa: E731
+    cu = torch.tensor([0, lens[0], sum(lens)], device="cuda", dtype=torch.int32)
+    want = flash_attn_varlen_func(pack(qa), pack(ka), pack(va), max_seqlen_q=L, cu_seqlens_q=cu, max_seqlen_k=L,
+                                  cu_seqlens_k=cu, softmax_scale=D ** -0.5, causal=True,
+                                  fa_version=ops.provider.fa_version)
+    check("attention (varlen prefill)", torch.cat([got[b, :n] for b, n in enumerate(lens)]), want)
+    logits = torch.randn(64, 32768, device="cuda", dtype=bf)
+    check("log_softmax", ops.log_softmax(logits), logits.log_softmax(dim=-1, dtype=torch.float32))
+    if moe:
+        from vllm.model_executor.layers.fused_moe import fused_experts, fused_topk
+
+        xm = torch.randn(T, 1024, device="cuda", dtype=bf)
+        rl = torch.randn(T, 16, device="cuda", dtype=bf)
+        tw, ti = fused_topk(rl, rl, 4, True)[:2]
+        gw, ids = ops.moe_route(rl, 4, True)
+        check("moe_route", (gw, ids), (tw.float(), ti.long()))
+        w13 = torch.randn(16, 1024, 1024, device="cuda", dtype=bf) * 0.03
+        w2 = torch.randn(16, 1024, 512, device="cuda", dtype=bf) * 0.03
+        check("moe_experts", ops.moe_experts(xm, gw, ids, w13, w2),
+              fused_experts(xm, w13, w2, tw, ti, inplace=False))
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE model (16 experts, top-4) instead of dense")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--strict-time", action="store_true", help="fail the run when the step ratio misses 1.3x")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("FAIL: no CUDA GPU")
+        return 1
+
+    from tic.gates.c7 import DEFAULT_THRESHOLDS
+    from tic.harness.gradcheck import compare
+    from tic.harness.kernels.modules import apply
+    from tic.harness.kernels.providers import get_provider
+
+    import vllm
+
+    provider = get_provider("vllm")
+    print(f"vLLM {vllm.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}, "
+          f"batch-invariant {provider.batch_invariant}, flash-attn v{provider.fa_version}")
+    failed = False
+
+    from tic.harness.kernels.autograd import Ops
+
+    print("\n1. wrapper forward vs direct vLLM kernel call")
+    for name, ok, what in kernel_checks(Ops(provider), args.moe):
+        print(f"   {'ok  ' if ok else 'FAIL'} {name:28s} {what}")
+        failed |= not ok
+
+    plain = build_model(args, torch.bfloat16)
+    plain.requires_grad_(True)
+    wrapped = copy.deepcopy(plain)
+    apply(wrapped, provider)
+    ids, mask, pos, adv = batch(args)
+    f32_log_softmax = lambda t: t.float().log_softmax(-1)  # noqa: E731
+
+    print("\n2. gradients of the wrapped bf16 model vs plain HF float32 (same weights, same loss)")
+    ref = copy.deepcopy(plain).float()
+    ref.zero_grad(set_to_none=True)
+    step(ref, ids, mask, pos, adv, f32_log_softmax)
+    wrapped.zero_grad(set_to_none=True)
+    step(wrapped, ids, mask, pos, adv, wrapped._tic_ops.log_softmax)
+    grads = {n: p.grad.float().cpu() for n, p in wrapped.named_parameters() if p.grad is not None}
+    rows = compare(grads, {n: p.grad.float().cpu() for n, p in ref.named_parameters() if p.grad is not None})
+    del ref
+    lo, hi = DEFAULT_THRESHOLDS["low"]
+    bad = [r for r in rows if not (r["cosine"] >= lo and r["rel_error"] <= hi)]
+    print(f"   {len(rows) - len(bad)}/{len(rows)} tensors within cosine >= {lo}, rel err <= {hi}; min cosine "
+          f"{min(r['cosine'] for r in rows):.5f}, max rel err {max(r['rel_error'] for r in rows):.4f}")
+    for r in bad[:5]:
+        print(f"   FAIL {r['parameter']}: cosine {r['cosine']:.5f}, rel err {r['rel_error']:.4f}")
+    failed |= bool(bad) or len(rows) != len(list(wrapped.parameters()))
+
+    print(f"\n3. training step, batch {args.batch} x {args.seq} tokens (right padded), {args.layers} layers, "
+          f"hidden {args.hidden}{', MoE' if args.moe else ''}, median of {args.repeats}")
+    plain_fn = lambda: (plain.zero_grad(set_to_none=True), step(plain, ids, mask, pos, adv, f32_log_softmax))  # noqa: E731
+    tic_fn = lambda: (wrapped.zero_grad(set_to_none=True),  # noqa: E731
+                      step(wrapped, ids, mask, pos, adv, wrapped._tic_ops.log_softmax))
+    wrapped.zero_grad(set_to_none=True)
+    t_plain, m_plain = timed(plain_fn, args.repeats)
+    plain.zero_grad(set_to_none=True)
+    t_tic, m_tic = timed(tic_fn, args.repeats)
+    ratio = t_tic / t_plain
+    print(f"   {'step':28s} {'time/step (ms)':>15s} {'peak memory (GiB)':>18s}")
+    print(f"   {'plain HF (sdpa, cuBLAS)':28s} {1e3 * t_plain:15.2f} {m_plain / 2**30:18.2f}")
+    print(f"   {'tic on vLLM kernels':28s} {1e3 * t_tic:15.2f} {m_tic / 2**30:18.2f}")
+    print(f"   ratio tic/plain: time {ratio:.2f}x (goal <= 1.3x{'' if ratio <= 1.3 else ', MISSED'}), "
+          f"memory {m_tic / m_plain:.2f}x")
+    if args.strict_time and ratio > 1.3:
+        failed = True
+    print("\nRESULT:", "FAIL" if failed else "ok")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
