@@ -248,3 +248,36 @@ def test_vllm_provider_attention_layout_with_a_stand_in_kernel(monkeypatch):
     want = CPUProvider().attention(q, k, v, mask, 0.35)
     valid = mask[:, 0].diagonal(dim1=1, dim2=2)
     assert torch.allclose(got[valid], want[valid], rtol=1e-5, atol=1e-6) and (got[~valid] == 0).all()
+
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 32,
+         "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "hidden_act": "silu", "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 64},
+         "attention_bias": True, "tie_word_embeddings": True, "initializer_range": 0.02, "dtype": "float32"}
+
+
+def test_llama_through_the_wrappers_passes_c5_c6_c7(tmp_path):
+    """A family no example names (Llama: no QK norm, q/k/v bias, llama3 rope scaling, tied embeddings)."""
+    d = tmp_path / "tiny-llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(LLAMA))
+    (d / "tic.yaml").write_text(
+        "model: {path: ., dtype: float32, generate: {seed: 0}}\n"
+        "rollout: {engine: hf, kernels: consistent, batch_size: 4}\n"
+        "train: {engine: hf, kernels: consistent, micro_batch_size: 2}\n"
+        "prompts: {count: 3, min_len: 3, max_len: 8}\nsampling: {max_tokens: 5}\nlocate: {enabled: false}\n")
+    hf._MODELS.clear()
+    cfg = load_config(d / "tic.yaml")
+    cfg.state_dir = tmp_path / ".tic"
+    ctx = GateContext(cfg)
+    try:
+        for gate in ("C5", "C6", "C7"):
+            res = run_gate(get(gate), ctx)
+            assert res.verdict == "pass", (gate, res.reason)
+        with ag.planted_fault("attention", grads=_negate_first):
+            _fresh_train_model()
+            assert run_gate(get("C7"), ctx).verdict == "fail"
+    finally:
+        hf._MODELS.clear()
