@@ -17,6 +17,9 @@ from tic.skill.state import LadderState
 def check_kernels(cfg: TicConfig) -> None:
     for side in ("rollout", "train"):
         c = getattr(cfg, side)
+        if c.kernels == "vllm" and c.engine == "hf" and side == "rollout":
+            raise TicInputError("rollout: kernels: vllm runs prefill-style training forwards only; for a vLLM "
+                                "rollout use rollout: {engine: vllm}")
         if c.kernels == "vllm" and c.engine == "hf":
             from tic.harness.kernels.vllm_provider import require_vllm
 

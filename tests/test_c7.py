@@ -200,14 +200,19 @@ def test_varlen_refuses_a_sliding_window_mask():
 
 
 # ---- kernels: vllm on a machine without it ----------------------------------------------------------------
-def test_vllm_kernels_are_refused_without_cuda(example, workdir, tic):
+@pytest.mark.parametrize("side, why", [
+    ("train: {engine: hf, kernels: vllm, device: cuda}", "kernels: vllm needs"),
+    ("train: {engine: hf, kernels: vllm}", "set device: cuda"),
+    ("rollout: {engine: hf, kernels: vllm, device: cuda}", "prefill-style training forwards only"),
+])
+def test_vllm_kernels_are_refused_where_they_cannot_run(example, workdir, tic, side, why):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     ex = example("tiny-qwen3")
     cfg = ex / "vllm.yaml"
-    cfg.write_text("model: {path: ., generate: {seed: 0}}\ntrain: {engine: hf, kernels: vllm, device: cuda}\n")
+    cfg.write_text("model: {path: ., generate: {seed: 0}}\n" + side + "\n")
     code, out, err = tic("gate", "C5", "-c", str(cfg))
-    assert code == 2 and "kernels: vllm" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and why in err and len(err.strip().splitlines()) == 1
     assert not (workdir / ".tic").exists()
 
 
