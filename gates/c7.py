@@ -77,8 +77,9 @@ def judge(m: dict) -> Judgement:
     lo, hi = d["min_cosine"], d["max_rel_error"]
     bad = [r for r in d["tensors"] if r["cosine"] is None or r["rel_error"] is None
            or r["cosine"] < lo or r["rel_error"] > hi]
+    fmt = lambda v, spec: "non-finite" if v is None else format(v, spec)  # noqa: E731
     key = (f"{len(d['tensors']) - len(bad)}/{len(d['tensors'])} tensors within cosine >= {lo}, rel err <= {hi}; "
-           f"min cosine {x['min_cosine']}, max rel err {x['max_rel_error']}")
+           f"min cosine {fmt(x['min_cosine'], '.9f')}, max rel err {fmt(x['max_rel_error'], '.3g')}")
     if d["tensors"] and not bad:
         return Judgement("pass", "every parameter's gradient is within the stated tolerance of the float32 "
                                  "reference", key)
