@@ -226,8 +226,6 @@ def test_vllm_provider_attention_layout_with_a_stand_in_kernel(monkeypatch):
     """The vLLM provider's padded/packed -> varlen -> padded plumbing, checked on CPU: a stand-in for vLLM's
     flash_attn_varlen_func (causal attention per cu_seqlens segment) must give the row-wise CPU kernel's
     result on every valid token of a left-padded, a right-padded and a packed row."""
-    import types
-
     from tic.harness.kernels.vllm_provider import VLLMProvider
 
     def varlen(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, softmax_scale, causal, fa_version):
@@ -237,9 +235,7 @@ def test_vllm_provider_attention_layout_with_a_stand_in_kernel(monkeypatch):
                                            v[a:b].transpose(0, 1)[None], None, softmax_scale)[0]
                           for a, b in zip(cu[:-1], cu[1:])]).to(q.dtype)
 
-    monkeypatch.setitem(__import__("sys").modules, "vllm", types.ModuleType("vllm"))
-    monkeypatch.setitem(__import__("sys").modules, "vllm.vllm_flash_attn",
-                        types.SimpleNamespace(flash_attn_varlen_func=varlen))
+    monkeypatch.setattr(VLLMProvider, "_find_varlen_attention", staticmethod(lambda: varlen))
     prov = object.__new__(VLLMProvider)
     prov.fa_version = 3
     ar = torch.arange(6)

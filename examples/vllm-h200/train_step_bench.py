@@ -81,7 +81,6 @@ def timed(fn, repeats):
 # -- check 1: wrapper forward == direct vLLM kernel -----------------------------------------------------------
 def kernel_checks(ops, moe: bool) -> list[tuple[str, bool, str]]:
     from vllm import _custom_ops as vops
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     torch.manual_seed(2)
     bf = torch.bfloat16
@@ -131,6 +130,10 @@ def kernel_checks(ops, moe: bool) -> list[tuple[str, bool, str]]:
     got = ops.attention(qa, ka, va, mask, D ** -0.5)
     pack = lambda t: torch.cat([t[b, :, :n].transpose(0, 1) for b, n in enumerate(lens)]).contiguous()  # noqa: E731
     cu = torch.tensor([0, lens[0], sum(lens)], device="cuda", dtype=torch.int32)
+    try:  # the entry vLLM's FlashAttention backend calls (patched there by fa3-fixed-tile when active)
+        from vllm.v1.attention.backends.flash_attn import flash_attn_varlen_func
+    except ImportError:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
     want = flash_attn_varlen_func(pack(qa), pack(ka), pack(va), max_seqlen_q=L, cu_seqlens_q=cu, max_seqlen_k=L,
                                   cu_seqlens_k=cu, softmax_scale=D ** -0.5, causal=True,
                                   fa_version=ops.provider.fa_version)
@@ -178,7 +181,8 @@ def main() -> int:
 
     provider = get_provider("vllm")
     print(f"vLLM {vllm.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}, "
-          f"batch-invariant {provider.batch_invariant}, flash-attn v{provider.fa_version}")
+          f"batch-invariant {provider.batch_invariant}, flash-attn v{provider.fa_version}, "
+          f"patches {','.join(provider.patches) or 'none'} (TIC_PATCHES)")
     failed = False
 
     from tic.harness.kernels.autograd import Ops
@@ -214,7 +218,8 @@ def main() -> int:
 
     print(f"\n3. training step, batch {args.batch} x {args.seq} tokens (right padded), {args.layers} layers, "
           f"hidden {args.hidden}{', MoE' if args.moe else ''}, median of {args.repeats}")
-    plain_fn = lambda: (plain.zero_grad(set_to_none=True), step(plain, ids, mask, pos, adv, f32_log_softmax))  # noqa: E731
+    plain_fn = lambda: (plain.zero_grad(set_to_none=True),  # noqa: E731
+                        step(plain, ids, mask, pos, adv, f32_log_softmax))
     tic_fn = lambda: (wrapped.zero_grad(set_to_none=True),  # noqa: E731
                       step(wrapped, ids, mask, pos, adv, wrapped._tic_ops.log_softmax))
     wrapped.zero_grad(set_to_none=True)

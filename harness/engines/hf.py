@@ -2,8 +2,8 @@
 
 Rollout: batched sampling with a KV cache (left padding), each sampled token's logprob taken from the very
 logits it was sampled from. Scoring/training: teacher-forced whole-sequence forward with micro-batch size,
-padding side and packing as options. `kernels: consistent` (tic's row-invariant CPU kernels) and `kernels: vllm` (the installed vLLM's kernels, GPU)
-run every operator through tic's autograd wrappers, so the same forward also trains (policy_gradients).
+padding side and packing as options. `kernels: consistent` (tic's row-invariant CPU kernels) and
+`kernels: vllm` (the installed vLLM's kernels, GPU) run every operator through tic's autograd wrappers, so the same forward also trains (policy_gradients).
 """
 
 from __future__ import annotations
@@ -196,7 +196,8 @@ class HFEngine(Engine):
         return out
 
     def _score_chunk(self, chunk: list[Sample], sampling: Sampling, model) -> list[torch.Tensor]:
-        return self._score_packed(chunk, sampling, model) if self.packing else self._score_padded(chunk, sampling, model)
+        score = self._score_packed if self.packing else self._score_padded
+        return score(chunk, sampling, model)
 
     # -- training: gradients through the same forward ------------------------------------------------------
     def policy_gradients(self, samples: list[Sample], sampling: Sampling,

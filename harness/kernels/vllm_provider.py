@@ -5,8 +5,11 @@ runs the kernels the rollout ran: RMSNorm and fused add+RMSNorm through vllm.mod
 (which switches to vLLM's batch-invariant norm when VLLM_BATCH_INVARIANT=1), rotary through
 vllm._custom_ops.rotary_embedding, SiLU*mul through vLLM's _C silu_and_mul, GEMMs through vLLM's unquantized
 GEMM dispatch (aten, which vLLM's batch-invariant mode overrides with its Triton matmul), prefill attention
-through vllm.vllm_flash_attn.flash_attn_varlen_func over contiguous K/V, MoE through vLLM's fused_topk and
-fused_experts, logprobs as vLLM's sampler computes them (float32 log_softmax).
+through the varlen flash-attention entry of vLLM's FlashAttention backend over contiguous K/V, MoE through
+vLLM's fused_topk and fused_experts, logprobs as vLLM's sampler computes them (float32 log_softmax).
+
+The bundled patches named in TIC_PATCHES (tic.yaml rollout.patches sets it) are applied in this process
+first, so the training forward runs the patched kernels the rollout runs.
 
 In-place kernels (fused_add_rms_norm, rotary_embedding) run on copies: the wrappers' inputs stay intact for
 the backward. vLLM is imported when the provider is built, never at tic import.
@@ -43,6 +46,12 @@ class VLLMProvider(KernelProvider):
 
     def __init__(self):
         require_vllm("cuda")
+        from tic.patches.plugin import load as load_patches
+
+        load_patches()  # the bundled patches named in TIC_PATCHES, as in every vLLM process of the rollout
+        from tic import patches
+
+        self.patches = sorted(patches.active())
         from vllm import _custom_ops as vops
         from vllm.model_executor.layers import layernorm
         from vllm.model_executor.layers.batch_invariant import vllm_is_batch_invariant
@@ -70,6 +79,19 @@ class VLLMProvider(KernelProvider):
             return lambda x, w, b: gemm(layer, x, w, b)
         except ImportError:
             return torch.nn.functional.linear
+
+    @staticmethod
+    def _find_varlen_attention():
+        """The varlen entry point as vLLM's FlashAttention backend holds it (where tic's fa3 patch pins it),
+        else vllm.vllm_flash_attn's."""
+        try:
+            from vllm.v1.attention.backends import flash_attn as backend
+
+            return backend.flash_attn_varlen_func
+        except (ImportError, AttributeError):
+            from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+            return flash_attn_varlen_func
 
     @staticmethod
     def _find_fa_version() -> int:
@@ -127,8 +149,7 @@ class VLLMProvider(KernelProvider):
         return out.reshape(*shape[:-1], shape[-1] // 2)
 
     def attention(self, q, k, v, mask, scale):
-        from vllm.vllm_flash_attn import flash_attn_varlen_func
-
+        flash_attn_varlen_func = self._find_varlen_attention()
         B, H, T, D = q.shape
         vl = varlen_from_mask(mask, B, T, q.device)
         flat = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], t.shape[-1])[vl.index].contiguous()  # noqa: E731
