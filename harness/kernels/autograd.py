@@ -87,17 +87,18 @@ def silu_and_mul_ref(x):
 
 
 def attention_ref(q, k, v, mask, scale):
-    """q [B, H, Q, D], k/v [B, Hkv, K, D], mask bool [B, 1, Q, K] or None (causal) -> [B, Q, H, D]."""
+    """q [B, H, Q, D], k/v [B, Hkv, K, D], mask bool [B, 1, Q, K] or None (causal) -> [B, Q, H, D].
+    torch's SDPA in float32 (its fused backward on GPU); a query that sees no key (padding) gives 0."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.float().repeat_interleave(rep, dim=1), v.float().repeat_interleave(rep, dim=1)
-    scores = torch.matmul(q.float(), k.transpose(-1, -2)) * scale
+    Q, K = q.shape[2], k.shape[2]
     if mask is None:
-        Q, K = q.shape[2], k.shape[2]
         mask = torch.ones(Q, K, dtype=torch.bool, device=q.device).tril(K - Q)[None, None]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.where(mask.any(-1, keepdim=True), probs, torch.zeros((), device=q.device))  # padding rows: 0
-    return torch.matmul(probs, v).transpose(1, 2)
+    seen = mask.any(-1, keepdim=True)
+    first = torch.arange(K, device=q.device) == 0
+    safe = mask | (~seen & first)  # a fully masked row would give NaN: let it see key 0, then zero it
+    out = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=safe, scale=scale)
+    return torch.where(seen, out, torch.zeros((), device=q.device)).transpose(1, 2)
 
 
 def moe_route_ref(logits, ids, top_k, renormalize):

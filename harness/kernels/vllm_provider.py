@@ -151,7 +151,12 @@ class VLLMProvider(KernelProvider):
     def attention(self, q, k, v, mask, scale):
         flash_attn_varlen_func = self._find_varlen_attention()
         B, H, T, D = q.shape
-        vl = varlen_from_mask(mask, B, T, q.device)
+        cached = getattr(self, "_varlen", None)  # every layer of one forward gets the same mask object
+        if cached is not None and cached[0] is mask and mask is not None:
+            vl = cached[1]
+        else:
+            vl = varlen_from_mask(mask, B, T, q.device)
+            self._varlen = (mask, vl)
         flat = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], t.shape[-1])[vl.index].contiguous()  # noqa: E731
         out = flash_attn_varlen_func(flat(q), flat(k), flat(v), max_seqlen_q=vl.max_seqlen, cu_seqlens_q=vl.cu_seqlens,
                                      max_seqlen_k=vl.max_seqlen, cu_seqlens_k=vl.cu_seqlens, softmax_scale=scale,
