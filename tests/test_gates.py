@@ -139,10 +139,10 @@ def test_stock_ladder_reports_real_divergences(example, workdir, tic, tmp_path):
     assert "C5" in err  # the table goes to stderr
 
 
-def test_consistent_ladder_exits_0_over_c3_c6(example, workdir, tic):
+def test_consistent_ladder_exits_0_over_c3_c7(example, workdir, tic):
     hf._MODELS.clear()
     ex = example("tiny-qwen3")
-    code, _, err = tic("ladder", "-c", str(ex / "tic-consistent.yaml"), "--from", "C3", "--to", "C6")
+    code, _, err = tic("ladder", "-c", str(ex / "tic-consistent.yaml"), "--from", "C3", "--to", "C7")
     assert code == 0, err
 
 
