@@ -219,6 +219,14 @@ def main() -> int:
         print(f"   FAIL {r['parameter']}: cosine {r['cosine']:.5f}, rel err {r['rel_error']:.4f}")
     failed |= bool(bad) or len(rows) != len(list(wrapped.parameters()))
 
+    from tic.harness.kernels.modules import hf_cos_sin_cache
+
+    rope = wrapped.model.rotary_emb._tic_rope
+    table = rope.get(args.seq, "cuda")
+    hf_table = hf_cos_sin_cache(wrapped.model.rotary_emb, table.shape[0], table.dtype, "cuda")
+    print(f"   rotary table: {provider.rope_source}; equal to the HF rotary module's: "
+          f"{torch.equal(table, hf_table)}")
+
     print(f"\n3. training step, batch {args.batch} x {args.seq} tokens (right padded), {args.layers} layers, "
           f"hidden {args.hidden}{', MoE' if args.moe else ''}, median of {args.repeats}")
     plain_fn = lambda: (plain.zero_grad(set_to_none=True),  # noqa: E731

@@ -129,10 +129,38 @@ class VLLMProvider(KernelProvider):
             out, res = x2, r2
         return out.reshape(shape), res.reshape(shape)
 
+    rope_source = "not built yet"
+
     def cos_sin_cache(self, rotary, config, n, dtype, device):
+        """vLLM's own cos|sin cache (get_rope, as its model layers build it) when this release's get_rope takes
+        the model's rope parameters; else the table from the HF rotary module (rope_source says which)."""
         from tic.harness.kernels.modules import hf_cos_sin_cache
 
-        return hf_cos_sin_cache(rotary, n, dtype, device)
+        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        max_pos = max(n, int(getattr(config, "max_position_embeddings", n)))
+        try:
+            from vllm.model_executor.layers.rotary_embedding import get_rope
+
+            params = getattr(config, "rope_parameters", None) or {
+                "rope_type": "default", "rope_theta": getattr(config, "rope_theta", 10000.0)}
+            attempts = [dict(max_position=max_pos, is_neox_style=True, rope_parameters=dict(params), dtype=dtype),
+                        dict(rotary_dim=head, max_position=max_pos, is_neox_style=True,
+                             rope_parameters=dict(params), dtype=dtype)]
+            for i, kwargs in enumerate(attempts):
+                try:
+                    rope = get_rope(head, **kwargs)
+                    break
+                except TypeError:
+                    if i == len(attempts) - 1:
+                        raise
+            cache = rope.cos_sin_cache.to(device=device, dtype=dtype)
+            if cache.dim() != 2 or cache.shape[0] < n:
+                raise ValueError(f"cos_sin_cache of shape {tuple(cache.shape)}")
+            self.rope_source = "vllm get_rope"
+            return cache
+        except Exception as e:  # noqa: BLE001 - signatures moved between releases: fall back, and say so
+            self.rope_source = f"hf rotary module (vllm get_rope: {type(e).__name__}: {str(e)[:80]})"
+            return hf_cos_sin_cache(rotary, n, dtype, device)
 
     def rotary(self, q, k, positions, cos_sin):
         T, Hq, D = q.shape
