@@ -3,7 +3,8 @@
 Rollout: batched sampling with a KV cache (left padding), each sampled token's logprob taken from the very
 logits it was sampled from. Scoring/training: teacher-forced whole-sequence forward with micro-batch size,
 padding side and packing as options. `kernels: consistent` (tic's row-invariant CPU kernels) and
-`kernels: vllm` (the installed vLLM's kernels, GPU) run every operator through tic's autograd wrappers, so the same forward also trains (policy_gradients).
+`kernels: vllm` (the installed vLLM's kernels, GPU) run every operator through tic's autograd wrappers, so the
+same forward also trains (policy_gradients).
 """
 
 from __future__ import annotations
