@@ -54,10 +54,10 @@ class VLLMProvider(KernelProvider):
         self.patches = sorted(patches.active())
         from vllm import _custom_ops as vops
         from vllm.model_executor.layers import layernorm
-        from vllm.model_executor.layers.batch_invariant import vllm_is_batch_invariant
+        import vllm.envs as envs
 
         self.vops, self.layernorm = vops, layernorm
-        self.batch_invariant = bool(vllm_is_batch_invariant())
+        self.batch_invariant = bool(envs.VLLM_BATCH_INVARIANT)  # vLLM 0.26 reads its mode from here
         if self.batch_invariant:
             from vllm.model_executor.layers.batch_invariant import init_batch_invariance
 
@@ -202,7 +202,7 @@ class VLLMProvider(KernelProvider):
     def moe_experts(self, x, weights, ids, gate_up, down):
         from vllm.model_executor.layers.fused_moe import fused_experts
 
-        return fused_experts(x.contiguous(), gate_up, down, weights, ids.to(torch.int32), inplace=False)
+        return fused_experts(x.contiguous(), gate_up, down, weights, ids.to(torch.int32))  # 0.26: out of place
 
     def log_softmax(self, logits):
         return logits.log_softmax(dim=-1, dtype=torch.float32)
