@@ -66,6 +66,48 @@ def generate_model(config_dir: Path, seed: int, init_std: float | None = None, o
     return out_dir
 
 
+def quantize_block_fp8(model_dir: Path, out_dir: Path, block: tuple[int, int] = (16, 16),
+                       not_converted: tuple[str, ...] = ("lm_head",)) -> Path:
+    """A block-FP8 copy of a generated model, laid out as FP8 checkpoints ship (DeepSeek-V3 style): every
+    nn.Linear weight (but not_converted) stored as float8_e4m3fn with a float32 `weight_scale_inv` per
+    block x block tile (the tile's max |w| / 448), and quantization_config quant_method fp8 with
+    weight_block_size."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tic.harness.layer_structure import build_meta
+
+    cfg = read_model_config(model_dir)
+    meta = build_meta(cfg)
+    linear = {name for name, m in meta.named_modules()
+              if isinstance(m, torch.nn.Linear) and not any(name.split(".")[-1] == x for x in not_converted)}
+    finfo = torch.finfo(torch.float8_e4m3fn)
+    bo, bi = block
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in sorted(model_dir.glob("*.safetensors")):
+        sd = load_file(f)
+        for name in [k for k in sd if k.endswith(".weight") and k[: -len(".weight")] in linear]:
+            w = sd[name].float()
+            rows, cols = w.shape
+            r, c = -(-rows // bo), -(-cols // bi)
+            padded = torch.zeros(r * bo, c * bi)
+            padded[:rows, :cols] = w
+            tiles = padded.view(r, bo, c, bi)
+            scale = (tiles.abs().amax(dim=(1, 3)) / finfo.max).clamp(min=1e-12)
+            q = (tiles / scale[:, None, :, None]).clamp(finfo.min, finfo.max).to(torch.float8_e4m3fn)
+            sd[name] = q.view(r * bo, c * bi)[:rows, :cols].contiguous()
+            sd[name[: -len(".weight")] + ".weight_scale_inv"] = scale.float().contiguous()
+        save_file(sd, out_dir / f.name, metadata={"format": "pt"})
+    for p in model_dir.iterdir():
+        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json",
+                                                                                 "model.safetensors.index.json"):
+            shutil.copy2(p, out_dir / p.name)
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                  "weight_block_size": [bo, bi], "modules_to_not_convert": list(not_converted)}
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out_dir
+
+
 def resolve_model_dir(cfg) -> Path:
     """The directory engines load: the configured one, or its generated-weights cache."""
     model_dir = cfg.resolve(cfg.model.path)
