@@ -59,15 +59,18 @@ def _tensor_label(tensors: dict) -> str:
     return "/".join(dtypes) + (" +" + ",".join(quant) if quant else "")
 
 
+def layer_keys(structure: ModelStructure, layer_tensors: dict[int, dict]) -> list[tuple]:
+    """One key per layer; equal keys exactly when two layers are built alike (meta structure) and hold alike
+    tensors (names, dtypes, shapes: quantized layers differ from unquantized ones). Comparable across models."""
+    return [(digest(st), repr(sorted((k, t["dtype"], tuple(t["shape"])) for k, t in layer_tensors.get(i, {}).items())))
+            for i, st in enumerate(structure.layers)]
+
+
 def layer_signatures(structure: ModelStructure, layer_tensors: dict[int, dict]) -> list[str]:
-    """One string per layer; equal strings exactly when two layers are built alike (meta structure) and hold
-    alike tensors (names, dtypes, shapes: quantized layers differ from unquantized ones)."""
-    keys, labels = [], {}
-    for i, st in enumerate(structure.layers):
-        tens = layer_tensors.get(i, {})
-        key = (digest(st), repr(sorted((k, t["dtype"], tuple(t["shape"])) for k, t in tens.items())))
-        keys.append(key)
-        labels.setdefault(key, f"{label(st)} {_tensor_label(tens)}".strip())
+    """layer_keys as readable strings (a short label; kinds sharing a label told apart by number)."""
+    keys, labels = layer_keys(structure, layer_tensors), {}
+    for i, (st, key) in enumerate(zip(structure.layers, keys)):
+        labels.setdefault(key, f"{label(st)} {_tensor_label(layer_tensors.get(i, {}))}".strip())
     seen: dict[str, list] = {}
     for key, text in labels.items():  # two kinds with one label get told apart by number
         seen.setdefault(text, []).append(key)
@@ -414,6 +417,6 @@ def read_cut_record(cut_dir: Path) -> dict:
     return rec
 
 
-__all__ = ["CutPlan", "choose_layers", "cut_model", "decoder_prefix", "decoder_tensors", "layer_signatures",
+__all__ = ["CutPlan", "choose_layers", "cut_model", "decoder_prefix", "decoder_tensors", "layer_keys", "layer_signatures",
            "map_tensor_names", "parse_layers", "plan_cut", "read_cut_record", "rewrite_config", "write_cut",
            "LAYER_RE"]

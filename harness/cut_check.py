@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tic.harness.cut import CUT_RECORD, cut_model, decoder_prefix, decoder_tensors, layer_signatures
+from tic.harness.cut import (CUT_RECORD, cut_model, decoder_prefix, decoder_tensors, layer_keys,
+                             layer_signatures)
 from tic.harness.inventory import build_manifest, tensor_table
-from tic.harness.layer_structure import (ModelStructure, auto_class_for, first_difference, layer_structure,
+from tic.harness.layer_structure import (auto_class_for, first_difference, layer_structure,
                                          loaded_layers, text_config)
 from tic.harness.vllm_load import vllm_available, vllm_generates
 from tic.core.errors import TicInputError
@@ -157,15 +158,17 @@ def check_cut(full_dir: Path, cut_dir: Path) -> dict:
         problems.append(f"cut manifest lacks operator classes of the full model: {', '.join(missing)}")
     fl, cl = decoder_tensors(ft, fp), decoder_tensors(ct, cp)
     full_sigs = layer_signatures(full_struct, fl)
-    cut_sigs = layer_signatures(ModelStructure(cut_struct.layers, (), cut_struct.path), cl) if cut_struct else []
-    missing_kinds = sorted(set(full_sigs) - set(cut_sigs))
+    full_keys = layer_keys(full_struct, fl)
+    cut_keys = layer_keys(cut_struct, cl) if cut_struct else []
+    name_of = dict(zip(full_keys, full_sigs))
+    missing_kinds = [k for k in dict.fromkeys(full_keys) if k not in set(cut_keys)]
     if missing_kinds and cut_struct:
-        problems.append(f"the cut lacks a layer kind of the full model: [{missing_kinds[0]}] (source layers "
-                        f"{[i for i, s in enumerate(full_sigs) if s == missing_kinds[0]]})")
-        missing += [f"kind {k}" for k in missing_kinds]
-    full_tr = {(a, b) for a, b in zip(full_sigs, full_sigs[1:]) if a != b}
-    cut_tr = {(a, b) for a, b in zip(cut_sigs, cut_sigs[1:]) if a != b}
-    missing_tr = sorted(f"{a} -> {b}" for a, b in full_tr - cut_tr)
+        problems.append(f"the cut lacks a layer kind of the full model: [{name_of[missing_kinds[0]]}] (source layers "
+                        f"{[i for i, k in enumerate(full_keys) if k == missing_kinds[0]]})")
+        missing += [f"kind {name_of[k]}" for k in missing_kinds]
+    full_tr = {(a, b) for a, b in zip(full_keys, full_keys[1:]) if a != b}
+    cut_tr = {(a, b) for a, b in zip(cut_keys, cut_keys[1:]) if a != b}
+    missing_tr = sorted(f"{name_of[a]} -> {name_of[b]}" for a, b in full_tr - cut_tr)
     # 2. per-layer tensors, shapes, dtypes and structure equal the source layer's
     for j, i in enumerate(kept):
         src, got = fl.get(i, {}), cl.get(j, {})

@@ -4,14 +4,15 @@ A cut config is right when transformers builds every cut layer exactly as it bui
 from (tic.harness.layer_structure records, compared on the meta device) and everything outside the decoder
 layers (embeddings, head, vision tower) unchanged. Candidate rewrites are tried in order, the first proven one
 wins:
-  1. generic: the layer count set; every per-layer list (and one-letter-per-layer pattern string) sliced to
+  1. the family hint (tic.harness.families), where the family is known;
+  2. generic: the layer count set; every per-layer list (and one-letter-per-layer pattern string) sliced to
      the kept layers; lists of layer indices renumbered;
-  2. the same, with the per-layer lists transformers derives from scalar rules (e.g. layer_types from a
+  3. the same, with the per-layer lists transformers derives from scalar rules (e.g. layer_types from a
      sliding-window pattern) written out explicitly;
-  3. the family hint (tic.harness.families), where the family is known;
 and, from each, a search over the scalar index rules (first_k_dense_replace, *_period/*_offset,
-decoder_sparse_step, ...) one field at a time, keeping a change when more cut layers match. No candidate
-proven: the cut is refused, naming the first layer whose structure differs.
+decoder_sparse_step, ...) one field at a time, keeping a change when more cut layers match. Among proven
+candidates, one the family table also agrees with is preferred (it models fields other engines read). No
+candidate proven: the cut is refused, naming the first layer whose structure differs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import re
 from dataclasses import dataclass, field
 
 from tic.core.errors import TicInputError
-from tic.harness.families import NOT_PER_LAYER, PER_LAYER_FIELDS, QUANT_NAME_LISTS, first_k_dense_is_moe
+from tic.harness.families import (NOT_PER_LAYER, PER_LAYER_FIELDS, QUANT_NAME_LISTS, family, first_k_dense_is_moe,
+                                  layer_kinds)
 from tic.harness.layer_structure import (ModelStructure, first_difference, model_structure, parse_config,
                                          text_config, with_text_config)
 
@@ -30,6 +32,8 @@ _RULE_NAME = re.compile(r"layer|period|offset|step|freq|interval|every|first_k|s
 _NOT_RULE = re.compile(r"_size$|_dim$|heads|eps|epsilon|dropout|_tok$|vocab|_rank$|scale|init|norm|"
                        r"num_hidden_layers|nextn|mtp", re.I)
 _MAX_SEARCH_ROUNDS = 4
+# lists that may happen to have one entry per layer but are not indexed by layer
+_NOT_LAYER_LISTS = frozenset({"quantization_config", "architectures", "rope_scaling", "rope_parameters"})
 
 
 @dataclass
@@ -90,7 +94,7 @@ def generic_rewrite(text_cfg: dict, kept: list[int], n: int, extra_lists: dict |
     new_index = {i: j for j, i in enumerate(kept)}
     out = dict(text_cfg)
     for key, val in {**text_cfg, **(extra_lists or {})}.items():
-        if key in NOT_PER_LAYER or key == "quantization_config":
+        if key in NOT_PER_LAYER or key in _NOT_LAYER_LISTS or key.endswith(("token_id", "token_ids")):
             continue
         if isinstance(val, list) and len(val) == n:
             out[key] = [val[i] for i in kept]
@@ -184,28 +188,51 @@ def rewrite_config(cfg: dict, kept: list[int], source: ModelStructure | None = N
     source = source or model_structure(cfg)
     n = source.n
     tcfg = text_config(cfg)
-    bases = [("generic", generic_rewrite(tcfg, kept, n))]
-    derived = derived_lists(cfg, n)
-    if derived:
-        bases.append(("derived lists written out", generic_rewrite(tcfg, kept, n, derived)))
+    bases = []
     hint = hint_rewrite(tcfg, kept, n)
     if hint is not None:
         bases.append(("family hint", hint))
+    bases.append(("generic", generic_rewrite(tcfg, kept, n)))
+    derived = derived_lists(cfg, n)
+    if derived:
+        bases.append(("derived lists written out", generic_rewrite(tcfg, kept, n, derived)))
     tried: list[Proof] = []
-    best = None
+    best, proven = None, []
     for name, base in bases:
         new_text, proof = _search(source, cfg, base, kept, tried)
         if proof.ok:
-            out = rename_quant_modules(with_text_config(cfg, new_text), kept)
-            changed = sorted(k for k in set(new_text) | set(tcfg)
-                             if new_text.get(k) != tcfg.get(k) and not isinstance(new_text.get(k), (list, str)))
-            notes = [f"config rewrite: {name}; proven on meta ({len(kept)} layers built as their sources)"]
-            notes += [f"{k}: {tcfg.get(k)} -> {new_text.get(k)}" for k in changed]
-            return out, notes
-        if best is None or proof.matched > best.matched:
+            proven.append((name, new_text))
+            if _family_agrees(tcfg, new_text, kept):
+                break
+        elif best is None or proof.matched > best.matched:
             best = proof
-    raise TicInputError(f"no config rewrite reproduces the kept layers {kept} ({len(tried)} tried); the closest: "
-                        f"{best.problem}")
+    if not proven:
+        raise TicInputError(f"no config rewrite reproduces the kept layers {kept} ({len(tried)} tried); the closest: "
+                            f"{best.problem}")
+    # transformers proves the structure; the family table also models fields only other engines read (e.g.
+    # vLLM's moe_layer_freq), so a rewrite both agree on is preferred
+    name, new_text = next(((nm, t) for nm, t in proven if _family_agrees(tcfg, t, kept)), proven[0])
+    out = rename_quant_modules(with_text_config(cfg, new_text), kept)
+    changed = sorted(k for k in set(new_text) | set(tcfg)
+                     if new_text.get(k) != tcfg.get(k) and not isinstance(new_text.get(k), (list, str)))
+    notes = [f"config rewrite: {name}; proven on meta ({len(kept)} layers built as their sources)"]
+    if not _family_agrees(tcfg, new_text, kept):
+        notes.append("the family table (tic.harness.families) reads other layer kinds from this config; engines "
+                     "that follow it (vLLM) may build the cut differently")
+    notes += [f"{k}: {tcfg.get(k)} -> {new_text.get(k)}" for k in changed]
+    return out, notes
+
+
+def _family_agrees(src_text: dict, cut_text: dict, kept: list[int]) -> bool:
+    """The family table's per-layer kinds of the cut equal those of the kept source layers (True when the
+    family is unknown: nothing to disagree with)."""
+    if family(src_text.get("model_type", "")) is None:
+        return True
+    try:
+        src, cut = layer_kinds(src_text), layer_kinds(cut_text)
+    except (TypeError, ValueError, KeyError):
+        return True
+    return len(cut) == len(kept) and all(src[i] == cut[j] for j, i in enumerate(kept))
 
 
 def check_rewrite(cfg: dict, cut_cfg: dict, kept: list[int]) -> Proof:

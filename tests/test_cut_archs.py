@@ -174,6 +174,16 @@ def test_block_fp8_scales_and_config_carried(cuts):
     assert q["quant_method"] == "fp8" and q["weight_block_size"] == [16, 16]
 
 
+def test_derived_layer_types_written_out():
+    """A config that leaves layer_types to transformers (sliding_window_pattern=3: full attention at 2, 5):
+    no pattern gives kept 1..4 (sliding, full, sliding, sliding), so the derived list is written out."""
+    cfg = dict(GEMMA3_TEXT)
+    new, notes = rewrite_config(cfg, [1, 2, 3, 4])
+    assert new["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    assert check_rewrite(cfg, new, [1, 2, 3, 4]).ok
+    assert not check_rewrite(cfg, {k: v for k, v in new.items() if k != "layer_types"}, [1, 2, 3, 4]).ok
+
+
 def test_no_rewrite_reproduces_kept_layers_is_refused_naming_the_layer(cuts):
     """Attention at source layers 2 and 6 (period 4, offset 2): kept 1,2,6,7 puts attention at cut layers
     1 and 2, which no period/offset gives."""
