@@ -163,8 +163,6 @@ def check_cut(full_dir: Path, cut_dir: Path) -> dict:
     name_of = dict(zip(full_keys, full_sigs))
     missing_kinds = [k for k in dict.fromkeys(full_keys) if k not in set(cut_keys)]
     if missing_kinds and cut_struct:
-        problems.append(f"the cut lacks a layer kind of the full model: [{name_of[missing_kinds[0]]}] (source layers "
-                        f"{[i for i, k in enumerate(full_keys) if k == missing_kinds[0]]})")
         missing += [f"kind {name_of[k]}" for k in missing_kinds]
     full_tr = {(a, b) for a, b in zip(full_keys, full_keys[1:]) if a != b}
     cut_tr = {(a, b) for a, b in zip(cut_keys, cut_keys[1:]) if a != b}
@@ -184,6 +182,9 @@ def check_cut(full_dir: Path, cut_dir: Path) -> dict:
         if cut_struct and j < cut_struct.n and cut_struct.layers[j] != full_struct.layers[i]:
             problems.append(f"cut layer {j} (source {i}) differs from source in structure: "
                             f"{first_difference(cut_struct.layers[j], full_struct.layers[i])} (stale per-layer config?)")
+    if missing_kinds and cut_struct:  # after the per-layer problems, which usually say why
+        problems.append(f"the cut lacks a layer kind of the full model: [{name_of[missing_kinds[0]]}] (source layers "
+                        f"{[i for i, k in enumerate(full_keys) if k == missing_kinds[0]]})")
     for name in sorted(set(full_man["non_layer_tensors"]) - set(cut_man["non_layer_tensors"])):
         if not name.startswith(("mtp.", "model.mtp.")):
             problems.append(f"non-layer tensor {name} missing from the cut")
