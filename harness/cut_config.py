@@ -163,7 +163,8 @@ def _search(source: ModelStructure, cfg: dict, base: dict, kept: list[int], trie
             break
         improved = None
         for key in fields:
-            for v in sorted(set(values) | {int(text_config(cfg).get(key, 0))}):
+            src_v = text_config(cfg).get(key)
+            for v in sorted(set(values) | ({src_v} if isinstance(src_v, int) else set())):
                 if v == best_cfg.get(key):
                     continue
                 cand = {**best_cfg, key: v}

@@ -84,6 +84,7 @@ def quantize_block_fp8(model_dir: Path, out_dir: Path, block: tuple[int, int] = 
     finfo = torch.finfo(torch.float8_e4m3fn)
     bo, bi = block
     out_dir.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
     for f in sorted(model_dir.glob("*.safetensors")):
         sd = load_file(f)
         for name in [k for k in sd if k.endswith(".weight") and k[: -len(".weight")] in linear]:
@@ -98,6 +99,9 @@ def quantize_block_fp8(model_dir: Path, out_dir: Path, block: tuple[int, int] = 
             sd[name] = q.view(r * bo, c * bi)[:rows, :cols].contiguous()
             sd[name[: -len(".weight")] + ".weight_scale_inv"] = scale.float().contiguous()
         save_file(sd, out_dir / f.name, metadata={"format": "pt"})
+        weight_map.update({k: f.name for k in sd})
+    if (model_dir / "model.safetensors.index.json").is_file():  # the scales are new names: a fresh index
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     for p in model_dir.iterdir():
         if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json",
                                                                                  "model.safetensors.index.json"):
