@@ -106,7 +106,11 @@ def build_meta(cfg: dict):
     config = parse_config(cfg)
     auto = auto_class_for(config)
     with _quiet(), torch.device("meta"):
-        return auto.from_config(config)
+        try:
+            return auto.from_config(config)
+        except Exception as e:  # noqa: BLE001 - a config its own model class cannot build is bad input
+            raise TicInputError(f"transformers cannot build {type(config).__name__} from this config "
+                                f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
 
 
 def decoder_path(model, n: int) -> str:
