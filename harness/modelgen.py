@@ -36,7 +36,9 @@ def read_model_config(model_dir: Path) -> dict:
 def generate_model(config_dir: Path, seed: int, init_std: float | None = None, out_dir: Path | None = None) -> Path:
     """Build the model of config_dir/config.json with weights drawn from `seed`; save as safetensors."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from tic.harness.layer_structure import auto_class_for
 
     raw = (config_dir / "config.json").read_bytes()
     key = hashlib.sha256(raw + f"|seed={seed}|std={init_std}|torch={torch.__version__}".encode()).hexdigest()[:16]
@@ -51,7 +53,7 @@ def generate_model(config_dir: Path, seed: int, init_std: float | None = None, o
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = auto_class_for(config).from_config(config, dtype=torch.float32)
     model = model.to(dtype)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".gen-", dir=out_dir.parent))
