@@ -23,7 +23,7 @@ def measure(ctx) -> dict:
                     "layers_checked": len(r["fidelity"]), "problems": len(r["problems"])},
         "details": {"cut_dir": str(cut_dir), "layers": r["layers"], "problems": r["problems"],
                     "missing_transitions": r.get("missing_transitions", []), "explanation": r.get("explanation", []),
-                    "notes": r.get("notes", []), "engines_checked": ["hf (transformers)"]},
+                    "notes": r.get("notes", []), "engines_checked": r.get("engines_checked", ["hf"])},
         "evidence": [str(path), str(cut_dir / CUT_RECORD)],
     }
 

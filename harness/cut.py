@@ -1,10 +1,11 @@
 """Cut a small model (4-6 layers) out of a full checkpoint: choose layers, rewrite config.json, stream tensors.
 
-The layer choice covers every operator class of the full model and, for each transition between layer kinds
-that occurs in it, keeps one adjacent pair showing that transition. Per-layer config fields move together
-(tic.harness.families.PER_LAYER_FIELDS); a per-layer field the table does not know stops the cut. Tensors
-are copied byte range by byte range from the source shards (never a whole tensor in memory), so dtypes,
-quantization scales and bytes are carried exactly.
+Each layer's kind is read from the model itself (tic.harness.layer_structure: the config built on the meta
+device) together with the tensors the checkpoint holds for it (dtypes, quantization scales). The choice keeps
+every distinct kind and, for each transition between kinds that occurs, one adjacent pair showing it. The
+config is rewritten by whichever rule reproduces the kept layers' structure, proven on meta
+(tic.harness.cut_config). Tensors are copied byte range by byte range from the source shards (never a whole
+tensor in memory), so dtypes, quantization scales and bytes are carried exactly.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tic.harness.families import (NOT_PER_LAYER, PER_LAYER_FIELDS, QUANT_NAME_LISTS, Family, family,
-                                  first_k_dense_is_moe, layer_kinds, num_layers)
-from tic.harness.inventory import LAYER_RE, build_manifest, tensor_locations
+from tic.harness.cut_config import rewrite_config
+from tic.harness.families import Family, family
+from tic.harness.inventory import LAYER_RE, QUANT_SUFFIXES, tensor_locations
+from tic.harness.layer_structure import ModelStructure, digest, label, model_structure, text_config
 from tic.core.errors import TicInputError
+from tic.core.fsio import atomic_write_text
 
 CUT_RECORD = "cut.json"
 INDEX = "model.safetensors.index.json"
@@ -50,13 +53,34 @@ class CutPlan:
         return lines
 
 
-def layer_signatures(manifest: dict) -> list[str]:
-    """One string per layer naming its operator classes (attention, mlp, dtypes, quantization)."""
-    return [" ".join(L["classes"]) or "empty" for L in manifest["layers"]]
+def _tensor_label(tensors: dict) -> str:
+    dtypes = sorted({t["dtype"] for t in tensors.values()})
+    quant = sorted({n.rsplit(".", 1)[-1] for n in tensors if n.rsplit(".", 1)[-1] in QUANT_SUFFIXES})
+    return "/".join(dtypes) + (" +" + ",".join(quant) if quant else "")
+
+
+def layer_keys(structure: ModelStructure, layer_tensors: dict[int, dict]) -> list[tuple]:
+    """One key per layer; equal keys exactly when two layers are built alike (meta structure) and hold alike
+    tensors (names, dtypes, shapes: quantized layers differ from unquantized ones). Comparable across models."""
+    return [(digest(st), repr(sorted((k, t["dtype"], tuple(t["shape"])) for k, t in layer_tensors.get(i, {}).items())))
+            for i, st in enumerate(structure.layers)]
+
+
+def layer_signatures(structure: ModelStructure, layer_tensors: dict[int, dict]) -> list[str]:
+    """layer_keys as readable strings (a short label; kinds sharing a label told apart by number)."""
+    keys, labels = layer_keys(structure, layer_tensors), {}
+    for i, (st, key) in enumerate(zip(structure.layers, keys)):
+        labels.setdefault(key, f"{label(st)} {_tensor_label(layer_tensors.get(i, {}))}".strip())
+    seen: dict[str, list] = {}
+    for key, text in labels.items():  # two kinds with one label get told apart by number
+        seen.setdefault(text, []).append(key)
+    names = {key: text if len(seen[text]) == 1 else f"{text} #{seen[text].index(key) + 1}"
+             for text in seen for key in seen[text]}
+    return [names[k] for k in keys]
 
 
 def _coverage(sel: set[int], sigs: list[str]) -> set[str]:
-    cov = {f"class {c}" for i in sel for c in sigs[i].split()}
+    cov = {f"kind {sigs[i]}" for i in sel}
     cov |= {f"transition {sigs[i]} -> {sigs[i + 1]}" for i in sel
             if i + 1 in sel and sigs[i] != sigs[i + 1]}
     return cov
@@ -114,16 +138,14 @@ def choose_layers(sigs: list[str], max_layers: int = 6, min_layers: int = 4) -> 
     for i in sorted(sel):
         mine = _coverage({j for j in sel if j <= i}, sigs) - covered
         covered |= mine
-        plan.reasons[i] = [f"[{sigs[i]}]"] + [r for r in sorted(mine) if r.startswith("transition")
-                                              or r.startswith("class attention") or r.startswith("class mlp")
-                                              or r.startswith("class quant")]
+        plan.reasons[i] = [f"[{sigs[i]}]"] + [r for r in sorted(mine) if r.startswith("transition")]
     target = min(min_layers, n)
     while len(sel) < target:  # pad with neighbours so kept layers stay adjacent
         nxt = min(j for i in sel for j in (i + 1, i - 1) if 0 <= j < n and j not in sel)
         sel.add(nxt)
         plan.reasons[nxt] = [f"[{sigs[nxt]}]", f"padding to {target} layers (neighbour of a kept layer)"]
     if len(sel) > max_layers:
-        raise TicInputError(f"covering every operator class and transition needs {len(sel)} layers "
+        raise TicInputError(f"covering every layer kind and transition needs {len(sel)} layers "
                             f"({sorted(sel)}), more than --max-layers {max_layers}; raise it or pass --layers")
     plan.layers = sorted(sel)
     return plan
@@ -148,145 +170,61 @@ def parse_layers(spec: str | list | None, n: int) -> list[int] | None:
     return sorted(idx)
 
 
-# --- config rewrite --------------------------------------------------------------------------------------
-def _moe_rule_for(kinds: list[bool]) -> tuple[int, int] | None:
-    """(first_k_dense_replace, moe_layer_freq) giving exactly this MoE/dense sequence, if one exists."""
-    n = len(kinds)
-    for k in range(n + 1):
-        for freq in range(1, n + 1):
-            if all(first_k_dense_is_moe(j, {"first_k_dense_replace": k, "moe_layer_freq": freq}) == m
-                   for j, m in enumerate(kinds)):
-                return k, freq
-    return None
-
-
-def _renumber_module_name(name: str, new_index: dict[int, int]) -> str | None:
-    """'model.layers.17.mlp' -> 'model.layers.3.mlp' (None when layer 17 is not kept)."""
-    dropped = False
-
-    def sub(m):
-        nonlocal dropped
-        i = int(m.group(2))
-        if i not in new_index:
-            dropped = True
-            return m.group(0)
-        return f"{m.group(1)}{new_index[i]}"
-
-    out = re.sub(r"(layers(?:\\)?\.)(\d+)", sub, name)
-    return None if dropped else out
-
-
-def rewrite_config(cfg: dict, kept: list[int]) -> tuple[dict, list[str]]:
-    """The cut's config.json: every per-layer field moved together; refuses fields it does not know."""
-    n = num_layers(cfg)
-    fam = family(cfg.get("model_type", "")) or Family()
-    new_index = {i: j for j, i in enumerate(kept)}
-    notes: list[str] = []
-    out = dict(cfg)
-    for key in ("text_config", "language_config", "llm_config"):
-        if isinstance(cfg.get(key), dict):
-            raise TicInputError(f"config.json: nested '{key}' (multimodal wrapper) is not supported by tic cut; "
-                                "cut the text model's own checkpoint")
-    for key, val in cfg.items():
-        rule = PER_LAYER_FIELDS.get(key)
-        if rule is None:
-            if key in NOT_PER_LAYER or key == "quantization_config":
-                continue
-            if isinstance(val, list) and len(val) == n and n > 2:
-                raise TicInputError(f"config.json: field '{key}' has one entry per layer and tic does not know how "
-                                    "to cut it; add it to PER_LAYER_FIELDS in tic/harness/families.py")
-            if "layer" in key.lower():
-                raise TicInputError(f"config.json: field '{key}' names layers and tic does not know how to cut it; "
-                                    "declare it in PER_LAYER_FIELDS or NOT_PER_LAYER in tic/harness/families.py")
-            continue
-        if rule == "count":
-            out[key] = len(kept)
-        elif rule == "list":
-            if val is None:
-                continue
-            if not isinstance(val, list) or len(val) != n:
-                raise TicInputError(f"config.json: '{key}' should list {n} layers, has "
-                                    f"{len(val) if isinstance(val, list) else type(val).__name__}")
-            out[key] = [val[i] for i in kept]
-        elif rule == "index_list":
-            if val is None:
-                continue
-            out[key] = [new_index[i] for i in sorted(set(val)) if i in new_index]
-        elif rule == "threshold":
-            if val is not None:
-                out[key] = sum(1 for i in kept if i < int(val))
-        elif rule == "pattern":
-            if isinstance(val, str):
-                if len(val) != n:
-                    raise TicInputError(f"config.json: '{key}' has {len(val)} letters for {n} layers")
-                out[key] = "".join(val[i] for i in kept)
-        elif rule == "mtp":
-            if val:
-                notes.append(f"{key}={val}: MTP layer(s) dropped from the cut ({key} set to 0)")
-            out[key] = 0
-    if "first_k_dense_replace" in cfg or "moe_layer_freq" in cfg:
-        want = [first_k_dense_is_moe(i, cfg) for i in kept]
-        rule = _moe_rule_for(want)
-        if rule is None:
-            raise TicInputError(f"no first_k_dense_replace/moe_layer_freq gives kept layers {kept} their MoE/dense "
-                                "kinds; choose other layers")
-        out["first_k_dense_replace"], out["moe_layer_freq"] = rule
-    q = cfg.get("quantization_config")
-    if isinstance(q, dict):
-        q = dict(q)
-        for key in QUANT_NAME_LISTS:
-            if isinstance(q.get(key), list):
-                kept_names = []
-                for name in q[key]:
-                    new = _renumber_module_name(name, new_index) if isinstance(name, str) else name
-                    if new is not None:
-                        kept_names.append(new)
-                q[key] = kept_names
-        out["quantization_config"] = q
-    if fam.layer_types_key not in cfg and "num_hidden_layers" not in cfg:
-        raise TicInputError("config.json: neither num_hidden_layers nor a per-layer type list; cannot cut")
-    # the rewrite must give every kept layer its source kind; a rule the table lacks shows up here
-    src, new = layer_kinds(cfg), layer_kinds(out)
-    if len(new) != len(kept) or any(src[i] != new[j] for j, i in enumerate(kept)):
-        bad = next((f"layer {i} -> {j}: {src[i]} became {new[j] if j < len(new) else 'missing'}"
-                    for j, i in enumerate(kept) if j >= len(new) or src[i] != new[j]), "layer count differs")
-        raise TicInputError(f"config rewrite does not preserve layer kinds ({bad}); a per-layer rule of "
-                            f"{cfg.get('model_type')!r} is missing from tic/harness/families.py")
-    return out, notes
-
-
 # --- tensors ---------------------------------------------------------------------------------------------
-def map_tensor_names(names: list[str], kept: list[int], n: int, fam: Family) -> tuple[dict[str, str], list[str]]:
-    """source name -> cut name for kept tensors (layer keys renumbered), and notes on what was dropped."""
-    new_index = {i: j for j, i in enumerate(kept)}
-    prefixes: dict[str, set[int]] = {}
+def _layer_prefixes(names, mtp_prefixes: tuple) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
     for name in names:
         m = _LAYER_KEY.match(name)
-        if m and not name.startswith(fam.mtp_prefixes):
-            prefixes.setdefault(m.group(1), set()).add(int(m.group(2)))
-    decoder = [p for p, idx in prefixes.items() if set(range(n)) <= idx]
-    if len(decoder) != 1:
+        if m and not name.startswith(mtp_prefixes):
+            out.setdefault(m.group(1), set()).add(int(m.group(2)))
+    return out
+
+
+def decoder_prefix(names, n: int, module_path: str, mtp_prefixes: tuple = Family().mtp_prefixes) -> str:
+    """The tensor-name prefix of the decoder layers ('model.', 'model.language_model.', ...): the one holding
+    layers 0..n-1; when a vision tower's also does, the one matching the decoder's module path."""
+    prefixes = _layer_prefixes(names, mtp_prefixes)
+    cands = [p for p, idx in prefixes.items() if set(range(n)) <= idx]
+    if len(cands) > 1:
+        stack = module_path.rsplit("layers", 1)[0]
+        exact = [p for p in cands if p == stack]
+        named = [p for p in cands if any(w in p for w in ("language_model", "text_model", "llm"))]
+        cands = exact or named or cands
+    if len(cands) != 1:
         raise TicInputError(f"cannot tell the decoder layers among tensor prefixes {sorted(prefixes)} "
                             f"(need exactly one holding layers 0..{n - 1})")
-    decoder_prefix = decoder[0]
-    others = sorted(p for p in prefixes if p != decoder_prefix)
-    if others:
-        raise TicInputError(f"layer-indexed tensors under {others[0]!r} besides the decoder's {decoder_prefix!r}; "
-                            "tic cut does not know how to cut them")
+    return cands[0]
+
+
+def decoder_tensors(table: dict, prefix: str) -> dict[int, dict[str, dict]]:
+    """Decoder layer index -> {name inside the layer: tensor info}, for tensors under the decoder prefix."""
+    out: dict[int, dict[str, dict]] = {}
+    for name, info in table.items():
+        m = _LAYER_KEY.match(name)
+        if m and m.group(1) == prefix:
+            out.setdefault(int(m.group(2)), {})[m.group(3)] = info
+    return out
+
+
+def map_tensor_names(names: list[str], kept: list[int], n: int, prefix: str,
+                     mtp_prefixes: tuple = Family().mtp_prefixes) -> tuple[dict[str, str], list[str]]:
+    """source name -> cut name for kept tensors (decoder layers renumbered; everything else, a vision tower's
+    layers included, kept as it is), and notes on what was dropped."""
+    new_index = {i: j for j, i in enumerate(kept)}
     mapping, notes, mtp = {}, [], 0
     for name in names:
-        if name.startswith(fam.mtp_prefixes):
+        if name.startswith(mtp_prefixes):
             mtp += 1
             continue
         m = _LAYER_KEY.match(name)
-        if not m:
-            mapping[name] = name  # embeddings, final norm, head
+        if not m or m.group(1) != prefix:
+            mapping[name] = name  # embeddings, final norm, head, vision tower
             continue
         i = int(m.group(2))
         if i >= n:
             mtp += 1  # DeepSeek-style MTP layers sit after the decoder layers
         elif i in new_index:
-            mapping[name] = f"{decoder_prefix}layers.{new_index[i]}.{m.group(3)}"
+            mapping[name] = f"{prefix}layers.{new_index[i]}.{m.group(3)}"
     if mtp:
         notes.append(f"{mtp} MTP tensor(s) dropped")
     return mapping, notes
@@ -379,41 +317,48 @@ def _read_config(model_dir: Path) -> dict:
     return read_model_config(Path(model_dir))
 
 
-def plan_for(model_dir: Path, cfg: dict, layers=None, max_layers: int = 6, min_layers: int = 4) -> CutPlan:
-    manifest = build_manifest(model_dir, cfg)
-    sigs = layer_signatures(manifest)
-    given = parse_layers(layers, len(sigs))
+def plan_cut(model_dir: Path, layers=None, max_layers: int = 6, min_layers: int = 4) -> dict:
+    """Everything a cut decides, before a byte moves: kept layers and why, the proven config, the tensor
+    mapping (JSON-ready, so another process can write it)."""
+    model_dir = Path(model_dir)
+    cfg = _read_config(model_dir)
+    if max_layers < 1:
+        raise TicInputError(f"--max-layers must be at least 1, got {max_layers}")
+    fam = family(text_config(cfg).get("model_type", "")) or Family()
+    structure = model_structure(cfg)
+    n = structure.n
+    locs = tensor_locations(model_dir)
+    prefix = decoder_prefix(list(locs), n, structure.path, fam.mtp_prefixes)
+    sigs = layer_signatures(structure, decoder_tensors(locs, prefix))
+    given = parse_layers(layers, n)
     if given is None:
-        return choose_layers(sigs, max_layers, min_layers)
-    need = requirements(sigs)
-    plan = CutPlan(layers=given, requirements=sorted(need), auto=False,
-                   uncovered=sorted(need - _coverage(set(given), sigs)))
-    plan.reasons = {i: [f"[{sigs[i]}]", "given by --layers"] for i in given}
-    return plan
+        plan = choose_layers(sigs, max_layers, min_layers)
+    else:
+        need = requirements(sigs)
+        plan = CutPlan(layers=given, requirements=sorted(need), auto=False,
+                       uncovered=sorted(need - _coverage(set(given), sigs)))
+        plan.reasons = {i: [f"[{sigs[i]}]", "given by --layers"] for i in given}
+    new_cfg, notes = rewrite_config(cfg, plan.layers, structure)
+    mapping, tnotes = map_tensor_names(list(locs), plan.layers, n, prefix, fam.mtp_prefixes)
+    return {"source": str(model_dir.resolve()), "model_type": cfg.get("model_type"), "source_layers": n,
+            "layers": plan.layers, "auto": plan.auto, "explanation": plan.explain(),
+            "requirements": plan.requirements, "uncovered": plan.uncovered, "notes": notes + tnotes,
+            "decoder_prefix": prefix, "config": new_cfg, "mapping": mapping}
 
 
-def cut_model(model_dir: Path, out_dir: Path, layers=None, max_layers: int = 6, min_layers: int = 4,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD, fsync: bool = False) -> dict:
-    """Cut model_dir into out_dir (written beside it, then renamed into place); returns the cut record.
+def write_cut(model_dir: Path, out_dir: Path, plan: dict, max_shard_bytes: int = DEFAULT_MAX_SHARD,
+              fsync: bool = False) -> dict:
+    """Write a planned cut into out_dir (built beside it, then renamed into place); returns the cut record.
     By default shards are left to the page cache: a torn write after a crash cannot pass unnoticed, since C2
     compares every kept tensor's layer bit for bit with its source. fsync=True makes the cut durable before
     returning, at the disk's write speed."""
     t0 = time.perf_counter()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    cfg = _read_config(model_dir)
-    if max_layers < 1:
-        raise TicInputError(f"--max-layers must be at least 1, got {max_layers}")
-    if out_dir.resolve() == model_dir.resolve():
-        raise TicInputError("OUT_DIR is the model directory; choose another")
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / CUT_RECORD).is_file():
-        raise TicInputError(f"{out_dir} exists, is not empty and holds no earlier cut; choose an empty OUT_DIR")
-    fam = family(cfg.get("model_type", "")) or Family()
-    n = num_layers(cfg)
-    plan = plan_for(model_dir, cfg, layers, max_layers, min_layers)
-    new_cfg, notes = rewrite_config(cfg, plan.layers)
     locs = tensor_locations(model_dir)
-    mapping, tnotes = map_tensor_names(list(locs), plan.layers, n, fam)
-    notes += tnotes
+    mapping = plan["mapping"]
+    missing = [s for s in mapping if s not in locs]
+    if missing:
+        raise TicInputError(f"the cut plan names tensors the checkpoint lacks: {missing[:3]}")
     # source order (shard, offset): reads stay sequential
     renamed = [(mapping[s], locs[s]) for s in sorted(mapping, key=lambda s: (str(locs[s]["path"]), locs[s]["start"]))]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -423,15 +368,11 @@ def cut_model(model_dir: Path, out_dir: Path, layers=None, max_layers: int = 6, 
             if p.is_file() and not p.name.endswith(".safetensors") and p.name not in (INDEX, "config.json", CUT_RECORD):
                 shutil.copy2(p, tmp / p.name)
         _, kept_bytes = write_shards(tmp, renamed, max_shard_bytes, fsync)
-        (tmp / "config.json").write_text(json.dumps(new_cfg, indent=2))
-        record = {
-            "source": str(model_dir.resolve()), "model_type": cfg.get("model_type"), "source_layers": n,
-            "layers": plan.layers, "auto": plan.auto, "explanation": plan.explain(),
-            "requirements": plan.requirements, "uncovered": plan.uncovered, "notes": notes,
-            "tensors": len(renamed), "bytes_kept": kept_bytes,
-            "bytes_source": sum(t["end"] - t["start"] for t in locs.values()),
-            "seconds": round(time.perf_counter() - t0, 3),
-        }
+        (tmp / "config.json").write_text(json.dumps(plan["config"], indent=2))
+        record = {k: v for k, v in plan.items() if k not in ("config", "mapping")}
+        record.update({"tensors": len(renamed), "bytes_kept": kept_bytes,
+                       "bytes_source": sum(t["end"] - t["start"] for t in locs.values()),
+                       "seconds": round(time.perf_counter() - t0, 3)})
         (tmp / CUT_RECORD).write_text(json.dumps(record, indent=2))
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -439,6 +380,28 @@ def cut_model(model_dir: Path, out_dir: Path, layers=None, max_layers: int = 6, 
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    return record
+
+
+def _check_out_dir(model_dir: Path, out_dir: Path) -> None:
+    if out_dir.resolve() == model_dir.resolve():
+        raise TicInputError("OUT_DIR is the model directory; choose another")
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / CUT_RECORD).is_file():
+        raise TicInputError(f"{out_dir} exists, is not empty and holds no earlier cut; choose an empty OUT_DIR")
+
+
+def cut_model(model_dir: Path, out_dir: Path, layers=None, max_layers: int = 6, min_layers: int = 4,
+              max_shard_bytes: int = DEFAULT_MAX_SHARD, fsync: bool = False) -> dict:
+    """Plan (layers, proven config, mapping) and write the cut; returns the cut record."""
+    t0 = time.perf_counter()
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    _check_out_dir(model_dir, out_dir)
+    plan = plan_cut(model_dir, layers, max_layers, min_layers)
+    plan_s = time.perf_counter() - t0
+    record = write_cut(model_dir, out_dir, plan, max_shard_bytes, fsync)
+    record["plan_seconds"] = round(plan_s, 3)
+    record["seconds"] = round(time.perf_counter() - t0, 3)
+    atomic_write_text(out_dir / CUT_RECORD, json.dumps(record, indent=2))
     return record
 
 
@@ -454,5 +417,6 @@ def read_cut_record(cut_dir: Path) -> dict:
     return rec
 
 
-__all__ = ["CutPlan", "choose_layers", "cut_model", "layer_signatures", "map_tensor_names", "parse_layers",
-           "plan_for", "read_cut_record", "rewrite_config", "LAYER_RE"]
+__all__ = ["CutPlan", "choose_layers", "cut_model", "decoder_prefix", "decoder_tensors", "layer_keys", "layer_signatures",
+           "map_tensor_names", "parse_layers", "plan_cut", "read_cut_record", "rewrite_config", "write_cut",
+           "LAYER_RE"]

@@ -6,23 +6,27 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tic.harness.cut import CUT_RECORD, cut_model, layer_signatures
-from tic.harness.inventory import build_manifest, layer_tensors, tensor_table
+from tic.harness.cut import (CUT_RECORD, cut_model, decoder_prefix, decoder_tensors, layer_keys,
+                             layer_signatures)
+from tic.harness.inventory import build_manifest, tensor_table
+from tic.harness.layer_structure import (auto_class_for, first_difference, layer_structure,
+                                         loaded_layers, text_config)
+from tic.harness.vllm_load import vllm_available, vllm_generates
 from tic.core.errors import TicInputError
 
 FIDELITY_BATCH = 2
 FIDELITY_MIN_LEN = 24
-_SKIP_ATTRS = {"layer_idx", "training", "layer_id", "layer_number"}
 
 
 # --- loading ---------------------------------------------------------------------------------------------
 def load_hf(model_dir: Path):
     """(model, loading problems) with transformers; an exception becomes a problem, not a crash."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto", output_loading_info=True)
+        auto = auto_class_for(AutoConfig.from_pretrained(model_dir))
+        model, info = auto.from_pretrained(model_dir, dtype="auto", output_loading_info=True)
     except Exception as e:  # noqa: BLE001 - any loader error means "does not load"
         return None, [f"does not load with transformers: {type(e).__name__}: {str(e).splitlines()[0][:300]}"]
     model.eval()
@@ -32,16 +36,14 @@ def load_hf(model_dir: Path):
 
 
 def decoder_layers(model, n: int):
-    """The ModuleList of decoder layers: the one named '*layers' holding n blocks."""
-    import torch
-
-    for name, mod in model.named_modules():
-        if name.split(".")[-1] == "layers" and isinstance(mod, torch.nn.ModuleList) and len(mod) == n:
-            return mod
-    raise TicInputError(f"no decoder ModuleList 'layers' of length {n} in {type(model).__name__}")
+    """The ModuleList of decoder layers (the language model's, never a vision tower's)."""
+    layers = loaded_layers(model)
+    if len(layers) != n:
+        raise TicInputError(f"{type(model).__name__} has {len(layers)} decoder layers, expected {n}")
+    return layers
 
 
-def _relative_keys(keys, n_layers_map=None) -> set[str]:
+def _relative_keys(keys) -> set[str]:
     from tic.harness.inventory import LAYER_RE
 
     out = set()
@@ -51,15 +53,10 @@ def _relative_keys(keys, n_layers_map=None) -> set[str]:
     return out
 
 
-def module_signature(layer) -> list:
-    """Class names and scalar settings of a layer's modules (layer_idx left out): a layer built from a stale
-    config (e.g. full attention where the source slides a window) differs here even when outputs agree."""
-    sig = []
-    for name, mod in layer.named_modules():
-        attrs = {k: v for k, v in vars(mod).items() if not k.startswith("_") and k not in _SKIP_ATTRS
-                 and isinstance(v, (int, float, str, bool, type(None)))}
-        sig.append((name, type(mod).__name__, sorted(attrs.items(), key=lambda kv: kv[0])))
-    return sig
+def module_signature(layer) -> tuple:
+    """How a layer is built (tic.harness.layer_structure): a layer built from a stale config (e.g. full
+    attention where the source slides a window) differs here even when outputs agree."""
+    return layer_structure(layer)
 
 
 # --- fidelity --------------------------------------------------------------------------------------------
@@ -132,24 +129,45 @@ def check_cut(full_dir: Path, cut_dir: Path) -> dict:
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
         return {"problems": [f"{rec_path}: missing or malformed cut record; the source of each layer is unknown"],
                 "layers": [], "fidelity": [], "full_classes": [], "missing_classes": []}
-    full_man, cut_man = build_manifest(full_dir, full_cfg), build_manifest(cut_dir, cut_cfg)
-    n_full = full_man["num_layers"]
+    from tic.harness.layer_structure import model_structure
+
+    full_struct = model_structure(full_cfg)
+    n_full = full_struct.n
+    try:
+        cut_struct = model_structure(cut_cfg)
+    except Exception as e:  # noqa: BLE001 - a cut config transformers cannot build is a failed cut
+        cut_struct = None
+        problems.append(f"the cut config does not build with transformers: {str(e).splitlines()[0][:200]}")
+    ft, ct = tensor_table(full_dir), tensor_table(cut_dir)
+    fp = decoder_prefix(list(ft), n_full, full_struct.path)
+    try:
+        cp = decoder_prefix(list(ct), cut_struct.n, cut_struct.path) if cut_struct else fp
+    except TicInputError:
+        cp = fp
+    full_man = build_manifest(full_dir, text_config(full_cfg), fp)
+    cut_man = build_manifest(cut_dir, text_config(cut_cfg), cp)
     if any(not 0 <= i < n_full for i in kept):
         problems.append(f"cut record names layers {kept} but the full model has {n_full}")
         kept = [i for i in kept if 0 <= i < n_full]
-    if cut_man["num_layers"] != len(kept):
-        problems.append(f"cut config declares {cut_man['num_layers']} layers, cut record keeps {len(kept)}")
-    # 1. operator-class coverage (C0 manifest of the cut vs the full model's)
+    n_cut = cut_struct.n if cut_struct else cut_man["num_layers"]
+    if n_cut != len(kept):
+        problems.append(f"cut config declares {n_cut} layers, cut record keeps {len(kept)}")
+    # 1. coverage: operator classes (C0 manifest) and every layer kind the full model builds
     missing = sorted(set(full_man["operator_classes"]) - set(cut_man["operator_classes"]))
     if missing:
         problems.append(f"cut manifest lacks operator classes of the full model: {', '.join(missing)}")
-    full_sigs, cut_sigs = layer_signatures(full_man), layer_signatures(cut_man)
-    full_tr = {(a, b) for a, b in zip(full_sigs, full_sigs[1:]) if a != b}
-    cut_tr = {(a, b) for a, b in zip(cut_sigs, cut_sigs[1:]) if a != b}
-    missing_tr = sorted(f"{a} -> {b}" for a, b in full_tr - cut_tr)
-    # 2. per-layer tensors, shapes, dtypes and kinds equal the source layer's
-    ft, ct = tensor_table(full_dir), tensor_table(cut_dir)
-    fl, cl = layer_tensors(ft), layer_tensors(ct)
+    fl, cl = decoder_tensors(ft, fp), decoder_tensors(ct, cp)
+    full_sigs = layer_signatures(full_struct, fl)
+    full_keys = layer_keys(full_struct, fl)
+    cut_keys = layer_keys(cut_struct, cl) if cut_struct else []
+    name_of = dict(zip(full_keys, full_sigs))
+    missing_kinds = [k for k in dict.fromkeys(full_keys) if k not in set(cut_keys)]
+    if missing_kinds and cut_struct:
+        missing += [f"kind {name_of[k]}" for k in missing_kinds]
+    full_tr = {(a, b) for a, b in zip(full_keys, full_keys[1:]) if a != b}
+    cut_tr = {(a, b) for a, b in zip(cut_keys, cut_keys[1:]) if a != b}
+    missing_tr = sorted(f"{name_of[a]} -> {name_of[b]}" for a, b in full_tr - cut_tr)
+    # 2. per-layer tensors, shapes, dtypes and structure equal the source layer's
     for j, i in enumerate(kept):
         src, got = fl.get(i, {}), cl.get(j, {})
         for name in sorted(set(src) - set(got)):
@@ -161,9 +179,12 @@ def check_cut(full_dir: Path, cut_dir: Path) -> dict:
             if (a["dtype"], a["shape"]) != (b["dtype"], b["shape"]):
                 problems.append(f"cut layer {j} (source {i}): {name} is {b['dtype']}{b['shape']}, source "
                                 f"{a['dtype']}{a['shape']}")
-        if j < len(cut_sigs) and full_sigs[i] != cut_sigs[j]:
-            problems.append(f"cut layer {j} (source {i}): kind [{cut_sigs[j]}] differs from source [{full_sigs[i]}]"
-                            " (stale per-layer config?)")
+        if cut_struct and j < cut_struct.n and cut_struct.layers[j] != full_struct.layers[i]:
+            problems.append(f"cut layer {j} (source {i}) differs from source in structure: "
+                            f"{first_difference(cut_struct.layers[j], full_struct.layers[i])} (stale per-layer config?)")
+    if missing_kinds and cut_struct:  # after the per-layer problems, which usually say why
+        problems.append(f"the cut lacks a layer kind of the full model: [{name_of[missing_kinds[0]]}] (source layers "
+                        f"{[i for i, k in enumerate(full_keys) if k == missing_kinds[0]]})")
     for name in sorted(set(full_man["non_layer_tensors"]) - set(cut_man["non_layer_tensors"])):
         if not name.startswith(("mtp.", "model.mtp.")):
             problems.append(f"non-layer tensor {name} missing from the cut")
@@ -190,11 +211,9 @@ def check_cut(full_dir: Path, cut_dir: Path) -> dict:
         if len(kept) and not problems_block_fidelity(problems):
             fl_mods, cl_mods = decoder_layers(full, n_full), decoder_layers(cut, len(kept))
             for j, i in enumerate(kept):
-                if module_signature(fl_mods[i]) != module_signature(cl_mods[j]):
-                    diff = next((f"{a[0] or 'layer'}: {a[1]} {dict(a[2])} vs {b[1]} {dict(b[2])}"
-                                 for a, b in zip(module_signature(cl_mods[j]), module_signature(fl_mods[i]))
-                                 if a != b), "module count differs")
-                    problems.append(f"cut layer {j} (source {i}) is built differently: {diff[:300]}")
+                a, b = module_signature(cl_mods[j]), module_signature(fl_mods[i])
+                if a != b:
+                    problems.append(f"cut layer {j} (source {i}) is built differently: {first_difference(a, b)[:300]}")
             vocab = full.config.get_text_config().vocab_size
             window = getattr(full.config.get_text_config(), "sliding_window", None)
             seq_len = max(FIDELITY_MIN_LEN, min(int(window) + 8, 512)) if isinstance(window, int) else FIDELITY_MIN_LEN
@@ -203,9 +222,16 @@ def check_cut(full_dir: Path, cut_dir: Path) -> dict:
                 if not r["equal"]:
                     problems.append(f"cut layer {r['cut_layer']} (source {r['source_layer']}) is not bitwise equal "
                                     f"to its source on the same hidden states ({r['why']})")
+    # 5. the rollout engine loads the cut and generates (where vLLM and a GPU are there)
+    engines = ["hf"]
+    if not problems and vllm_available():
+        engines.append("vllm")
+        why = vllm_generates(cut_dir)
+        if why:
+            problems.append(f"the cut does not load and generate in vLLM: {why}")
     return {"problems": problems, "layers": kept, "fidelity": rows, "full_classes": full_man["operator_classes"],
             "missing_classes": missing, "missing_transitions": missing_tr, "full_layers": n_full,
-            "explanation": rec.get("explanation", []), "notes": rec.get("notes", [])}
+            "explanation": rec.get("explanation", []), "notes": rec.get("notes", []), "engines_checked": engines}
 
 
 def problems_block_fidelity(problems: list[str]) -> bool:

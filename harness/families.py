@@ -1,8 +1,10 @@
-"""Model families as data: how to read each layer's operator classes from config.json, and which config
-fields are indexed by layer (so a cut can move them together).
+"""Model families as data: how to read each layer's operator classes from config.json (C0's inventory), and
+which config fields are indexed by layer.
 
-A new family is one entry here, not a new code path. Tensor names, where weights exist, override the
-config rules (a layer holding `mlp.experts.*` is MoE whatever the config says).
+For a cut these are hints, not the truth: tic.harness.cut_config tries the family's rewrite first and prefers
+it when transformers proves it, but the proof (each cut layer built on meta as its source layer) decides, and an
+architecture with no entry here is cut all the same. Tensor names, where weights exist, override the config
+rules (a layer holding `mlp.experts.*` is MoE whatever the config says).
 """
 
 from __future__ import annotations

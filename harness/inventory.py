@@ -101,14 +101,25 @@ def _tensor_kinds(names: list[str]) -> dict:
     return kinds
 
 
-def build_manifest(model_dir: Path, config: dict) -> dict:
+def _layer_index(name: str, layer_prefix: str | None) -> int | None:
+    """Decoder layer of a tensor name: any 'layers.N.' by default; with layer_prefix only '<prefix>layers.N.'
+    (so that a vision tower's layers are not taken for decoder layers)."""
+    if layer_prefix is not None:
+        if not name.startswith(layer_prefix + "layers."):
+            return None
+        name = name[len(layer_prefix):]
+    m = LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+def build_manifest(model_dir: Path, config: dict, layer_prefix: str | None = None) -> dict:
     table = tensor_table(model_dir) if any(Path(model_dir).glob("*.safetensors")) else {}
     kinds = layer_kinds(config)
     per_layer: dict[int, list[str]] = defaultdict(list)
     for name in table:
-        m = LAYER_RE.search(name)
-        if m:
-            per_layer[int(m.group(1))].append(name)
+        i = _layer_index(name, layer_prefix)
+        if i is not None:
+            per_layer[i].append(name)
     layers = []
     for i, k in enumerate(kinds):
         names = sorted(per_layer.get(i, []))
@@ -126,7 +137,7 @@ def build_manifest(model_dir: Path, config: dict) -> dict:
     fam = family(config.get("model_type", ""))
     label = lambda L: f"{L['attention']}/{L['mlp']}"  # noqa: E731
     transitions = sorted({(label(a), label(b)) for a, b in zip(layers, layers[1:]) if label(a) != label(b)})
-    extra_layer_keys = [n for n in table if not LAYER_RE.search(n)]
+    extra_layer_keys = [n for n in table if _layer_index(n, layer_prefix) is None]
     return {
         "model_type": config.get("model_type"),
         "family_known": fam is not None,

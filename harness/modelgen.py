@@ -36,7 +36,9 @@ def read_model_config(model_dir: Path) -> dict:
 def generate_model(config_dir: Path, seed: int, init_std: float | None = None, out_dir: Path | None = None) -> Path:
     """Build the model of config_dir/config.json with weights drawn from `seed`; save as safetensors."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from tic.harness.layer_structure import auto_class_for
 
     raw = (config_dir / "config.json").read_bytes()
     key = hashlib.sha256(raw + f"|seed={seed}|std={init_std}|torch={torch.__version__}".encode()).hexdigest()[:16]
@@ -51,7 +53,7 @@ def generate_model(config_dir: Path, seed: int, init_std: float | None = None, o
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = auto_class_for(config).from_config(config, dtype=torch.float32)
     model = model.to(dtype)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".gen-", dir=out_dir.parent))
@@ -63,6 +65,52 @@ def generate_model(config_dir: Path, seed: int, init_std: float | None = None, o
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def quantize_block_fp8(model_dir: Path, out_dir: Path, block: tuple[int, int] = (16, 16),
+                       not_converted: tuple[str, ...] = ("lm_head",)) -> Path:
+    """A block-FP8 copy of a generated model, laid out as FP8 checkpoints ship (DeepSeek-V3 style): every
+    nn.Linear weight (but not_converted) stored as float8_e4m3fn with a float32 `weight_scale_inv` per
+    block x block tile (the tile's max |w| / 448), and quantization_config quant_method fp8 with
+    weight_block_size."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tic.harness.layer_structure import build_meta
+
+    cfg = read_model_config(model_dir)
+    meta = build_meta(cfg)
+    linear = {name for name, m in meta.named_modules()
+              if isinstance(m, torch.nn.Linear) and not any(name.split(".")[-1] == x for x in not_converted)}
+    finfo = torch.finfo(torch.float8_e4m3fn)
+    bo, bi = block
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        sd = load_file(f)
+        for name in [k for k in sd if k.endswith(".weight") and k[: -len(".weight")] in linear]:
+            w = sd[name].float()
+            rows, cols = w.shape
+            r, c = -(-rows // bo), -(-cols // bi)
+            padded = torch.zeros(r * bo, c * bi)
+            padded[:rows, :cols] = w
+            tiles = padded.view(r, bo, c, bi)
+            scale = (tiles.abs().amax(dim=(1, 3)) / finfo.max).clamp(min=1e-12)
+            q = (tiles / scale[:, None, :, None]).clamp(finfo.min, finfo.max).to(torch.float8_e4m3fn)
+            sd[name] = q.view(r * bo, c * bi)[:rows, :cols].contiguous()
+            sd[name[: -len(".weight")] + ".weight_scale_inv"] = scale.float().contiguous()
+        save_file(sd, out_dir / f.name, metadata={"format": "pt"})
+        weight_map.update({k: f.name for k in sd})
+    if (model_dir / "model.safetensors.index.json").is_file():  # the scales are new names: a fresh index
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for p in model_dir.iterdir():
+        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json",
+                                                                                 "model.safetensors.index.json"):
+            shutil.copy2(p, out_dir / p.name)
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                  "weight_block_size": [bo, bi], "modules_to_not_convert": list(not_converted)}
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     return out_dir
 
 

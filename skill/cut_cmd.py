@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
+
+from tic.core.errors import EXIT_FAIL
 
 
 @click.command("cut")
@@ -16,10 +19,14 @@ import click
 @click.option("-c", "--config", "config_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
               help="take MODEL_DIR (model.path) and OUT_DIR/--layers/--max-layers (cut:) from this tic.yaml")
 @click.option("--fsync", is_flag=True, help="flush the shards to disk before returning (durable, slower)")
+@click.option("--no-check", is_flag=True,
+              help="skip C2's checks after cutting (they load the full model; use for a model too large for RAM)")
 @click.option("--json", "as_json", is_flag=True, help="print the cut record on stdout")
-def command(model_dir, out_dir, layers, max_layers, config_path, fsync, as_json):
-    """Cut MODEL_DIR into OUT_DIR keeping layers that cover every operator class and every transition between
-    layer kinds; per-layer config fields, quantization tensors and dtypes move with their layers.
+def command(model_dir, out_dir, layers, max_layers, config_path, fsync, no_check, as_json):
+    """Cut MODEL_DIR into OUT_DIR keeping layers that cover every layer kind (as transformers builds it) and
+    every transition between kinds; the config is rewritten and proven to build each kept layer as its source,
+    quantization tensors and dtypes move with their layers. Then C2's checks run on the cut: exit 1 when the
+    cut is wrong, 2 when no config rewrite reproduces the kept layers.
 
     \b
     Without MODEL_DIR/OUT_DIR, both come from tic.yaml (model.path, cut.out)."""
@@ -49,8 +56,17 @@ def command(model_dir, out_dir, layers, max_layers, config_path, fsync, as_json)
     if not Path(model_dir).is_dir():
         raise TicInputError(f"model directory not found: {model_dir}")
     rec = cut_model(Path(model_dir), Path(out_dir), layers=layers, max_layers=max_layers, fsync=fsync)
+    problems = None
+    if not no_check:
+        from tic.harness.cut_check import check_cut
+
+        check = check_cut(Path(model_dir), Path(out_dir))
+        problems = check["problems"]
+        rec["check"] = {"problems": problems, "engines_checked": check.get("engines_checked", ["hf"])}
     if as_json:
         click.echo(json.dumps(rec, indent=2))
+        if problems:
+            sys.exit(EXIT_FAIL)
         return
     for line in rec["explanation"]:
         click.echo(line)
@@ -60,3 +76,11 @@ def command(model_dir, out_dir, layers, max_layers, config_path, fsync, as_json)
         click.echo("warning: the given layers leave requirements uncovered; C2 will say which classes are missing")
     click.echo(f"wrote {out_dir}: {len(rec['layers'])} of {rec['source_layers']} layers, {rec['tensors']} tensors, "
                f"{rec['bytes_kept']} bytes ({rec['seconds']} s)")
+    if problems is None:
+        click.echo("C2's checks skipped (--no-check)")
+    elif problems:
+        more = f" (+{len(problems) - 1} more; tic gate C2 lists them)" if len(problems) > 1 else ""
+        click.echo(f"tic: the cut fails C2's checks: {problems[0]}{more}", err=True)
+        sys.exit(EXIT_FAIL)
+    else:
+        click.echo(f"C2's checks pass on the cut (engines: {', '.join(rec['check']['engines_checked'])})")
