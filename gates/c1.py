@@ -1,10 +1,46 @@
-"""C1: Frozen performance baseline. Declared here; measured by a later release (its verdict says so, never pass)."""
+"""C1: the frozen performance baseline. Measured by `tic baseline run`, frozen by `tic baseline freeze`,
+signed off by `tic baseline approve --by NAME`; this gate checks that all three hold and that the files are
+still the bytes that were frozen and approved."""
 
-from tic.gates.base import Gate
+from __future__ import annotations
+
+from tic.gates.base import Gate, Judgement
+from tic.harness.baseline import DATA_FILES, verify
+
+
+def measure(ctx) -> dict:
+    d = ctx.baseline_dir
+    st = verify(d)
+    t = st.record.get("throughput_tok_s", {})
+    wl = st.record.get("workload", {})
+    return {
+        "metrics": {"exists": st.exists, "frozen": st.frozen, "approved": st.approved,
+                    "problems": len(st.all_problems), "median_tok_s": t.get("median"),
+                    "passes": t.get("n"), "requests": wl.get("requests")},
+        "details": {"directory": str(d), "hash": st.hash, "approved_by": st.approved_by,
+                    "problems": st.all_problems, "workload": wl, "throughput_tok_s": t,
+                    "fingerprint": st.record.get("fingerprint", {})},
+        "evidence": [str(d / n) for n in DATA_FILES if (d / n).is_file()],
+    }
+
+
+def judge(m: dict) -> Judgement:
+    x, d = m["metrics"], m["details"]
+    key = (f"median {x['median_tok_s']:.1f} tok/s over {x['passes']} passes" if x["median_tok_s"] else
+           "no baseline measured")
+    if x["exists"] and x["frozen"] and x["approved"] and x["problems"] == 0:
+        return Judgement("pass", f"baseline {d['hash'][:12]} frozen, approved by {d['approved_by']}, files "
+                                 "unchanged since", key)
+    return Judgement("fail", "; ".join(d["problems"]) or "baseline not frozen and approved", key)
+
 
 GATE = Gate(
     id="C1", title="Frozen performance baseline", step=1,
-    measures="rollout throughput of the tuned, non-consistent baseline, frozen for human review",
-    pass_condition="a baseline record exists with its config hash and raw timings, and is frozen (later runs cannot rewrite it)",
-    inputs=[], artifacts=[], guide="guides/C1.md",
-    implemented_by="a later release (baseline freezing)")
+    measures="the baseline directory written by `tic baseline run` (per-request raw timings, workload, environment "
+             "fingerprint), its freeze record (sha256 of each file) and its approval (name + frozen hash)",
+    pass_condition="a baseline exists, is frozen and approved by a named person for the same hash, and every "
+                   "baseline file still has the sha256 recorded at freezing (any later edit fails)",
+    inputs=["perf (workload)", "baseline directory (perf.baseline_dir, default .tic/baseline)"],
+    artifacts=["baseline/baseline.json", "baseline/requests.jsonl", "baseline/freeze.json",
+               "baseline/approval.json"],
+    guide="guides/C1.md", measure=measure, judge=judge, needs_model=False)

@@ -204,7 +204,7 @@ def compare(rollout, train, as_json):
 
 
 # Commands that live in their own modules (declared here, loaded when present).
-EXTRA_COMMANDS = ("tic.skill.cut_cmd", "tic.skill.locate_cmd", "tic.skill.patch_cmd")
+EXTRA_COMMANDS = ("tic.skill.cut_cmd", "tic.skill.locate_cmd", "tic.skill.patch_cmd", "tic.skill.baseline_cmd")
 for _mod in EXTRA_COMMANDS:
     try:
         _m = importlib.import_module(_mod)

@@ -120,6 +120,54 @@ class GateContext:
             self._engines[key] = build_engine(self, "train", self.cfg.train.model_copy(update=changes))
         return self._engines[key]
 
+    def private_engine(self, side: str, gate: str) -> Engine:
+        """A live engine whose model no other gate shares (C8/C9 update its weights)."""
+        from tic.harness.engines import build_engine
+
+        if getattr(self.cfg, side).engine == "dump":
+            raise TicInputError(f"{gate} needs a live {side} engine, not a dump")
+        return build_engine(self, side, shared_model=False)
+
+    # -- C1/C10: the baseline and the consistent rollout ----------------------------------------------------
+    @property
+    def baseline_dir(self) -> Path:
+        d = self.cfg.perf.baseline_dir
+        return Path(self.cfg.resolve(d)) if d is not None else Path(self.cfg.state_dir) / "baseline"
+
+    @property
+    def workload(self):
+        from tic.harness.perf import Workload
+
+        p = self.cfg.perf
+        return Workload(p.requests, p.input_len, p.output_len, p.concurrency, p.seed, self.cfg.sampling.temperature)
+
+    def perf_side(self, which: str) -> tuple[Engine, dict[str, str]]:
+        """('baseline' | 'consistent') -> (rollout engine, env vars it runs under). The baseline is the
+        configured rollout with perf.baseline's changes (default: the engine's consistency switch off)."""
+        from tic.harness.engines import build_engine, engine_class
+        from tic.harness.perf import env_overlay
+        from tic.skill.config import EngineConfig
+
+        r = self.cfg.rollout
+        if r.engine == "dump":
+            raise TicInputError("C1/C10 measure a live rollout engine, not a dump")
+        if which == "consistent":
+            side_cfg, env = r, dict(self.cfg.perf.consistent_env)
+        else:
+            changes = self.cfg.perf.baseline
+            if changes is None:
+                changes = engine_class(r).baseline_changes(r)
+            try:
+                side_cfg = EngineConfig.model_validate({**r.model_dump(), **changes})
+            except ValueError as e:
+                raise TicInputError(f"perf.baseline: {str(e).splitlines()[0]}") from None
+            env = dict(self.cfg.perf.baseline_env)
+        key = f"perf {which}"
+        if key not in self._engines:
+            with env_overlay(env):
+                self._engines[key] = build_engine(self, "rollout", side_cfg)
+        return self._engines[key], env
+
     def live_rollout_engine(self, gate: str) -> Engine:
         eng = self.rollout_engine()
         if eng.dumped_samples() is not None:

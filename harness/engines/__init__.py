@@ -8,7 +8,23 @@ from tic.core.errors import TicInputError
 __all__ = ["Engine", "Sample", "Sampling", "build_engine"]
 
 
-def build_engine(ctx, side: str, side_cfg=None) -> Engine:
+def engine_class(side_cfg) -> type[Engine]:
+    """The engine class a side config names, without building it (vLLM is imported lazily by its module)."""
+    if side_cfg.engine == "hf":
+        from tic.harness.engines.hf import HFEngine
+
+        return HFEngine
+    if side_cfg.engine == "vllm":
+        from tic.harness.engines import vllm
+
+        return vllm.VLLMEngine
+    from tic.harness.engines.dump import DumpEngine
+
+    return DumpEngine
+
+
+def build_engine(ctx, side: str, side_cfg=None, shared_model: bool = True) -> Engine:
+    """shared_model=False: the engine gets a model object of its own (hf; C8/C9 change its weights)."""
     side_cfg = side_cfg if side_cfg is not None else getattr(ctx.cfg, side)
     if side_cfg.engine == "dump":
         from tic.harness.engines.dump import DumpEngine
@@ -20,7 +36,7 @@ def build_engine(ctx, side: str, side_cfg=None) -> Engine:
     if side_cfg.engine == "hf":
         from tic.harness.engines.hf import HFEngine
 
-        return HFEngine.from_config(side_cfg, ctx.model_dir, ctx.dtype)
+        return HFEngine.from_config(side_cfg, ctx.model_dir, ctx.dtype, shared_model)
     if side_cfg.engine == "vllm":
         if side != "rollout":
             raise TicInputError("vllm is a rollout engine; use train.engine: hf or dump")

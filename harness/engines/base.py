@@ -37,9 +37,15 @@ class Sampling:
 
 
 class Engine:
-    """Interface. Rollout engines implement generate + score; train engines implement score."""
+    """Interface. Rollout engines implement generate + score; train engines implement score.
+    RL gates (C8, C9) also need weight sync into the rollout engine, in place."""
 
     name = "engine"
+    weight_version: int = 0
+    # fingerprint() keys and env vars that are the consistency switch: the only things C10 lets differ
+    # between the baseline and the consistent rollout
+    switch_keys: tuple[str, ...] = ()
+    switch_env: tuple[str, ...] = ()
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, request_ids: list[int]) -> list[Sample]:
         """Sample responses; request_ids seed each request's sampler, so batch-mates cannot change it."""
@@ -56,3 +62,27 @@ class Engine:
     def dumped_samples(self) -> list[Sample] | None:
         """Engines that replay recorded data (dumps) return it here; live engines return None."""
         return None
+
+    # -- C1/C10 ---------------------------------------------------------------------------------------------
+    def fingerprint(self) -> dict:
+        """What this engine runs with that changes numerics or speed (kernels, backend, batch sizes)."""
+        return {"engine": self.name}
+
+    @classmethod
+    def baseline_changes(cls, side_cfg) -> dict:
+        """The side-config changes that turn the consistency switch off (the baseline's rollout)."""
+        raise NotImplementedError(f"engine {cls.name!r} has no consistency switch to turn off")
+
+    # -- C8/C9: weight sync ---------------------------------------------------------------------------------
+    def load_weights_inplace(self, weights, version: int) -> dict:
+        """Copy (name, tensor) pairs into this engine's existing weight storage (never re-allocate: CUDA
+        graphs keep the addresses they captured), recompute weight-derived tensors, set weight_version."""
+        raise NotImplementedError(f"engine {self.name!r} has no in-place weight sync")
+
+    def weight_storage(self) -> dict[str, tuple[int, tuple, str]]:
+        """name -> (data pointer, shape, dtype) of every weight: C8 checks a sync left them unchanged."""
+        raise NotImplementedError(f"engine {self.name!r} does not expose its weight storage")
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The weights as this engine holds them (C8 checks they equal the trainer's after a sync)."""
+        raise NotImplementedError(f"engine {self.name!r} does not expose its weights")

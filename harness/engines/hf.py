@@ -23,11 +23,12 @@ WRAPPED_KERNELS = ("consistent", "vllm")  # kernels that run through tic's autog
 
 
 def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa", device: str = "cpu",
-               trainable: bool = False):
+               trainable: bool = False, shared: bool = True):
     """The model, cached per configuration. trainable=True gives a separate copy whose parameters take
-    gradients (C7), so the inference copy the gates share is never touched."""
+    gradients (C7), so the inference copy the gates share is never touched. shared=False loads an object
+    of its own, outside the cache (C8/C9 change its weights; the other gates' models must not see that)."""
     key = (str(model_dir), dtype, kernels, attn, device, trainable)
-    if key in _MODELS:
+    if shared and key in _MODELS:
         return _MODELS[key]
     from transformers import AutoModelForCausalLM
 
@@ -54,7 +55,8 @@ def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", att
         from tic.harness.kernels.providers import get_provider
 
         apply(model, get_provider(kernels))
-    _MODELS[key] = model
+    if shared:
+        _MODELS[key] = model
     return model
 
 
@@ -106,15 +108,18 @@ def sample_token(logprobs: torch.Tensor, temperature: float, gen: torch.Generato
 
 class HFEngine(Engine):
     name = "hf"
+    switch_keys = ("kernels", "attn_implementation")  # consistent kernels bring their own attention
 
     def __init__(self, model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa",
                  batch_size: int = 8, micro_batch_size: int = 4, padding_side: str = "right",
-                 packing: bool = False, device: str = "cpu"):
+                 packing: bool = False, device: str = "cpu", shared_model: bool = True):
         self.model_dir = Path(model_dir)
         self.kernels = kernels
+        self.dtype = dtype
+        self.attn = attn
         self.device = torch.device(device)
         self._load_args = (self.model_dir, dtype, kernels, attn, device)
-        self.model = load_model(*self._load_args)
+        self.model = load_model(*self._load_args, shared=shared_model)
         self.batch_size = batch_size
         self.micro_batch_size = micro_batch_size
         self.padding_side = padding_side
@@ -122,10 +127,50 @@ class HFEngine(Engine):
         self.vocab_size = self.model.config.get_text_config().vocab_size
 
     @classmethod
-    def from_config(cls, side_cfg, model_dir: Path, dtype: str) -> "HFEngine":
+    def from_config(cls, side_cfg, model_dir: Path, dtype: str, shared_model: bool = True) -> "HFEngine":
         return cls(model_dir, dtype, side_cfg.kernels, side_cfg.attn_implementation, side_cfg.batch_size,
                    side_cfg.micro_batch_size, side_cfg.padding_side, side_cfg.packing,
-                   getattr(side_cfg, "device", "cpu"))
+                   getattr(side_cfg, "device", "cpu"), shared_model)
+
+    @classmethod
+    def baseline_changes(cls, side_cfg) -> dict:
+        return {"kernels": "stock"}
+
+    def fingerprint(self) -> dict:
+        return {"engine": self.name, "kernels": self.kernels,
+                "attn_implementation": "tic wrapped" if self.kernels in WRAPPED_KERNELS else self.attn,
+                "dtype": self.dtype, "device": str(self.device), "batch_size": self.batch_size}
+
+    # -- weight sync (C8/C9) ------------------------------------------------------------------------------
+    def _weights(self) -> dict[str, torch.Tensor]:
+        return {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.named_parameters())
+
+    def weight_storage(self) -> dict[str, tuple[int, tuple, str]]:
+        return {k: (t.data_ptr(), tuple(t.shape), str(t.dtype)) for k, t in self._weights().items()}
+
+    @torch.no_grad()
+    def load_weights_inplace(self, weights, version: int) -> dict:
+        own = dict(self.model.named_parameters())
+        seen = set()
+        for name, src in (weights.items() if isinstance(weights, dict) else weights):
+            dst = own.get(name)
+            if dst is None:
+                raise TicInputError(f"weight sync: the rollout model has no weight {name!r}")
+            if dst.shape != src.shape:
+                raise TicInputError(f"weight sync: {name} has shape {tuple(src.shape)}, the rollout model "
+                                    f"{tuple(dst.shape)}")
+            dst.copy_(src.to(dst.device))  # into the existing storage; dtype cast is the export's rounding
+            seen.add(name)
+        # weight-derived tensors (fused, transposed or quantized copies) are rebuilt from the new weights
+        refreshed = [n for n, m in self.model.named_modules() if callable(getattr(m, "tic_refresh_derived", None))]
+        for n in refreshed:
+            self.model.get_submodule(n).tic_refresh_derived()
+        self.weight_version = version
+        return {"copied": len(seen), "missing": sorted(set(own) - seen), "refreshed": refreshed,
+                "version": version}
 
     # -- numerics shared by both phases -------------------------------------------------------------
     def logprobs_of(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -183,7 +228,7 @@ class HFEngine(Engine):
             step_pos = step_pos[:, -1:] + 1
             mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long, device=self.device)], dim=1)
         return [Sample(list(p), responses[b], torch.stack(lps[b]).float(), id=request_ids[b],
-                       meta={"engine": self.name, "kernels": self.kernels})
+                       weight_version=self.weight_version, meta={"engine": self.name, "kernels": self.kernels})
                 for b, p in enumerate(prompts)]
 
     # -- teacher-forced scoring (prefill scoring on the rollout side, recompute on the train side) -----

@@ -169,6 +169,8 @@ def _apply_patches(names: list[str]) -> list[str]:
 
 class VLLMEngine(Engine):
     name = "vllm"
+    switch_keys = ("batch_invariant",)
+    switch_env = ("VLLM_BATCH_INVARIANT",)
 
     def __init__(self, model_dir: Path, dtype: str, options: dict, batch_size: int, max_positions: int,
                  vocab_size: int, patch_names: list[str] | None = None):
@@ -222,6 +224,19 @@ class VLLMEngine(Engine):
             opts["record"] = str(ctx.cfg.resolve(Path(opts["record"])))
         return cls(ctx.model_dir, ctx.dtype, opts, side_cfg.batch_size,
                    int(text.get("max_position_embeddings", 2048)), ctx.vocab_size, side_cfg.patches)
+
+    @classmethod
+    def baseline_changes(cls, side_cfg) -> dict:
+        return {"options": {**side_cfg.options, "batch_invariant": False}}
+
+    def fingerprint(self) -> dict:
+        return {"engine": self.name, "vllm": self.vllm_version, "batch_invariant": self.batch_invariant,
+                "batch_size": self.batch_size,
+                "llm": {k: v if isinstance(v, (int, float, bool, str, type(None))) else json.dumps(v, default=str)
+                        for k, v in self.llm_kwargs.items()}}
+
+    # C8/C9 weight sync (load_weights_inplace, weight_storage, named_weights) is not wired for vLLM yet: the
+    # base Engine raises NotImplementedError and C8/C9 report `unavailable` for this engine.
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _check(self, seqs: list[list[int]], extra: int) -> None:

@@ -1,0 +1,163 @@
+"""A minimal RL loop for C8/C9: policy-gradient updates on a synthetic reward, in-place weight sync into the
+rollout engine, and training checkpoints (model + optimizer state) that restore bit for bit.
+
+The training forward is plain torch autograd through the train engine's model in its padded layout; the
+loss is REINFORCE with a mean-reward baseline: -(A_i * sum_t logp_it) / tokens, A_i = r_i - mean(r).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tic.core.errors import TicInputError
+from tic.core.fsio import atomic_write_text
+from tic.harness.engines.base import Engine, Sample, Sampling
+from tic.harness.metrics import compare_logprobs
+
+
+def synthetic_reward(samples: list[Sample]) -> torch.Tensor:
+    """A reward with no model behind it: the fraction of even token ids in the response (deterministic,
+    varies across responses, so the advantage is not zero)."""
+    return torch.tensor([sum(t % 2 == 0 for t in s.response_ids) / max(len(s.response_ids), 1) for s in samples],
+                        dtype=torch.float32)
+
+
+def response_logprobs(engine, samples: list[Sample], sampling: Sampling) -> list[torch.Tensor]:
+    """Differentiable logprob of every response token: the train engine's padded layout, with autograd."""
+    from tic.harness.engines.hf import padded_batch
+
+    model = engine.model
+    out: list[torch.Tensor] = []
+    for i in range(0, len(samples), engine.micro_batch_size):
+        chunk = samples[i:i + engine.micro_batch_size]
+        ids, mask, pos, starts = padded_batch([s.ids for s in chunk], engine.padding_side, engine.device)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        for b, s in enumerate(chunk):
+            P, R = len(s.prompt_ids), len(s.response_ids)
+            lp = engine.logprobs_of(logits[b, starts[b] + P - 1: starts[b] + P - 1 + R], sampling.temperature)
+            out.append(lp[torch.arange(R), torch.tensor(s.response_ids)])
+    return out
+
+
+@dataclass
+class StepReport:
+    version: int
+    updates: int  # optimizer.step() calls during this RL step (the method needs exactly 1)
+    loss: float
+    reward_mean: float
+    changed_tensors: int  # weights whose bytes the step changed
+
+
+class PolicyGradientTrainer:
+    """AdamW on the train engine's model. Every optimizer.step() is counted by a hook, so an extra update
+    anywhere (a second mini-batch, a retried step) shows in the report."""
+
+    def __init__(self, engine: Engine, lr: float, updates_per_step: int = 1):
+        if not hasattr(engine, "model") or not isinstance(engine.model, torch.nn.Module):
+            raise TicInputError(f"train engine {engine.name!r} has no torch model to update (C8/C9 need hf)")
+        self.engine = engine
+        self.model = engine.model
+        self.model.requires_grad_(True)
+        self.updates_per_step = updates_per_step
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters()], lr=lr, weight_decay=0.0)
+        self.version = 0
+        self._count = 0
+        self.optimizer.register_step_post_hook(lambda *_: self._bump())
+
+    def _bump(self) -> None:
+        self._count += 1
+
+    def step(self, samples: list[Sample], sampling: Sampling) -> StepReport:
+        before = {k: v.detach().clone() for k, v in self.model.named_parameters()}
+        start = self._count
+        rewards = synthetic_reward(samples)
+        adv = rewards - rewards.mean()
+        n = len(samples)
+        per = -(-n // self.updates_per_step)  # mini-batches: updates_per_step of them
+        losses = []
+        for j in range(0, n, per):
+            idx = list(range(j, min(j + per, n)))
+            self.optimizer.zero_grad(set_to_none=True)
+            lps = response_logprobs(self.engine, [samples[i] for i in idx], sampling)
+            tokens = sum(int(lp.numel()) for lp in lps)
+            loss = -sum(adv[i] * lp.sum() for i, lp in zip(idx, lps)) / max(tokens, 1)
+            loss.backward()
+            self.optimizer.step()
+            losses.append(float(loss.detach()))
+        self.version += 1
+        changed = sum(not torch.equal(before[k], v.detach()) for k, v in self.model.named_parameters())
+        return StepReport(self.version, self._count - start, sum(losses) / len(losses), float(rewards.mean()),
+                          changed)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.named_parameters()}
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def save(self, directory: Path) -> Path:
+        """model.safetensors (weights) + optimizer.pt (optimizer state) + trainer.json (version)."""
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().contiguous().clone() for k, v in self.model.state_dict().items()},
+                  str(directory / "model.safetensors"))
+        torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+        atomic_write_text(directory / "trainer.json", json.dumps({"version": self.version}))
+        return directory
+
+    def restore(self, directory: Path) -> dict:
+        """Load a checkpoint into this trainer's model (in place) and optimizer. Says what it found."""
+        from safetensors.torch import load_file
+
+        if not (directory / "model.safetensors").is_file():
+            raise TicInputError(f"checkpoint {directory} has no model.safetensors")
+        missing, unexpected = self.model.load_state_dict(load_file(str(directory / "model.safetensors")),
+                                                         strict=False)
+        if unexpected:
+            raise TicInputError(f"checkpoint {directory}: weights the model does not have: {unexpected[:3]}")
+        opt = directory / "optimizer.pt"
+        has_opt = opt.is_file()
+        if has_opt:
+            self.optimizer.load_state_dict(torch.load(opt, weights_only=True))
+        meta = json.loads((directory / "trainer.json").read_text()) if (directory / "trainer.json").is_file() else {}
+        self.version = int(meta.get("version", 0))
+        return {"version": self.version, "optimizer_state": has_opt, "missing_weights": list(missing)}
+
+
+@dataclass
+class SyncReport:
+    version: int
+    storage_moved: list[str]  # weights whose data pointer, shape or dtype changed: re-allocated, not copied
+    unequal: list[str]  # weights that differ from the trainer's after the sync
+    details: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.storage_moved and not self.unequal
+
+
+def sync_weights(trainer: PolicyGradientTrainer, rollout: Engine) -> SyncReport:
+    """Copy the trainer's weights into the rollout engine in place; check storage and values afterwards."""
+    before = rollout.weight_storage()
+    details = rollout.load_weights_inplace(trainer.weights(), trainer.version)
+    after = rollout.weight_storage()
+    moved = sorted(k for k in before if after.get(k) != before[k])
+    have = rollout.named_weights()
+    unequal = sorted(k for k, v in trainer.weights().items()
+                     if k not in have or not torch.equal(have[k].detach().cpu(), v.cpu()))
+    return SyncReport(trainer.version, moved, unequal, details)
+
+
+def rollout_and_recompute(rollout: Engine, train: Engine, prompts: list[list[int]], sampling: Sampling,
+                          version: int) -> tuple[list[Sample], list[torch.Tensor], dict]:
+    """Sample at the rollout engine's current weights, recompute with the train engine, compare (C5's metric).
+    Request ids are offset by the version so every step draws fresh samples."""
+    n = len(prompts)
+    samples = rollout.generate(prompts, sampling, [version * n + i for i in range(n)])
+    with torch.no_grad():
+        recompute = train.score(samples, sampling)
+    m = compare_logprobs([s.logprobs for s in samples], recompute, [s.mask for s in samples])
+    return samples, recompute, m

@@ -1,0 +1,108 @@
+"""`tic baseline run | freeze | approve | show`: the frozen, human-approved performance baseline (C1)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import click
+
+CONFIG_OPT = click.option("-c", "--config", "config_path", default="tic.yaml", show_default=True,
+                          type=click.Path(dir_okay=False, path_type=Path), help="tic.yaml to use")
+
+
+def _ctx(config_path: Path):
+    from tic.skill.config import load_config
+    from tic.skill.context import GateContext
+
+    return GateContext(load_config(config_path))
+
+
+def measure_baseline(ctx) -> tuple[dict, list[dict]]:
+    """The baseline side on the configured workload: (baseline.json record, per-request raw records)."""
+    import tic
+    from tic.harness.perf import measure_sides, pass_summary, side_fingerprint, spread
+
+    engine, env = ctx.perf_side("baseline")
+    wl, p = ctx.workload, ctx.cfg.perf
+    passes = measure_sides({"baseline": (engine, env)}, wl, ctx.vocab_size, p.warmup, p.repeats)
+    record = {
+        "workload": wl.as_dict(),
+        "fingerprint": side_fingerprint(engine, env, wl, ctx.model_hash),
+        "passes": [pass_summary(x) for x in passes],
+        "throughput_tok_s": spread([x["throughput_tok_s"] for x in passes]),
+        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config_hash": ctx.cfg.config_hash(), "tic_version": tic.__version__,
+    }
+    return record, [r for x in passes for r in x["requests"]]
+
+
+@click.group("baseline")
+def command():
+    """The performance baseline C1 freezes and C10 compares against: measure it on the workload of tic.yaml's
+    perf: section, freeze its files (content hash), and have a person approve it."""
+
+
+@command.command("run")
+@CONFIG_OPT
+@click.option("--replace", is_flag=True, help="discard a frozen baseline (and its approval) and measure anew")
+def run_cmd(config_path, replace):
+    """Measure the ordinary (non-consistent) rollout: per-request raw data and the environment fingerprint."""
+    from tic.harness.baseline import FREEZE, write_baseline
+    from tic.core.errors import TicInputError
+    from tic.skill import report
+
+    ctx = _ctx(config_path)
+    d = ctx.baseline_dir
+    if (d / FREEZE).exists() and not replace:
+        raise TicInputError(f"{d} holds a frozen baseline; `tic baseline run --replace` discards it (and its "
+                            "approval)")
+    with report.console().status("measuring the baseline rollout ..."):
+        record, requests = measure_baseline(ctx)
+    write_baseline(d, record, requests, replace=replace)
+    t = record["throughput_tok_s"]
+    click.echo(f"baseline written to {d}: {len(requests)} request records, median {t['median']:.1f} tok/s "
+               f"(min {t['min']:.1f}, max {t['max']:.1f}); next: `tic baseline freeze`")
+
+
+@command.command("freeze")
+@CONFIG_OPT
+def freeze_cmd(config_path):
+    """Record the content hash of the baseline files; any later edit fails C1 and C10."""
+    from tic.harness.baseline import freeze
+
+    rec = freeze(_ctx(config_path).baseline_dir)
+    click.echo(f"baseline frozen: {rec['hash'][:16]}; next: a person reviews it and runs "
+               "`tic baseline approve --by NAME`")
+
+
+@command.command("approve")
+@CONFIG_OPT
+@click.option("--by", "by", required=True, help="who reviewed and approves the frozen baseline")
+def approve_cmd(config_path, by):
+    """Human sign-off on the frozen baseline (its hash is recorded with the name)."""
+    from tic.harness.baseline import approve
+
+    rec = approve(_ctx(config_path).baseline_dir, by)
+    click.echo(f"baseline {rec['hash'][:16]} approved by {rec['by']}")
+
+
+@command.command("show")
+@CONFIG_OPT
+@click.option("--json", "as_json", is_flag=True, help="print the status as JSON on stdout")
+def show_cmd(config_path, as_json):
+    """Where the baseline stands: measured, frozen, approved, files unchanged."""
+    from tic.harness.baseline import verify
+
+    st = verify(_ctx(config_path).baseline_dir)
+    if as_json:
+        click.echo(json.dumps({k: v for k, v in asdict(st).items() if k != "record"} | {"valid": st.valid}))
+        return
+    t = st.record.get("throughput_tok_s", {})
+    click.echo(f"{st.directory}: exists={st.exists} frozen={st.frozen} approved={st.approved}"
+               + (f" by {st.approved_by}" if st.approved else "")
+               + (f", median {t['median']:.1f} tok/s" if t.get("median") else ""))
+    for p in st.all_problems:
+        click.echo(f"  - {p}")
