@@ -33,15 +33,19 @@ def measure(ctx) -> dict:
     samples, _, m = rollout_and_recompute(rollout, train, ctx.prompts, ctx.sampling, 0)
     rows = [_row(0, samples, m)]
     updates, syncs = [], []
-    for _ in range(t.updates):
+    for _ in range(t.updates if rows[0]["exact"] else 0):  # not diff = 0 before any update: C5 first
+        count = trainer.optimizer_steps  # counted around the whole RL step: a retried or extra update shows
         rep = trainer.step(samples, ctx.sampling)
         sync = sync_weights(trainer, rollout)
-        updates.append({"version": rep.version, "optimizer_updates": rep.updates, "loss": rep.loss,
+        updates.append({"version": rep.version, "optimizer_updates": trainer.optimizer_steps - count,
+                        "loss": rep.loss,
                         "reward_mean": rep.reward_mean, "changed_tensors": rep.changed_tensors})
         syncs.append({"version": sync.version, "storage_moved": sync.storage_moved, "unequal": sync.unequal,
                       "refreshed": sync.details.get("refreshed", [])})
         samples, _, m = rollout_and_recompute(rollout, train, ctx.prompts, ctx.sampling, trainer.version)
         rows.append(_row(trainer.version, samples, m))
+        if not rows[-1]["exact"]:
+            break  # the first weight version that differs is the finding; later ones add nothing
     path = ctx.artifacts("C8") / "steps.json"
     atomic_write_text(path, json.dumps({"compares": rows, "updates": updates, "syncs": syncs}, indent=2,
                                        default=str))
@@ -72,6 +76,10 @@ def judge(m: dict) -> Judgement:
                                  f"{x['optimizer_updates_per_step']} (training.updates_per_step = "
                                  f"{x['updates_per_step']}): later mini-batches train on weights the rollout "
                                  "did not sample from", key)
+    if x["exact_versions"] < x["versions_compared"] and x["updates"] < x["updates_required"]:
+        r = next(r for r in m["details"]["compares"] if not r["exact"])
+        return Judgement("fail", f"weight version {r['version']}: train differs from rollout ({r['diff']}); "
+                                 "stopped there", key)
     if x["updates"] < x["updates_required"]:
         return Judgement("fail", f"{x['updates']} update(s) run; C8 needs {x['updates_required']} consecutive "
                                  "updates (training.updates)", key)

@@ -71,6 +71,11 @@ class PolicyGradientTrainer:
     def _bump(self) -> None:
         self._count += 1
 
+    @property
+    def optimizer_steps(self) -> int:
+        """optimizer.step() calls since this trainer was built (counted by a hook, wherever they come from)."""
+        return self._count
+
     def step(self, samples: list[Sample], sampling: Sampling) -> StepReport:
         before = {k: v.detach().clone() for k, v in self.model.named_parameters()}
         start = self._count
@@ -161,3 +166,43 @@ def rollout_and_recompute(rollout: Engine, train: Engine, prompts: list[list[int
         recompute = train.score(samples, sampling)
     m = compare_logprobs([s.logprobs for s in samples], recompute, [s.mask for s in samples])
     return samples, recompute, m
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().clone().cpu() for k, v in tensors.items()}, str(path))
+
+
+def samples_as_tensors(samples: list[Sample], recompute: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A rollout and its recompute as named tensors (response ids, rollout and train logprobs per request)."""
+    out = {}
+    for i, (s, r) in enumerate(zip(samples, recompute)):
+        out[f"{i}.response_ids"] = torch.tensor(s.response_ids, dtype=torch.long)
+        out[f"{i}.rollout"] = s.logprobs
+        out[f"{i}.train"] = r
+    return out
+
+
+def restored_step(rollout: Engine, train: Engine, checkpoint: Path, prompts: list[list[int]], sampling: Sampling,
+                  lr: float, out_dir: Path) -> dict:
+    """The first RL step after a restore (run in a fresh process by C9): load the checkpoint into the trainer,
+    sync the rollout engine in place, rollout -> recompute -> one update. Writes rollout.safetensors (the
+    samples and both sides' logprobs) and updated.safetensors (the weights after the update)."""
+    trainer = PolicyGradientTrainer(train, lr, 1)
+    info = trainer.restore(checkpoint)
+    sync = sync_weights(trainer, rollout)
+    samples, recompute, m = rollout_and_recompute(rollout, train, prompts, sampling, trainer.version)
+    count = trainer.optimizer_steps
+    trainer.step(samples, sampling)
+    save_tensors(out_dir / "rollout.safetensors", samples_as_tensors(samples, recompute))
+    save_tensors(out_dir / "updated.safetensors", trainer.weights())
+    return {"restore": info, "sync_ok": sync.ok, "storage_moved": sync.storage_moved, "unequal": sync.unequal,
+            "diff": m, "optimizer_updates": trainer.optimizer_steps - count, "version": trainer.version}
+
+
+def equal_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose tensors are not bitwise equal (or exist on one side only)."""
+    return sorted(k for k in set(a) | set(b)
+                  if k not in a or k not in b or a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k]))

@@ -168,6 +168,59 @@ class GateContext:
                 self._engines[key] = build_engine(self, "rollout", side_cfg)
         return self._engines[key], env
 
+    # -- C9: a fresh process, and the scale-up stages --------------------------------------------------------
+    def restore_in_fresh_process(self, checkpoint: Path, out_dir: Path, timeout_s: float = 1800) -> dict:
+        """Run the first step after restoring `checkpoint` in a new Python process (tic.skill.rl_worker) with
+        this context's config; returns its result.json (its tensors stay in out_dir)."""
+        import json
+        import subprocess
+        import sys
+
+        from tic.core.fsio import atomic_write_text
+
+        job = out_dir / "job.json"
+        atomic_write_text(job, json.dumps({"config": self.cfg.model_dump(mode="json"),
+                                           "base_dir": str(Path(self.cfg.base_dir).resolve()),
+                                           "checkpoint": str(checkpoint.resolve()), "out": str(out_dir.resolve())}))
+        r = subprocess.run([sys.executable, "-m", "tic.skill.rl_worker", str(job)], capture_output=True, text=True,
+                           timeout=timeout_s)
+        if r.returncode == 2:
+            raise TicInputError(r.stderr.strip().splitlines()[-1].removeprefix("tic: error: "))
+        if r.returncode != 0 or not (out_dir / "result.json").is_file():
+            tail = " | ".join(r.stderr.strip().splitlines()[-3:])
+            raise RuntimeError(f"restore process exited {r.returncode}: {tail}")
+        return json.loads((out_dir / "result.json").read_text())
+
+    def scale_stage(self, stage, index: int) -> "GateContext":
+        """A context for one scale-up stage: another model directory and/or config.json changes (generated
+        weights), longer prompts, more generated tokens; same state directory."""
+        import json
+
+        from tic.core.fsio import atomic_write_text
+        from tic.harness.modelgen import has_weights, read_model_config
+
+        cfg = self.cfg.model_copy(deep=True)
+        cfg.base_dir = self.cfg.base_dir
+        if cfg.model is None:
+            raise TicInputError("scale_up needs a model")
+        src = self.cfg.resolve(stage.model_path) if stage.model_path is not None else self.model_source_dir
+        if stage.config:
+            if has_weights(src) or cfg.model.generate is None:
+                raise TicInputError(f"scale_up stage {index}: config changes need generated weights (model.generate "
+                                    "and no *.safetensors); point model_path at the larger model instead")
+            d = (self.artifacts("C9") / f"stage-{index}").resolve()
+            atomic_write_text(d / "config.json", json.dumps({**read_model_config(src), **stage.config}, indent=2))
+            src = d
+        cfg.model.path = Path(src).resolve()
+        if stage.prompt_len is not None:
+            cfg.prompts.min_len = min(cfg.prompts.min_len, stage.prompt_len)
+            cfg.prompts.max_len = stage.prompt_len
+        if stage.max_tokens is not None:
+            cfg.sampling.max_tokens = stage.max_tokens
+        sub = GateContext(cfg)
+        sub.state = self.state
+        return sub
+
     def live_rollout_engine(self, gate: str) -> Engine:
         eng = self.rollout_engine()
         if eng.dumped_samples() is not None:

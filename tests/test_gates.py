@@ -133,8 +133,11 @@ def test_stock_ladder_reports_real_divergences(example, workdir, tic, tmp_path):
     assert 0 < rec["C5"]["metrics"]["equal_fraction"] < 1
     assert rec["C2"]["verdict"] == "pass"
     assert rec["C7"]["verdict"] == "fail" and "train.kernels is stock" in rec["C7"]["reason"]
-    for g in ("C1", "C8", "C9", "C10"):
-        assert rec[g]["verdict"] == "unavailable"
+    assert rec["C1"]["verdict"] == "fail" and "no baseline" in rec["C1"]["reason"]
+    for g in ("C8", "C9"):  # not diff = 0 before any update: they stop at the first compare
+        assert rec[g]["verdict"] == "fail", rec[g]["reason"]
+        assert "not diff = 0" in rec[g]["reason"] or "version 0" in rec[g]["reason"]
+    assert rec["C10"]["verdict"] == "fail" and rec["C10"]["reason"].startswith("refused: C1 baseline")
     assert "<testsuite" in junit.read_text() and "failure" in junit.read_text()
     assert "C5" in err  # the table goes to stderr
 
@@ -154,8 +157,12 @@ def test_ladder_stops_at_first_failure_without_keep_going(example, workdir, tic)
     assert code == 1 and v == ["fail", "skipped", "skipped"]
 
 
-def test_unavailable_gate_is_never_a_pass(example, workdir, tic):
-    ex = example("tiny-qwen3")
-    code, out, _ = tic("gate", "C8", "-c", str(ex / "tic.yaml"), "--json")
-    r = json.loads(out)["results"][0]
-    assert code == 1 and r["verdict"] == "unavailable" and "later release" in r["reason"]
+def test_unavailable_gate_is_never_a_pass(example, workdir, monkeypatch):
+    from tic.gates.base import Gate
+    from tic.skill.runner import exit_code
+
+    declared = Gate(id="C8", title="declared only", step=4, measures="", pass_condition="", inputs=[],
+                    artifacts=[], guide="", implemented_by="a later release")
+    ctx = GateContext(load_config(example("tiny-qwen3") / "tic.yaml"))
+    r = run_gate(declared, ctx)
+    assert r.verdict == "unavailable" and "later release" in r.reason and exit_code([r]) == 1

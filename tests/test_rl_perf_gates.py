@@ -1,0 +1,260 @@
+"""C1, C8, C9, C10: each passes on the consistent CPU kernels and fails on its planted fault.
+
+A one-layer copy of the tiny Qwen3 keeps the RL steps and timing passes short."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tic.gates import get
+from tic.harness import baseline as bl
+from tic.harness.engines import hf
+from tic.harness.engines.hf import HFEngine
+from tic.harness.rl import PolicyGradientTrainer
+from tic.skill.baseline_cmd import measure_baseline
+from tic.skill.config import PerfConfig, load_config
+from tic.skill.context import GateContext
+from tic.skill.runner import run_gate
+
+SUPPORT = Path(__file__).resolve().parent / "support"
+SMALL_PERF = "perf: {requests: 2, input_len: 4, output_len: 4, concurrency: 2, repeats: 3, warmup: 0}\n"
+
+
+@pytest.fixture
+def small(example, workdir):
+    """A one-layer tiny Qwen3 with consistent kernels; returns its tic.yaml path."""
+    hf._MODELS.clear()
+    ex = example("tiny-qwen3")
+    c = json.loads((ex / "config.json").read_text())
+    c["num_hidden_layers"] = 1
+    (ex / "config.json").write_text(json.dumps(c))
+    y = ex / "t.yaml"
+    y.write_text("model: {path: ., dtype: float32, generate: {seed: 0}}\n"
+                 "rollout: {engine: hf, kernels: consistent}\ntrain: {engine: hf, kernels: consistent}\n"
+                 "prompts: {count: 2, min_len: 3, max_len: 6}\nsampling: {max_tokens: 4}\n"
+                 "locate: {enabled: false}\n" + SMALL_PERF)
+    yield y
+    hf._MODELS.clear()
+
+
+def ctx_of(path, **perf) -> GateContext:
+    cfg = load_config(path)
+    if perf:
+        cfg.perf = PerfConfig(**{**cfg.perf.model_dump(), **perf})
+    return GateContext(cfg)
+
+
+def frozen_baseline(ctx: GateContext) -> None:
+    record, requests = measure_baseline(ctx)
+    bl.write_baseline(ctx.baseline_dir, record, requests)
+    bl.freeze(ctx.baseline_dir)
+    bl.approve(ctx.baseline_dir, "reviewer")
+
+
+# ---- C1 ------------------------------------------------------------------------------------------------------
+def test_c1_needs_run_freeze_and_approval_and_fails_after_an_edit(small, tic):
+    c = str(small)
+    code, out, _ = tic("gate", "C1", "-c", c, "--json")
+    assert code == 1 and "no baseline" in json.loads(out)["results"][0]["reason"]
+    assert tic("baseline", "run", "-c", c)[0] == 0
+    d = GateContext(load_config(small)).baseline_dir
+    reqs = [json.loads(x) for x in (d / "requests.jsonl").read_text().splitlines()]
+    assert len(reqs) == 2 * 3 and {"latency_s", "output_tokens", "input_tokens"} <= set(reqs[0])
+    fp = json.loads((d / "baseline.json").read_text())["fingerprint"]
+    assert fp["engine"]["kernels"] == "stock" and "env" in fp["environment"] and "packages" in fp["environment"]
+    code, out, _ = tic("gate", "C1", "-c", c, "--json")
+    assert code == 1 and "not frozen" in json.loads(out)["results"][0]["reason"]
+    assert tic("baseline", "approve", "--by", "ann", "-c", c)[0] == 2  # nothing frozen to approve
+    assert tic("baseline", "freeze", "-c", c)[0] == 0
+    code, out, _ = tic("gate", "C1", "-c", c, "--json")
+    assert code == 1 and "not approved" in json.loads(out)["results"][0]["reason"]
+    assert tic("baseline", "approve", "--by", "ann", "-c", c)[0] == 0
+    code, out, _ = tic("gate", "C1", "-c", c, "--json")
+    assert code == 0, out
+    assert tic("baseline", "run", "-c", c)[0] == 2  # a frozen baseline is not overwritten silently
+    assert tic("baseline", "freeze", "-c", c)[0] == 2  # nor re-frozen
+
+    # planted fault: one raw timing edited after the freeze -> C1 and C10 fail
+    lines = (d / "requests.jsonl").read_text().splitlines()
+    r0 = json.loads(lines[0])
+    r0["latency_s"] *= 2
+    (d / "requests.jsonl").write_text("\n".join([json.dumps(r0, sort_keys=True)] + lines[1:]) + "\n")
+    code, out, _ = tic("gate", "C1", "-c", c, "--json")
+    r = json.loads(out)["results"][0]
+    assert code == 1 and "requests.jsonl changed after the freeze" in r["reason"]
+    code, out, _ = tic("gate", "C10", "-c", c, "--json")
+    r = json.loads(out)["results"][0]
+    assert code == 1 and r["reason"].startswith("refused: C1 baseline not valid")
+
+
+def test_c1_fails_when_refrozen_after_an_edit(small):
+    ctx = ctx_of(small)
+    frozen_baseline(ctx)
+    d = ctx.baseline_dir
+    rec = json.loads((d / "baseline.json").read_text())
+    rec["throughput_tok_s"]["median"] *= 0.5  # someone "slows" the baseline on paper ...
+    (d / "baseline.json").write_text(json.dumps(rec))
+    (d / bl.FREEZE).unlink()
+    bl.freeze(d)  # ... and freezes again: the approval no longer matches
+    res = run_gate(get("C1"), ctx)
+    assert res.verdict == "fail" and "another baseline hash" in res.reason
+
+
+# ---- C10 -----------------------------------------------------------------------------------------------------
+def test_c10_passes_at_the_floor_with_c5_reverified(small):
+    # both sides the same consistent engine: the ratio sits near 1 (a floor of 0.5 absorbs machine noise)
+    ctx = ctx_of(small, baseline={}, floor=0.5)
+    frozen_baseline(ctx)
+    res = run_gate(get("C10"), ctx)
+    assert res.verdict == "pass", res.reason
+    assert res.metrics["pairs"] == 3 and res.metrics["c5_exact"] is True
+    assert res.metrics["ratio_min"] <= res.metrics["ratio_median"] <= res.metrics["ratio_max"]
+    raw = (ctx.state.artifacts_dir("C10") / "requests.jsonl").read_text().splitlines()
+    assert len(raw) == 2 * 3 * 2 and {json.loads(x)["side"] for x in raw} == {"baseline", "consistent"}
+
+
+def test_c10_fails_below_the_floor(small, monkeypatch):
+    ctx = ctx_of(small, baseline={}, floor=0.5, repeats=2)
+    frozen_baseline(ctx)
+    cons, _ = ctx.perf_side("consistent")
+    slow = cons.generate_together
+
+    def slowed(*a, **k):  # planted: the consistent side does the same work three times
+        for _ in range(2):
+            slow(*a, **k)
+        return slow(*a, **k)
+
+    monkeypatch.setattr(cons, "generate_together", slowed)
+    res = run_gate(get("C10"), ctx)
+    assert res.verdict == "fail" and "below the floor" in res.reason and res.metrics["ratio_median"] < 0.5
+
+
+def test_c10_refuses_when_a_transport_variable_differs(small):
+    ctx = ctx_of(small)
+    frozen_baseline(ctx)
+    ctx.cfg.perf.consistent_env = {"NCCL_NET": "Socket"}  # planted: the consistent run pinned to another transport
+    res = run_gate(get("C10"), ctx)
+    assert res.verdict == "fail" and res.reason.startswith("refused") and "NCCL_NET" in res.reason
+
+
+def test_c10_refuses_a_baseline_changed_since_freezing(small):
+    ctx = ctx_of(small)
+    frozen_baseline(ctx)
+    ctx2 = ctx_of(small, baseline={"kernels": "stock", "batch_size": 1})
+    res = run_gate(get("C10"), ctx2)
+    assert res.verdict == "fail" and "differs from the frozen one" in res.reason and "batch_size" in res.reason
+
+
+# ---- C8 ------------------------------------------------------------------------------------------------------
+def test_c8_two_updates_with_in_place_sync_pass(small):
+    res = run_gate(get("C8"), ctx_of(small))
+    assert res.verdict == "pass", res.reason
+    m = res.metrics
+    assert m["versions_compared"] == 3 and m["optimizer_updates_per_step"] == [1, 1] and m["storage_moved"] == 0
+    assert m["unchanged_updates"] == 0
+
+
+def test_c8_fails_when_sync_reallocates_weights(small, monkeypatch):
+    @torch.no_grad()
+    def reallocating(self, weights, version):  # planted: new storage instead of a copy into the old one
+        own = dict(self.model.named_parameters())
+        for name, t in weights.items():
+            own[name].data = t.detach().clone()
+        self.weight_version = version
+        return {}
+
+    monkeypatch.setattr(HFEngine, "load_weights_inplace", reallocating)
+    res = run_gate(get("C8"), ctx_of(small))
+    assert res.verdict == "fail" and "re-allocated" in res.reason and res.metrics["storage_moved"] > 0
+
+
+def test_c8_fails_on_a_second_update_per_step(small, monkeypatch):
+    step = PolicyGradientTrainer.step
+
+    def twice(self, samples, sampling):  # planted: the step is retried, the weights update twice
+        step(self, samples, sampling)
+        return step(self, samples, sampling)
+
+    monkeypatch.setattr(PolicyGradientTrainer, "step", twice)
+    res = run_gate(get("C8"), ctx_of(small))
+    assert res.verdict == "fail" and "exactly 1 optimizer update" in res.reason
+    assert res.metrics["optimizer_updates_per_step"][0] == 2
+
+
+def test_c8_rejects_configured_mini_batch_updates(small):
+    ctx = ctx_of(small)
+    ctx.cfg.training.updates_per_step = 2
+    ctx.cfg.training.updates = 1
+    res = run_gate(get("C8"), ctx)
+    assert res.verdict == "fail" and "updates_per_step = 2" in res.reason
+
+
+# ---- C9 ------------------------------------------------------------------------------------------------------
+def test_c9_restore_in_a_fresh_process_and_scale_up_pass(small):
+    with open(small, "a") as f:
+        f.write("scale_up: [{name: deeper, config: {num_hidden_layers: 2}, prompt_len: 10, max_tokens: 6}]\n")
+    res = run_gate(get("C9"), ctx_of(small))
+    assert res.verdict == "pass", res.reason
+    m = res.metrics
+    assert m["update_identical"] and m["rollout_identical"] and m["restored_exact"] and m["exact_stages"] == 1
+    assert res.details["restore"]["restore"]["optimizer_state"] is True
+    assert res.details["stages"][0]["layers"] == 2 and res.details["stages"][0]["prompt_len"] == 10
+
+
+def test_c9_fails_when_the_restore_drops_optimizer_state(small, monkeypatch):
+    monkeypatch.setenv("TIC_PRELOAD", "tic_fault_drop_optimizer_state")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SUPPORT), os.environ.get("PYTHONPATH")])))
+    res = run_gate(get("C9"), ctx_of(small))
+    assert res.verdict == "fail" and "first update after restore differs" in res.reason, res.reason
+    assert res.metrics["rollout_identical"] and res.metrics["restored_exact"]  # only the update differs
+
+
+def test_c9_without_scale_up_stages_does_not_pass(small, monkeypatch):
+    # the restore part stands in as identical: only the missing scale-up list is judged here
+    ctx = ctx_of(small)
+    from tic.gates import c9
+
+    monkeypatch.setattr(c9, "_restore", lambda ctx: {
+        "before_checkpoint_exact": True, "uninterrupted_exact": True, "restored_exact": True, "restored_diff": "",
+        "restored_sync_ok": True, "restored_optimizer_updates": 1, "restore": {}, "rollout_differs": [],
+        "update_differs": [], "checkpoint": ""})
+    res = run_gate(get("C9"), ctx)
+    assert res.verdict == "fail" and "scale_up lists no stage" in res.reason
+
+
+def test_rl_gates_stop_early_when_diff_is_not_0_before_any_update(small):
+    ctx = ctx_of(small)
+    ctx.cfg.rollout.kernels = "stock"  # stock kernels: rollout and recompute already differ at version 0
+    r8, r9 = run_gate(get("C8"), ctx), run_gate(get("C9"), ctx)
+    assert r8.verdict == "fail" and r8.metrics["versions_compared"] == 1 and "weight version 0" in r8.reason
+    assert r9.verdict == "fail" and "not diff = 0" in r9.reason and r9.metrics["stages"] == 0
+
+
+@pytest.mark.parametrize("refresh", [True, False])
+def test_c8_weight_derived_tensors_must_be_recomputed(small, monkeypatch, refresh):
+    """The rollout head runs from a derived copy of its weight (as fused or quantized weights are): a sync that
+    rebuilds it passes; one that leaves it stale fails at the first new weight version."""
+    from tic.harness.kernels.consistent_cpu import row_linear
+
+    build = GateContext.private_engine
+
+    def with_derived_head(self, side, gate):
+        eng = build(self, side, gate)
+        if side == "rollout":
+            head = eng.model.lm_head
+            head.derived = head.weight.detach().clone()
+            head.forward = lambda x: row_linear(x, head.derived)
+            if refresh:
+                head.tic_refresh_derived = lambda: head.derived.copy_(head.weight.detach())
+        return eng
+
+    monkeypatch.setattr(GateContext, "private_engine", with_derived_head)
+    res = run_gate(get("C8"), ctx_of(small))
+    if refresh:
+        assert res.verdict == "pass", res.reason
+        assert res.details["syncs"][0]["refreshed"] == ["lm_head"]
+    else:
+        assert res.verdict == "fail" and "weight version 1" in res.reason
