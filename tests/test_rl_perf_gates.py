@@ -258,3 +258,13 @@ def test_c8_weight_derived_tensors_must_be_recomputed(small, monkeypatch, refres
         assert res.details["syncs"][0]["refreshed"] == ["lm_head"]
     else:
         assert res.verdict == "fail" and "weight version 1" in res.reason
+
+
+def test_rl_gates_are_unavailable_without_in_place_weight_sync(small, monkeypatch):
+    def no_sync(self):  # as an engine whose weight sync is not wired (vLLM today)
+        raise NotImplementedError("engine 'x' has no in-place weight sync")
+
+    monkeypatch.setattr(HFEngine, "weight_storage", no_sync)
+    for g in ("C8", "C9"):
+        res = run_gate(get(g), ctx_of(small))
+        assert res.verdict == "unavailable" and "in-place weight sync" in res.reason
