@@ -96,7 +96,10 @@ def side_fingerprint(engine: Engine, env: dict[str, str], workload: Workload, mo
 
 def switch_allowance(engine: Engine) -> set[str]:
     """The fingerprint keys that may differ between baseline and consistent rollout: the consistency switch."""
-    return {f"engine.{k}" for k in engine.switch_keys} | {f"environment.env.{k}" for k in engine.switch_env}
+    allowed = {f"engine.{k}" for k in engine.switch_keys} | {f"environment.env.{k}" for k in engine.switch_env}
+    if "patches" in engine.switch_keys:  # the patches active in the process follow the engine's own list
+        allowed.add("environment.patches")
+    return allowed
 
 
 def measure_sides(sides: dict[str, tuple[Engine, dict[str, str]]], workload: Workload, vocab_size: int,

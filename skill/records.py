@@ -12,6 +12,7 @@ from tic.harness.fingerprint import environment_fingerprint  # noqa: F401 - ever
 
 Verdict = Literal["pass", "fail", "unavailable", "error", "skipped"]
 
+
 class GateResult(BaseModel):
     gate: str
     title: str

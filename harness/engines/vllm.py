@@ -169,8 +169,9 @@ def _apply_patches(names: list[str]) -> list[str]:
 
 class VLLMEngine(Engine):
     name = "vllm"
-    switch_keys = ("batch_invariant",)
-    switch_env = ("VLLM_BATCH_INVARIANT",)
+    # the consistency switch: batch-invariant mode and tic's bundled patches (rollout.patches -> TIC_PATCHES)
+    switch_keys = ("batch_invariant", "patches")
+    switch_env = ("VLLM_BATCH_INVARIANT", "TIC_PATCHES")
 
     def __init__(self, model_dir: Path, dtype: str, options: dict, batch_size: int, max_positions: int,
                  vocab_size: int, patch_names: list[str] | None = None):
@@ -227,10 +228,11 @@ class VLLMEngine(Engine):
 
     @classmethod
     def baseline_changes(cls, side_cfg) -> dict:
-        return {"options": {**side_cfg.options, "batch_invariant": False}}
+        return {"options": {**side_cfg.options, "batch_invariant": False}, "patches": []}
 
     def fingerprint(self) -> dict:
         return {"engine": self.name, "vllm": self.vllm_version, "batch_invariant": self.batch_invariant,
+                "patches": list(self.patches),
                 "batch_size": self.batch_size,
                 "llm": {k: v if isinstance(v, (int, float, bool, str, type(None))) else json.dumps(v, default=str)
                         for k, v in self.llm_kwargs.items()}}
