@@ -53,7 +53,9 @@ class RopeTable:
     def get(self, need: int, device) -> torch.Tensor:
         if self.table is None or self.table.shape[0] < need or self.table.device != torch.device(device):
             n = max(need, int(getattr(self.rotary, "max_seq_len_cached", 0) or 0), 1)
-            self.table = self.provider.cos_sin_cache(self.rotary, self.config, n, self.dtype, device)
+            # a normal tensor even when first built under inference_mode: the same model may train next (C8)
+            with torch.inference_mode(False), torch.no_grad():
+                self.table = self.provider.cos_sin_cache(self.rotary, self.config, n, self.dtype, device)
         return self.table
 
 
