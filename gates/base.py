@@ -33,6 +33,11 @@ class Gate:
     needs_model: bool = True
     locate_on_fail: bool = False
     implemented_by: str = ""  # for unavailable gates: which release/issue brings them
+    # Inputs the gate reads, checked before a run writes anything: any of "model", "rollout", "train",
+    # "prompts", "layouts", "cut" (tic.skill.preflight); None = all of them.
+    reads: tuple[str, ...] | None = None
+    # Gate-specific input checks (e.g. a comparison that would compare a thing with itself), run before any write.
+    validate: Callable[[Any], None] | None = None
 
     @property
     def available(self) -> bool:

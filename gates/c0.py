@@ -57,5 +57,5 @@ GATE = Gate(
     pass_condition="a manifest with at least one layer is written, and nothing is rejected: no TP>1 on the "
                    "compared path, exactly 1 update per step, no speculative decoding/MTP",
     inputs=["model.path (config.json, *.safetensors headers)", "rollout/train options", "training"],
-    artifacts=["artifacts/C0/manifest.json"], guide="guides/C0.md",
+    artifacts=["artifacts/C0/manifest.json"], guide="guides/C0.md", reads=("model",),
     measure=measure, judge=judge)

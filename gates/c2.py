@@ -49,4 +49,4 @@ GATE = Gate(
                    "source layer on the same hidden states",
     inputs=["model.path (the full model)", "cut: out/layers/max_layers (optional; else cut into artifacts/C2/cut)"],
     artifacts=["artifacts/C2/check.json", "artifacts/C2/cut/ (when tic.yaml has no cut.out)"],
-    guide="guides/C2.md", measure=measure, judge=judge)
+    guide="guides/C2.md", measure=measure, judge=judge, reads=("model", "cut"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from tic.gates.base import Gate, Judgement
 from tic.harness.layouts import probe_batch
 from tic.harness.metrics import compare_generation
+from tic.core.errors import TicInputError
 
 
 def measure(ctx) -> dict:
@@ -29,6 +30,8 @@ def measure(ctx) -> dict:
                 if first is None and c["first_mismatch"]:
                     first = {"layout": layout, "probe": p, "batch_size": size, "index_in_batch": at,
                              **c["first_mismatch"]}
+    if not rows:
+        raise TicInputError("C3 has nothing to compare (no probe, batch size or position)")
     return {
         "metrics": {"comparisons": len(rows), "identical_requests": identical, "compared_tokens": compared,
                     "equal_tokens": equal, "equal_fraction": equal / compared if compared else 0.0,
@@ -53,4 +56,5 @@ GATE = Gate(
              "sampled tokens and their logprobs compared bit for bit",
     pass_condition="every probe's tokens and logprobs are bitwise identical in every layout (100% equal)",
     inputs=["rollout engine (live)", "prompts", "sampling", "layouts"], artifacts=[], guide="guides/C3.md",
-    measure=measure, judge=judge, locate_on_fail=True)
+    measure=measure, judge=judge, locate_on_fail=True, reads=("rollout", "prompts", "layouts"),
+    validate=lambda ctx: ctx.require_live("rollout", "C3"))

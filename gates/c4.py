@@ -30,4 +30,5 @@ GATE = Gate(
              "rollout engine; |p_decode - p_prefill| per token, k3 KL, bitwise-equal fraction",
     pass_condition="max, mean and std of |dp| and k3 KL are exactly 0 and 100% of logprobs are bitwise equal",
     inputs=["rollout engine (live)", "prompts", "sampling"], artifacts=[], guide="guides/C4.md",
-    measure=measure, judge=judge, locate_on_fail=True)
+    measure=measure, judge=judge, locate_on_fail=True, reads=("rollout", "prompts"),
+    validate=lambda ctx: ctx.require_live("rollout", "C4"))

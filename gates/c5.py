@@ -4,13 +4,18 @@ sampled token bit for bit (the method's diff = 0)."""
 from __future__ import annotations
 
 from tic.gates.base import Gate, Judgement
+from tic.harness.engines.dump import compare_dump_files
 from tic.harness.metrics import compare_logprobs, is_exact_match, summary
 
 
 def measure(ctx) -> dict:
-    samples = ctx.rollout_samples()
-    train = ctx.train_logprobs()
-    m = compare_logprobs([s.logprobs for s in samples], train, [s.mask for s in samples])
+    dumps = ctx.dump_paths()
+    if dumps is not None:  # both sides recorded: stream the two files together
+        m = compare_dump_files(*dumps)
+    else:
+        samples = ctx.rollout_samples()
+        train = ctx.train_logprobs()
+        m = compare_logprobs([s.logprobs for s in samples], train, [s.mask for s in samples])
     return {"metrics": m, "details": {"rollout": ctx.cfg.rollout.engine, "train": ctx.cfg.train.engine}}
 
 
@@ -30,4 +35,4 @@ GATE = Gate(
              "first mismatch with its ulp distance; from live engines or from dumps",
     pass_condition="max = mean = std = k3 KL = 0 exactly and every logprob bitwise equal (diff = 0)",
     inputs=["rollout engine or dump", "train engine or dump", "prompts", "sampling"], artifacts=[],
-    guide="guides/C5.md", measure=measure, judge=judge, locate_on_fail=True)
+    guide="guides/C5.md", measure=measure, judge=judge, locate_on_fail=True, reads=("rollout", "train", "prompts"))

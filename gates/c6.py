@@ -6,9 +6,11 @@ from __future__ import annotations
 from tic.gates.base import Gate, Judgement
 from tic.harness.layouts import describe_train_layout
 from tic.harness.metrics import compare_logprobs, is_exact_match
+from tic.core.errors import TicInputError
 
 
 def measure(ctx) -> dict:
+    validate(ctx)
     samples = ctx.rollout_samples()
     masks = [s.mask for s in samples]
     reference = ctx.train_logprobs()
@@ -34,6 +36,17 @@ def measure(ctx) -> dict:
     }
 
 
+def validate(ctx) -> None:
+    """Each layout must differ from the configured train layout: comparing a layout with itself proves nothing."""
+    ctx.require_live("train", "C6")
+    ref = ctx.cfg.train
+    for i, lay in enumerate(ctx.cfg.layouts.train):
+        changes = lay.changes()
+        if all(getattr(ref, k) == v for k, v in changes.items()):
+            raise TicInputError(f"layouts.train[{i}] ({describe_train_layout(changes)}) is the configured train "
+                                "layout itself; C6 would compare it with itself")
+
+
 def judge(m: dict) -> Judgement:
     x = m["metrics"]
     key = f"{100 * x['equal_fraction']:.1f}% tokens equal, {x['identical_layouts']}/{x['layouts']} layouts identical"
@@ -51,4 +64,5 @@ GATE = Gate(
              "padding side, packing) vs the configured train layout, bit for bit",
     pass_condition="every layout's logprobs are bitwise equal to the reference layout's (100% equal tokens)",
     inputs=["train engine (live)", "rollout samples", "layouts.train"], artifacts=[], guide="guides/C6.md",
-    measure=measure, judge=judge, locate_on_fail=True)
+    measure=measure, judge=judge, locate_on_fail=True, reads=("rollout", "train", "prompts", "layouts"),
+    validate=validate)

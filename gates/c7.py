@@ -100,4 +100,5 @@ GATE = Gate(
                    "finite, and no backward saw its weights change since its forward (the only gate with a "
                    "tolerance)",
     inputs=["train engine (hf, kernels consistent or vllm)", "rollout samples", "gradients (thresholds)"],
-    artifacts=["artifacts/C7/gradients.json"], guide="guides/C7.md", measure=measure, judge=judge)
+    artifacts=["artifacts/C7/gradients.json"], guide="guides/C7.md", measure=measure, judge=judge,
+    reads=("rollout", "train", "prompts"), validate=lambda ctx: ctx.require_live("train", "C7"))

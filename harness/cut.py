@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tic.harness.cut_config import rewrite_config
 from tic.harness.families import Family, family
-from tic.harness.inventory import LAYER_RE, QUANT_SUFFIXES, tensor_locations
+from tic.harness.inventory import LAYER_RE, QUANT_SUFFIXES, tensor_locations, weight_files
 from tic.harness.layer_structure import ModelStructure, digest, label, model_structure, text_config
 from tic.core.errors import TicInputError
 from tic.core.fsio import atomic_write_text
@@ -383,20 +383,60 @@ def write_cut(model_dir: Path, out_dir: Path, plan: dict, max_shard_bytes: int =
     return record
 
 
-def _check_out_dir(model_dir: Path, out_dir: Path) -> None:
-    if out_dir.resolve() == model_dir.resolve():
-        raise TicInputError("OUT_DIR is the model directory; choose another")
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / CUT_RECORD).is_file():
-        raise TicInputError(f"{out_dir} exists, is not empty and holds no earlier cut; choose an empty OUT_DIR")
+def is_tic_cut(d: Path) -> bool:
+    """Whether d holds a cut tic wrote (its cut record names a source and the kept layers)."""
+    try:
+        rec = json.loads((Path(d) / CUT_RECORD).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(rec, dict) and isinstance(rec.get("source"), str) and isinstance(rec.get("layers"), list)
+
+
+def check_out_dir(model_dir: Path, out_dir: Path) -> None:
+    """A cut may only replace what tic made: OUT_DIR must not overlap the model directory in either direction,
+    must not be a file or a link, and if it holds anything, that must be an earlier tic cut."""
+    src, out = Path(model_dir).resolve(), Path(out_dir).resolve()
+    if out == src:
+        raise TicInputError(f"OUT_DIR {out_dir} is the model directory; choose another")
+    if out.is_relative_to(src):
+        raise TicInputError(f"OUT_DIR {out_dir} lies inside the model directory {model_dir}; choose one outside it")
+    if src.is_relative_to(out):
+        raise TicInputError(f"OUT_DIR {out_dir} contains the model directory {model_dir}; choose one beside it")
+    out_dir = Path(out_dir)
+    if out_dir.is_symlink():
+        raise TicInputError(f"OUT_DIR {out_dir} is a symbolic link; give the directory it points to")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise TicInputError(f"OUT_DIR {out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not is_tic_cut(out_dir):
+        raise TicInputError(f"OUT_DIR {out_dir} is not empty and holds no earlier tic cut; choose an empty OUT_DIR")
+
+
+def cut_settings(layers, max_layers: int) -> dict:
+    """What a cut was asked for, in one normal form (kept in its record: a changed request means a new cut)."""
+    try:
+        spec = "auto" if layers is None or (isinstance(layers, str) and layers.strip().lower() == "auto") else (
+            sorted(int(x) for x in (layers if isinstance(layers, list) else str(layers).split(",")) if str(x).strip()))
+    except (TypeError, ValueError):
+        spec = str(layers)  # not a valid request; parse_layers says why when the cut is planned
+    return {"layers": spec, "max_layers": int(max_layers)}
 
 
 def cut_model(model_dir: Path, out_dir: Path, layers=None, max_layers: int = 6, min_layers: int = 4,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD, fsync: bool = False) -> dict:
-    """Plan (layers, proven config, mapping) and write the cut; returns the cut record."""
+              max_shard_bytes: int = DEFAULT_MAX_SHARD, fsync: bool = False, dry_run: bool = False,
+              source_hash: str | None = None) -> dict:
+    """Plan (layers, proven config, mapping) and write the cut; returns the cut record. dry_run=True checks
+    everything a cut reads (config, headers, layer choice, OUT_DIR) and writes nothing. source_hash (the
+    model's content hash, when the caller has it) goes into the record, so C2 can tell a cut of the model as it
+    is now from one of an earlier version."""
     t0 = time.perf_counter()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    _check_out_dir(model_dir, out_dir)
+    check_out_dir(model_dir, out_dir)
+    if not weight_files(model_dir):
+        raise TicInputError(f"no weights found in {model_dir} (no *.safetensors)")
     plan = plan_cut(model_dir, layers, max_layers, min_layers)
+    if dry_run:
+        return {"layers": plan["layers"], "source_layers": plan["source_layers"]}
+    plan.update(source_hash=source_hash, settings=cut_settings(layers, max_layers))
     plan_s = time.perf_counter() - t0
     record = write_cut(model_dir, out_dir, plan, max_shard_bytes, fsync)
     record["plan_seconds"] = round(plan_s, 3)
@@ -417,6 +457,6 @@ def read_cut_record(cut_dir: Path) -> dict:
     return rec
 
 
-__all__ = ["CutPlan", "choose_layers", "cut_model", "decoder_prefix", "decoder_tensors", "layer_keys", "layer_signatures",
+__all__ = ["CutPlan", "check_out_dir", "choose_layers", "cut_model", "cut_settings", "is_tic_cut", "decoder_prefix", "decoder_tensors", "layer_keys", "layer_signatures",
            "map_tensor_names", "parse_layers", "plan_cut", "read_cut_record", "rewrite_config", "write_cut",
            "LAYER_RE"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tic.harness.cut import (CUT_RECORD, cut_model, decoder_prefix, decoder_tensors, layer_keys,
-                             layer_signatures)
-from tic.harness.inventory import build_manifest, tensor_table
+from tic.harness.cut import (CUT_RECORD, cut_model, cut_settings, decoder_prefix, decoder_tensors, is_tic_cut,
+                             layer_keys, layer_signatures)
+from tic.harness.inventory import build_manifest, tensor_locations, tensor_table
 from tic.harness.layer_structure import (auto_class_for, first_difference, layer_structure,
                                          loaded_layers, text_config)
 from tic.harness.vllm_load import vllm_available, vllm_generates
@@ -192,6 +192,8 @@ def check_cut(full_dir: Path, cut_dir: Path) -> dict:
         if (ft[name]["dtype"], ft[name]["shape"]) != (ct[name]["dtype"], ct[name]["shape"]):
             problems.append(f"non-layer tensor {name}: {ct[name]['dtype']}{ct[name]['shape']} vs source "
                             f"{ft[name]['dtype']}{ft[name]['shape']}")
+    # 2b. every kept tensor's bytes equal the source's (a cut of another version of the model fails here)
+    problems += differing_bytes(full_dir, cut_dir, kept, fp, cp)
     # 3. loads; 4. fidelity
     full, finfo = load_hf(full_dir)
     if full is None:
@@ -234,29 +236,79 @@ def check_cut(full_dir: Path, cut_dir: Path) -> dict:
             "explanation": rec.get("explanation", []), "notes": rec.get("notes", []), "engines_checked": engines}
 
 
+def _same_bytes(a: dict, b: dict, chunk: int = 16 << 20) -> bool:
+    if a["end"] - a["start"] != b["end"] - b["start"]:
+        return False
+    with open(a["path"], "rb") as fa, open(b["path"], "rb") as fb:
+        fa.seek(a["start"])
+        fb.seek(b["start"])
+        left = a["end"] - a["start"]
+        while left:
+            n = min(chunk, left)
+            if fa.read(n) != fb.read(n):
+                return False
+            left -= n
+    return True
+
+
+def differing_bytes(full_dir: Path, cut_dir: Path, kept: list[int], full_prefix: str, cut_prefix: str) -> list[str]:
+    """Problems for kept tensors (decoder layers and the rest) whose bytes differ from the source tensor's."""
+    floc, cloc = tensor_locations(full_dir), tensor_locations(cut_dir)
+    fl, cl = decoder_tensors(floc, full_prefix), decoder_tensors(cloc, cut_prefix)
+    out = []
+    for j, i in enumerate(kept):
+        src, got = fl.get(i, {}), cl.get(j, {})
+        out += [f"cut layer {j} (source {i}): {name} bytes differ from the source"
+                for name in sorted(set(src) & set(got)) if not _same_bytes(src[name], got[name])]
+    in_layers = ({f"{full_prefix}layers.{i}.{r}" for i, t in fl.items() for r in t}
+                 | {f"{cut_prefix}layers.{j}.{r}" for j, t in cl.items() for r in t})
+    out += [f"tensor {name}: bytes differ from the source (cut from another version of the model?)"
+            for name in sorted((set(floc) & set(cloc)) - in_layers) if not _same_bytes(floc[name], cloc[name])]
+    return out
+
+
 def problems_block_fidelity(problems: list[str]) -> bool:
     """Fidelity needs each cut layer to be the right module; a layer-count mismatch makes that meaningless."""
     return any(p.startswith("cut config declares") or p.startswith("cut record names") for p in problems)
 
 
-def cut_dir_for(ctx) -> Path:
-    """The cut under test: `cut.out` from tic.yaml, or .tic/artifacts/C2/cut; made when absent."""
+def cut_target(ctx) -> tuple[Path, bool]:
+    """The cut under test (`cut.out` from tic.yaml, or .tic/artifacts/C2/cut) and whether it must be (re)built.
+    A tic cut is reused only if it was cut from the configured model as it is now (content hash, recorded when
+    C2 made it) with the configured settings; otherwise it is rebuilt. Everything the build would read is checked here, and nothing
+    is written, so a bad cut setting stops a run before its first write."""
     section = getattr(ctx.cfg, "cut", None)
-    out = ctx.cfg.resolve(section.out) if section is not None and section.out else ctx.artifacts("C2") / "cut"
-    full = ctx.model_dir
-    rec = out / CUT_RECORD
-    if rec.is_file():
-        try:
-            src = json.loads(rec.read_text()).get("source")
-        except json.JSONDecodeError:
-            src = None
-        if src == str(Path(full).resolve()):
-            return out
-        if section is not None and section.out:
-            raise TicInputError(f"cut.out {out} was cut from {src}, not from the configured model {full}")
-    elif out.exists() and any(out.iterdir()):
-        return out  # a cut without record: checked, and failed for it
+    user_out = section is not None and section.out is not None
+    out = ctx.cfg.resolve(section.out) if user_out else ctx.state.artifacts_dir("C2") / "cut"
+    full = Path(ctx.model_dir)
     layers = section.layers if section is not None else "auto"
     max_layers = section.max_layers if section is not None else 6
-    cut_model(full, out, layers=layers, max_layers=max_layers)
+    want = cut_settings(layers, max_layers)
+    if is_tic_cut(out):
+        rec = json.loads((out / CUT_RECORD).read_bytes())
+        same_source = rec.get("source") == str(full.resolve())
+        if user_out and not same_source:
+            raise TicInputError(f"cut.out {out} was cut from {rec.get('source')}, not from the configured "
+                                f"model {full}")
+        if user_out and rec.get("settings") != want:
+            raise TicInputError(f"cut.out {out} was cut with {rec.get('settings')}, tic.yaml asks for {want}; "
+                                "rerun `tic cut -c tic.yaml` or make cut: match the cut")
+        # A cut made by `tic cut` records no source hash: C2 compares its bytes with the source instead.
+        fresh = rec.get("source_hash") == ctx.model_hash or (user_out and rec.get("source_hash") is None)
+        if same_source and rec.get("settings") == want and fresh:
+            cut_model(full, out, layers=layers, max_layers=max_layers, dry_run=True)  # settings still valid
+            return out, False
+    elif user_out and out.is_dir() and any(out.iterdir()):
+        return out, False  # a cut without record: checked, and failed for it
+    cut_model(full, out, layers=layers, max_layers=max_layers, dry_run=True)
+    return out, True
+
+
+def cut_dir_for(ctx) -> Path:
+    """The cut under test, (re)built when absent or stale."""
+    out, build = cut_target(ctx)
+    if build:
+        section = getattr(ctx.cfg, "cut", None)
+        cut_model(ctx.model_dir, out, layers=section.layers if section is not None else "auto",
+                  max_layers=section.max_layers if section is not None else 6, source_hash=ctx.model_hash)
     return out

@@ -9,7 +9,10 @@ rules (a layer holding `mlp.experts.*` is MoE whatever the config says).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+
+from tic.core.errors import TicInputError
 
 # layer-type strings used in config lists -> (attention kind, mlp kind); None leaves the default in place
 LAYER_TYPE_NAMES = {"full_attention": ("full", None), "sliding_attention": ("sliding", None),
@@ -86,6 +89,16 @@ NOT_PER_LAYER: frozenset = frozenset({
 QUANT_NAME_LISTS = ("ignore", "exclude_modules", "modules_to_not_convert", "ignored_layers", "skip_modules")
 
 
+def int_field(cfg: dict, key: str, default: int = 0) -> int:
+    """An integer config.json field (absent or null: default); any other type is a config error, said as such."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TicInputError(f"config.json: {key} must be an integer, got {json.dumps(v)}")
+    return v
+
+
 def family(model_type: str) -> Family | None:
     return FAMILIES.get(model_type)
 
@@ -94,13 +107,13 @@ def num_layers(cfg: dict) -> int:
     """Layer count: num_hidden_layers, or the length of the family's per-layer type list when that is absent."""
     fam = family(cfg.get("model_type", "")) or Family()
     if cfg.get("num_hidden_layers") is not None and fam.layer_types_key not in cfg:
-        return int(cfg["num_hidden_layers"])
+        return int_field(cfg, "num_hidden_layers")
     types = cfg.get(fam.layer_types_key)
     if isinstance(types, list):
         return len(types)
     if fam.pattern_key and isinstance(cfg.get(fam.pattern_key), str):
         return len(cfg[fam.pattern_key])
-    return int(cfg.get("num_hidden_layers") or 0)
+    return int_field(cfg, "num_hidden_layers")
 
 
 def layer_kinds(cfg: dict) -> list[dict]:
@@ -127,16 +140,19 @@ def layer_kinds(cfg: dict) -> list[dict]:
         if fam.one_block_per_layer:
             return out
     elif fam.attention == "qwen2_window" and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
-        start = int(cfg.get("max_window_layers", n))
+        start = int_field(cfg, "max_window_layers", n)
         for i in range(start, n):
             out[i]["attention"] = "sliding"
-    n_exp = int(cfg.get(fam.experts_key) or 0)
+    n_exp = int_field(cfg, fam.experts_key)
     for i in range(n):
         if fam.moe == "all" and n_exp:
             out[i]["mlp"] = "moe"
         elif fam.moe == "sparse_step" and n_exp:
-            step = int(cfg.get("decoder_sparse_step", 1) or 1)
-            dense = set(cfg.get("mlp_only_layers") or [])
+            step = int_field(cfg, "decoder_sparse_step", 1) or 1
+            dense = cfg.get("mlp_only_layers") or []
+            if not isinstance(dense, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in dense):
+                raise TicInputError(f"config.json: mlp_only_layers must be a list of layer indices, got {json.dumps(dense)}")
+            dense = set(dense)
             out[i]["mlp"] = "moe" if (i not in dense and (i + 1) % step == 0) else "dense"
         elif fam.moe == "first_k_dense" and n_exp:
             out[i]["mlp"] = "moe" if first_k_dense_is_moe(i, cfg) else "dense"
@@ -144,6 +160,6 @@ def layer_kinds(cfg: dict) -> list[dict]:
 
 
 def first_k_dense_is_moe(i: int, cfg: dict) -> bool:
-    k = int(cfg.get("first_k_dense_replace", 0) or 0)
-    freq = int(cfg.get("moe_layer_freq", 1) or 1)
+    k = int_field(cfg, "first_k_dense_replace")
+    freq = int_field(cfg, "moe_layer_freq", 1) or 1
     return i >= k and i % freq == 0

@@ -12,7 +12,7 @@ import struct
 from collections import defaultdict
 from pathlib import Path
 
-from tic.harness.families import family, layer_kinds
+from tic.harness.families import family, int_field, layer_kinds
 from tic.core.errors import TicInputError
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
@@ -31,10 +31,32 @@ def read_safetensors_header(path: Path, with_size: bool = False):
             if n > 100 * 1024 * 1024:
                 raise TicInputError(f"{path}: implausible safetensors header size {n}")
             header = json.loads(f.read(n))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise TicInputError(f"{path}: unreadable safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise TicInputError(f"{path}: safetensors header is a JSON {type(header).__name__}, not an object")
     header.pop("__metadata__", None)
+    for name, info in header.items():
+        _check_entry(path, name, info)
     return (header, 8 + n) if with_size else header
+
+
+def _check_entry(path: Path, name: str, info) -> None:
+    """One header entry: {dtype: str, shape: [int >= 0], data_offsets: [start, end]} (the safetensors format)."""
+    def ints(v):
+        return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+
+    if not isinstance(info, dict):
+        raise TicInputError(f"{path}: tensor {name!r}: header entry is not an object")
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in info:
+            raise TicInputError(f"{path}: tensor {name!r}: header entry lacks {key}")
+    if not isinstance(info["dtype"], str):
+        raise TicInputError(f"{path}: tensor {name!r}: dtype is not a string")
+    if not ints(info["shape"]):
+        raise TicInputError(f"{path}: tensor {name!r}: shape is not a list of non-negative integers")
+    if not ints(info["data_offsets"]) or len(info["data_offsets"]) != 2:
+        raise TicInputError(f"{path}: tensor {name!r}: data_offsets is not [start, end]")
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -43,9 +65,11 @@ def weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            wm = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, RecursionError) as e:
             raise TicInputError(f"{index}: malformed index ({e})") from None
+        if not isinstance(wm, dict) or not all(isinstance(f, str) and f and Path(f).name == f for f in wm.values()):
+            raise TicInputError(f"{index}: weight_map must map tensor names to shard file names in the model directory")
         files = sorted({model_dir / f for f in wm.values()})
     else:
         files = sorted(model_dir.glob("*.safetensors"))
@@ -148,7 +172,7 @@ def build_manifest(model_dir: Path, config: dict, layer_prefix: str | None = Non
         "transitions": [list(t) for t in transitions],
         "dtypes": sorted({t["dtype"] for t in table.values()}),
         "quantization_config": config.get("quantization_config"),
-        "mtp_layers": int(config.get("num_nextn_predict_layers") or 0),
+        "mtp_layers": int_field(config, "num_nextn_predict_layers"),
         "non_layer_tensors": sorted(extra_layer_keys),
         "weights_read": bool(table),
     }

@@ -82,16 +82,22 @@ def _check_finite(name: str, seq: int, t: torch.Tensor) -> None:
         raise NonFiniteLogprob(f"{name} logprob is {t[pos].item()} at sequence {seq}, response position {pos}")
 
 
-def compare_logprobs(rollout: list[torch.Tensor], train: list[torch.Tensor],
-                     masks: list[torch.Tensor | None] | None = None) -> dict:
-    """Compare per-token logprobs of the same sampled tokens. Returns the metric record (all floats exact)."""
-    if len(rollout) != len(train):
-        raise TicInputError(f"sequence count mismatch: rollout has {len(rollout)}, train has {len(train)}")
-    masks = masks if masks is not None else [None] * len(rollout)
-    diffs, k3s, equal, total = [], [], 0, 0
-    first: Mismatch | None = None
-    per_seq_equal = []
-    for s, (r, t, m) in enumerate(zip(rollout, train, masks)):
+class LogprobComparison:
+    """The metric record built one sequence at a time (memory independent of how many sequences).
+
+    max/mean/std of diff are merged per sequence with Chan's parallel formulas in float64, so all-equal
+    logprobs give exactly 0 for each, as the pass condition needs."""
+
+    def __init__(self):
+        self.sequences = self.tokens = self.equal = self.equal_sequences = 0
+        self.max = 0.0
+        self.mean = 0.0
+        self.m2 = 0.0
+        self.k3_sum = 0.0
+        self.first: Mismatch | None = None
+
+    def add(self, r: torch.Tensor, t: torch.Tensor, m: torch.Tensor | None = None) -> None:
+        s = self.sequences
         if r.shape != t.shape:
             raise TicInputError(f"length mismatch at sequence {s}: rollout has {r.numel()} logprobs, "
                                 f"train has {t.numel()}")
@@ -103,35 +109,58 @@ def compare_logprobs(rollout: list[torch.Tensor], train: list[torch.Tensor],
         _check_finite("rollout", s, torch.where(valid, r, 0.0))
         _check_finite("train", s, torch.where(valid, t, 0.0))
         eq = bitwise_equal(rv, tv)
-        equal += int(eq.sum())
-        total += int(idx.numel())
-        per_seq_equal.append(bool(eq.all()))
-        if first is None and not bool(eq.all()):
+        self.sequences += 1
+        self.equal += int(eq.sum())
+        self.equal_sequences += int(bool(eq.all()))
+        if self.first is None and not bool(eq.all()):
             j = int((~eq).nonzero()[0, 0])
             pos = int(idx[j])
-            first = Mismatch(s, pos, float(r[pos]), float(t[pos]), ulp_distance(float(r[pos]), float(t[pos])))
+            self.first = Mismatch(s, pos, float(r[pos]), float(t[pos]), ulp_distance(float(r[pos]), float(t[pos])))
+        n_b = int(idx.numel())
+        if n_b == 0:
+            return
         lr, lt = rv.to(torch.float64), tv.to(torch.float64)
-        diffs.append((lr.exp() - lt.exp()).abs())
+        d = (lr.exp() - lt.exp()).abs()
         log_ratio = lt - lr  # log r, r = p_train / p_rollout
-        k3s.append(log_ratio.exp() - 1.0 - log_ratio)
-    if total == 0:
-        raise TicInputError("no valid tokens to compare (every response is empty or fully masked)")
-    d = torch.cat(diffs)
-    k3 = torch.cat(k3s)
-    out = {
-        "tokens": total,
-        "sequences": len(rollout),
-        "max": float(d.max()),
-        "mean": float(d.mean()),
-        "std": float(d.std(correction=0)),
-        "k3_kl": float(k3.mean()),
-        "equal_tokens": equal,
-        "equal_fraction": equal / total,
-        "equal_sequences": sum(per_seq_equal),
-        "first_mismatch": first.as_dict() if first else None,
-    }
-    out["verl"] = {VERL_NAMES[k]: out[k] for k in VERL_NAMES}
-    return out
+        self.k3_sum += float((log_ratio.exp() - 1.0 - log_ratio).sum())
+        mean_b = float(d.mean())
+        m2_b = float(((d - mean_b) ** 2).sum())
+        n_a, n = self.tokens, self.tokens + n_b
+        delta = mean_b - self.mean
+        self.mean += delta * n_b / n
+        self.m2 += m2_b + delta * delta * n_a * n_b / n
+        self.max = max(self.max, float(d.max()))
+        self.tokens = n
+
+    def result(self) -> dict:
+        if self.tokens == 0:
+            raise TicInputError("no valid tokens to compare (every response is empty or fully masked)")
+        out = {
+            "tokens": self.tokens,
+            "sequences": self.sequences,
+            "max": self.max,
+            "mean": self.mean,
+            "std": math.sqrt(self.m2 / self.tokens) if self.m2 > 0 else 0.0,
+            "k3_kl": self.k3_sum / self.tokens,
+            "equal_tokens": self.equal,
+            "equal_fraction": self.equal / self.tokens,
+            "equal_sequences": self.equal_sequences,
+            "first_mismatch": self.first.as_dict() if self.first else None,
+        }
+        out["verl"] = {VERL_NAMES[k]: out[k] for k in VERL_NAMES}
+        return out
+
+
+def compare_logprobs(rollout: list[torch.Tensor], train: list[torch.Tensor],
+                     masks: list[torch.Tensor | None] | None = None) -> dict:
+    """Compare per-token logprobs of the same sampled tokens. Returns the metric record (all floats exact)."""
+    if len(rollout) != len(train):
+        raise TicInputError(f"sequence count mismatch: rollout has {len(rollout)}, train has {len(train)}")
+    masks = masks if masks is not None else [None] * len(rollout)
+    acc = LogprobComparison()
+    for r, t, m in zip(rollout, train, masks):
+        acc.add(r, t, m)
+    return acc.result()
 
 
 def is_exact_match(m: dict) -> bool:

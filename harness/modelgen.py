@@ -20,17 +20,73 @@ def has_weights(model_dir: Path) -> bool:
     return any(model_dir.glob("*.safetensors"))
 
 
+# config.json fields that count or size something: a negative (or, for these, zero) value is a broken config
+POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size")
+
+
+def _check_sizes(cfg: dict, path: Path, where: str = "") -> None:
+    """Counts (num_*) and sizes (*_size) must be non-negative integers; the core sizes positive."""
+    for key, val in cfg.items():
+        if isinstance(val, dict) and key.endswith("_config") and key != "quantization_config":
+            _check_sizes(val, path, f"{where}{key}.")
+            continue
+        if not (key.startswith("num_") or key.endswith("_size")) or val is None or isinstance(val, dict):
+            continue
+        if isinstance(val, list):  # per-layer counts (e.g. heads per layer)
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in val):
+                raise TicInputError(f"{path}: {where}{key} must be non-negative integers, got {json.dumps(val)}")
+            continue
+        if isinstance(val, bool) or not isinstance(val, int):
+            raise TicInputError(f"{path}: {where}{key} must be an integer, got {json.dumps(val)}")
+        if val < 0 or (key in POSITIVE_FIELDS and val == 0):
+            raise TicInputError(f"{path}: {where}{key} must be {'positive' if key in POSITIVE_FIELDS else 'non-negative'}, "
+                                f"got {val}")
+
+
 def read_model_config(model_dir: Path) -> dict:
-    path = model_dir / "config.json"
+    """config.json parsed and checked: UTF-8 JSON object, a model_type transformers knows (or remote code via
+    auto_map), counts and sizes non-negative integers."""
+    path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise TicInputError(f"model directory has no config.json: {model_dir}")
     try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise TicInputError(f"{path}: not valid JSON ({e.msg})") from None
+        cfg = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise TicInputError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise TicInputError(f"{path}: not valid JSON ({getattr(e, 'msg', e)})") from None
+    except OSError as e:
+        raise TicInputError(f"{path}: cannot read ({e.strerror or e})") from None
     if not isinstance(cfg, dict) or "model_type" not in cfg:
         raise TicInputError(f"{path}: no model_type")
+    mt = cfg["model_type"]
+    if not isinstance(mt, str):
+        raise TicInputError(f"{path}: model_type must be a string, got {json.dumps(mt)}")
+    if "auto_map" not in cfg:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        if mt not in CONFIG_MAPPING_NAMES:
+            import transformers
+
+            raise TicInputError(f"{path}: model_type {mt!r} is not one transformers {transformers.__version__} "
+                                "knows (and config.json has no auto_map for remote code)")
+    _check_sizes(cfg, path)
     return cfg
+
+
+def check_loadable_config(model_dir: Path) -> None:
+    """transformers' own checks of config.json (field types, consistency), without loading any weight."""
+    cfg = read_model_config(model_dir)
+    if "auto_map" in cfg:
+        return  # remote code: its config class is not ours to run here
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(model_dir)
+    except Exception as e:  # noqa: BLE001 - whatever transformers refuses, the config is the cause
+        msg = " ".join(str(e).split())
+        raise TicInputError(f"{Path(model_dir) / 'config.json'}: transformers refuses it: {type(e).__name__}: "
+                            f"{msg[:300]}") from None
 
 
 def generate_model(config_dir: Path, seed: int, init_std: float | None = None, out_dir: Path | None = None) -> Path:
@@ -127,18 +183,10 @@ def resolve_model_dir(cfg) -> Path:
 
 
 def model_hash(model_dir: Path) -> str:
-    """Content hash of config.json and the weight files (headers + sizes + bytes for files under 1 GiB)."""
-    h = hashlib.sha256()
-    h.update((model_dir / "config.json").read_bytes())
-    for p in sorted(model_dir.glob("*.safetensors")):
-        st = p.stat()
-        h.update(f"{p.name}:{st.st_size}".encode())
-        with p.open("rb") as f:
-            if st.st_size < (1 << 30):
-                for chunk in iter(lambda: f.read(1 << 22), b""):
-                    h.update(chunk)
-            else:
-                n = int.from_bytes(f.read(8), "little")
-                h.update(f.read(n))
-                h.update(str(st.st_mtime_ns).encode())
-    return h.hexdigest()[:16]
+    """Content hash of config.json and the weight files (see tic.core.content_hash for files of 1 GiB and more)."""
+    from tic.core.content_hash import files_hash
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    return files_hash([model_dir / "config.json"] + ([index] if index.is_file() else [])
+                      + sorted(model_dir.glob("*.safetensors")))

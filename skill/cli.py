@@ -72,10 +72,11 @@ def gate(gate_id, config_path, as_json, junit):
     """Run one gate (e.g. `tic gate C5`) and record its result in .tic/."""
     from tic.gates import get
     from tic.skill import report
-    from tic.skill.runner import run_gate
+    from tic.skill.runner import run_gate, validate_run
 
     g = get(gate_id)
     ctx = _context(config_path)
+    validate_run(ctx, [g])
     with report.console().status(f"running {g.id} ..."):
         res = run_gate(g, ctx)
     _finish([res], as_json, junit, f"tic gate {g.id}")
@@ -92,17 +93,18 @@ def ladder(config_path, start, stop, keep_going, as_json, junit):
     """Climb the ladder in order; a failure stops the climb unless --keep-going."""
     from tic.gates import gate_range
     from tic.skill import report
-    from tic.skill.runner import run_ladder
+    from tic.skill.runner import run_ladder, validate_run
 
-    gate_range(start, stop)  # validate the range before touching anything
+    gates = gate_range(start, stop)  # validate the range before touching anything
     ctx = _context(config_path)
+    validate_run(ctx, gates)  # and every input those gates read
     con = report.console()
 
     def progress(r):
         con.print(f"  {r.gate:<4} {r.verdict:<11} {r.key_figure}")
 
     con.print(f"tic ladder {start}..{stop} on {config_path}")
-    results = run_ladder(ctx, start, stop, keep_going, on_result=progress)
+    results = run_ladder(ctx, start, stop, keep_going, on_result=progress, validate=False)
     _finish(results, as_json, junit, f"tic ladder ({config_path})")
 
 
@@ -110,12 +112,14 @@ def ladder(config_path, start, stop, keep_going, as_json, junit):
 @CONFIG_OPT
 @JSON_OPT
 def status(config_path, as_json):
-    """Show the recorded ladder: verdict, key figure, age, and whether the config or model changed since."""
+    """Show the recorded ladder: verdict, key figure, age, and whether the config, the model or another input
+    (prompts file, dumps, the cut: by content) changed since. Reads only; writes nothing."""
     from tic.gates import REGISTRY
     from tic.harness.modelgen import has_weights, model_hash
     from tic.skill import report
     from tic.skill.config import load_config
-    from tic.skill.state import LadderState
+    from tic.skill.fingerprint import input_hashes, reads_of
+    from tic.skill.state import UNREADABLE, LadderState
 
     cfg = load_config(config_path)
     state = LadderState(Path(cfg.state_dir))
@@ -134,12 +138,20 @@ def status(config_path, as_json):
     for g in REGISTRY:
         r = recs.get(g.id)
         stale = ""
+        if r == UNREADABLE:
+            rows.append((g.id, g.title, r, ""))
+            out.append({"gate": g.id, "verdict": UNREADABLE, "key_figure": "", "age_s": None, "stale": None})
+            continue
         if r is not None:
             why = []
             if r.config_hash != chash:
                 why.append("config changed")
             if r.model_hash and mhash and r.model_hash != mhash:
                 why.append("model changed")
+            now = input_hashes(cfg, reads_of(g))
+            changed = sorted(k for k in set(r.inputs) | set(now) if r.inputs.get(k) != now.get(k))
+            if changed:
+                why.append(f"inputs changed ({', '.join(changed)})")
             stale = ", ".join(why) or "no"
         rows.append((g.id, g.title, r, stale))
         out.append({"gate": g.id, "verdict": r.verdict if r else "not run", "key_figure": r.key_figure if r else "",
@@ -188,7 +200,7 @@ def compare(rollout, train, as_json):
     from tic.skill import report
     from tic.skill.config import parse_config
     from tic.skill.context import GateContext
-    from tic.skill.runner import run_gate
+    from tic.skill.runner import exit_code, run_gate
 
     # C5 itself, on a dump-only config: one metric, one pass condition, whichever way dumps arrive.
     cfg = parse_config({"rollout": {"engine": "dump", "dump": str(rollout.resolve())},
@@ -200,7 +212,7 @@ def compare(rollout, train, as_json):
     report.console().print(report.ladder_table([res], "tic compare"))
     if as_json:
         report.print_json(res.model_dump(mode="json"))
-    sys.exit(0 if res.passed else 1)
+    sys.exit(exit_code([res]))
 
 
 # Commands that live in their own modules (declared here, loaded when present).
@@ -226,7 +238,8 @@ def main(argv=None) -> None:
     except click.exceptions.Abort:
         sys.exit(EXIT_INPUT)
     except TicInputError as e:
-        click.echo(f"tic: error: {e}", err=True)
+        message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())  # one line, always
+        click.echo(f"tic: error: {message}", err=True)
         sys.exit(EXIT_INPUT)
     except SystemExit:
         raise

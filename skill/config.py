@@ -4,23 +4,30 @@ from __future__ import annotations
 
 import hashlib
 import json
+import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tic.core.errors import TicInputError
+from tic.core.strict_yaml import load_yaml_file
+
+# Upper bounds keep a typo (an extra digit or ten) from becoming an hours-long run or an out-of-memory crash.
+MAX_COUNT = 1_000_000
+MAX_SEED = 2**63 - 1
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True)
+    # Parsed configs are validated in strict JSON mode (parse_config): true/false is never a number, "8" never
+    # an int; NaN/Inf never a setting.
+    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True, allow_inf_nan=False)
 
 
 class GenerateSpec(Strict):
     """Weights generated from config.json with a seed (no download), cached on first use."""
 
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     init_std: float | None = Field(None, gt=0, description="override config.initializer_range")
 
 
@@ -36,11 +43,11 @@ class EngineConfig(Strict):
     # installed vLLM's GPU kernels, both through tic's autograd wrappers (forward = kernel, backward = reference).
     kernels: Literal["stock", "consistent", "vllm"] = "stock"
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    batch_size: int = Field(8, ge=1, description="requests per rollout batch / sequences per scoring batch")
-    micro_batch_size: int = Field(4, ge=1, description="train: sequences per forward")
+    batch_size: int = Field(8, ge=1, le=MAX_COUNT, description="requests per rollout batch / sequences per scoring batch")
+    micro_batch_size: int = Field(4, ge=1, le=MAX_COUNT, description="train: sequences per forward")
     padding_side: Literal["left", "right"] = "right"
     packing: bool = False
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_COUNT)
     device: Literal["cpu", "cuda"] = Field("cpu", description="hf engine: where the model runs")
     dump: Path | None = Field(None, description="dump engine: JSONL file")
     options: dict[str, Any] = Field(default_factory=dict, description="engine-specific options (vllm)")
@@ -65,10 +72,10 @@ class EngineConfig(Strict):
 
 class PromptsConfig(Strict):
     source: Literal["random", "file"] = "random"
-    count: int = Field(8, ge=1)
-    seed: int = 0
-    min_len: int = Field(4, ge=1)
-    max_len: int = Field(16, ge=1)
+    count: int = Field(8, ge=1, le=MAX_COUNT)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+    min_len: int = Field(4, ge=1, le=MAX_COUNT)
+    max_len: int = Field(16, ge=1, le=MAX_COUNT)
     file: Path | None = Field(None, description="JSONL, one list of token ids per line (or {prompt_ids: [...]})")
 
     @model_validator(mode="after")
@@ -82,14 +89,14 @@ class PromptsConfig(Strict):
 
 class SamplingConfig(Strict):
     temperature: float = Field(1.0, ge=0)
-    max_tokens: int = Field(16, ge=1)
-    seed: int = 0
+    max_tokens: int = Field(16, ge=1, le=MAX_COUNT)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
 
 
 class TrainLayout(Strict):
     """C6: one training layout, as changes to the train engine's configured one."""
 
-    micro_batch_size: int | None = Field(None, ge=1)
+    micro_batch_size: int | None = Field(None, ge=1, le=MAX_COUNT)
     padding_side: Literal["left", "right"] | None = None
     packing: bool | None = None
 
@@ -101,17 +108,20 @@ class LayoutsConfig(Strict):
     """C3: where a probe request is placed when it is compared with itself alone.
     C6: which training layouts must reproduce the configured one bit for bit."""
 
-    batch_sizes: list[int] = Field(default_factory=lambda: [2, 5, 8])
-    positions: list[Literal["first", "middle", "last"]] = Field(default_factory=lambda: ["first", "last"])
-    probes: int = Field(2, ge=1, description="how many requests are checked alone vs in batch")
-    train: list[TrainLayout] = Field(default_factory=lambda: [
+    # a batch of 1 is the probe alone: comparing it with itself would pass whatever the kernels do
+    batch_sizes: list[Annotated[int, Field(ge=2, le=MAX_COUNT)]] = Field(
+        default_factory=lambda: [2, 5, 8], min_length=1, description="batch sizes, each at least 2")
+    positions: list[Literal["first", "middle", "last"]] = Field(default_factory=lambda: ["first", "last"],
+                                                                min_length=1)
+    probes: int = Field(2, ge=1, le=MAX_COUNT, description="how many requests are checked alone vs in batch")
+    train: list[TrainLayout] = Field(min_length=1, default_factory=lambda: [
         TrainLayout(micro_batch_size=1), TrainLayout(padding_side="left"), TrainLayout(packing=True)])
 
 
 class TrainingConfig(Strict):
     """RL loop facts that C0 checks against the method's coverage, and the small RL run of C8/C9."""
 
-    updates_per_step: int = Field(1, ge=1, description="optimizer updates per RL step (the method needs 1)")
+    updates_per_step: int = Field(1, ge=1, le=MAX_COUNT, description="optimizer updates per RL step (the method needs 1)")
     speculative_decoding: bool = False
     updates: int = Field(2, ge=1, description="C8: consecutive RL updates, each followed by weight sync")
     lr: float = Field(1e-3, gt=0, description="C8/C9: AdamW learning rate of the policy-gradient step")
@@ -166,8 +176,19 @@ class CutConfig(Strict):
     """C2 / `tic cut`: where the small model goes and which layers it keeps."""
 
     out: Path | None = Field(None, description="cut directory, relative to tic.yaml (default .tic/artifacts/C2/cut)")
-    layers: str | list[int] = Field("auto", description="'auto' or layer indices, e.g. [3, 4, 17]")
-    max_layers: int = Field(6, ge=1, description="auto: at most this many layers")
+    layers: str | list[Annotated[int, Field(ge=0)]] = Field("auto", description="'auto' or layer indices, e.g. [3, 4, 17]")
+    max_layers: int = Field(6, ge=1, le=MAX_COUNT, description="auto: at most this many layers")
+
+    @field_validator("layers")
+    @classmethod
+    def _layers_spec(cls, v):
+        if isinstance(v, str) and v.strip().lower() != "auto":
+            items = [x.strip() for x in v.split(",")]
+            if not all(x.isdigit() for x in items):
+                raise ValueError(f"expected 'auto', a list of layer indices or '3,4,17', got {v!r}")
+        if isinstance(v, list) and not v:
+            raise ValueError("expected at least one layer index")
+        return v
 
 
 class TicConfig(Strict):
@@ -206,21 +227,56 @@ class TicConfig(Strict):
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def _models_in(annotation) -> list[type[BaseModel]]:
+    """The pydantic models an annotation may hold (through Optional, unions, lists and dicts)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def _known_keys(loc: tuple) -> list[str]:
+    """The keys tic.yaml allows at the mapping that holds loc's last key."""
+    models: list[type[BaseModel]] = [TicConfig]
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        models = [m for model in models if part in model.model_fields
+                  for m in _models_in(model.model_fields[part].annotation)]
+    return sorted({k for m in models for k, f in m.model_fields.items() if not f.exclude})
+
+
+def _format_error(e: dict) -> str:
+    where = ".".join(str(x) for x in e["loc"]) or "(top level)"
+    if e["type"] == "extra_forbidden":
+        known = _known_keys(tuple(e["loc"]))
+        return f"{where}: unknown key" + (f" (allowed: {', '.join(known)})" if known else "")
+    msg = e["msg"].removeprefix("Value error, ")
+    got = e.get("input")
+    if e["type"] != "missing" and not isinstance(got, (dict, list)):
+        shown = json.dumps(got) if got is None or isinstance(got, (bool, int, float)) else repr(got)
+        if shown not in msg:
+            msg += f" (got {shown})"
+    return f"{where}: {msg}"
+
+
 def _format_validation_error(err: ValidationError, source: str) -> str:
-    first = err.errors()[0]
-    where = ".".join(str(x) for x in first["loc"]) or "(top level)"
-    msg = first["msg"]
-    if first["type"] == "extra_forbidden":
-        msg = "unknown key"
-    more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
-    return f"{source}: {where}: {msg}{more}"
+    """Every problem on one line, each with its path, what is allowed, and what was given."""
+    return f"{source}: " + "; ".join(_format_error(e) for e in err.errors())
 
 
 def parse_config(data: Any, base_dir: Path, source: str = "tic.yaml") -> TicConfig:
+    """Validate parsed YAML (or a dict) strictly: the data goes through JSON, where pydantic's strict mode
+    takes paths as strings but never takes true for 1 or "8" for 8."""
     if not isinstance(data, dict):
         raise TicInputError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    if "base_dir" in data:
+        raise TicInputError(f"{source}: base_dir: unknown key (allowed: {', '.join(_known_keys(('base_dir',)))})")
     try:
-        cfg = TicConfig.model_validate(data)
+        blob = json.dumps(data, default=str, allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise TicInputError(f"{source}: a value is not plain data ({e})") from None
+    try:
+        cfg = TicConfig.model_validate_json(blob, strict=True)
     except ValidationError as err:
         raise TicInputError(_format_validation_error(err, source)) from None
     cfg.base_dir = base_dir
@@ -231,8 +287,4 @@ def load_config(path: str | Path) -> TicConfig:
     path = Path(path)
     if not path.is_file():
         raise TicInputError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise TicInputError(f"{path}: not valid YAML: {str(err).splitlines()[0]}") from None
-    return parse_config(data, path.resolve().parent, str(path))
+    return parse_config(load_yaml_file(path), path.resolve().parent, str(path))

@@ -71,8 +71,9 @@ class GateContext:
     @property
     def vocab_size(self) -> int:
         c = self.model_config
-        v = c.get("vocab_size") or c.get("text_config", {}).get("vocab_size")
-        if not isinstance(v, int) or v <= 0:
+        text = c.get("text_config") if isinstance(c.get("text_config"), dict) else {}
+        v = c.get("vocab_size") or text.get("vocab_size")
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise TicInputError("model config.json has no vocab_size")
         return v
 
@@ -221,11 +222,23 @@ class GateContext:
         sub.state = self.state
         return sub
 
+    def require_live(self, side: str, gate: str) -> None:
+        if getattr(self.cfg, side).engine == "dump":
+            raise TicInputError(f"{gate} needs a live {side} engine (hf{' or vllm' if side == 'rollout' else ''}), "
+                                "not a dump")
+
     def live_rollout_engine(self, gate: str) -> Engine:
         eng = self.rollout_engine()
         if eng.dumped_samples() is not None:
             raise TicInputError(f"{gate} needs a live rollout engine (hf or vllm), not a dump")
         return eng
+
+    def dump_paths(self) -> tuple[Path, Path] | None:
+        """(rollout dump, train dump) when both sides replay dumps, else None."""
+        r, t = self.cfg.rollout, self.cfg.train
+        if r.engine == "dump" and t.engine == "dump":
+            return self.cfg.resolve(r.dump), self.cfg.resolve(t.dump)
+        return None
 
     def rollout_samples(self) -> list[Sample]:
         """The rollout every comparison starts from: a dump's records, or one live sampling pass."""

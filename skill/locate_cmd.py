@@ -36,7 +36,10 @@ def command(config_path, gate_id, as_json):
     if gate_id not in LOCATABLE:
         raise TicInputError(f"--gate {gate_id}: the locator covers C3, C4, C5 or C6")
     gate = get(gate_id)
+    from tic.skill.preflight import validate_run
+
     ctx = GateContext(load_config(config_path))
+    validate_run(ctx, [gate])  # every input checked before the locator writes anything
     con = report.console()
     with con.status(f"measuring {gate_id} ..."):
         measured = gate.measure(ctx)

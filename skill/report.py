@@ -40,13 +40,15 @@ def _age(seconds: float) -> str:
     return f"{int(seconds)}s"
 
 
-def status_table(rows: list[tuple[str, str, GateResult | None, str]]) -> Table:
+def status_table(rows: list[tuple[str, str, GateResult | str | None, str]]) -> Table:
     t = Table(title="tic status", title_justify="left")
     for col in ("gate", "title", "verdict", "key figure", "age", "stale?"):
         t.add_column(col, overflow="fold")
     for gid, title, r, stale in rows:
         if r is None:
             t.add_row(gid, title, "[dim]not run[/]", "", "", "")
+        elif isinstance(r, str):  # a record file that is not a valid record: shown, never counted as a pass
+            t.add_row(gid, title, f"[red]{r}[/]", "", "", "")
         else:
             t.add_row(gid, title, f"[{STYLE.get(r.verdict, '')}]{r.verdict}[/]", r.key_figure, _age(r.age_s()), stale)
     return t

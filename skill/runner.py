@@ -11,6 +11,8 @@ from tic.gates.base import UNAVAILABLE, Gate
 from tic.harness.metrics import NonFiniteLogprob
 from tic.skill.context import GateContext
 from tic.core.errors import TicInputError
+from tic.skill.fingerprint import input_hashes, reads_of
+from tic.skill.preflight import validate_run
 from tic.skill.records import GateResult, environment_fingerprint
 
 
@@ -67,8 +69,9 @@ def run_gate(gate: Gate, ctx: GateContext, save: bool = True) -> GateResult:
         mhash = ctx.model_hash if gate.needs_model else ""
     except TicInputError:
         mhash = ""
+    inputs = input_hashes(ctx.cfg, reads_of(gate))
     res = GateResult(**base, verdict=verdict, reason=reason, key_figure=key, metrics=metrics, details=details,
-                     evidence=evidence, model_hash=mhash, environment=environment_fingerprint(),
+                     evidence=evidence, model_hash=mhash, inputs=inputs, environment=environment_fingerprint(),
                      duration_s=round(time.perf_counter() - t0, 3))
     if save:
         ctx.state.save(res)
@@ -76,8 +79,11 @@ def run_gate(gate: Gate, ctx: GateContext, save: bool = True) -> GateResult:
 
 
 def run_ladder(ctx: GateContext, start: str = "C0", stop: str = "C10", keep_going: bool = False,
-               on_result=None) -> list[GateResult]:
-    """Gates in order. A fail or error stops the climb unless keep_going; unavailable gates do not."""
+               on_result=None, validate: bool = True) -> list[GateResult]:
+    """Gates in order. A fail or error stops the climb unless keep_going; unavailable gates do not.
+    Every input of every gate in the range is checked first: a bad one stops the ladder before any write."""
+    if validate:
+        validate_run(ctx, gate_range(start, stop))
     results: list[GateResult] = []
     blocked_by = None
     for gate in gate_range(start, stop):
@@ -100,4 +106,4 @@ def exit_code(results: list[GateResult]) -> int:
     return 0 if results and all(r.verdict == "pass" for r in results) else 1
 
 
-__all__ = ["run_gate", "run_ladder", "exit_code", "REGISTRY"]
+__all__ = ["run_gate", "run_ladder", "exit_code", "validate_run", "REGISTRY"]

@@ -1,4 +1,4 @@
-"""Ladder state in .tic/: one JSON record per gate, written atomically."""
+"""Ladder state in .tic/: one JSON record per gate (results/<gate id>.json), written atomically."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from pathlib import Path
 
 from tic.core.fsio import atomic_write_text
 from tic.skill.records import GateResult
+
+UNREADABLE = "unreadable"
 
 
 class LadderState:
@@ -21,25 +23,34 @@ class LadderState:
         """Where a gate writes evidence; created only when a gate writes there."""
         return self.root / "artifacts" / gate
 
+    def record_path(self, gate: str) -> Path:
+        return self.results_dir / f"{gate}.json"
+
     def save(self, result: GateResult) -> Path:
-        path = self.results_dir / f"{result.gate}.json"
+        path = self.record_path(result.gate)
         atomic_write_text(path, result.model_dump_json(indent=2))
         return path
 
-    def load(self, gate: str) -> GateResult | None:
-        path = self.results_dir / f"{gate}.json"
-        if not path.is_file():
+    def read(self, gate: str) -> GateResult | str | None:
+        """The record of one gate; None when absent, UNREADABLE when present but not a valid record of it."""
+        path = self.record_path(gate)
+        if not path.exists():
             return None
         try:
-            return GateResult.model_validate(json.loads(path.read_text()))
-        except (ValueError, OSError):
-            return None  # an unreadable record is treated as absent, never as a pass
+            r = GateResult.model_validate(json.loads(path.read_bytes().decode("utf-8")))
+        except (ValueError, OSError, RecursionError):
+            return UNREADABLE
+        return r if r.gate == gate else UNREADABLE
 
-    def all(self) -> dict[str, GateResult]:
-        out = {}
-        if self.results_dir.is_dir():
-            for p in sorted(self.results_dir.glob("C*.json")):
-                r = self.load(p.stem)
-                if r is not None:
-                    out[r.gate] = r
-        return out
+    def load(self, gate: str) -> GateResult | None:
+        r = self.read(gate)
+        return r if isinstance(r, GateResult) else None  # an unreadable record is never a pass
+
+    def all(self, gate_ids: list[str] | None = None) -> dict[str, GateResult | str]:
+        """Records of the named gates (default: every registered gate); only files tic names itself are read,
+        so a backup such as C5.old.json is never taken for C5."""
+        if gate_ids is None:
+            from tic.gates import REGISTRY
+
+            gate_ids = [g.id for g in REGISTRY]
+        return {g: r for g in gate_ids if (r := self.read(g)) is not None}

@@ -28,6 +28,40 @@ def tic_cache(tmp_path_factory):
         os.environ["TIC_CACHE"] = old
 
 
+@pytest.fixture(scope="session")
+def model_with_weights(tmp_path_factory):
+    """examples/tiny-qwen3 with its seeded weights inside the directory (generated once per session)."""
+    from tic.harness.modelgen import generate_model
+
+    d = tmp_path_factory.mktemp("model") / "tiny"
+    shutil.copytree(EXAMPLES / "tiny-qwen3", d)
+    w = generate_model(d, seed=0, out_dir=d / "w")
+    for f in w.iterdir():
+        if f.suffix == ".safetensors":
+            shutil.move(str(f), d / f.name)
+    shutil.rmtree(w)
+    return d
+
+
+def _tree_hash(root: Path) -> str:
+    """Hash of every path, file content and kind under root ('absent' when root does not exist)."""
+    import hashlib
+
+    root = Path(root)
+    if not root.exists():
+        return "absent"
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode())
+        h.update(p.read_bytes() if p.is_file() else b"<dir>")
+    return h.hexdigest()
+
+
+@pytest.fixture
+def tree_hash():
+    return _tree_hash
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     """Run in an empty directory so .tic/ lands in tmp."""

@@ -3,19 +3,26 @@
 Schema (one line per sequence):
   prompt_ids      list[int]            required
   response_ids    list[int]            required, non-empty
-  logprobs        list[float]          required, one per response token (JSON numbers; NaN/Infinity rejected)
+  logprobs        list[float]          required, one per response token, each <= 0 (JSON numbers; NaN/Infinity
+                                       rejected)
   mask            list[0|1|bool]       optional, 1 = valid token (inside the response mask); default all valid
   weight_version  int                  optional; rollout and train must agree where both give it
-  id              str | int            optional; when both dumps carry ids, sequences are matched by id
+  id              str | int            optional; unique within a file
 
-Floats are read as float64, which holds every float32 exactly, so a producer that writes repr(float(x))
-keeps the bits.
+Pairing (rollout record <-> train record): when the first record of both files carries an id, every record of
+both must carry one and records pair by id (any order); otherwise they pair by line. Either way each record
+pairs with exactly one record of the other file: a missing or extra record is an input error, as is a pair
+whose token ids, weight versions or masks disagree.
+
+Files are read line by line, both together, so memory does not grow with the dump. Floats are read as float64,
+which holds every float32 exactly, so a producer that writes repr(float(x)) keeps the bits.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -38,6 +45,8 @@ def _reject_constant(name: str):
 def parse_line(line: str, where: str) -> Sample:
     try:
         obj = json.loads(line, parse_constant=_reject_constant)
+    except RecursionError:
+        raise TicInputError(f"{where}: not valid JSON (nested too deeply)") from None
     except ValueError as e:
         msg = str(e) if "not a number" in str(e) else f"not valid JSON ({getattr(e, 'msg', e)})"
         raise TicInputError(f"{where}: {msg}") from None
@@ -60,8 +69,14 @@ def parse_line(line: str, where: str) -> Sample:
     if len(lps) != n:
         raise TicInputError(f"{where}: length mismatch: {n} response_ids but {len(lps)} logprobs")
     for j, x in enumerate(lps):
-        if not math.isfinite(x):
-            raise TicInputError(f"{where}: logprob {j} is {x}")
+        try:
+            v = float(x)
+        except OverflowError:
+            raise TicInputError(f"{where}: logprob {j} is an integer too large for a float") from None
+        if not math.isfinite(v):
+            raise TicInputError(f"{where}: logprob {j} is {v}")
+        if v > 0:
+            raise TicInputError(f"{where}: logprob {j} is {x!r}, above 0 (a log-probability is at most 0)")
     mask = None
     if obj.get("mask") is not None:
         m = obj["mask"]
@@ -74,25 +89,51 @@ def parse_line(line: str, where: str) -> Sample:
     sid = obj.get("id")
     if sid is not None and not isinstance(sid, (str, int)):
         raise TicInputError(f"{where}: id must be a string or an integer")
-    return Sample(obj["prompt_ids"], obj["response_ids"], torch.tensor(lps, dtype=torch.float64), mask, wv, sid,
+    return Sample(obj["prompt_ids"], obj["response_ids"], torch.tensor([float(x) for x in lps], dtype=torch.float64),
+                  mask, wv, sid,
                   meta={"source": where})
 
 
-def read_dump(path: Path) -> list[Sample]:
+def _lines(path: Path) -> Iterator[tuple[int, int, str]]:
+    """(line number, byte offset, text) of each non-blank line, read one at a time."""
     path = Path(path)
     if not path.is_file():
         raise TicInputError(f"dump file not found: {path}")
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError:
-        raise TicInputError(f"{path}: not a UTF-8 text file") from None
-    out = [parse_line(line, f"{path}:{n}") for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    if not out:
+    offset = 0
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            start, offset = offset, offset + len(raw)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise TicInputError(f"{path}:{n}: not UTF-8 text") from None
+            if line.strip():
+                yield n, start, line
+
+
+def iter_dump(path: Path) -> Iterator[Sample]:
+    """Records one at a time, each checked; ids must be unique within the file."""
+    seen: set = set()
+    count = 0
+    for n, _, line in _lines(path):
+        s = parse_line(line, f"{path}:{n}")
+        if s.id is not None:
+            if s.id in seen:
+                raise TicInputError(f"{path}:{n}: duplicate id {s.id!r}")
+            seen.add(s.id)
+        count += 1
+        yield s
+    if count == 0:
         raise TicInputError(f"{path}: no records")
-    ids = [s.id for s in out if s.id is not None]
-    if len(ids) != len(set(ids)):
-        raise TicInputError(f"{path}: duplicate id")
-    return out
+
+
+def read_dump(path: Path) -> list[Sample]:
+    return list(iter_dump(path))
+
+
+def check_dump(path: Path) -> int:
+    """Read a whole dump once, checking every record (nothing kept); returns the record count."""
+    return sum(1 for _ in iter_dump(path))
 
 
 def write_dump(path: Path, samples: list[Sample]) -> None:
@@ -113,32 +154,110 @@ def write_dump(path: Path, samples: list[Sample]) -> None:
     atomic_write_text(Path(path), "\n".join(lines) + "\n")
 
 
-def align(rollout: list[Sample], train: list[Sample], train_name: str = "train") -> list[Sample]:
-    """Train records in rollout order (by id when both carry ids, else by line); tokens must match exactly."""
-    if all(s.id is not None for s in rollout) and all(s.id is not None for s in train):
-        by_id = {s.id: s for s in train}
-        missing = [s.id for s in rollout if s.id not in by_id]
-        if missing:
-            raise TicInputError(f"{train_name} has no sequence with id {missing[0]!r}")
-        matched = [by_id[s.id] for s in rollout]
-    else:
-        if len(rollout) != len(train):
-            raise TicInputError(f"sequence count mismatch: rollout has {len(rollout)}, {train_name} has {len(train)}")
-        matched = train
-    for i, (r, t) in enumerate(zip(rollout, matched)):
-        if list(r.prompt_ids) != list(t.prompt_ids) or list(r.response_ids) != list(t.response_ids):
-            raise TicInputError(f"sequence {i}: token ids differ between rollout and {train_name}; "
-                                "diff is defined on identical tokens")
-        if r.weight_version is not None and t.weight_version is not None and r.weight_version != t.weight_version:
-            raise TicInputError(f"sequence {i}: weight_version {r.weight_version} (rollout) vs "
-                                f"{t.weight_version} ({train_name}); diff is defined under one weight version")
-        # The response mask belongs to the rollout record; a train-side mask must agree with it or stand alone.
-        if t.mask is not None:
-            if r.mask is None:
-                r.mask = t.mask
-            elif not torch.equal(r.mask, t.mask):
-                raise TicInputError(f"sequence {i}: the response mask differs between rollout and {train_name}")
-    return matched
+def _check_pair(i: int, r: Sample, t: Sample, train_name: str) -> None:
+    if list(r.prompt_ids) != list(t.prompt_ids) or list(r.response_ids) != list(t.response_ids):
+        raise TicInputError(f"sequence {i}: token ids differ between rollout and {train_name}; "
+                            "diff is defined on identical tokens")
+    if r.weight_version is not None and t.weight_version is not None and r.weight_version != t.weight_version:
+        raise TicInputError(f"sequence {i}: weight_version {r.weight_version} (rollout) vs "
+                            f"{t.weight_version} ({train_name}); diff is defined under one weight version")
+    # The response mask belongs to the rollout record; a train-side mask must agree with it or stand alone.
+    if t.mask is not None:
+        if r.mask is None:
+            r.mask = t.mask
+        elif not torch.equal(r.mask, t.mask):
+            raise TicInputError(f"sequence {i}: the response mask differs between rollout and {train_name}")
+
+
+class _TrainIndex:
+    """Byte offset of each train record by id: built only when ids come in another order than the rollout's."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.offsets: dict = {}
+        for s, (n, off, _) in zip(iter_dump(self.path), _lines(self.path)):
+            if s.id is None:
+                raise TicInputError(f"{self.path}:{n}: record without id in a dump whose records carry ids")
+            self.offsets[s.id] = (n, off)
+        self.file = self.path.open("rb")
+
+    def get(self, sid) -> Sample | None:
+        if sid not in self.offsets:
+            return None
+        n, off = self.offsets[sid]
+        self.file.seek(off)
+        return parse_line(self.file.readline().decode("utf-8"), f"{self.path}:{n}")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def pair_with_dump(rollout: Iterable[Sample], train_path: Path, train_name: str = "train") -> Iterator[tuple[Sample, Sample]]:
+    """(rollout record, train record) pairs under the pairing rules above, streamed from the train file."""
+    train_path = Path(train_path)
+    train = iter_dump(train_path)
+    rollout = iter(rollout)
+    r0, t0 = next(rollout, None), next(train, None)
+    if r0 is None:
+        raise TicInputError("the rollout has no records")
+    by_id = r0.id is not None and t0.id is not None
+    i, used, index = 0, set(), None
+    r, t = r0, t0
+    try:
+        while r is not None:
+            if by_id and r.id is None:
+                raise TicInputError(f"rollout sequence {i} has no id, but the records carry ids")
+            if index is None and t is None:
+                raise TicInputError(f"{train_name} has fewer records than the rollout (none for rollout "
+                                    f"sequence {i}{'' if r.id is None else f', id {r.id!r}'})")
+            if by_id and index is None and t.id != r.id:
+                if t.id is None:
+                    raise TicInputError(f"{train_name} record {i + 1} has no id, but the records carry ids")
+                index = _TrainIndex(train_path)  # other order: look each id up from here on
+            if by_id and r.id in used:
+                raise TicInputError(f"rollout id {r.id!r} appears twice")
+            if index is not None:
+                t = index.get(r.id)
+                if t is None:
+                    raise TicInputError(f"{train_name} has no sequence with id {r.id!r}")
+            if by_id:
+                used.add(r.id)
+            _check_pair(i, r, t, train_name)
+            yield r, t
+            i += 1
+            r = next(rollout, None)
+            if index is None:
+                t = next(train, None)
+        if index is not None:
+            extra = [sid for sid in index.offsets if sid not in used]
+            if extra:
+                raise TicInputError(f"{train_name} has a record with no rollout counterpart (id {extra[0]!r}); "
+                                    "every record must pair with exactly one")
+        elif t is not None:
+            raise TicInputError(f"{train_name} has more records than the rollout ({i}); the extra one is "
+                                f"{t.meta.get('source', '')}{'' if t.id is None else f' (id {t.id!r})'}")
+    finally:
+        if index is not None:
+            index.close()
+
+
+def align(rollout: list[Sample], train_path: Path, train_name: str = "train") -> list[Sample]:
+    """Train records in rollout order, paired and checked (see the pairing rules above)."""
+    return [t for _, t in pair_with_dump(rollout, train_path, train_name)]
+
+
+def compare_dump_files(rollout_path: Path, train_path: Path) -> dict:
+    """C5's metric record from two dump files, both read one line at a time."""
+    from tic.harness.metrics import LogprobComparison
+
+    rollout_path, train_path = Path(rollout_path), Path(train_path)
+    if rollout_path.is_file() and train_path.is_file() and rollout_path.samefile(train_path):
+        raise TicInputError(f"rollout and train dumps are the same file ({rollout_path}); a file compared with "
+                            "itself proves nothing")
+    acc = LogprobComparison()
+    for r, t in pair_with_dump(iter_dump(rollout_path), train_path, f"train dump {train_path.name}"):
+        acc.add(r.logprobs, t.logprobs, r.mask)
+    return acc.result()
 
 
 class DumpEngine(Engine):
@@ -147,10 +266,14 @@ class DumpEngine(Engine):
     def __init__(self, path: Path, side: str = "rollout"):
         self.path = Path(path)
         self.side = side
-        self.samples = read_dump(self.path)
+        if not self.path.is_file():
+            raise TicInputError(f"dump file not found: {self.path}")
+        self._samples: list[Sample] | None = None
 
     def dumped_samples(self) -> list[Sample]:
-        return self.samples
+        if self._samples is None:
+            self._samples = read_dump(self.path)
+        return self._samples
 
     def score(self, samples: list[Sample], sampling: Sampling) -> list[torch.Tensor]:
-        return [s.logprobs for s in align(samples, self.samples, f"{self.side} dump {self.path.name}")]
+        return [t.logprobs for t in align(samples, self.path, f"{self.side} dump {self.path.name}")]

@@ -1,0 +1,129 @@
+"""Check every input a run will read before it writes anything: a bad input stops the run with one line and
+exit 2 while .tic/ is exactly as it was.
+
+What is checked follows from the gates in the run (Gate.reads, plus each gate's own validate): the state
+directory, the model (config.json, weight headers), each live engine (engine, device, options), the prompts,
+the dumps (every record, and how the two files pair), and the cut settings."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from tic.core.errors import TicInputError
+from tic.skill.fingerprint import reads_of
+
+
+def check_state_dir(state_dir: Path) -> None:
+    """The state directory and the folders tic writes in it must be directories (or not exist yet), under a
+    writable directory."""
+    root = Path(state_dir)
+    for p in (root, root / "results", root / "artifacts"):
+        if p.exists() and not p.is_dir():
+            raise TicInputError(f"state_dir: {p} exists and is not a directory")
+    first = root
+    while not first.exists():
+        if first.parent == first:
+            break
+        first = first.parent
+    if not first.is_dir():
+        raise TicInputError(f"state_dir: {first} is not a directory, so {root} cannot be made")
+    if not os.access(first, os.W_OK | os.X_OK):
+        raise TicInputError(f"state_dir: {first} is not writable")
+
+
+def check_engine(ctx, side: str) -> None:
+    """What building the side's live engine would refuse, without building it."""
+    import torch
+
+    c = getattr(ctx.cfg, side)
+    if c.tensor_parallel_size != 1:
+        raise TicInputError(f"{side}.tensor_parallel_size={c.tensor_parallel_size}: TP>1 puts a cross-GPU "
+                            "all-reduce on the compared path, which the method does not cover")
+    if c.engine == "vllm":
+        if side != "rollout":
+            raise TicInputError(f"{side}.engine: vllm is a rollout engine; use hf or dump")
+        from tic.harness.engines.vllm import check_options
+
+        check_options(c.options)
+        if not torch.cuda.is_available():
+            raise TicInputError("rollout.engine is vllm but torch sees no CUDA GPU (vLLM needs one)")
+        if importlib.util.find_spec("vllm") is None:
+            raise TicInputError("rollout.engine is vllm but vLLM is not installed; install tic[vllm] on a GPU machine")
+    device = getattr(c, "device", "cpu")
+    if device != "cpu":
+        if c.engine == "hf" and c.kernels == "consistent":
+            raise TicInputError(f"{side}: kernels: consistent are CPU kernels; use device: cpu")
+        if not torch.cuda.is_available():
+            raise TicInputError(f"{side}.device is {device!r} but torch sees no CUDA GPU")
+
+
+def check_records_fit_model(ctx, path: Path) -> None:
+    """A rollout dump a live train engine will score: every sequence needs a prompt (the first response token
+    is predicted from it) and token ids inside the model's vocabulary."""
+    from tic.harness.engines.dump import iter_dump
+
+    vocab = ctx.vocab_size
+    for i, s in enumerate(iter_dump(path)):
+        where = s.meta.get("source", f"{path} record {i}")
+        if not s.prompt_ids:
+            raise TicInputError(f"{where}: empty prompt_ids; the train engine predicts the first response token "
+                                "from the prompt")
+        bad = next((t for t in (*s.prompt_ids, *s.response_ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise TicInputError(f"{where}: token id {bad} outside the vocabulary (size {vocab})")
+
+
+def check_dumps(ctx, reads: set[str]) -> None:
+    from tic.harness.engines.dump import check_dump, iter_dump, pair_with_dump
+
+    cfg = ctx.cfg
+    dumps = {side: cfg.resolve(getattr(cfg, side).dump) for side in ("rollout", "train")
+             if side in reads and getattr(cfg, side).engine == "dump"}
+    if len(dumps) == 2:
+        r, t = dumps["rollout"], dumps["train"]
+        if r.is_file() and t.is_file() and r.samefile(t):
+            raise TicInputError(f"rollout and train dumps are the same file ({r}); a file compared with itself "
+                                "proves nothing")
+        for _ in pair_with_dump(iter_dump(r), t, f"train dump {t.name}"):
+            pass
+    else:
+        for path in dumps.values():
+            check_dump(path)
+    if "rollout" in dumps and "train" in reads and cfg.train.engine != "dump":
+        check_records_fit_model(ctx, dumps["rollout"])
+
+
+def check_cut(ctx) -> None:
+    from tic.harness.cut_check import cut_target
+
+    cut_target(ctx)
+
+
+def validate_run(ctx, gates) -> None:
+    """Raise TicInputError for the first bad input any of these gates would read; write nothing."""
+    check_state_dir(ctx.cfg.state_dir)
+    gates = [g for g in gates if g.available]
+    reads: set[str] = {r for g in gates for r in reads_of(g)}
+    cfg = ctx.cfg
+    live = [s for s in ("rollout", "train") if s in reads and getattr(cfg, s).engine != "dump"]
+    if "model" in reads or "cut" in reads or live:
+        ctx.model_config  # noqa: B018 - config.json checked (UTF-8, model_type, sizes)
+        ctx.vocab_size  # noqa: B018
+        from tic.harness.modelgen import check_loadable_config
+
+        check_loadable_config(ctx.model_source_dir)
+        from tic.harness.inventory import tensor_locations
+
+        tensor_locations(ctx.model_dir)  # every weight header (the weights themselves are not read)
+    for side in live:
+        check_engine(ctx, side)
+    if "rollout" in live and "prompts" in reads and cfg.prompts.source == "file":
+        ctx.prompts  # noqa: B018 - the prompts file, each token inside the vocabulary
+    check_dumps(ctx, reads)
+    if "cut" in reads:
+        check_cut(ctx)
+    for g in gates:
+        if g.validate is not None:
+            g.validate(ctx)
