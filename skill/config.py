@@ -183,7 +183,7 @@ class TicConfig(Strict):
     cut: CutConfig | None = None
     perf: PerfConfig = Field(default_factory=PerfConfig)
     scale_up: list[ScaleStage] = Field(default_factory=list, description="C9: stages re-running C5")
-    state_dir: Path = Path(".tic")
+    state_dir: Path = Field(Path(".tic"), description="results and artifacts, relative to tic.yaml's folder")
 
     # set by load_config, not by the user
     base_dir: Path = Field(Path("."), exclude=True)
@@ -193,6 +193,11 @@ class TicConfig(Strict):
             return None
         p = Path(p).expanduser()
         return p if p.is_absolute() else (self.base_dir / p)
+
+    @property
+    def state_path(self) -> Path:
+        """Where results and artifacts live: state_dir relative to tic.yaml's folder (like .git beside a repo)."""
+        return self.resolve(self.state_dir)
 
     def config_hash(self) -> str:
         """Hash of what changes the numbers (paths resolved, state_dir left out)."""
@@ -206,14 +211,35 @@ class TicConfig(Strict):
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def _allowed_keys(loc: tuple) -> list[str]:
+    """The keys the config section at `loc` (the unknown key's parent) accepts."""
+    model: Any = TicConfig
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        model = next((a for a in (*getattr(ann, "__args__", ()), ann) if isinstance(a, type)
+                      and issubclass(a, BaseModel)), None)
+        if model is None:
+            return []
+    return [k for k, f in model.model_fields.items() if not f.exclude]
+
+
 def _format_validation_error(err: ValidationError, source: str) -> str:
-    first = err.errors()[0]
-    where = ".".join(str(x) for x in first["loc"]) or "(top level)"
-    msg = first["msg"]
-    if first["type"] == "extra_forbidden":
-        msg = "unknown key"
-    more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
-    return f"{source}: {where}: {msg}{more}"
+    """Every error on one line, each with its path; unknown keys with the keys allowed there."""
+    parts = []
+    for e in err.errors():
+        where = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            allowed = _allowed_keys(tuple(e["loc"]))
+            msg = "unknown key" + (f" (allowed: {', '.join(allowed)})" if allowed else "")
+        elif e["type"] in ("literal_error", "enum"):
+            msg = f"got {e['input']!r}, {msg[0].lower()}{msg[1:]}"
+        parts.append(f"{where}: {msg}")
+    n = len(parts)
+    return f"{source}: " + (parts[0] if n == 1 else f"{n} errors: " + "; ".join(parts))
 
 
 def parse_config(data: Any, base_dir: Path, source: str = "tic.yaml") -> TicConfig:
@@ -227,8 +253,23 @@ def parse_config(data: Any, base_dir: Path, source: str = "tic.yaml") -> TicConf
     return cfg
 
 
-def load_config(path: str | Path) -> TicConfig:
-    path = Path(path)
+CONFIG_NAME = "tic.yaml"
+
+
+def find_config(cwd: Path | None = None) -> Path:
+    """tic.yaml in the working directory, or one line saying there is none and what to pass instead."""
+    cwd = Path(cwd or Path.cwd())
+    path = cwd / CONFIG_NAME
+    if path.is_file():
+        return path
+    near = sorted(p.name for p in cwd.glob("tic*.yaml"))
+    hint = f" (here: {', '.join(near)})" if near else ""
+    raise TicInputError(f"no {CONFIG_NAME} in {cwd}: pass -c PATH/TO/tic.yaml{hint}, or copy an example of the "
+                        "skill (examples/tiny-qwen3) and run tic there")
+
+
+def load_config(path: str | Path | None = None) -> TicConfig:
+    path = find_config() if path is None else Path(path)
     if not path.is_file():
         raise TicInputError(f"config file not found: {path}")
     try:
