@@ -235,12 +235,12 @@ def skill_install(dir_, target, project, dry_run, as_json):
     plan = plan_install(skills_parent(target, not project, dir_, Path.cwd(), Path.home()))
     if not dry_run:
         apply_install(plan)
-    verb = "would write" if dry_run else "wrote"
     con = report.console()
-    for rel in plan.write:
-        con.print(f"  {verb} {rel}", markup=False)
-    for rel in plan.remove:
-        con.print(f"  {'would remove' if dry_run else 'removed'} {rel}", markup=False)
+    if dry_run:
+        for rel in plan.write:
+            con.print(f"  would write {rel}", markup=False)
+        for rel in plan.remove:
+            con.print(f"  would remove {rel}", markup=False)
     done = ("to write", "to remove") if dry_run else ("written", "removed")
     con.print(f"{plan.dest}: {len(plan.files)} files; {len(plan.write)} {done[0]}, {len(plan.remove)} {done[1]}, "
               f"{len(plan.unchanged)} unchanged" + (" (dry run: nothing written)" if dry_run else ""), markup=False)
