@@ -22,7 +22,7 @@ TARGET_DIRS = {"claude": ".claude/skills", "agents": ".agents/skills"}
 
 # [text](target) or [text](target "title"); images too. Targets with a scheme or only an anchor are not files.
 _LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
-_EXTERNAL = re.compile(r"^(?:[a-zA-Z][a-zA-Z0-9+.-]*:|#|/)")
+_EXTERNAL = re.compile(r"^(?:[a-zA-Z][a-zA-Z0-9+.-]*:|#)")
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 
 
