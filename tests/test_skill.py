@@ -298,6 +298,9 @@ def test_walkthrough_reaches_c5_pass(example, monkeypatch, tic):
             codes.append(code)
             assert want is not None, f"walkthrough line without its exit code: {ln}"
             assert code == int(want.group(1)), f"{cmd}: exit {code}\n{err[-3000:]}"
+            words = shlex.split(cmd)
+            if words[1] == "gate" and code == 0:  # a passing gate leaves no report of an old failure behind
+                assert not (work / ".tic" / "artifacts" / words[2] / "locate").exists(), cmd
         elif cmd.startswith("cat "):
             assert (work / cmd.split()[1]).is_file(), f"{cmd}: the file SKILL.md points to does not exist"
         else:
