@@ -47,10 +47,12 @@ def local_links(markdown: str) -> list[str]:
 
 def skill_files(root: Path | None = None) -> list[str]:
     """Paths (relative to root, posix) of the skill: SKILL.md, every guide, and every file they link to,
-    transitively through linked markdown. A link that leaves root or names a missing file is an error."""
+    transitively through linked markdown. A link that leaves root, names a missing file, or names a folder
+    that no shipped file is in, is an error."""
     root = (root or package_root()).resolve()
     seeds = [SKILL_FILE] + sorted(p.relative_to(root).as_posix() for p in (root / "guides").rglob("*.md"))
     seen: set[str] = set()
+    folders: dict[str, str] = {}
     todo = list(seeds)
     while todo:
         rel = todo.pop()
@@ -68,11 +70,15 @@ def skill_files(root: Path | None = None) -> list[str]:
                 target_rel = target.relative_to(root).as_posix()
             except ValueError:
                 raise TicInputError(f"{rel}: link {link!r} leaves the skill folder") from None
-            if target.is_dir():
-                raise TicInputError(f"{rel}: link {link!r} names a folder; link a file in it")
+            if target.is_dir():  # resolves in the installed skill only if a shipped file lives in it
+                folders.setdefault(target_rel, f"{rel}: link {link!r}")
+                continue
             if not target.is_file():
                 raise TicInputError(f"{rel}: link {link!r} names a missing file")
             todo.append(target_rel)
+    for folder, where in folders.items():
+        if not any(f.startswith(folder.rstrip("/") + "/") for f in seen):
+            raise TicInputError(f"{where} names a folder no shipped file is in")
     return sorted(seen)
 
 
