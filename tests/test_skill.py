@@ -80,6 +80,9 @@ def test_frontmatter_follows_the_spec():
     assert re.match(r"^[A-Z][a-z]+s\b", desc), desc[:40]
     assert not re.search(r"\b(you|your|I|we)\b", desc), desc
     assert "Use when" in desc  # says when to load it
+    import tic
+
+    assert meta["metadata"]["tic-version"] == tic.__version__
 
 
 def test_spec_rules_catch_a_wrong_folder_and_bad_fields(tmp_path):
