@@ -325,7 +325,7 @@ def test_config_errors_list_every_error_with_allowed_values(example, workdir, ti
     assert "3 errors" in err and "more)" not in err
     assert "model.colour: unknown key (allowed: path, dtype, generate)" in err
     assert "rollout.kernels: got 'fast'" in err and "train.kernels: got 'stok'" in err
-    assert "'stock' or 'consistent'" in err
+    assert "'stock', 'consistent' or 'vllm'" in err  # every allowed value
 
 
 def test_status_finds_tic_yaml_here_or_says_so(example, monkeypatch, tic, tmp_path):
