@@ -21,8 +21,8 @@ Exit codes:
   2  usage error or bad input (config, dump, model files); .tic/ is left untouched
   3  internal error"""
 
-CONFIG_OPT = click.option("-c", "--config", "config_path", default="tic.yaml", show_default=True,
-                          type=click.Path(dir_okay=False, path_type=Path), help="tic.yaml to use")
+CONFIG_OPT = click.option("-c", "--config", "config_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+                          help="tic.yaml to use [default: ./tic.yaml]; results go to .tic/ beside it")
 JSON_OPT = click.option("--json", "as_json", is_flag=True, help="print a machine-readable record on stdout")
 JUNIT_OPT = click.option("--junit", "junit", type=click.Path(dir_okay=False, path_type=Path),
                          help="write JUnit XML to this file")
@@ -37,10 +37,13 @@ def _context(config_path: Path):
 
 def _finish(results, as_json: bool, junit: Path | None, title: str) -> None:
     from tic.skill import report
-    from tic.skill.runner import exit_code
+    from tic.skill.runner import exit_code, unavailable_hint
 
     code = exit_code(results)
     report.console().print(report.ladder_table(results, title))
+    hint = unavailable_hint(results)
+    if hint:
+        report.console().print(hint, markup=False)
     if junit:
         report.write_junit(junit, results)
     if as_json:
@@ -103,9 +106,9 @@ def ladder(config_path, start, stop, keep_going, as_json, junit):
     def progress(r):
         con.print(f"  {r.gate:<4} {r.verdict:<11} {r.key_figure}")
 
-    con.print(f"tic ladder {start}..{stop} on {config_path}")
+    con.print(f"tic ladder {start}..{stop} on {config_path or 'tic.yaml'}")
     results = run_ladder(ctx, start, stop, keep_going, on_result=progress, validate=False)
-    _finish(results, as_json, junit, f"tic ladder ({config_path})")
+    _finish(results, as_json, junit, f"tic ladder ({config_path or 'tic.yaml'})")
 
 
 @cli.command(epilog=EXIT_CODES)
@@ -122,7 +125,7 @@ def status(config_path, as_json):
     from tic.skill.state import UNREADABLE, LadderState
 
     cfg = load_config(config_path)
-    state = LadderState(Path(cfg.state_dir))
+    state = LadderState(cfg.state_path)
     recs = state.all()
     chash = cfg.config_hash()
     mhash = None
@@ -213,6 +216,49 @@ def compare(rollout, train, as_json):
     if as_json:
         report.print_json(res.model_dump(mode="json"))
     sys.exit(exit_code([res]))
+
+
+@cli.group()
+def skill():
+    """The agent skill (SKILL.md, guides, examples) that drives tic."""
+
+
+@skill.command("install", epilog="""\b
+Examples:
+  tic skill install --target claude --project   # ./.claude/skills/train-inference-consistency
+  tic skill install --target agents --user      # ~/.agents/skills/train-inference-consistency
+  tic skill install --dir /some/skills --dry-run""")
+@click.option("--dir", "dir_", type=click.Path(file_okay=False, path_type=Path),
+              help="folder that holds skill folders (the skill goes into DIR/train-inference-consistency)")
+@click.option("--target", type=click.Choice(["claude", "agents"]),
+              help="claude: .claude/skills; agents: .agents/skills")
+@click.option("--project/--user", "project", default=True, show_default=True,
+              help="under the working directory or under your home directory")
+@click.option("--dry-run", is_flag=True, help="list what would be written or removed; write nothing")
+@JSON_OPT
+def skill_install(dir_, target, project, dry_run, as_json):
+    """Install the skill into an agent's skills folder (idempotent: unchanged files are not rewritten, files a
+    previous version shipped and this one does not are removed)."""
+    from tic.skill import report
+    from tic.skill.skill_install import apply_install, plan_install, skills_parent
+
+    if dir_ is not None and target is not None:
+        raise TicInputError("give either --dir or --target, not both")
+    plan = plan_install(skills_parent(target, not project, dir_, Path.cwd(), Path.home()))
+    if not dry_run:
+        apply_install(plan)
+    con = report.console()
+    if dry_run:
+        for rel in plan.write:
+            con.print(f"  would write {rel}", markup=False)
+        for rel in plan.remove:
+            con.print(f"  would remove {rel}", markup=False)
+    done = ("to write", "to remove") if dry_run else ("written", "removed")
+    con.print(f"{plan.dest}: {len(plan.files)} files; {len(plan.write)} {done[0]}, {len(plan.remove)} {done[1]}, "
+              f"{len(plan.unchanged)} unchanged" + (" (dry run: nothing written)" if dry_run else ""), markup=False)
+    if as_json:
+        report.print_json({"path": str(plan.dest), "files": plan.files, "write": plan.write,
+                           "remove": plan.remove, "dry_run": dry_run})
 
 
 # Commands that live in their own modules (declared here, loaded when present).

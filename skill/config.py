@@ -204,7 +204,7 @@ class TicConfig(Strict):
     cut: CutConfig | None = None
     perf: PerfConfig = Field(default_factory=PerfConfig)
     scale_up: list[ScaleStage] = Field(default_factory=list, description="C9: stages re-running C5")
-    state_dir: Path = Path(".tic")
+    state_dir: Path = Field(Path(".tic"), description="results and artifacts, relative to tic.yaml's folder")
 
     # set by load_config, not by the user
     base_dir: Path = Field(Path("."), exclude=True)
@@ -214,6 +214,11 @@ class TicConfig(Strict):
             return None
         p = Path(p).expanduser()
         return p if p.is_absolute() else (self.base_dir / p)
+
+    @property
+    def state_path(self) -> Path:
+        """Where results and artifacts live: state_dir relative to tic.yaml's folder (like .git beside a repo)."""
+        return self.resolve(self.state_dir)
 
     def config_hash(self) -> str:
         """Hash of what changes the numbers (paths resolved, state_dir left out)."""
@@ -283,8 +288,23 @@ def parse_config(data: Any, base_dir: Path, source: str = "tic.yaml") -> TicConf
     return cfg
 
 
-def load_config(path: str | Path) -> TicConfig:
-    path = Path(path)
+CONFIG_NAME = "tic.yaml"
+
+
+def find_config(cwd: Path | None = None) -> Path:
+    """tic.yaml in the working directory, or one line saying there is none and what to pass instead."""
+    cwd = Path(cwd or Path.cwd())
+    path = cwd / CONFIG_NAME
+    if path.is_file():
+        return path
+    near = sorted(p.name for p in cwd.glob("tic*.yaml"))
+    hint = f" (here: {', '.join(near)})" if near else ""
+    raise TicInputError(f"no {CONFIG_NAME} in {cwd}: pass -c PATH/TO/tic.yaml{hint}, or copy an example of the "
+                        "skill (examples/tiny-qwen3) and run tic there")
+
+
+def load_config(path: str | Path | None = None) -> TicConfig:
+    path = find_config() if path is None else Path(path)
     if not path.is_file():
         raise TicInputError(f"config file not found: {path}")
     return parse_config(load_yaml_file(path), path.resolve().parent, str(path))

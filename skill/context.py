@@ -33,7 +33,7 @@ class GateContext:
     def __init__(self, cfg: TicConfig):
         check_kernels(cfg)  # refuse what this machine cannot run before anything is written
         self.cfg = cfg
-        self.state = LadderState(Path(cfg.state_dir))  # relative to the working directory, like .git
+        self.state = LadderState(cfg.state_path)
         self._engines: dict[str, Engine] = {}
         self._rollout: list[Sample] | None = None
         self._train: list | None = None
@@ -133,7 +133,7 @@ class GateContext:
     @property
     def baseline_dir(self) -> Path:
         d = self.cfg.perf.baseline_dir
-        return Path(self.cfg.resolve(d)) if d is not None else Path(self.cfg.state_dir) / "baseline"
+        return Path(self.cfg.resolve(d)) if d is not None else self.cfg.state_path / "baseline"
 
     @property
     def workload(self):

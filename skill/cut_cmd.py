@@ -8,7 +8,24 @@ from pathlib import Path
 
 import click
 
-from tic.core.errors import EXIT_FAIL
+from tic.core.errors import EXIT_FAIL, TicInputError
+
+
+def _generated_weights(model_dir: Path, cfg) -> Path:
+    """A config-only MODEL_DIR whose weights tic.yaml generates from a seed (model.generate): the generated
+    checkpoint (built now if not cached) is what gets cut."""
+    from tic.harness.modelgen import resolve_model_dir
+    from tic.skill.config import CONFIG_NAME, load_config
+
+    if cfg is None and Path(CONFIG_NAME).is_file():  # the tic.yaml of the working directory
+        cfg = load_config(Path(CONFIG_NAME))
+    own = (cfg is not None and cfg.model is not None and cfg.model.generate is not None
+           and cfg.resolve(cfg.model.path).resolve() == model_dir.resolve())
+    if not own:
+        raise TicInputError(f"no *.safetensors in {model_dir}, so nothing to cut; if tic.yaml generates its weights "
+                            "(model: {path: ..., generate: {seed: N}}), run tic cut beside that tic.yaml or pass "
+                            "-c PATH/TO/tic.yaml")
+    return resolve_model_dir(cfg)
 
 
 @click.command("cut")
@@ -29,32 +46,32 @@ def command(model_dir, out_dir, layers, max_layers, config_path, fsync, no_check
     cut is wrong, 2 when no config rewrite reproduces the kept layers.
 
     \b
-    Without MODEL_DIR/OUT_DIR, both come from tic.yaml (model.path, cut.out)."""
+    Without MODEL_DIR/OUT_DIR, both come from tic.yaml (model.path, cut.out). A MODEL_DIR holding only
+    config.json is cut from the weights tic.yaml generates for it (model.generate), generated first if needed."""
     from tic.harness.cut import cut_model
-    from tic.core.errors import TicInputError
+    from tic.harness.modelgen import has_weights, resolve_model_dir
+    from tic.skill.config import load_config
 
-    section = None
-    if model_dir is None or out_dir is None:
-        from tic.harness.modelgen import resolve_model_dir
-        from tic.skill.config import load_config
-
-        cfg = load_config(config_path or Path("tic.yaml"))
-        section = cfg.cut
-        model_dir = model_dir or resolve_model_dir(cfg)
-        if out_dir is None:
-            if section is None or section.out is None:
-                raise TicInputError("no OUT_DIR given and tic.yaml has no 'cut: {out: DIR}'")
-            out_dir = cfg.resolve(section.out)
-    elif config_path is not None:
-        from tic.skill.config import load_config
-
-        section = load_config(config_path).cut
+    cfg = None
+    if config_path is not None or model_dir is None or out_dir is None:
+        cfg = load_config(config_path)
+    section = cfg.cut if cfg is not None else None
+    if model_dir is None:
+        if cfg.model is None:
+            raise TicInputError("no MODEL_DIR given and tic.yaml has no 'model: {path: DIR}'")
+        model_dir = resolve_model_dir(cfg)
+    if out_dir is None:
+        if section is None or section.out is None:
+            raise TicInputError("no OUT_DIR given and tic.yaml has no 'cut: {out: DIR}'")
+        out_dir = cfg.resolve(section.out)
+    if not Path(model_dir).is_dir():
+        raise TicInputError(f"model directory not found: {model_dir}")
+    if not has_weights(Path(model_dir)):
+        model_dir = _generated_weights(Path(model_dir), cfg)
     if layers is None:
         layers = section.layers if section is not None else "auto"
     if max_layers is None:
         max_layers = section.max_layers if section is not None else 6
-    if not Path(model_dir).is_dir():
-        raise TicInputError(f"model directory not found: {model_dir}")
     rec = cut_model(Path(model_dir), Path(out_dir), layers=layers, max_layers=max_layers, fsync=fsync)
     problems = None
     if not no_check:

@@ -20,8 +20,8 @@ Exit codes:
   1  a divergence was found and localised (see the report)
   2  usage error or bad input
   3  internal error""")
-@click.option("-c", "--config", "config_path", default="tic.yaml", show_default=True,
-              type=click.Path(dir_okay=False, path_type=Path), help="tic.yaml to use")
+@click.option("-c", "--config", "config_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="tic.yaml to use [default: ./tic.yaml]")
 @click.option("--gate", "gate_id", default="C5", show_default=True, help="which comparison to localise: C3, C4, C5 or C6")
 @click.option("--json", "as_json", is_flag=True, help="print the findings as JSON on stdout")
 def command(config_path, gate_id, as_json):
@@ -46,6 +46,8 @@ def command(config_path, gate_id, as_json):
         verdict = gate.judge(measured)
     if verdict.verdict == "pass":
         con.print(f"{gate_id} passes ({verdict.key_figure}): no divergence to localise")
+        if ctx.state.clear_locate(gate_id):
+            con.print(f"removed the previous failure's report and repro ({ctx.state.locate_dir(gate_id)})")
         if as_json:
             report.print_json({"gate": gate_id, "status": "no divergence"})
         sys.exit(0)

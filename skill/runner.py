@@ -74,6 +74,8 @@ def run_gate(gate: Gate, ctx: GateContext, save: bool = True) -> GateResult:
                      evidence=evidence, model_hash=mhash, inputs=inputs, environment=environment_fingerprint(),
                      duration_s=round(time.perf_counter() - t0, 3))
     if save:
+        if verdict == "pass" and gate.locate_on_fail and ctx.state.clear_locate(gate.id):
+            res.details["locate_cleared"] = f"removed the previous failure's {ctx.state.locate_dir(gate.id)}"
         ctx.state.save(res)
     return res
 
@@ -106,4 +108,27 @@ def exit_code(results: list[GateResult]) -> int:
     return 0 if results and all(r.verdict == "pass" for r in results) else 1
 
 
-__all__ = ["run_gate", "run_ladder", "exit_code", "validate_run", "REGISTRY"]
+def unavailable_hint(results: list[GateResult]) -> str | None:
+    """When the only non-passing gates are unavailable ones: say so, and which --from/--to ranges hold only gates
+    this release measures (an unavailable gate is never a pass, so the exit code stays 1)."""
+    if not results or any(r.verdict not in ("pass", "unavailable") for r in results):
+        return None
+    missing = [r.gate for r in results if r.verdict == "unavailable"]
+    if not missing:
+        return None
+    runs, cur = [], []
+    for r in results:
+        if r.verdict == "pass":
+            cur.append(r.gate)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    ranges = " or ".join(f"tic ladder --from {run[0]} --to {run[-1]}" for run in runs)
+    return (f"exit 1 only because {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} unavailable in this "
+            f"release (not checked; never a pass). Every measured gate passed"
+            + (f"; to run only measured gates: {ranges}" if ranges else "") + ".")
+
+
+__all__ = ["run_gate", "run_ladder", "exit_code", "validate_run", "unavailable_hint", "REGISTRY"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from tic.core.fsio import atomic_write_text
@@ -25,6 +26,19 @@ class LadderState:
 
     def record_path(self, gate: str) -> Path:
         return self.results_dir / f"{gate}.json"
+
+    def locate_dir(self, gate: str) -> Path:
+        """The locator's report, chart and repro for a gate's last failure (harness/locate.py writes there)."""
+        return self.artifacts_dir(gate) / "locate"
+
+    def clear_locate(self, gate: str) -> bool:
+        """Remove a gate's locate artifacts once it shows no divergence: a report and repro of a failure that
+        no longer exists would read as current. Returns whether anything was removed."""
+        d = self.locate_dir(gate)
+        if not d.is_dir():
+            return False
+        shutil.rmtree(d)
+        return True
 
     def save(self, result: GateResult) -> Path:
         path = self.record_path(result.gate)

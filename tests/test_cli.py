@@ -25,7 +25,7 @@ def test_bad_config_exits_2_with_the_path(example, workdir, tic, text, message):
     code, out, err = tic("gate", "C0", "-c", str(cfg))
     assert code == 2, err
     assert message in err and len(err.strip().splitlines()) == 1
-    assert not (workdir / ".tic").exists()
+    assert not (workdir / ".tic").exists() and not (ex / ".tic").exists()
 
 
 def test_usage_errors_exit_2(example, workdir, tic):
@@ -34,7 +34,7 @@ def test_usage_errors_exit_2(example, workdir, tic):
     assert tic("ladder", "-c", str(ex / "tic.yaml"), "--from", "C5", "--to", "C3")[0] == 2
     assert tic("gate", "C0", "-c", str(workdir / "missing.yaml"))[0] == 2
     assert tic("frobnicate")[0] == 2
-    assert not (workdir / ".tic").exists()
+    assert not (workdir / ".tic").exists() and not (ex / ".tic").exists()
 
 
 def test_help_documents_exit_codes(tic):

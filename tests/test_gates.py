@@ -45,7 +45,7 @@ def test_c0_inventory_passes(example, workdir, tic):
     code, out, _ = tic("gate", "C0", "-c", str(ex / "tic.yaml"), "--json")
     rec = json.loads(out)["results"][0]
     assert code == 0 and rec["verdict"] == "pass"
-    manifest = json.loads((workdir / ".tic/artifacts/C0/manifest.json").read_text())
+    manifest = json.loads((ex / ".tic/artifacts/C0/manifest.json").read_text())  # .tic/ beside tic.yaml
     assert [L["mlp"] for L in manifest["layers"]] == ["dense", "moe", "moe", "moe"]
     assert "mlp:moe" in manifest["operator_classes"] and manifest["dtypes"] == ["F32"]
 

@@ -156,7 +156,9 @@ def test_embedded_default_c4_c5_localised(tmp_path, monkeypatch):
     from tic.skill.runner import run_ladder
 
     monkeypatch.chdir(tmp_path)
-    results = run_ladder(GateContext(load_config(DENSE / "tic.yaml")), "C4", "C5", keep_going=True)
+    cfg = load_config(DENSE / "tic.yaml")
+    cfg.state_dir = tmp_path / ".tic"  # .tic/ would otherwise go beside the repository's tic.yaml
+    results = run_ladder(GateContext(cfg), "C4", "C5", keep_going=True)
     assert [r.verdict for r in results] == ["fail", "fail"]
     for gate in ("C4", "C5"):
         rec = json.loads((tmp_path / ".tic" / "results" / f"{gate}.json").read_text())
@@ -186,7 +188,9 @@ def test_gate_without_mismatch_is_not_localised_but_does_not_raise(tmp_path, mon
     from tic.harness.locate import locate_for_gate
 
     monkeypatch.chdir(tmp_path)
-    ctx = GateContext(load_config(DENSE / "tic.yaml"))
+    cfg = load_config(DENSE / "tic.yaml")
+    cfg.state_dir = tmp_path / ".tic"
+    ctx = GateContext(cfg)
     got = locate_for_gate(ctx, "C5", {"metrics": {"first_mismatch": None}})
     assert got["status"].startswith("not localised")
     got = locate_for_gate(ctx, "C9", {"metrics": {"first_mismatch": {"sequence": 0, "position": 0}}})

@@ -75,6 +75,12 @@ def recompute(d: Path, name: str, c3_limit: int | None = None) -> dict:
 
 
 def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print("usage: python check.py RESULTS_DIR [NAME ...]", file=sys.stderr)
+        return 0 if len(sys.argv) > 1 else 2
+    if not Path(sys.argv[1]).is_dir():
+        print(f"check.py: not a folder: {sys.argv[1]}", file=sys.stderr)
+        return 2
     d = Path(sys.argv[1])
     names = sys.argv[2:] or sorted(p.name[:-len("-ladder.json")] for p in d.glob("*-ladder.json"))
     bad = 0
