@@ -25,7 +25,8 @@ from typing import Callable
 
 import torch
 
-from tic.harness.capture import Capture, CaptureRunner, CaptureSpec, Trail, rows_equal, runner_for, same_bits
+from tic.harness.capture import (Capture, CaptureRunner, CaptureSpec, Trail, raw_bytes, rows_equal, runner_for,
+                                 same_bits)
 from tic.harness.layouts import describe_train_layout, probe_batch
 from tic.harness.metrics import _ordered_int
 from tic.core.errors import TicInputError
@@ -65,19 +66,31 @@ def compare_rows(a: dict[int, tuple], b: dict[int, tuple]) -> dict:
             "differing_elements": elements, "max_ulp": max_ulp, "equal": not diff and bool(common)}
 
 
-# -- operator trails --------------------------------------------------------------------------------------
-def _row_of(x, B: int, T: int, f: int):
-    """The traced token's slice of a per-token tensor and where it sits; None if x is not laid out per token."""
-    if not isinstance(x, torch.Tensor):
+# -- operator trails ----------------------------------------------------------------------------------------
+def token_value(t: torch.Tensor, tokens: torch.Tensor | None, B: int, T: int, f: int):
+    """(where, value, rows) of token f's elements of t, by t's token map (tic.harness.provenance); None if t
+    holds none of them. `where` says how a repro picks the same elements from the call's output: a row of a
+    per-token layout ("row", "bt", "bht"), the whole tensor, or a mask of elements; `rows` is how many rows
+    (tokens, or sequences for "bt"/"bht") the call's leading dimension holds."""
+    if tokens is None or tuple(tokens.shape) != tuple(t.shape):
         return None
-    b, t = divmod(f, T)
-    if x.dim() >= 2 and tuple(x.shape[:2]) == (B, T):
-        return {"kind": "bt", "b": b, "t": t}, x[b, t]
-    if x.dim() >= 1 and x.shape[0] == B * T:
-        return {"kind": "row", "row": f}, x[f]
-    if x.dim() >= 3 and x.shape[0] == B and x.shape[2] == T:
-        return {"kind": "bht", "b": b, "t": t}, x[b, :, t]
-    return None
+    mask = tokens == f
+    n = int(mask.sum())
+    if n == 0:
+        return None
+    if n == mask.numel():
+        if t.dim() >= 1 and t.shape[0] == 1:
+            return {"kind": "row", "row": 0}, t[0], 1
+        return {"kind": "whole"}, t, 1
+    b, tt = divmod(f, T)
+    if t.dim() >= 2 and tuple(t.shape[:2]) == (B, T) and bool(mask[b, tt].all()) and mask[b, tt].numel() == n:
+        return {"kind": "bt", "b": b, "t": tt}, t[b, tt], B
+    if t.dim() >= 1 and t.shape[0] == B * T and bool(mask[f].all()) and mask[f].numel() == n:
+        return {"kind": "row", "row": f}, t[f], B * T
+    if t.dim() >= 3 and t.shape[0] == B and t.shape[2] == T and bool(mask[b, :, tt].all()) \
+            and mask[b, :, tt].numel() == n:
+        return {"kind": "bht", "b": b, "t": tt}, t[b, :, tt], B
+    return {"kind": "mask", "mask": mask}, t[mask], 1
 
 
 def _is_view(call) -> bool:
@@ -91,44 +104,35 @@ def _is_view(call) -> bool:
 def trail_rows(trail: Trail) -> tuple[list[list[tuple]], list[list[torch.Tensor]]]:
     """Per op call: the traced token's output values [(output k, where, value, rows)], and its input values.
 
-    Batched calls carry the token as one of their rows; row-by-row kernels call each operator once (or c
-    times) per row in order, so the j-th such call belongs to row j // c."""
+    Which elements of a call belong to the traced token comes from the recorder's token maps: by data (views
+    share their storage's tokens, computed values inherit their inputs'), whatever the order in which an
+    engine or kernel visits rows, heads or projections, and whatever shape a per-head tensor happens to have."""
     B, T, f = trail.batch, trail.length, trail.flat_index
-    R = B * T
     outs: list[list[tuple]] = []
     ins: list[list[torch.Tensor]] = []
-    single = defaultdict(list)
-    for ci, call in enumerate(trail.calls):
+    for call in trail.calls:
         got, got_in = [], []
         if not _is_view(call):
-            for k, o in enumerate(call.outputs):
-                r = _row_of(o, B, T, f)
+            out_tokens = call.out_tokens or (None,) * len(call.outputs)
+            for k, (o, m) in enumerate(zip(call.outputs, out_tokens)):
+                r = token_value(o, m, B, T, f)
                 if r is not None:
-                    got.append((k, {**r[0], "output": k}, r[1], R if r[0]["kind"] == "row" else B))
-            for a in call.args:
-                r = _row_of(a, B, T, f)
-                if r is not None:
-                    got_in.append(r[1])
-            if not got and call.outputs and call.outputs[0].dim() >= 1 and call.outputs[0].shape[0] == 1:
-                single[call.op].append(ci)
+                    got.append((k, {**r[0], "output": k}, r[1], r[2]))
+            arg_tokens = call.arg_tokens or (None,) * len(call.args)
+            for a, m in zip(call.args, arg_tokens):
+                if isinstance(a, torch.Tensor):
+                    r = token_value(a, m, B, T, f)
+                    if r is not None:
+                        got_in.append(r[1])
         outs.append(got)
         ins.append(got_in)
-    for op, cis in single.items():
-        if len(cis) % R:
-            continue
-        c = len(cis) // R
-        for j, ci in enumerate(cis):
-            if j // c == f:
-                call = trail.calls[ci]
-                outs[ci] = [(k, {"kind": "row", "row": 0, "output": k}, o[0], 1)
-                            for k, o in enumerate(call.outputs) if o.dim() >= 1 and o.shape[0] == 1]
-                ins[ci] = [a[0] for a in call.args if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == 1]
     return outs, ins
 
 
 def _key(t: torch.Tensor) -> tuple:
-    t = t.detach().cpu().contiguous()
-    return str(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    """A value's identity for comparing the two sides: dtype, element count and every byte, for any shape or
+    strides (one token's row [D] of a batched call and the [1, D] of a row-by-row call are the same value)."""
+    return str(t.dtype), t.numel(), raw_bytes(t)
 
 
 def _describe_args(call) -> str:
@@ -155,15 +159,16 @@ def _lossless(value: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
     if not inputs or not (value.is_floating_point() and inputs[0].is_floating_point()):
         return False
     a, b = value.to(torch.float64), inputs[0].to(torch.float64)
-    return a.shape == b.shape and same_bits(a.contiguous(), b.contiguous())
+    return a.numel() == b.numel() and same_bits(a.reshape(-1), b.reshape(-1))
 
 
 def module_target(trail: Trail, value: torch.Tensor) -> tuple[int, dict] | None:
     """The last call whose output row for the traced token is the module's recorded output (bit for bit)."""
     outs, _ = trail_rows(trail)
+    want = _key(value)
     for ci in range(len(outs) - 1, -1, -1):
         for k, where, v, _rows in outs[ci]:
-            if rows_equal((v.detach().cpu(),), (value.detach().cpu(),)):
+            if _key(v) == want:
                 return ci, where
     return None
 
@@ -363,7 +368,7 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
                     ta.trail.calls[found["a_call"]], found["a_where"], found["a_rows"])
                 b_side = repro_mod.OpSide(tb.trail.calls[found["b_call"]], found["b_where"], found["b_rows"])
                 if a_side is not None or found["a_value"] is not None:
-                    headline = f"{found['op']} in {culprit} differs between the two sides on identical inputs"
+                    headline = f"{found['op']} in {culprit}: side A's and side B's calls give different bits"
                     repro_info = repro_mod.emit(out_dir, gate, a_side, b_side, found["a_value"],
                                                 side_a.label, side_b.label, headline, setup=_setup(side_a, side_b))
     out["module_trail"] = descent
@@ -372,6 +377,8 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
     out["operators_b"] = trail_info["b_ops"][:80] if trail_info else []
     out["repro"] = repro_info["script"] if repro_info else None
     out["repro_check"] = {k: v for k, v in repro_info.items() if k != "script"} if repro_info else None
+    # what the emitted repro shows, as its fresh run decided: one operator on identical inputs, or two implementations
+    out["repro_proves"] = repro_info.get("proves") if repro_info and repro_info.get("script") else None
     out["forward_passes"] = forwards
     out["seconds"] = round(time.perf_counter() - t0, 3)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -478,7 +485,7 @@ def locate_for_gate(ctx, gate_id: str, measured: dict, strict: bool = False) -> 
     found = locate(side_a, side_b, out_dir, gate_id, upto, expected)
     keep = ("status", "first_divergent_layer", "culprit_module", "first_operator", "operator_args",
             "traced_position", "reproduced_gate_values", "forward_passes", "seconds", "report", "repro", "chart",
-            "repro_check", "implementations", "recording_errors")
+            "repro_check", "repro_proves", "implementations", "recording_errors")
     res = {k: found.get(k) for k in keep}
     res["layers"] = [{k: r[k] for k in ("stage", "equal", "differing_positions", "max_ulp", "first_divergent")}
                      for r in found["layers"]]
