@@ -222,6 +222,11 @@ def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
                                             (value_b.to(torch.float64) if value_b.is_floating_point() else value_b,)):
                     found.update(a_call=a_ci, a_where=match[0][1], a_rows=match[0][3],
                                  a_args=_describe_args(trail_a.calls[a_ci]))
+                    # whether the counterpart's own inputs are values side B has: if not, side A parted
+                    # earlier, through a step of its own (a rounding, a scale) that the reverse search names
+                    b_values = {_key(v) for got_b in outs_b for (_, _, v, _) in got_b} | \
+                        {_key(v) for got_b in ins_b for v in got_b}
+                    found["counterpart_inputs_shared"] = all(_key(v) in b_values for v in ins_a[a_ci])
             if found["a_call"] is None and ins_b[ci] and call.op in CAST_OPS:
                 found["a_value"] = ins_b[ci][0].clone()  # side A skips this conversion: its value is the input
             elif found["a_call"] is None:
@@ -339,12 +344,28 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
             tb = side_b.run(CaptureSpec(outputs={culprit}, replace=repl, trail_module=culprit, trail_position=pos))
             forwards += ta.forwards + tb.forwards
             trail_info = first_operator(ta.trail, tb.trail) if ta.trail and tb.trail else None
+            new_on_a = False
+            fwd = trail_info and trail_info["found"]
+            if trail_info and (not fwd or fwd.get("counterpart_inputs_shared") is False):
+                # every value side B computes is also one of side A's, or side B's first new value comes from an
+                # operator whose side A counterpart already had other inputs: the first new value is on side A
+                # (a step only side A takes, e.g. a rounding), so look from side A's operators instead
+                rev = first_operator(tb.trail, ta.trail)
+                if rev["found"]:
+                    rev["a_ops"], rev["b_ops"] = rev["b_ops"], rev["a_ops"]
+                    trail_info, new_on_a = rev, True
+            # the side whose operator computes the value the other side never has, and the other one
+            (t_ref, lab_ref), (t_new, lab_new) = ((tb, side_b.label), (ta, side_a.label)) if new_on_a else \
+                ((ta, side_a.label), (tb, side_b.label))
             errs = [e for t in (ta.trail, tb.trail) if t for e in t.errors]
             if errs:
                 out["recording_errors"] = errs[:10]
             found = trail_info and trail_info["found"]
             out["first_operator"] = found["op"] if found else None
-            out["operator_args"] = {"a": found.get("a_args"), "b": found["b_args"]} if found else None
+            args_ref, args_new = (found.get("a_args"), found["b_args"]) if found else (None, None)
+            out["operator_args"] = ({"a": args_new, "b": args_ref} if new_on_a else {"a": args_ref, "b": args_new}) \
+                if found else None
+            out["operator_side"] = ("A" if new_on_a else "B") if found else None
             out["status"] = "localized" if found else "localized to a module; operator not resolved"
             if found and found.get("implementations_differ"):
                 ops_a, ops_b = trail_info["a_ops"], trail_info["b_ops"]
@@ -364,13 +385,14 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
                         out["status"] += ("; no repro: the module's output is not produced by a recorded torch "
                                           "operator (a kernel launched directly, e.g. a Triton GEMM)")
             elif found and emit_repro:
+                # the repro's side B is the side with the new value (side A's run when new_on_a: labels say so)
                 a_side = None if found["a_call"] is None else repro_mod.OpSide(
-                    ta.trail.calls[found["a_call"]], found["a_where"], found["a_rows"])
-                b_side = repro_mod.OpSide(tb.trail.calls[found["b_call"]], found["b_where"], found["b_rows"])
+                    t_ref.trail.calls[found["a_call"]], found["a_where"], found["a_rows"])
+                b_side = repro_mod.OpSide(t_new.trail.calls[found["b_call"]], found["b_where"], found["b_rows"])
                 if a_side is not None or found["a_value"] is not None:
-                    headline = f"{found['op']} in {culprit}: side A's and side B's calls give different bits"
+                    headline = f"{found['op']} in {culprit}: the two sides' calls give different bits"
                     repro_info = repro_mod.emit(out_dir, gate, a_side, b_side, found["a_value"],
-                                                side_a.label, side_b.label, headline, setup=_setup(side_a, side_b))
+                                                lab_ref, lab_new, headline, setup=_setup(side_a, side_b))
     out["module_trail"] = descent
     out["operator_trail"] = trail_info["steps"][:80] if trail_info else []
     out["operators_a"] = trail_info["a_ops"][:80] if trail_info else []

@@ -104,6 +104,9 @@ class Provenance:
             if s.dim() == len(shape) and s.dim() >= 1 and tuple(s.shape[:-1]) == tuple(shape[:-1]) and \
                     bool((m == m[..., :1]).all()):
                 return m[..., :1].expand(shape).clone()
+        for s, m in maps:  # a lookup: [B, T] indices -> [B, T, D] rows (embeddings, a cos/sin table)
+            if s.dim() < len(shape) and tuple(s.shape) == tuple(shape[:s.dim()]):
+                return m.reshape(*s.shape, *([1] * (len(shape) - s.dim()))).expand(shape).clone()
         for s, m in maps:  # an input broadcast to the output
             try:
                 return m.expand(shape).clone()
