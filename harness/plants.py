@@ -238,9 +238,11 @@ def _kind_of(name: str, m: nn.Module) -> str | None:
     return None
 
 
-def _branch(rng: random.Random):
+def _branch(rng: random.Random, branches: bool = True):
     """Now and then a batch- or length-dependent branch: the plant acts only on calls with enough rows."""
     r = rng.random()
+    if not branches:
+        return None, ""
     if r < 0.15:
         return ("rows", rng.choice([2, 3, 4, 6])), " (batch-dependent branch)"
     if r < 0.3:
@@ -257,9 +259,11 @@ def _tie_router(layer_mlp: str):
     return prepare
 
 
-def draw_plant(model: nn.Module, rng: random.Random, side: str) -> Plant:
+def draw_plant(model: nn.Module, rng: random.Random, side: str, branches: bool = True) -> Plant:
     """One random plant over the modules this model calls (norms, projections, activations, attention, MLP or
-    MoE block, decoder layer, embeddings, rotary, final norm, head)."""
+    MoE block, decoder layer, embeddings, rotary, final norm, head). Without `branches`, no batch- or
+    length-dependent branch (a branch taken on one layout and not the other is a divergence even when both
+    sides carry the plant)."""
     mods = [(n, _kind_of(n, m)) for n, m in model.named_modules()]
     mods = [(n, k) for n, k in mods if k]
     options: list[tuple[str, str, Callable]] = []
@@ -267,22 +271,24 @@ def draw_plant(model: nn.Module, rng: random.Random, side: str) -> Plant:
         for plant in _PLANTS[kind]:
             options.append((name, kind, plant))
     name, kind, make = rng.choice(options)
-    return make(name, rng, side, model)
+    return make(name, rng, side, model, branches)
 
 
 def _p(kind, name, ops, side, install, prepare=None):
     return Plant(kind, name, _stage_of(name), tuple(ops), side, install, prepare)
 
 
-def _eps(name, rng, side, model):
+def _eps(name, rng, side, model, branches=True):
     new = model.get_submodule(name).variance_epsilon * rng.choice([10.0, 0.1, 3.0])
     return _p("eps", name, ["aten.add.Tensor"], side, set_attribute(name, "variance_epsilon", new))
 
 
-def _eps_branch(name, rng, side, model):
+def _eps_branch(name, rng, side, model, branches=True):
     m = model.get_submodule(name)
     new = m.variance_epsilon * rng.choice([10.0, 0.1])
     cond, tag = _branch(rng)
+    if not branches:
+        return _p("eps", name, ["aten.add.Tensor"], side, set_attribute(name, "variance_epsilon", new))
     cond = cond or ("rows", 2)
     tag = tag or " (batch-dependent branch)"
 
@@ -303,18 +309,18 @@ def _eps_branch(name, rng, side, model):
 
 
 def _swap_plant(kind, table, ops, with_branch=True):
-    def make(name, rng, side, model):
-        cond, tag = _branch(rng) if with_branch else (None, "")
+    def make(name, rng, side, model, branches=True):
+        cond, tag = _branch(rng, branches) if with_branch else (None, "")
         return _p(kind + tag, name, ops, side, swap_in(name, table, cond))
     return make
 
 
-def _output_round(name, rng, side, model):
-    cond, tag = _branch(rng)
+def _output_round(name, rng, side, model, branches=True):
+    cond, tag = _branch(rng, branches)
     return _p("bf16 round trip of the output" + tag, name, ROUND, side, around(name, after=_round_first, cond=cond))
 
 
-def _position_round(name, rng, side, model):
+def _position_round(name, rng, side, model, branches=True):
     def before(args, kwargs):
         pe = kwargs.get("position_embeddings")
         if isinstance(pe, tuple):
@@ -323,13 +329,13 @@ def _position_round(name, rng, side, model):
     return _p("bf16 round trip of the position embeddings passed on", name, ROUND, side, around(name, before=before))
 
 
-def _key_split_plant(name, rng, side, model):
+def _key_split_plant(name, rng, side, model, branches=True):
     n = rng.choice([3, 4, 5, 6, 8])
     return _p(f"attention reduction over keys split in two (rows of >= {n} keys: length-dependent branch)", name,
               LINEAR_OPS + ("aten.add.Tensor",), side, swap_in(name, {"matmul": _key_split(n)}))
 
 
-def _tie_break(name, rng, side, model):
+def _tie_break(name, rng, side, model, branches=True):
     return _p("top-k ties broken towards the higher expert index", name,
               ("aten.flip.default", "aten.rsub.Scalar", "aten.topk.default"), side,
               swap_in(name, {"topk": _topk_high_index_first}), prepare=_tie_router(name))
@@ -413,7 +419,7 @@ def run_trial(seed: int, out_dir: Path, mode: str = "plant", family: str | None 
     engines["a"].batch_size = rng.randint(1, 4)
     engines["b"].micro_batch_size = rng.randint(1, 3)
     side = rng.choice("ab")
-    plant = draw_plant(engines[side].model, rng, side) if mode != "clean" else None
+    plant = draw_plant(engines[side].model, rng, side, branches=mode == "plant") if mode != "clean" else None
     if plant is not None and plant.prepare is not None:
         for e in engines.values():
             plant.prepare(e.model)
