@@ -4,14 +4,19 @@ Side A and side B run the same compared sequence (same weights, same tokens) in 
 capture hooks (tic.harness.capture). The loop:
   1. stages (embeddings, rotary, decoder layers, final norm, head) compared bitwise in order: the first that
      differs is the first divergent layer;
-  2. replay: side B reruns with side A's recorded inputs fed to that layer and to each of its submodules at
-     once, so each module's output is seen on identical inputs in one extra run. If the layer then agrees, the
-     cause is upstream (an input that is not the hidden state). Otherwise descend: the first child in
+  2. replay: side B reruns with side A's recorded inputs (every token-row tensor argument: hidden states,
+     position embeddings, ...) fed to that layer and to each of its submodules at once, so each module's
+     output is seen on identical inputs in one extra run. If the layer then agrees, the cause is upstream
+     (an input that is not per token: a mask, the cache). Otherwise descend: the first child in
      execution order that still differs, until no child does: that module is the culprit;
   3. inside the culprit, both sides' operator sequences are recorded (TorchDispatchMode) for the forward call
-     that computes the first differing token; the first operator on side B whose value for that token is not
-     a value side A computed is the first divergent operator (identical inputs, different output);
-  4. that operator is reduced to a minimal repro (tic.harness.repro), verified in a fresh process.
+     that computes the first differing token; which elements of each call belong to that token is followed by
+     data (tic.harness.provenance), whatever order the kernels visit rows in. The first operator on side B
+     whose value for that token is not a value side A computed is the first divergent operator; when side B
+     has none, or its counterpart on side A already had other inputs, side A took a step of its own first and
+     the search runs from side A;
+  4. that operator is reduced to a minimal repro (tic.harness.repro), verified in a fresh process, which also
+     says what it shows: one operator on identical inputs, or an implementation difference.
 """
 
 from __future__ import annotations
@@ -317,8 +322,8 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
         diverges = lambda n: iso[n]["positions"] > 0 and not iso[n]["equal"]  # noqa: E731
         replay([first])
         if not diverges(first):
-            out["status"] = (f"upstream: {first} agrees when fed side A's hidden states, so the difference comes "
-                             "from its other inputs (positions, mask, cache)")
+            out["status"] = (f"upstream: {first} agrees when fed side A's per-token inputs, so the difference "
+                             "comes from its other inputs (mask, cache)")
             out["culprit_module"] = None
             out["first_operator"] = None
         else:
