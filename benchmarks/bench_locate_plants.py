@@ -8,6 +8,7 @@ and emit no repro (a repro that exits 1 without a one-sided plant is a false rep
 not reach a compared stage (rounded away downstream, or a branch never taken) are redrawn and counted.
 
 Run: .venv/bin/python benchmarks/bench_locate_plants.py [--plants 200] [--controls 40] [--jsonl out.jsonl]
+     [--start SEED]; --table-from A.jsonl B.jsonl prints one table over runs made side by side.
 """
 
 from __future__ import annotations
@@ -101,7 +102,13 @@ def main() -> int:
     ap.add_argument("--start", type=int, default=0, help="first seed")
     ap.add_argument("--jsonl", type=Path, default=None, help="also write one JSON line per trial here")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--table-from", type=Path, nargs="+", default=None,
+                    help="print the table of trials already written by --jsonl runs (e.g. two seed ranges run at once)")
     a = ap.parse_args()
+    if a.table_from:
+        rows = [json.loads(line) for p in a.table_from for line in p.read_text().splitlines() if line.strip()]
+        print(table(rows))
+        return 0
     torch.set_num_threads(a.threads)
     work = Path(tempfile.mkdtemp(prefix="tic-bench-plants-"))
     os.environ.setdefault("TIC_CACHE", str(work / "cache"))
