@@ -167,14 +167,15 @@ def _lossless(value: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
     return a.numel() == b.numel() and same_bits(a.reshape(-1), b.reshape(-1))
 
 
-def module_target(trail: Trail, value: torch.Tensor) -> tuple[int, dict] | None:
-    """The last call whose output row for the traced token is the module's recorded output (bit for bit)."""
+def module_target(trail: Trail, value: torch.Tensor) -> tuple[int, dict, torch.Tensor] | None:
+    """The last call whose output for the traced token is the module's recorded output (bit for bit, in any
+    shape): (call, where, the value as picked from that call's output)."""
     outs, _ = trail_rows(trail)
     want = _key(value)
     for ci in range(len(outs) - 1, -1, -1):
         for k, where, v, _rows in outs[ci]:
             if _key(v) == want:
-                return ci, where
+                return ci, where, v
     return None
 
 
@@ -185,7 +186,8 @@ def _module_program(cap: Capture, module: str, pos: int) -> dict | None:
 
     row = cap.outputs.get(module, {}).get(pos)
     target = module_target(cap.trail, row[0]) if row else None
-    return None if target is None else repro_mod.module_program(cap.trail, target[0], target[1], row[0])
+    # the recorded value as the replay picks it (a per-head module's token is a mask of elements, not a row)
+    return None if target is None else repro_mod.module_program(cap.trail, *target)
 
 
 def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
@@ -329,8 +331,17 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
         else:
             node = first
             descent.append({"module": first, "diverges_on_identical_inputs": True, "siblings": []})
+            def called_kids(n: str) -> set[str]:
+                """n's nearest descendants that ran: a child never called itself (a container such as an
+                experts list whose members a fused forward calls directly) stands for its own children."""
+                got = set()
+                for c in runner.children(n):
+                    got |= {c} if cap_a.outputs.get(c) else called_kids(c)
+                return got
+
             while True:
-                kids = [c for c in cap_a.order if c in set(runner.children(node)) and cap_a.outputs.get(c)]
+                near = called_kids(node)
+                kids = [c for c in cap_a.order if c in near]
                 if kids:
                     replay(kids)
                 checked = [{"module": c, "diverges": diverges(c), "max_ulp": iso[c]["max_ulp"]} for c in kids]
