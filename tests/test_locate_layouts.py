@@ -10,6 +10,7 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +24,14 @@ from tic.skill.context import GateContext
 
 ROOT = Path(__file__).resolve().parent.parent
 DENSE = ROOT / "examples" / "tiny-qwen3"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add contention on a shared CI machine
+    yield
+    torch.set_num_threads(n)
 
 
 def _engines():
