@@ -127,6 +127,16 @@ def test_replay_feeds_keyword_inputs_so_a_layers_own_change_stays_in_the_layer(t
     it agrees, and the layer's own forward is the culprit."""
     monkeypatch.chdir(tmp_path)
     a, b = _engines()
+    for m in (a.model, b.model):  # both sides' attention reads the cos it is passed (kernels may use a table)
+        attn = m.model.layers[2].self_attn
+        attn_inner = attn.forward
+
+        def attn_forward(*args, _inner=attn_inner, **kwargs):
+            out = _inner(*args, **kwargs)
+            cos = kwargs["position_embeddings"][0]
+            return (out[0] * (1 + cos[..., :1] / 64),) + tuple(out[1:])
+
+        attn.forward = attn_forward
     layer = b.model.model.layers[2]
     inner = layer.forward
 
