@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tic.harness.engines.base import Sample
 from tic.harness.engines.hf import cache_kwargs, packed_row, padded_batch
+from tic.harness.provenance import Provenance
 
 RowTensors = tuple  # one tensor per row-shaped output (or input) of a module, for one token
 
@@ -51,6 +52,10 @@ class OpCall:
     # call of the same trail, or None for a value from outside (weights, module inputs, buffers). Lets a repro
     # replay a whole module's operator sequence as a program.
     sources: tuple | None = None
+    # the token map (tic.harness.provenance) of each output and of each top-level argument at call time: which
+    # token of the traced forward call each element belongs to, -1 for none; None where nothing is known
+    out_tokens: tuple | None = None
+    arg_tokens: tuple | None = None
 
 
 @dataclass
@@ -110,14 +115,28 @@ def tensors_of(out) -> list[torch.Tensor]:
     return []
 
 
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """t's elements in a fresh 1-D buffer of stride 1. `contiguous()` is not enough: a tensor with a size-1
+    dimension counts as contiguous whatever that dimension's stride, and reinterpreting its bytes then fails."""
+    flat = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+    flat.copy_(t.reshape(-1))
+    return flat
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """Every byte of t's elements in row-major order, for any shape, stride, dtype and device."""
+    if t.numel() == 0:
+        return b""
+    return dense(t.detach().cpu()).view(torch.uint8).numpy().tobytes()
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Exact equality of dtype, shape and every bit (so -0.0 != 0.0 and NaN payloads count)."""
+    """Exact equality of dtype, shape and every bit (so -0.0 != 0.0 and NaN payloads count), any strides."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    if a.is_floating_point():
-        a, b = a.contiguous(), b.contiguous()
-        ib = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return bool(torch.equal(a.view(ib), b.view(ib)))
+    if a.is_floating_point() and a.numel():
+        ib = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return bool(torch.equal(dense(a).view(ib), dense(b).view(ib)))
     return bool(torch.equal(a, b))
 
 
@@ -172,6 +191,11 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
     return got
 
 
+def _snapshot(m: torch.Tensor | None) -> torch.Tensor | None:
+    """A token map as it is now (later in-place writes change the storage's map); None if it names no token."""
+    return None if m is None or not bool((m >= 0).any()) else m.clone()
+
+
 class _OpFailed(Exception):
     pass
 
@@ -207,8 +231,10 @@ class OpRecorder(TorchDispatchMode):
     wrapper. Recording never changes what runs: each operator runs once, as given; a recording failure is kept
     in `errors`."""
 
-    def __init__(self, calls: list | None = None, errors: list | None = None, produced: dict | None = None):
+    def __init__(self, calls: list | None = None, errors: list | None = None, produced: dict | None = None,
+                 provenance=None):
         super().__init__()
+        self.provenance = provenance  # tic.harness.provenance.Provenance: tokens of each value, by data
         self.calls: list[OpCall] = calls if calls is not None else []
         self.errors: list[str] = errors if errors is not None else []
         # id(tensor) -> (call index, output index, the tensor): which recorded call last produced or wrote it;
@@ -264,15 +290,25 @@ class OpRecorder(TorchDispatchMode):
         pre_kwargs = {k: _tree_map(_clone, v) for k, v in kwargs.items()}
         sources = (tuple(self._source(a, p) for a, p in zip(args, pre_args)),
                    {k: self._source(v, pre_kwargs[k]) for k, v in kwargs.items()})
+        prov = self.provenance
+        arg_tokens = None if prov is None else tuple(
+            _snapshot(prov.tokens(a)) if isinstance(a, torch.Tensor) else None for a in args)
         try:
             out = func(*args, **kwargs)
         except Exception as e:  # the operator itself failed: not a recording problem
             raise _OpFailed() from e
-        outs = call_outputs(func, args, kwargs, out)
+        returned = tensors_of(out)
+        written = _written(func, args, kwargs)
+        outs = returned + [w for w in written if not any(w is o for o in returned)]
         ci = len(self.calls)
         for k, t in enumerate(outs):
             self.produced[id(t)] = (ci, k, t)
-        self.calls.append(OpCall(str(func), func, pre_args, pre_kwargs, tuple(_clone(t) for t in outs), sources))
+        out_tokens = None
+        if prov is not None:
+            prov.after(func, args, kwargs, returned, written)
+            out_tokens = tuple(_snapshot(prov.tokens(t)) for t in outs)
+        self.calls.append(OpCall(str(func), func, pre_args, pre_kwargs, tuple(_clone(t) for t in outs), sources,
+                                 out_tokens, arg_tokens))
         return out
 
 
@@ -295,23 +331,98 @@ class _PythonOpRecorder(TorchFunctionMode):
         return self.parent.record(op, args, kwargs)
 
 
-def _input_tensors(args: tuple, kwargs: dict, batch: int, length: int) -> list[tuple[object, torch.Tensor]]:
-    """The token-row inputs of a call: row-shaped positional tensors and the `hidden_states` keyword."""
-    found = [(i, a) for i, a in enumerate(args) if row_shaped(a, batch, length)]
-    hs = kwargs.get("hidden_states")
-    if row_shaped(hs, batch, length):
-        found.append(("hidden_states", hs))
+class InputRows(tuple):
+    """One token's input rows of a module call, with the argument each came from (`keys`: "0" for the first
+    positional argument, "position_embeddings.1" for the second tensor of that keyword): replay substitutes
+    each input by the other side's input of the same argument."""
+
+    keys: tuple = ()
+
+    def __new__(cls, rows, keys):
+        obj = super().__new__(cls, rows)
+        obj.keys = tuple(keys)
+        return obj
+
+
+def _input_tensors(args: tuple, kwargs: dict, batch: int, length: int) -> list[tuple[str, torch.Tensor]]:
+    """Every token-row tensor input of a call, positional and keyword, one level into tuples/lists (e.g. the
+    (cos, sin) of `position_embeddings`), as (key, tensor); positional ones first, then `hidden_states`, so
+    that the first is the hidden state whichever way it was passed."""
+    found = []
+
+    def visit(key: str, v) -> None:
+        if isinstance(v, (list, tuple)):
+            for j, x in enumerate(v):
+                if row_shaped(x, batch, length):
+                    found.append((f"{key}.{j}", x))
+        elif row_shaped(v, batch, length):
+            found.append((key, v))
+
+    for i, a in enumerate(args):
+        visit(str(i), a)
+    if "hidden_states" in kwargs:
+        visit("hidden_states", kwargs["hidden_states"])
+    for k, v in kwargs.items():
+        if k != "hidden_states":
+            visit(k, v)
     return found
 
 
-def _keep(store: dict, flats: list[torch.Tensor], targets: list[tuple[int, int]]) -> None:
-    """store[pos] = the target rows of every flat tensor, as CPU copies (engines on a GPU compare with CPU ones)."""
+def _set_input(args: list, kwargs: dict, key: str, value: torch.Tensor) -> None:
+    head, _, j = key.partition(".")
+    holder, name = (args, int(head)) if head.isdigit() else (kwargs, head)
+    if j:
+        seq = list(holder[name])
+        seq[int(j)] = value
+        holder[name] = type(holder[name])(seq)
+    else:
+        holder[name] = value
+
+
+def _keep(store: dict, flats: list[torch.Tensor], targets: list[tuple[int, int]], keys: list[str] | None = None) -> None:
+    """store[pos] = the target rows of every flat tensor, as CPU copies (engines on a GPU compare with CPU ones);
+    with `keys`, as InputRows that name the argument of each row."""
     if not targets:
         return
     idx = torch.tensor([i for i, _ in targets], dtype=torch.long)
     got = [f.detach().index_select(0, idx.to(f.device)).cpu() for f in flats]
     for j, (_, pos) in enumerate(targets):
-        store[pos] = tuple(g[j].clone() for g in got)
+        rows = tuple(g[j].clone() for g in got)
+        store[pos] = rows if keys is None else InputRows(rows, keys)
+
+
+def _replaced(args: tuple, kwargs: dict, B: int, T: int, targets, repl: dict) -> tuple[tuple, dict]:
+    """args/kwargs with the traced sequence's rows of every token-row input replaced by the other side's.
+
+    Rows recorded with their argument keys (InputRows) replace the input of the same argument, whatever it
+    is (hidden states, position embeddings, a residual): a module then sees exactly the other side's inputs.
+    A row of another shape or dtype family is left as it is (a decode step's mask row is not a prefill's).
+    Rows from an engine that records no keys (plain tuples, hidden state first) replace the hidden state only."""
+    new_args, new_kwargs = list(args), dict(kwargs)
+    for k, (key, x) in enumerate(_input_tensors(args, kwargs, B, T)):
+        x = x.clone()
+        flat = flat_rows(x, B, T)
+        changed = False
+        for i, pos in targets:
+            got = repl.get(pos)
+            if got is None:
+                continue
+            keys = getattr(got, "keys", None)
+            if keys:
+                if key not in keys:
+                    continue
+                row = got[keys.index(key)]
+            elif k == 0 and got:
+                row = got[0]
+            else:
+                continue
+            if tuple(row.shape) != tuple(flat[i].shape) or row.is_floating_point() != flat.is_floating_point():
+                continue
+            flat[i] = row.to(flat.device, flat.dtype)
+            changed = True
+        if changed:
+            _set_input(new_args, new_kwargs, key, x)
+    return tuple(new_args), new_kwargs
 
 
 class HookSet:
@@ -352,28 +463,19 @@ class HookSet:
                 self.capture.order.append(name)
             new_args, new_kwargs = args, kwargs
             if name in self.spec.replace:
-                repl = self.spec.replace[name]
-                new_args, new_kwargs = list(args), dict(kwargs)
-                for k, (key, x) in enumerate(_input_tensors(args, kwargs, B, T)):
-                    x = x.clone()
-                    flat = flat_rows(x, B, T)
-                    for i, pos in targets:
-                        if pos in repl and k < len(repl[pos]):
-                            flat[i] = repl[pos][k].to(flat.device, flat.dtype)
-                    if key == "hidden_states":
-                        new_kwargs[key] = x
-                    else:
-                        new_args[key] = x
-                new_args = tuple(new_args)
+                new_args, new_kwargs = _replaced(args, kwargs, B, T, targets, self.spec.replace[name])
             if name in self.spec.inputs:
                 store = self.capture.inputs.setdefault(name, {})
-                ins = [flat_rows(x, B, T) for _, x in _input_tensors(new_args, new_kwargs, B, T)]
-                _keep(store, ins, targets)
+                found = _input_tensors(new_args, new_kwargs, B, T)
+                _keep(store, [flat_rows(x, B, T) for _, x in found], targets, [k for k, _ in found])
             if (name == self.spec.trail_module and self._recorder is None and self.capture.trail is None
                     and any(pos == self.spec.trail_position for _, pos in targets)):
                 fi = next(i for i, pos in targets if pos == self.spec.trail_position)
                 self.capture.trail = Trail([], B, T, fi)
-                self._recorder = OpRecorder(self.capture.trail.calls, self.capture.trail.errors)
+                prov = Provenance(B, T)
+                for _, x in _input_tensors(new_args, new_kwargs, B, T):
+                    prov.seed(x)
+                self._recorder = OpRecorder(self.capture.trail.calls, self.capture.trail.errors, provenance=prov)
                 self._recorder.__enter__()
             if name in self.spec.replace:
                 return new_args, new_kwargs

@@ -4,14 +4,19 @@ Side A and side B run the same compared sequence (same weights, same tokens) in 
 capture hooks (tic.harness.capture). The loop:
   1. stages (embeddings, rotary, decoder layers, final norm, head) compared bitwise in order: the first that
      differs is the first divergent layer;
-  2. replay: side B reruns with side A's recorded inputs fed to that layer and to each of its submodules at
-     once, so each module's output is seen on identical inputs in one extra run. If the layer then agrees, the
-     cause is upstream (an input that is not the hidden state). Otherwise descend: the first child in
+  2. replay: side B reruns with side A's recorded inputs (every token-row tensor argument: hidden states,
+     position embeddings, ...) fed to that layer and to each of its submodules at once, so each module's
+     output is seen on identical inputs in one extra run. If the layer then agrees, the cause is upstream
+     (an input that is not per token: a mask, the cache). Otherwise descend: the first child in
      execution order that still differs, until no child does: that module is the culprit;
   3. inside the culprit, both sides' operator sequences are recorded (TorchDispatchMode) for the forward call
-     that computes the first differing token; the first operator on side B whose value for that token is not
-     a value side A computed is the first divergent operator (identical inputs, different output);
-  4. that operator is reduced to a minimal repro (tic.harness.repro), verified in a fresh process.
+     that computes the first differing token; which elements of each call belong to that token is followed by
+     data (tic.harness.provenance), whatever order the kernels visit rows in. The first operator on side B
+     whose value for that token is not a value side A computed is the first divergent operator; when side B
+     has none, or its counterpart on side A already had other inputs, side A took a step of its own first and
+     the search runs from side A;
+  4. that operator is reduced to a minimal repro (tic.harness.repro), verified in a fresh process, which also
+     says what it shows: one operator on identical inputs, or an implementation difference.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from typing import Callable
 
 import torch
 
-from tic.harness.capture import Capture, CaptureRunner, CaptureSpec, Trail, rows_equal, runner_for, same_bits
+from tic.harness.capture import (Capture, CaptureRunner, CaptureSpec, Trail, raw_bytes, rows_equal, runner_for,
+                                 same_bits)
 from tic.harness.layouts import describe_train_layout, probe_batch
 from tic.harness.metrics import _ordered_int
 from tic.core.errors import TicInputError
@@ -65,19 +71,31 @@ def compare_rows(a: dict[int, tuple], b: dict[int, tuple]) -> dict:
             "differing_elements": elements, "max_ulp": max_ulp, "equal": not diff and bool(common)}
 
 
-# -- operator trails --------------------------------------------------------------------------------------
-def _row_of(x, B: int, T: int, f: int):
-    """The traced token's slice of a per-token tensor and where it sits; None if x is not laid out per token."""
-    if not isinstance(x, torch.Tensor):
+# -- operator trails ----------------------------------------------------------------------------------------
+def token_value(t: torch.Tensor, tokens: torch.Tensor | None, B: int, T: int, f: int):
+    """(where, value, rows) of token f's elements of t, by t's token map (tic.harness.provenance); None if t
+    holds none of them. `where` says how a repro picks the same elements from the call's output: a row of a
+    per-token layout ("row", "bt", "bht"), the whole tensor, or a mask of elements; `rows` is how many rows
+    (tokens, or sequences for "bt"/"bht") the call's leading dimension holds."""
+    if tokens is None or tuple(tokens.shape) != tuple(t.shape):
         return None
-    b, t = divmod(f, T)
-    if x.dim() >= 2 and tuple(x.shape[:2]) == (B, T):
-        return {"kind": "bt", "b": b, "t": t}, x[b, t]
-    if x.dim() >= 1 and x.shape[0] == B * T:
-        return {"kind": "row", "row": f}, x[f]
-    if x.dim() >= 3 and x.shape[0] == B and x.shape[2] == T:
-        return {"kind": "bht", "b": b, "t": t}, x[b, :, t]
-    return None
+    mask = tokens == f
+    n = int(mask.sum())
+    if n == 0:
+        return None
+    if n == mask.numel():
+        if t.dim() >= 1 and t.shape[0] == 1:
+            return {"kind": "row", "row": 0}, t[0], 1
+        return {"kind": "whole"}, t, 1
+    b, tt = divmod(f, T)
+    if t.dim() >= 2 and tuple(t.shape[:2]) == (B, T) and bool(mask[b, tt].all()) and mask[b, tt].numel() == n:
+        return {"kind": "bt", "b": b, "t": tt}, t[b, tt], B
+    if t.dim() >= 1 and t.shape[0] == B * T and bool(mask[f].all()) and mask[f].numel() == n:
+        return {"kind": "row", "row": f}, t[f], B * T
+    if t.dim() >= 3 and t.shape[0] == B and t.shape[2] == T and bool(mask[b, :, tt].all()) \
+            and mask[b, :, tt].numel() == n:
+        return {"kind": "bht", "b": b, "t": tt}, t[b, :, tt], B
+    return {"kind": "mask", "mask": mask}, t[mask], 1
 
 
 def _is_view(call) -> bool:
@@ -91,44 +109,35 @@ def _is_view(call) -> bool:
 def trail_rows(trail: Trail) -> tuple[list[list[tuple]], list[list[torch.Tensor]]]:
     """Per op call: the traced token's output values [(output k, where, value, rows)], and its input values.
 
-    Batched calls carry the token as one of their rows; row-by-row kernels call each operator once (or c
-    times) per row in order, so the j-th such call belongs to row j // c."""
+    Which elements of a call belong to the traced token comes from the recorder's token maps: by data (views
+    share their storage's tokens, computed values inherit their inputs'), whatever the order in which an
+    engine or kernel visits rows, heads or projections, and whatever shape a per-head tensor happens to have."""
     B, T, f = trail.batch, trail.length, trail.flat_index
-    R = B * T
     outs: list[list[tuple]] = []
     ins: list[list[torch.Tensor]] = []
-    single = defaultdict(list)
-    for ci, call in enumerate(trail.calls):
+    for call in trail.calls:
         got, got_in = [], []
         if not _is_view(call):
-            for k, o in enumerate(call.outputs):
-                r = _row_of(o, B, T, f)
+            out_tokens = call.out_tokens or (None,) * len(call.outputs)
+            for k, (o, m) in enumerate(zip(call.outputs, out_tokens)):
+                r = token_value(o, m, B, T, f)
                 if r is not None:
-                    got.append((k, {**r[0], "output": k}, r[1], R if r[0]["kind"] == "row" else B))
-            for a in call.args:
-                r = _row_of(a, B, T, f)
-                if r is not None:
-                    got_in.append(r[1])
-            if not got and call.outputs and call.outputs[0].dim() >= 1 and call.outputs[0].shape[0] == 1:
-                single[call.op].append(ci)
+                    got.append((k, {**r[0], "output": k}, r[1], r[2]))
+            arg_tokens = call.arg_tokens or (None,) * len(call.args)
+            for a, m in zip(call.args, arg_tokens):
+                if isinstance(a, torch.Tensor):
+                    r = token_value(a, m, B, T, f)
+                    if r is not None:
+                        got_in.append(r[1])
         outs.append(got)
         ins.append(got_in)
-    for op, cis in single.items():
-        if len(cis) % R:
-            continue
-        c = len(cis) // R
-        for j, ci in enumerate(cis):
-            if j // c == f:
-                call = trail.calls[ci]
-                outs[ci] = [(k, {"kind": "row", "row": 0, "output": k}, o[0], 1)
-                            for k, o in enumerate(call.outputs) if o.dim() >= 1 and o.shape[0] == 1]
-                ins[ci] = [a[0] for a in call.args if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == 1]
     return outs, ins
 
 
 def _key(t: torch.Tensor) -> tuple:
-    t = t.detach().cpu().contiguous()
-    return str(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    """A value's identity for comparing the two sides: dtype, element count and every byte, for any shape or
+    strides (one token's row [D] of a batched call and the [1, D] of a row-by-row call are the same value)."""
+    return str(t.dtype), t.numel(), raw_bytes(t)
 
 
 def _describe_args(call) -> str:
@@ -155,16 +164,18 @@ def _lossless(value: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
     if not inputs or not (value.is_floating_point() and inputs[0].is_floating_point()):
         return False
     a, b = value.to(torch.float64), inputs[0].to(torch.float64)
-    return a.shape == b.shape and same_bits(a.contiguous(), b.contiguous())
+    return a.numel() == b.numel() and same_bits(a.reshape(-1), b.reshape(-1))
 
 
-def module_target(trail: Trail, value: torch.Tensor) -> tuple[int, dict] | None:
-    """The last call whose output row for the traced token is the module's recorded output (bit for bit)."""
+def module_target(trail: Trail, value: torch.Tensor) -> tuple[int, dict, torch.Tensor] | None:
+    """The last call whose output for the traced token is the module's recorded output (bit for bit, in any
+    shape): (call, where, the value as picked from that call's output)."""
     outs, _ = trail_rows(trail)
+    want = _key(value)
     for ci in range(len(outs) - 1, -1, -1):
         for k, where, v, _rows in outs[ci]:
-            if rows_equal((v.detach().cpu(),), (value.detach().cpu(),)):
-                return ci, where
+            if _key(v) == want:
+                return ci, where, v
     return None
 
 
@@ -175,7 +186,8 @@ def _module_program(cap: Capture, module: str, pos: int) -> dict | None:
 
     row = cap.outputs.get(module, {}).get(pos)
     target = module_target(cap.trail, row[0]) if row else None
-    return None if target is None else repro_mod.module_program(cap.trail, target[0], target[1], row[0])
+    # the recorded value as the replay picks it (a per-head module's token is a mask of elements, not a row)
+    return None if target is None else repro_mod.module_program(cap.trail, *target)
 
 
 def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
@@ -217,6 +229,11 @@ def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
                                             (value_b.to(torch.float64) if value_b.is_floating_point() else value_b,)):
                     found.update(a_call=a_ci, a_where=match[0][1], a_rows=match[0][3],
                                  a_args=_describe_args(trail_a.calls[a_ci]))
+                    # whether the counterpart's own inputs are values side B has: if not, side A parted
+                    # earlier, through a step of its own (a rounding, a scale) that the reverse search names
+                    b_values = {_key(v) for got_b in outs_b for (_, _, v, _) in got_b} | \
+                        {_key(v) for got_b in ins_b for v in got_b}
+                    found["counterpart_inputs_shared"] = all(_key(v) in b_values for v in ins_a[a_ci])
             if found["a_call"] is None and ins_b[ci] and call.op in CAST_OPS:
                 found["a_value"] = ins_b[ci][0].clone()  # side A skips this conversion: its value is the input
             elif found["a_call"] is None:
@@ -307,15 +324,24 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
         diverges = lambda n: iso[n]["positions"] > 0 and not iso[n]["equal"]  # noqa: E731
         replay([first])
         if not diverges(first):
-            out["status"] = (f"upstream: {first} agrees when fed side A's hidden states, so the difference comes "
-                             "from its other inputs (positions, mask, cache)")
+            out["status"] = (f"upstream: {first} agrees when fed side A's per-token inputs, so the difference "
+                             "comes from its other inputs (mask, cache)")
             out["culprit_module"] = None
             out["first_operator"] = None
         else:
             node = first
             descent.append({"module": first, "diverges_on_identical_inputs": True, "siblings": []})
+            def called_kids(n: str) -> set[str]:
+                """n's nearest descendants that ran: a child never called itself (a container such as an
+                experts list whose members a fused forward calls directly) stands for its own children."""
+                got = set()
+                for c in runner.children(n):
+                    got |= {c} if cap_a.outputs.get(c) else called_kids(c)
+                return got
+
             while True:
-                kids = [c for c in cap_a.order if c in set(runner.children(node)) and cap_a.outputs.get(c)]
+                near = called_kids(node)
+                kids = [c for c in cap_a.order if c in near]
                 if kids:
                     replay(kids)
                 checked = [{"module": c, "diverges": diverges(c), "max_ulp": iso[c]["max_ulp"]} for c in kids]
@@ -334,12 +360,28 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
             tb = side_b.run(CaptureSpec(outputs={culprit}, replace=repl, trail_module=culprit, trail_position=pos))
             forwards += ta.forwards + tb.forwards
             trail_info = first_operator(ta.trail, tb.trail) if ta.trail and tb.trail else None
+            new_on_a = False
+            fwd = trail_info and trail_info["found"]
+            if trail_info and (not fwd or fwd.get("counterpart_inputs_shared") is False):
+                # every value side B computes is also one of side A's, or side B's first new value comes from an
+                # operator whose side A counterpart already had other inputs: the first new value is on side A
+                # (a step only side A takes, e.g. a rounding), so look from side A's operators instead
+                rev = first_operator(tb.trail, ta.trail)
+                if rev["found"]:
+                    rev["a_ops"], rev["b_ops"] = rev["b_ops"], rev["a_ops"]
+                    trail_info, new_on_a = rev, True
+            # the side whose operator computes the value the other side never has, and the other one
+            (t_ref, lab_ref), (t_new, lab_new) = ((tb, side_b.label), (ta, side_a.label)) if new_on_a else \
+                ((ta, side_a.label), (tb, side_b.label))
             errs = [e for t in (ta.trail, tb.trail) if t for e in t.errors]
             if errs:
                 out["recording_errors"] = errs[:10]
             found = trail_info and trail_info["found"]
             out["first_operator"] = found["op"] if found else None
-            out["operator_args"] = {"a": found.get("a_args"), "b": found["b_args"]} if found else None
+            args_ref, args_new = (found.get("a_args"), found["b_args"]) if found else (None, None)
+            out["operator_args"] = ({"a": args_new, "b": args_ref} if new_on_a else {"a": args_ref, "b": args_new}) \
+                if found else None
+            out["operator_side"] = ("A" if new_on_a else "B") if found else None
             out["status"] = "localized" if found else "localized to a module; operator not resolved"
             if found and found.get("implementations_differ"):
                 ops_a, ops_b = trail_info["a_ops"], trail_info["b_ops"]
@@ -359,19 +401,22 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
                         out["status"] += ("; no repro: the module's output is not produced by a recorded torch "
                                           "operator (a kernel launched directly, e.g. a Triton GEMM)")
             elif found and emit_repro:
+                # the repro's side B is the side with the new value (side A's run when new_on_a: labels say so)
                 a_side = None if found["a_call"] is None else repro_mod.OpSide(
-                    ta.trail.calls[found["a_call"]], found["a_where"], found["a_rows"])
-                b_side = repro_mod.OpSide(tb.trail.calls[found["b_call"]], found["b_where"], found["b_rows"])
+                    t_ref.trail.calls[found["a_call"]], found["a_where"], found["a_rows"])
+                b_side = repro_mod.OpSide(t_new.trail.calls[found["b_call"]], found["b_where"], found["b_rows"])
                 if a_side is not None or found["a_value"] is not None:
-                    headline = f"{found['op']} in {culprit} differs between the two sides on identical inputs"
+                    headline = f"{found['op']} in {culprit}: the two sides' calls give different bits"
                     repro_info = repro_mod.emit(out_dir, gate, a_side, b_side, found["a_value"],
-                                                side_a.label, side_b.label, headline, setup=_setup(side_a, side_b))
+                                                lab_ref, lab_new, headline, setup=_setup(side_a, side_b))
     out["module_trail"] = descent
     out["operator_trail"] = trail_info["steps"][:80] if trail_info else []
     out["operators_a"] = trail_info["a_ops"][:80] if trail_info else []
     out["operators_b"] = trail_info["b_ops"][:80] if trail_info else []
     out["repro"] = repro_info["script"] if repro_info else None
     out["repro_check"] = {k: v for k, v in repro_info.items() if k != "script"} if repro_info else None
+    # what the emitted repro shows, as its fresh run decided: one operator on identical inputs, or two implementations
+    out["repro_proves"] = repro_info.get("proves") if repro_info and repro_info.get("script") else None
     out["forward_passes"] = forwards
     out["seconds"] = round(time.perf_counter() - t0, 3)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -478,7 +523,7 @@ def locate_for_gate(ctx, gate_id: str, measured: dict, strict: bool = False) -> 
     found = locate(side_a, side_b, out_dir, gate_id, upto, expected)
     keep = ("status", "first_divergent_layer", "culprit_module", "first_operator", "operator_args",
             "traced_position", "reproduced_gate_values", "forward_passes", "seconds", "report", "repro", "chart",
-            "repro_check", "implementations", "recording_errors")
+            "repro_check", "repro_proves", "implementations", "recording_errors")
     res = {k: found.get(k) for k in keep}
     res["layers"] = [{k: r[k] for k in ("stage", "equal", "differing_positions", "max_ulp", "first_divergent")}
                      for r in found["layers"]]

@@ -27,7 +27,7 @@ class OpSide:
     """One side's operator call: the call, where the traced token's value sits in its output, its row count."""
 
     call: OpCall
-    where: dict  # {"kind": "row"|"bt"|"bht", "output": k, ...}
+    where: dict  # {"kind": "row"|"bt"|"bht"|"whole"|"mask", "output": k, ...}
     rows: int  # leading-dim rows of the call: tokens (kind "row") or sequences (kinds "bt", "bht")
 
 
@@ -38,6 +38,10 @@ def outputs_of(func, args, kwargs) -> list[torch.Tensor]:
 
 def pick(ts: list[torch.Tensor], where: dict) -> torch.Tensor:
     t = ts[where["output"]]
+    if where["kind"] == "whole":
+        return t
+    if where["kind"] == "mask":  # the traced token's elements, found by data (tic.harness.provenance)
+        return t[where["mask"].to(t.device)]
     if where["kind"] == "bt":
         return t[where["b"], where["t"]]
     if where["kind"] == "bht":
@@ -213,6 +217,47 @@ def op_imports(*ops: str | None) -> list[str]:
     return out
 
 
+SAME_OPERATOR = "same operator, identical inputs, different bits"
+
+
+def _identical(x, y) -> bool:
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.device == y.device
+                and same_bits(x, y))
+    if isinstance(x, (list, tuple)) or isinstance(y, (list, tuple)):
+        return isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)) and len(x) == len(y) \
+            and all(_identical(a, b) for a, b in zip(x, y))
+    if isinstance(x, dict) or isinstance(y, dict):
+        return isinstance(x, dict) and isinstance(y, dict) and x.keys() == y.keys() \
+            and all(_identical(x[k], y[k]) for k in x)
+    return type(x) is type(y) and x == y
+
+
+def claim(a: dict | None, b: dict) -> str:
+    """What a repro of calls a and b shows, as the script itself decides it in the fresh process (the template's
+    `claim`): "same operator, identical inputs, different bits" only for one operator on bit-identical
+    arguments; otherwise an implementation difference, naming what differs."""
+    if a is None:
+        return "implementation difference: side A has no such operator (its value is side B's input)"
+    if "calls" in a or "calls" in b:
+        return "implementation difference: the two sides compute the module with different operator sequences"
+    if a["op"] != b["op"]:
+        return f"implementation difference: operator {a['op']} vs {b['op']}"
+    for what, x, y in (("arguments", a["args"], b["args"]), ("keyword arguments", a["kwargs"], b["kwargs"])):
+        if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)) and len(x) == len(y):
+            for i, (u, v) in enumerate(zip(x, y)):
+                if not _identical(u, v):
+                    if isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor) and u.shape != v.shape:
+                        return (f"implementation difference: argument {i} has shape {list(u.shape)} on side A, "
+                                f"{list(v.shape)} on side B")
+                    return f"implementation difference: argument {i} differs between the two calls"
+        elif not _identical(x, y):
+            return f"implementation difference: the {what} differ"
+    if not _identical(a["where"], b["where"]):
+        return "implementation difference: the compared value sits at different places of the two outputs"
+    return SAME_OPERATOR
+
+
 def _imports_and_check(out_dir: Path, data: dict, ops: list[str], setup: list[str] | None = None,
                        **render) -> dict:
     """Write repro.py + repro_tensors.pt, run the script in a fresh process; keep it only if it reproduces."""
@@ -223,17 +268,27 @@ def _imports_and_check(out_dir: Path, data: dict, ops: list[str], setup: list[st
     torch.save(data, buf)
     tensor_file = "repro_tensors.pt"
     env = Environment(loader=FileSystemLoader(str(TEMPLATES)), undefined=StrictUndefined, keep_trailing_newline=True)
-    script = env.get_template("repro.py.j2").render(threads=torch.get_num_threads(), tensor_file=tensor_file,
-                                                     imports=op_imports(*ops), setup=list(setup or []), **render)
+    template = env.get_template("repro.py.j2")
+
+    def script(proves: str) -> str:
+        return template.render(threads=torch.get_num_threads(), tensor_file=tensor_file, imports=op_imports(*ops),
+                               setup=list(setup or []), proves=proves, **render)
+
+    claimed = claim(data["a"], data["b"])
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / tensor_file, buf.getvalue())
     path = out_dir / "repro.py"
-    atomic_write_text(path, script)
+    atomic_write_text(path, script(claimed))
     proc = subprocess.run([sys.executable, str(path.resolve())], cwd=out_dir.resolve(), capture_output=True,
                           text=True, timeout=300)
+    proven = next((line.removeprefix("PROVES: ") for line in proc.stdout.splitlines() if line.startswith("PROVES: ")),
+                  None)
+    if proven is not None and proven != claimed:  # the fresh process has the last word on what it shows
+        atomic_write_text(path, script(proven))
     result = {"script": str(path), "tensors": str(out_dir / tensor_file), "exit_code": proc.returncode,
               "output": proc.stdout.strip()[-2000:], "stderr": proc.stderr.strip()[-1000:], "rows_a": render["rows_a"],
-              "rows_b": render["rows_b"],
+              "rows_b": render["rows_b"], "proves": proven,
+              "same_operator_identical_inputs": proven == SAME_OPERATOR,
               # exit 1 *and* the script's own verdict line: an uncaught error elsewhere cannot pass as a repro
               "reproduces": proc.returncode == 1 and any(
                   line.startswith("DIFFERS") for line in proc.stdout.splitlines())}

@@ -512,6 +512,7 @@ class VLLMCaptureRunner:
 
     def _run(self, prompts, params, kind, rids, probe: int, spec):
         from tic.harness.capture import Capture, OpRecorder, Trail
+        from tic.harness.provenance import Provenance
 
         prompt = tuple(int(t) for t in prompts[probe])
         cap = Capture()
@@ -569,7 +570,10 @@ class VLLMCaptureRunner:
                         and any(p == spec.trail_position for _, p in targets)):
                     fi = next(i for i, p in targets if p == spec.trail_position)
                     cap.trail = Trail([], 1, n, fi)
-                    st["rec"] = OpRecorder(cap.trail.calls, cap.trail.errors)
+                    prov = Provenance(1, n)
+                    for v in list(args) + list(kwargs.values()):
+                        prov.seed(v)  # the step's token-row inputs: tokens of the trail's values follow from them
+                    st["rec"] = OpRecorder(cap.trail.calls, cap.trail.errors, provenance=prov)
                     st["rec"].__enter__()
                 return new
             return fn

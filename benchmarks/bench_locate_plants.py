@@ -1,0 +1,148 @@
+"""Benchmark: the locator on random single-point plants in random tiny models of several families.
+
+Each trial draws a model (qwen3, qwen3_moe, llama, mistral, mixtral; seeded random sizes and weights), a
+compared sequence and both sides' layouts (decode batch, score micro-batch), and one plant on one side at a
+random module (tic.harness.plants). The locator must name the plant's layer, module and operator, and its
+repro must exit 1. Controls: nothing planted, or the same plant on both sides; both must report no divergence
+and emit no repro (a repro that exits 1 without a one-sided plant is a false repro). Plants whose change does
+not reach a compared stage (rounded away downstream, or a branch never taken) are redrawn and counted.
+
+Run: .venv/bin/python benchmarks/bench_locate_plants.py [--plants 200] [--controls 40] [--jsonl out.jsonl]
+     [--start SEED]; --table-from A.jsonl B.jsonl prints one table over runs made side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import torch  # noqa: E402
+
+from tic.harness.plants import run_trial  # noqa: E402
+
+TARGET_S = 30.0
+
+
+def _pct(n: int, d: int) -> str:
+    return f"{100.0 * n / d:.1f} % ({n}/{d})" if d else "-"
+
+
+def table(rows: list[dict]) -> str:
+    plants = [r for r in rows if r["mode"] == "plant" and r["status"] not in ("ineffective", "absorbed")]
+    controls = [r for r in rows if r["mode"] != "plant"]
+    redrawn = [r for r in rows if r["mode"] == "plant" and r["status"] in ("ineffective", "absorbed")]
+    fams = sorted({r["family"] for r in plants})
+    lines = ["| | " + " | ".join(fams) + " | all |", "|---|" + "---|" * (len(fams) + 1)]
+
+    def row(label, fn):
+        cells = [fn([r for r in plants if r["family"] == f]) for f in fams] + [fn(plants)]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    ok = lambda r: r["status"] != "crash"  # noqa: E731
+    row("plants", lambda rs: str(len(rs)))
+    row("layer right", lambda rs: _pct(sum(bool(r.get("layer_right")) for r in rs), len(rs)))
+    row("module right", lambda rs: _pct(sum(bool(r.get("module_right")) for r in rs), len(rs)))
+    row("operator right", lambda rs: _pct(sum(bool(r.get("operator_right")) for r in rs), len(rs)))
+    row("operator unresolved", lambda rs: str(sum(ok(r) and r.get("module_right") and not r.get("operator")
+                                                  for r in rs)))
+    row("operator wrong (named, not the plant's)", lambda rs: str(sum(
+        bool(r.get("operator")) and not r.get("operator_right") for r in rs)))
+    row("repro exits 1", lambda rs: _pct(sum(r.get("repro_exit") == 1 for r in rs), len(rs)))
+    row("repro: one operator on identical inputs", lambda rs: str(sum(
+        (r.get("repro_proves") or "").startswith("same operator") for r in rs)))
+    row("repro: implementation difference", lambda rs: str(sum(
+        (r.get("repro_proves") or "").startswith("implementation") for r in rs)))
+    row("crashes", lambda rs: str(sum(r["status"] == "crash" for r in rs)))
+    row("locate s/plant mean", lambda rs: f"{statistics.mean([r['seconds'] for r in rs if ok(r)]):.1f}"
+        if any(ok(r) for r in rs) else "-")
+    row("locate s/plant max", lambda rs: f"{max([r['seconds'] for r in rs if ok(r)]):.1f}" if any(ok(r) for r in rs)
+        else "-")
+    false_repros = sum(bool(r.get("repro_exit") == 1) for r in controls)
+    clean = sum(bool(r.get("clean")) for r in controls)
+    out = ["\n".join(lines), "",
+           f"controls clean: {clean}/{len(controls)} ({sum(r['mode'] == 'clean' for r in controls)} nothing "
+           f"planted, {sum(r['mode'] == 'symmetric' for r in controls)} same plant on both sides)",
+           f"repros exiting 1 without a one-sided plant (controls): {false_repros}",
+           f"crashes in controls: {sum(r['status'] == 'crash' for r in controls)}",
+           f"redrawn plants: {sum(r['status'] == 'ineffective' for r in redrawn)} changed nothing, "
+           f"{sum(r['status'] == 'absorbed' for r in redrawn)} rounded away before any compared stage",
+           f"locate time target: <= {TARGET_S:.0f} s per plant; plants over it: "
+           f"{sum(ok(r) and r['seconds'] > TARGET_S for r in plants)}"]
+    kinds = defaultdict(lambda: [0, 0])
+    for r in plants:
+        k = r["kind"].split(" (")[0]
+        kinds[k][0] += 1
+        kinds[k][1] += bool(r.get("layer_right") and r.get("module_right") and r.get("operator_right"))
+    out += ["", "| plant kind | plants | all three right |", "|---|---|---|"]
+    out += [f"| {k} | {n} | {m} |" for k, (n, m) in sorted(kinds.items())]
+    misses = [r for r in plants if not (r.get("layer_right") and r.get("module_right") and r.get("operator_right"))]
+    if misses:
+        out += ["", "misses:"]
+        out += [f"- seed {r['seed']} {r['family']}: {r['plant']}: status {r['status'][:90]!r}, layer {r.get('layer')}, "
+                f"module {r.get('module')}, operator {r.get('operator')!r}, expected one of "
+                f"{list(r.get('expected_operators') or [])}" + (f", error {r.get('error')}" if r.get("error") else "")
+                for r in misses]
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--plants", type=int, default=200)
+    ap.add_argument("--controls", type=int, default=40)
+    ap.add_argument("--start", type=int, default=0, help="first seed")
+    ap.add_argument("--jsonl", type=Path, default=None, help="also write one JSON line per trial here")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--table-from", type=Path, nargs="+", default=None,
+                    help="print the table of trials already written by --jsonl runs (e.g. two seed ranges run at once)")
+    a = ap.parse_args()
+    if a.table_from:
+        rows = [json.loads(line) for p in a.table_from for line in p.read_text().splitlines() if line.strip()]
+        print(table(rows))
+        return 0
+    torch.set_num_threads(a.threads)
+    work = Path(tempfile.mkdtemp(prefix="tic-bench-plants-"))
+    os.environ.setdefault("TIC_CACHE", str(work / "cache"))
+    os.chdir(work)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cwd {work}", flush=True)
+    rows: list[dict] = []
+    sink = a.jsonl.open("a") if a.jsonl else None
+    seed, t0 = a.start, time.perf_counter()
+    n_plants = n_controls = 0
+    every = max(1, a.plants // max(1, a.controls)) if a.controls else 0
+    while n_plants < a.plants or n_controls < a.controls:
+        modes = []
+        if n_plants < a.plants:
+            modes.append("plant")
+        if a.controls and n_controls < a.controls and (seed % every == 0 or n_plants >= a.plants):
+            modes.append("clean" if (seed // every) % 2 == 0 else "symmetric")
+        for mode in modes:
+            r = run_trial(seed, work / f"{mode}-{seed}", mode=mode)
+            rows.append(r)
+            if sink:
+                sink.write(json.dumps(r, default=str) + "\n")
+                sink.flush()
+            if mode == "plant" and r["status"] not in ("ineffective", "absorbed"):
+                n_plants += 1
+            elif mode != "plant":
+                n_controls += 1
+            print(f"[{time.perf_counter() - t0:7.0f} s] seed {seed} {mode} {r['family']}: {r.get('plant')} -> "
+                  f"{r['status'][:60]} L{int(bool(r.get('layer_right')))}M{int(bool(r.get('module_right')))}"
+                  f"O{int(bool(r.get('operator_right')))} repro {r.get('repro_exit')}", file=sys.stderr, flush=True)
+        seed += 1
+    print(table(rows))
+    print(f"\ntotal wall time {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,470 @@
+"""Single-point divergences planted on one engine's model, and the check of what the locator says about them.
+
+A plant changes one module's own arithmetic on one side, by wrapping that module's forward on that engine's
+copy of the model: an attribute (a norm's eps), a torch function called inside the module (swapped for
+another implementation, split into partial sums, scaled elsewhere, rounded through bfloat16, a tie broken the
+other way), the module's output or one of its keyword inputs rounded. Calls inside child modules are left
+alone, so the plant sits in exactly one module. A condition can make it a batch- or length-dependent branch.
+Nothing here knows how the locator works: a trial runs `tic.harness.locate.locate` on the two sides and
+compares its answer with the plant's module, its layer and the operators the plant introduces or changes.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+LINEAR_OPS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.linear.default",
+              "aten.matmul.default")
+ROUND = ("aten._to_copy.default", "aten.to.dtype", "prims.convert_element_type.default")
+# moving a scale across a GEMM changes the scaling operators and the GEMM's input
+SCALE = ("aten.mul.Tensor", "aten.div.Tensor", "aten.matmul.default") + LINEAR_OPS
+
+
+@dataclass
+class Plant:
+    kind: str  # what the plant does, e.g. "eps", "split-k", "bf16 round trip of the output"
+    module: str  # the module it sits in: the culprit the locator must name
+    layer: str  # the stage holding that module: the first divergent layer
+    operators: tuple  # the operators the plant introduces or changes (the first divergent operator is one)
+    side: str  # "a" or "b"
+    install: Callable[[nn.Module], Callable[[], None]] = field(repr=False)  # returns the uninstaller
+    prepare: Callable[[nn.Module], None] | None = field(default=None, repr=False)  # both sides (e.g. tied router)
+
+    def describe(self) -> str:
+        return f"{self.kind} in {self.module} (side {self.side.upper()})"
+
+
+# -- the mechanism: a module's forward wrapped, torch functions swapped inside it, children untouched ---------
+class _Swap(TorchFunctionMode):
+    """Replaces torch functions by name while active, except inside the planted module's children."""
+
+    def __init__(self, table: dict[str, Callable]):
+        super().__init__()
+        self.table = table
+        self.paused = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        fn = None if self.paused else self.table.get(getattr(func, "__name__", ""))
+        if fn is None:
+            return func(*args, **kwargs)
+        return fn(func, *args, **kwargs)
+
+
+def _wrap_forward(m: nn.Module, wrapper: Callable[[Callable], Callable]) -> Callable[[], None]:
+    had = "forward" in m.__dict__
+    old = m.__dict__.get("forward")
+    m.forward = wrapper(m.forward)
+
+    def undo():
+        if had:
+            m.forward = old
+        else:
+            del m.forward
+    return undo
+
+
+def _first_tensor(args, kwargs):
+    return next((v for v in list(args) + list(kwargs.values()) if isinstance(v, torch.Tensor)), None)
+
+
+def _condition_holds(cond, args, kwargs) -> bool:
+    if cond is None:
+        return True
+    x = _first_tensor(args, kwargs)
+    if x is None or x.dim() == 0:
+        return False
+    kind, n = cond
+    rows = x.numel() // max(1, x.shape[-1])
+    length = x.shape[-2] if x.dim() >= 3 else x.shape[0]
+    return rows >= n if kind == "rows" else length >= n
+
+
+def swap_in(module_name: str, table: dict[str, Callable], cond=None):
+    """An installer: inside the module's own forward (not its children's), torch functions named in `table` run
+    as table[name](original, *args, **kwargs); with `cond`, only on calls that meet it."""
+    def install(model: nn.Module):
+        m = model.get_submodule(module_name)
+        mode = _Swap(table)
+        undo = []
+
+        def outer(fwd):
+            def planted(*args, **kwargs):
+                if not _condition_holds(cond, args, kwargs):
+                    return fwd(*args, **kwargs)
+                with mode:
+                    return fwd(*args, **kwargs)
+            return planted
+
+        def pause(fwd):
+            def child(*args, **kwargs):
+                mode.paused += 1
+                try:
+                    return fwd(*args, **kwargs)
+                finally:
+                    mode.paused -= 1
+            return child
+
+        undo.append(_wrap_forward(m, outer))
+        for c in m.children():
+            undo.append(_wrap_forward(c, pause))
+        return lambda: [u() for u in reversed(undo)]
+    return install
+
+
+def around(module_name: str, before: Callable | None = None, after: Callable | None = None, cond=None):
+    """An installer: the module's forward with its inputs (args, kwargs) -> (args, kwargs) changed by `before`
+    and its output changed by `after`."""
+    def install(model: nn.Module):
+        m = model.get_submodule(module_name)
+
+        def outer(fwd):
+            def planted(*args, **kwargs):
+                if not _condition_holds(cond, args, kwargs):
+                    return fwd(*args, **kwargs)
+                if before is not None:
+                    args, kwargs = before(args, kwargs)
+                out = fwd(*args, **kwargs)
+                return out if after is None else after(out)
+            return planted
+        return _wrap_forward(m, outer)
+    return install
+
+
+def set_attribute(module_name: str, attr: str, value) -> Callable:
+    def install(model: nn.Module):
+        m = model.get_submodule(module_name)
+        old = getattr(m, attr)
+        setattr(m, attr, value)
+        return lambda: setattr(m, attr, old)
+    return install
+
+
+def _round(x):
+    return x.to(torch.bfloat16).to(x.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def _round_first(out):
+    if isinstance(out, tuple):
+        return (_round(out[0]),) + out[1:]
+    return _round(out)
+
+
+# -- the swapped functions -------------------------------------------------------------------------------
+def _split_k(orig, x, w, b=None):  # F.linear as two partial sums over halves of the reduction
+    h = max(1, x.shape[-1] // 2)
+    y = orig(x[..., :h], w[:, :h]) + orig(x[..., h:], w[:, h:])
+    return y if b is None else y + b
+
+
+def _scaled_linear(orig, x, w, b=None):  # the same product with a scale moved in front of the GEMM and back
+    y = orig(x * 3.0, w) / 3.0
+    return y if b is None else y + b
+
+
+def _scaled_matmul(orig, a, b, **kw):
+    return orig(a * 3.0, b, **kw) / 3.0
+
+
+def _key_split(min_keys: int):
+    def matmul(orig, a, b, **kw):  # a reduction over keys split in two halves (only for long rows)
+        k = a.shape[-1]
+        if k < max(2, min_keys) or b.dim() < 2 or b.shape[-2] != k:
+            return orig(a, b, **kw)
+        h = k // 2
+        return orig(a[..., :h], b[..., :h, :]) + orig(a[..., h:], b[..., h:, :])
+    return matmul
+
+
+def _manual_softmax(orig, x, dim=-1, dtype=None, **kw):
+    x = x if dtype is None else x.to(dtype)
+    e = (x - x.amax(dim=dim, keepdim=True)).exp()
+    return e / e.sum(dim=dim, keepdim=True)
+
+
+def _rsqrt_as_sqrt(orig, x, *a, **kw):
+    return torch.reciprocal(torch.sqrt(x))
+
+
+def _silu_manual(orig, x, *a, **kw):
+    return x * torch.sigmoid(x)
+
+
+def _round_result(orig, *a, **kw):
+    return _round(orig(*a, **kw))
+
+
+def _topk_high_index_first(orig, x, k, dim=-1, **kw):  # ties go to the higher index
+    v, i = orig(x.flip(dim), k, dim=dim, **kw)
+    return v, x.shape[dim] - 1 - i
+
+
+# -- the catalogue ---------------------------------------------------------------------------------------
+def _stage_of(name: str) -> str:
+    m = re.match(r"(.*\.layers\.\d+)", name)
+    return m.group(1) if m else name
+
+
+def _kind_of(name: str, m: nn.Module) -> str | None:
+    if name.endswith("embed_tokens"):
+        return "embed"
+    if name.endswith("rotary_emb"):
+        return "rotary"
+    if hasattr(m, "variance_epsilon"):
+        return "norm"
+    if isinstance(m, nn.Linear):
+        return "linear"
+    if type(m).__name__ in ("SiLU", "SiLUActivation"):
+        return "act"
+    if name.endswith("self_attn"):
+        return "attention"
+    if hasattr(m, "gate") and hasattr(m, "experts") and hasattr(m.gate, "top_k"):
+        return "moe"
+    if name.endswith(".mlp"):
+        return "mlp"
+    if re.search(r"\.layers\.\d+$", name):
+        return "layer"
+    return None
+
+
+def _branch(rng: random.Random, branches: bool = True):
+    """Now and then a batch- or length-dependent branch: the plant acts only on calls with enough rows."""
+    r = rng.random()
+    if not branches:
+        return None, ""
+    if r < 0.15:
+        return ("rows", rng.choice([2, 3, 4, 6])), " (batch-dependent branch)"
+    if r < 0.3:
+        return ("length", rng.choice([2, 3, 4, 6])), " (length-dependent branch)"
+    return None, ""
+
+
+def _tie_router(layer_mlp: str):
+    def prepare(model: nn.Module):
+        with torch.no_grad():
+            w = model.get_submodule(layer_mlp).gate.weight
+            w[1:3] = w[0]
+            w[0:3] *= 8  # three tied experts win, so the tie decides which two are chosen
+    return prepare
+
+
+def draw_plant(model: nn.Module, rng: random.Random, side: str, branches: bool = True) -> Plant:
+    """One random plant over the modules this model calls (norms, projections, activations, attention, MLP or
+    MoE block, decoder layer, embeddings, rotary, final norm, head). Without `branches`, no batch- or
+    length-dependent branch (a branch taken on one layout and not the other is a divergence even when both
+    sides carry the plant)."""
+    mods = [(n, _kind_of(n, m)) for n, m in model.named_modules()]
+    mods = [(n, k) for n, k in mods if k]
+    options: list[tuple[str, str, Callable]] = []
+    for name, kind in mods:
+        for plant in _PLANTS[kind]:
+            options.append((name, kind, plant))
+    name, kind, make = rng.choice(options)
+    return make(name, rng, side, model, branches)
+
+
+def _p(kind, name, ops, side, install, prepare=None):
+    return Plant(kind, name, _stage_of(name), tuple(ops), side, install, prepare)
+
+
+def _eps(name, rng, side, model, branches=True):
+    new = model.get_submodule(name).variance_epsilon * rng.choice([10.0, 0.1, 3.0])
+    return _p("eps", name, ["aten.add.Tensor"], side, set_attribute(name, "variance_epsilon", new))
+
+
+def _eps_branch(name, rng, side, model, branches=True):
+    m = model.get_submodule(name)
+    new = m.variance_epsilon * rng.choice([10.0, 0.1])
+    cond, tag = _branch(rng)
+    if not branches:
+        return _p("eps", name, ["aten.add.Tensor"], side, set_attribute(name, "variance_epsilon", new))
+    cond = cond or ("rows", 2)
+    tag = tag or " (batch-dependent branch)"
+
+    def install(model):
+        mod = model.get_submodule(name)
+        old = mod.variance_epsilon
+
+        def outer(fwd):
+            def planted(*args, **kwargs):
+                mod.variance_epsilon = new if _condition_holds(cond, args, kwargs) else old
+                try:
+                    return fwd(*args, **kwargs)
+                finally:
+                    mod.variance_epsilon = old
+            return planted
+        return _wrap_forward(mod, outer)
+    return _p("eps" + tag, name, ["aten.add.Tensor"], side, install)
+
+
+def _swap_plant(kind, table, ops, with_branch=True):
+    def make(name, rng, side, model, branches=True):
+        cond, tag = _branch(rng, branches) if with_branch else (None, "")
+        return _p(kind + tag, name, ops, side, swap_in(name, table, cond))
+    return make
+
+
+def _output_round(name, rng, side, model, branches=True):
+    cond, tag = _branch(rng, branches)
+    return _p("bf16 round trip of the output" + tag, name, ROUND, side, around(name, after=_round_first, cond=cond))
+
+
+def _position_round(name, rng, side, model, branches=True):
+    def before(args, kwargs):
+        pe = kwargs.get("position_embeddings")
+        if isinstance(pe, tuple):
+            kwargs = dict(kwargs, position_embeddings=(_round(pe[0]),) + tuple(pe[1:]))
+        return args, kwargs
+    return _p("bf16 round trip of the position embeddings passed on", name, ROUND, side, around(name, before=before))
+
+
+def _key_split_plant(name, rng, side, model, branches=True):
+    n = rng.choice([3, 4, 5, 6, 8])
+    return _p(f"attention reduction over keys split in two (rows of >= {n} keys: length-dependent branch)", name,
+              LINEAR_OPS + ("aten.add.Tensor",), side, swap_in(name, {"matmul": _key_split(n)}))
+
+
+def _tie_break(name, rng, side, model, branches=True):
+    return _p("top-k ties broken towards the higher expert index", name,
+              ("aten.flip.default", "aten.rsub.Scalar", "aten.topk.default"), side,
+              swap_in(name, {"topk": _topk_high_index_first}), prepare=_tie_router(name))
+
+
+_PLANTS: dict[str, list[Callable]] = {
+    "embed": [_output_round],
+    "rotary": [_output_round],
+    "norm": [_eps, _eps_branch, _swap_plant("rsqrt as reciprocal of sqrt", {"rsqrt": _rsqrt_as_sqrt},
+                                            ("aten.sqrt.default", "aten.reciprocal.default")), _output_round],
+    "linear": [_swap_plant("split-k reduction", {"linear": _split_k}, LINEAR_OPS + ("aten.add.Tensor",)),
+               _swap_plant("scale placement", {"linear": _scaled_linear}, SCALE),
+               _swap_plant("bf16 round trip of the GEMM result", {"linear": _round_result}, ROUND)],
+    "act": [_swap_plant("silu as x * sigmoid(x)", {"silu": _silu_manual},
+                        ("aten.sigmoid.default", "aten.mul.Tensor")), _output_round],
+    "attention": [_swap_plant("scale placement", {"matmul": _scaled_matmul}, SCALE),
+                  _swap_plant("softmax as exp / sum", {"softmax": _manual_softmax},
+                              ("aten.amax.default", "aten.sub.Tensor", "aten.exp.default")),
+                  _key_split_plant,
+                  _swap_plant("bf16 round trip of the rotary products", {"__mul__": _round_result, "mul": _round_result},
+                              ROUND)],
+    "mlp": [_swap_plant("bf16 round trip of the gated product", {"__mul__": _round_result, "mul": _round_result},
+                        ROUND)],
+    "moe": [_tie_break,
+            _swap_plant("split-k reduction", {"linear": _split_k}, LINEAR_OPS + ("aten.add.Tensor",)),
+            _swap_plant("router softmax as exp / sum", {"softmax": _manual_softmax},
+                        ("aten.amax.default", "aten.sub.Tensor", "aten.exp.default")),
+            _swap_plant("bf16 round trip of the weighted expert outputs",
+                        {"__mul__": _round_result, "mul": _round_result}, ROUND)],
+    "layer": [_swap_plant("bf16 round trip of the residual sums", {"__add__": _round_result, "add": _round_result},
+                          ROUND, with_branch=False),
+              _position_round],
+}
+
+
+# -- a trial ---------------------------------------------------------------------------------------------
+def _short(op: str) -> str:
+    return op.removesuffix(".default")
+
+
+def operator_named(found: str | None, expected: tuple) -> bool:
+    """Whether the locator's operator answer names one of the plant's operators (one operator, or the list of
+    operators only one side runs when the two sides compute the module differently)."""
+    if not found:
+        return False
+    names = {_short(t) for t in re.split(r"[\s,|:]+", found) if "." in t}
+    return any(_short(e) in names for e in expected)
+
+
+def _samples(engine, rng: random.Random, vocab: int, upto: int):
+    from tic.harness.engines.base import Sampling
+
+    n = rng.randint(2, 4)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(3, 9))] for _ in range(n)]
+    return engine.generate(prompts, Sampling(temperature=1.0, max_tokens=upto + 1, seed=rng.randrange(1 << 30)),
+                           list(range(n)))
+
+
+def run_trial(seed: int, out_dir: Path, mode: str = "plant", family: str | None = None,
+              models_per_family_seed: int = 4) -> dict:
+    """One trial: a random tiny model, a random compared sequence and layouts, and
+      mode "plant": one random plant on one random side -> what the locator says, judged against the plant;
+      mode "clean": nothing planted -> must report no divergence and emit no repro;
+      mode "symmetric": the same random plant on both sides -> must report no divergence and emit no repro.
+    A plant that changes nothing on the compared sequence (e.g. a branch never taken) is reported "ineffective"."""
+    from tic.harness.capture import CaptureSpec, HFCaptureRunner, rows_equal
+    from tic.harness.engines.hf import HFEngine
+    from tic.harness.locate import Side, locate
+    from tic.harness.tinymodels import tiny_model
+
+    rng = random.Random(seed)
+    model_dir, cfg = tiny_model(seed // models_per_family_seed, family)
+    upto = rng.randint(1, 3)
+    base = HFEngine(model_dir, "float32", kernels="consistent", batch_size=rng.randint(1, 4),
+                    micro_batch_size=rng.randint(1, 3))
+    engines = {}
+    for s in ("a", "b"):
+        e = copy.copy(base)
+        e.model = copy.deepcopy(base.model)
+        engines[s] = e
+    engines["a"].batch_size = rng.randint(1, 4)
+    engines["b"].micro_batch_size = rng.randint(1, 3)
+    side = rng.choice("ab")
+    plant = draw_plant(engines[side].model, rng, side, branches=mode == "plant") if mode != "clean" else None
+    if plant is not None and plant.prepare is not None:
+        for e in engines.values():
+            plant.prepare(e.model)
+    samples = _samples(engines["a"], rng, cfg["vocab_size"], upto)
+    target = rng.randrange(len(samples))
+    ra, rb = HFCaptureRunner(engines["a"]), HFCaptureRunner(engines["b"])
+    side_a = Side("decode", ra, lambda spec: ra.decode(samples, target, upto, spec))
+    side_b = Side("score", rb, lambda spec: rb.score(samples, target, spec))
+    rec = {"seed": seed, "mode": mode, "family": cfg["model_type"], "plant": plant.describe() if plant else None,
+           "kind": plant.kind if plant else None, "side": side if plant else None}
+    if plant is not None:
+        # ground truth before locating: the plant must change its module's output on the compared sequence
+        # ("ineffective" otherwise) and reach a compared stage or the logprob ("absorbed" otherwise: a change
+        # rounded away downstream is no divergence to locate)
+        run_planted = side_a.run if side == "a" else side_b.run
+        watched = set(ra.stages()) | {plant.module}
+        before = run_planted(CaptureSpec(outputs=watched))
+        targets = [engines[side]] if mode == "plant" else list(engines.values())
+        undo = [plant.install(e.model) for e in targets]
+        after = run_planted(CaptureSpec(outputs=watched))
+
+        def changed(name):
+            x, y = before.outputs.get(name, {}), after.outputs.get(name, {})
+            return any(not rows_equal(x[p], y[p]) for p in x if p in y)
+        rec["effective"] = changed(plant.module)
+        rec["reaches_output"] = any(changed(n) for n in watched - {plant.module}) or any(
+            not rows_equal((before.logprobs[p],), (after.logprobs[p],)) for p in before.logprobs if p in after.logprobs)
+        if mode == "plant" and not (rec["effective"] and rec["reaches_output"]):
+            for u in undo:
+                u()
+            return {**rec, "status": "ineffective" if not rec["effective"] else "absorbed"}
+    t0 = time.perf_counter()
+    try:
+        res = locate(side_a, side_b, Path(out_dir), "plant", upto)
+    except Exception as e:  # noqa: BLE001  a crash is a result to count, not the end of the benchmark
+        return {**rec, "status": "crash", "error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0}
+    rec.update(report=res.get("report"), logprob_a=res.get("logprob_a"), logprob_b=res.get("logprob_b"), status=res["status"], seconds=time.perf_counter() - t0, layer=res["first_divergent_layer"],
+               module=res["culprit_module"], operator=res["first_operator"],
+               repro_exit=(res.get("repro_check") or {}).get("exit_code") if res.get("repro") else None,
+               repro_proves=res.get("repro_proves"))
+    if plant is not None and mode == "plant":
+        rec.update(expected_layer=plant.layer, expected_module=plant.module, expected_operators=plant.operators,
+                   layer_right=res["first_divergent_layer"] == plant.layer,
+                   module_right=res["culprit_module"] == plant.module,
+                   operator_right=operator_named(res["first_operator"], plant.operators))
+    else:
+        rec["clean"] = res["first_divergent_layer"] is None and res["status"] == "no divergence" and not res["repro"]
+    return rec

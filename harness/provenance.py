@@ -1,0 +1,167 @@
+"""Which token of a traced forward call each recorded value belongs to, followed by data, not by call order.
+
+Engines and kernels run a module's token rows in any order: one batched call, a loop over rows, a loop over
+projections inside a loop over rows, per-head tensors whose first dimension happens to equal the row count.
+Attributing an operator call to a token by its position in the call sequence or by its shape is then wrong.
+Here every storage a recorded value lives in carries a token map (one int per element: the token's flat
+index b * T + t in the traced call, -1 for none), so that
+  - a view (slice, select, split, transpose, reshape) reads its tokens from the storage it shares,
+  - an in-place write (copy_, an `out=` kernel) writes its source's tokens into the written elements,
+  - a computed value takes its tokens from its inputs (same shape: element by element; same leading shape:
+    per leading index; one token among all inputs: that token; cat/stack: piece by piece).
+Seeds are the module's per-token inputs. Weights and buffers carry no tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# storages larger than this (a whole KV cache) get no map: they would cost more memory than the trail
+MAX_STORAGE_ELEMENTS = 1 << 24
+
+
+def _tensors(v) -> list[torch.Tensor]:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [x for x in v if isinstance(x, torch.Tensor)]
+    return []
+
+
+def standard_map(shape: tuple, batch: int, length: int) -> torch.Tensor | None:
+    """Token map of a tensor laid out per token: [B, T, ...] or [B*T, ...]; None if it is not."""
+    n = batch * length
+    if len(shape) >= 2 and tuple(shape[:2]) == (batch, length):
+        lead = torch.arange(n, dtype=torch.int32).reshape(batch, length)
+        return lead.reshape(batch, length, *([1] * (len(shape) - 2))).expand(shape)
+    if len(shape) >= 1 and shape[0] == n:
+        return torch.arange(n, dtype=torch.int32).reshape(n, *([1] * (len(shape) - 1))).expand(shape)
+    return None
+
+
+class Provenance:
+    def __init__(self, batch: int, length: int):
+        self.batch, self.length = batch, length
+        self.maps: dict[tuple, tuple[torch.Tensor, int, torch.UntypedStorage]] = {}  # storage -> map
+
+    @staticmethod
+    def _storage_key(t: torch.Tensor) -> tuple | None:
+        try:
+            return str(t.device), t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
+            return None
+
+    def tokens(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The token of each element of t (int32, t's shape, on CPU), or None if its storage has no map."""
+        key = self._storage_key(t)
+        got = self.maps.get(key) if key else None
+        if got is None or got[1] != t.element_size():
+            return None
+        try:
+            return torch.as_strided(got[0], tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        except RuntimeError:
+            return None
+
+    def _set(self, t: torch.Tensor, m: torch.Tensor) -> None:
+        key = self._storage_key(t)
+        if key is None:
+            return
+        got = self.maps.get(key)
+        if got is None or got[1] != t.element_size():
+            n = t.untyped_storage().nbytes() // t.element_size()
+            if n > MAX_STORAGE_ELEMENTS:
+                return
+            # the storage is held so that its address is not reused by another tensor while recording
+            got = (torch.full((n,), -1, dtype=torch.int32), t.element_size(), t.untyped_storage())
+            self.maps[key] = got
+        try:
+            torch.as_strided(got[0], tuple(t.shape), tuple(t.stride()), t.storage_offset()).copy_(m)
+        except RuntimeError:  # overlapping elements (an expanded tensor): leave its map as it was
+            pass
+
+    def seed(self, t) -> None:
+        """A module input: per-token layouts get the standard map; other tensors (masks, weights) none."""
+        for x in _tensors(t):
+            m = standard_map(tuple(x.shape), self.batch, self.length)
+            if m is not None and self.tokens(x) is None:
+                self._set(x, m)
+
+    def derived(self, sources: list[torch.Tensor], shape: tuple) -> torch.Tensor | None:
+        """The token map of a value of `shape` computed from `sources` (see the module docstring)."""
+        maps = [(s, m) for s in sources if (m := self.tokens(s)) is not None and bool((m >= 0).any())]
+        if not maps:
+            return None
+        same = [m for s, m in maps if tuple(s.shape) == tuple(shape)]
+        if same:  # element-wise: each output element belongs to the token of the same input element
+            out = same[0].clone()
+            for m in same[1:]:
+                out[out != m] = -1
+            return out
+        constant = {int(m.flatten()[0]) for _, m in maps if bool((m == m.flatten()[0]).all())}
+        if len(constant) == 1 and all(bool((m == m.flatten()[0]).all()) for _, m in maps):
+            return torch.full(shape, constant.pop(), dtype=torch.int32)  # one token's values only
+        for s, m in maps:  # a row-wise projection or reduction: [.., D] -> [.., E], tokens per leading index
+            if s.dim() == len(shape) and s.dim() >= 1 and tuple(s.shape[:-1]) == tuple(shape[:-1]) and \
+                    bool((m == m[..., :1]).all()):
+                return m[..., :1].expand(shape).clone()
+        for s, m in maps:  # a lookup: [B, T] indices -> [B, T, D] rows (embeddings, a cos/sin table)
+            if s.dim() < len(shape) and tuple(s.shape) == tuple(shape[:s.dim()]):
+                return m.reshape(*s.shape, *([1] * (len(shape) - s.dim()))).expand(shape).clone()
+        for s, m in maps:  # an input broadcast to the output
+            try:
+                return m.expand(shape).clone()
+            except RuntimeError:
+                continue
+        return None
+
+    def after(self, func, args, kwargs, outs: list[torch.Tensor], written: list[torch.Tensor]) -> None:
+        """Update the maps for one operator call: its new outputs and the tensors it wrote in place."""
+        inputs = [x for v in list(args) + list(kwargs.values()) for x in _tensors(v)]
+        is_view = bool(getattr(func, "is_view", False))
+        dim = _dim_of(func, args, kwargs)
+        for o in outs:
+            if is_view and any(self._storage_key(o) == self._storage_key(i) for i in inputs):
+                continue  # shares its input's storage: its tokens are already there
+            if any(o is w for w in written):
+                continue
+            srcs = [i for i in inputs if i is not o]
+            m = self._derive(func, srcs, tuple(o.shape), dim)
+            if m is not None:
+                self._set(o, m)
+        for w in written:
+            srcs = [i for i in inputs if i is not w]
+            m = self._derive(func, srcs, tuple(w.shape), dim)
+            if m is None:
+                continue
+            old = self.tokens(w)
+            if old is not None and not _is_copy(func):  # accumulating writes (add_): keep agreeing tokens
+                m = torch.where(old == m, m, torch.where(old < 0, m, torch.full_like(m, -1)))
+            self._set(w, m)
+
+    def _derive(self, func, sources, shape, dim):
+        name = str(func).split(".")[1] if str(func).count(".") >= 2 else str(func)
+        if name in ("cat", "stack", "concat", "concatenate"):
+            tensors = sources
+            parts = []
+            for s in tensors:
+                m = self.tokens(s)
+                parts.append(m.clone() if m is not None else torch.full(tuple(s.shape), -1, dtype=torch.int32))
+            try:
+                out = torch.stack(parts, dim) if name == "stack" else torch.cat(parts, dim)
+            except RuntimeError:
+                return None
+            return out if tuple(out.shape) == tuple(shape) else None
+        return self.derived(sources, shape)
+
+
+def _is_copy(func) -> bool:
+    return str(func).split(".")[1:2] == ["copy_"] if str(func).count(".") else False
+
+
+def _dim_of(func, args, kwargs) -> int:
+    """The `dim` argument of cat/stack (positional or keyword), 0 by default."""
+    if "dim" in kwargs:
+        return int(kwargs["dim"])
+    if len(args) >= 2 and isinstance(args[1], int):
+        return int(args[1])
+    return 0

@@ -1,0 +1,215 @@
+"""The locator on layouts its first tests did not cover (issue 11): byte comparisons of tensors with any strides,
+operator calls attributed to tokens by data whatever the loop order, module replay with every tensor input of
+the other side, and repros that say whether they show one operator on identical inputs or two implementations."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tic.harness.capture import HFCaptureRunner, OpRecorder, Trail, raw_bytes, same_bits
+from tic.harness.engines.base import Sampling
+from tic.harness.engines.hf import HFEngine
+from tic.harness.locate import Side, _key, locate, trail_rows
+from tic.harness.provenance import Provenance
+from tic.skill.config import load_config
+from tic.skill.context import GateContext
+
+ROOT = Path(__file__).resolve().parent.parent
+DENSE = ROOT / "examples" / "tiny-qwen3"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add contention on a shared CI machine
+    yield
+    torch.set_num_threads(n)
+
+
+def _engines():
+    ctx = GateContext(load_config(DENSE / "tic-consistent.yaml"))
+    a = HFEngine(ctx.model_dir, "float32", kernels="consistent", batch_size=4, micro_batch_size=2)
+    b = HFEngine(ctx.model_dir, "float32", kernels="consistent", batch_size=4, micro_batch_size=2)
+    a.model = copy.deepcopy(a.model)
+    b.model = copy.deepcopy(a.model)
+    return a, b
+
+
+def _run(a, b, out: Path, upto: int = 2):
+    sp = Sampling(temperature=1.0, max_tokens=upto + 1, seed=0)
+    prompts = [[5, 17, 99, 3, 250, 31], [7, 8, 9], [400, 2, 77, 13, 14]]
+    samples = a.generate(prompts, sp, [0, 1, 2])
+    ra, rb = HFCaptureRunner(a), HFCaptureRunner(b)
+    return locate(Side("decode", ra, lambda s: ra.decode(samples, 0, upto, s)),
+                  Side("score", rb, lambda s: rb.score(samples, 0, s)), out, "plant", upto)
+
+
+# -- 1. bytes of any layout -------------------------------------------------------------------------------
+def test_bytes_of_a_size_one_slice_with_a_large_stride():
+    """A per-head tensor's one-row slice: shape (1,), stride 34. It counts as contiguous, so reinterpreting its
+    storage as bytes used to fail ("stride(-1) must be 1 to view Float as Byte")."""
+    base = torch.randn(1, 34)
+    t = base.t()[0]
+    assert t.shape == (1,) and t.stride() == (34,) and t.is_contiguous()
+    assert raw_bytes(t) == base[0, :1].numpy().tobytes()
+    assert _key(t) == _key(base[0, :1].clone())
+    assert same_bits(t, base[0, :1].clone()) and not same_bits(t, base[0, :1] + 1)
+    heads = torch.randn(4, 34, 1).transpose(1, 2)  # (heads, 1, keys) with strides (34, 1, 1) after a transpose
+    assert _key(heads[2]) == _key(heads[2].clone())
+
+
+# -- 2. tokens by data, any loop order --------------------------------------------------------------------
+def _projection_major(x, weights):
+    """One projection over every row before the next (all q rows, then all k rows): a kernel's loop order."""
+    rows = x.reshape(-1, x.shape[-1]).split(1, dim=0)
+    per_proj = [[F.linear(r, w) for r in rows] for w in weights]
+    return [torch.cat(p, dim=0) for p in per_proj]
+
+
+def test_single_row_calls_are_attributed_to_their_token_by_data():
+    g = torch.Generator().manual_seed(0)
+    B, T, D = 1, 3, 8
+    x = torch.randn(B, T, D, generator=g)
+    weights = [torch.randn(D, D, generator=g) for _ in range(2)]
+    for f in range(B * T):
+        trail = Trail([], B, T, f)
+        prov = Provenance(B, T)
+        prov.seed(x)
+        with OpRecorder(trail.calls, trail.errors, provenance=prov):
+            _projection_major(x, weights)
+        outs, _ = trail_rows(trail)
+        got = [v for per in outs for (_, _, v, _) in per if v.numel() == D]
+        want = [F.linear(x.reshape(-1, D)[f:f + 1], w)[0] for w in weights]
+        # the traced token's own projections, each exactly once among the single-row calls' values
+        for w_val in want:
+            assert sum(bool(torch.equal(v.reshape(-1), w_val)) for v in got) >= 1
+        others = [F.linear(x.reshape(-1, D)[j:j + 1], w)[0] for j in range(B * T) if j != f for w in weights]
+        assert not any(torch.equal(v.reshape(-1), o) for v in got for o in others), f
+
+
+def test_projection_major_kernel_is_located_at_its_planted_operator(tmp_path, monkeypatch):
+    """Side B's MLP runs its projections one over every row before the next and rounds the up projection
+    through bfloat16 (from the third row on); the traced token's own calls must be compared, so the answer
+    is the rounding."""
+    monkeypatch.chdir(tmp_path)
+    a, b = _engines()
+    mlp = b.model.model.layers[1].mlp
+
+    def forward(self, x):
+        shape = x.shape
+        gate, up = _projection_major(x, [self.gate_proj.weight, self.up_proj.weight])
+        # rounded from the third row on: the first differing token is not the first row, so calls attributed
+        # by their order would compare another token's projections
+        up = torch.cat([up[:2], up[2:].to(torch.bfloat16).to(up.dtype)])
+        h = F.silu(gate) * up
+        (out,) = _projection_major(h, [self.down_proj.weight])
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    mlp.forward = types.MethodType(forward, mlp)
+    res = _run(a, b, tmp_path / "out")
+    assert res["first_divergent_layer"] == "model.layers.1"
+    assert res["culprit_module"] == "model.layers.1.mlp"
+    assert res["first_operator"] in ("aten.to.dtype", "aten._to_copy.default"), res["first_operator"]
+
+
+# -- 3. replay substitutes every tensor input -------------------------------------------------------------
+def test_replay_feeds_keyword_inputs_so_a_layers_own_change_stays_in_the_layer(tmp_path, monkeypatch):
+    """Side B's decoder layer rounds the position embeddings it passes to its attention. Fed side A's hidden
+    states only, the attention would still see side B's rounded cos and be blamed; fed all of side A's inputs
+    it agrees, and the layer's own forward is the culprit."""
+    monkeypatch.chdir(tmp_path)
+    a, b = _engines()
+    for m in (a.model, b.model):  # both sides' attention reads the cos it is passed (kernels may use a table)
+        attn = m.model.layers[2].self_attn
+        attn_inner = attn.forward
+
+        def attn_forward(*args, _inner=attn_inner, **kwargs):
+            out = _inner(*args, **kwargs)
+            cos = kwargs["position_embeddings"][0]
+            return (out[0] * (1 + cos[..., :1] / 64),) + tuple(out[1:])
+
+        attn.forward = attn_forward
+    layer = b.model.model.layers[2]
+    inner = layer.forward
+
+    def forward(*args, **kwargs):
+        cos, sin = kwargs["position_embeddings"]
+        kwargs["position_embeddings"] = (cos.to(torch.bfloat16).to(cos.dtype), sin)
+        return inner(*args, **kwargs)
+
+    layer.forward = forward
+    res = _run(a, b, tmp_path / "out")
+    assert res["first_divergent_layer"] == "model.layers.2"
+    assert res["culprit_module"] == "model.layers.2", res["module_trail"]
+    assert res["first_operator"] in ("aten.to.dtype", "aten._to_copy.default"), res["first_operator"]
+
+
+# -- 4. a repro says what it shows ------------------------------------------------------------------------
+def test_split_k_repro_is_an_implementation_difference_not_one_operator(tmp_path, monkeypatch):
+    """Split-K on one side: a partial GEMM against the full one. The repro reproduces (exit 1) but must not
+    present two calls on different inputs as one operator on identical inputs."""
+    monkeypatch.chdir(tmp_path)
+    a, b = _engines()
+    down = b.model.model.layers[1].mlp.down_proj
+    h = down.weight.shape[1] // 2
+
+    def split_k(self, x):
+        w = self.weight
+        rows = x.reshape(-1, x.shape[-1]).split(1, dim=0)
+        out = torch.cat([F.linear(r[:, :h], w[:, :h]) + F.linear(r[:, h:], w[:, h:]) for r in rows], dim=0)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    down.forward = types.MethodType(split_k, down)
+    res = _run(a, b, tmp_path / "out")
+    assert res["culprit_module"] == "model.layers.1.mlp.down_proj"
+    assert res["repro"] and res["repro_check"]["exit_code"] == 1
+    assert res["repro_proves"].startswith("implementation difference: argument 0 has shape"), res["repro_proves"]
+    assert not res["repro_check"]["same_operator_identical_inputs"]
+    script = Path(res["repro"]).read_text()
+    assert "What it shows: implementation difference" in script
+    out = subprocess.run([sys.executable, res["repro"]], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "PROVES: implementation difference" in out.stdout, out.stdout
+    assert "same operator, identical inputs" not in out.stdout.split("PROVES:")[1].splitlines()[0]
+
+
+def test_repro_claims_one_operator_only_for_identical_calls(tmp_path):
+    """The fresh process decides the claim: identical op, arguments and picked place -> one operator on
+    identical inputs; anything else -> an implementation difference naming what differs."""
+    from tic.harness import repro
+
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    w = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    call = {"op": "aten.mm.default", "args": (x, w), "kwargs": {}, "where": {"kind": "row", "row": 1, "output": 0}}
+    assert repro.claim(call, dict(call)) == repro.SAME_OPERATOR
+    other = dict(call, args=(x[:2], w))
+    assert repro.claim(call, other).startswith("implementation difference: argument 0 has shape")
+    nudged = x.clone()
+    nudged[0, 0] = torch.nextafter(nudged[0, 0], torch.tensor(10.0))
+    assert repro.claim(call, dict(call, args=(nudged, w))) == \
+        "implementation difference: argument 0 differs between the two calls"
+    assert repro.claim(call, dict(call, op="aten.addmm.default")).startswith("implementation difference: operator")
+    assert repro.claim(None, call).startswith("implementation difference: side A has no such operator")
+
+
+def test_fresh_process_claims_one_operator_for_identical_calls(tmp_path):
+    """The script's own check, run in the fresh process, calls identical calls one operator on identical inputs
+    (and, their bits being equal, the candidate is not emitted)."""
+    from tic.harness import repro
+    from tic.harness.capture import OpCall
+    from tic.harness.repro import OpSide
+
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    w = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    call = OpCall("aten.mm.default", torch.ops.aten.mm.default, (x, w), {}, (x @ w,))
+    side = OpSide(call, {"kind": "row", "output": 0, "row": 1}, 3)
+    res = repro.emit(tmp_path, "C5", side, side, None, "a", "b", "claim check")
+    assert res["proves"] == repro.SAME_OPERATOR and res["exit_code"] == 0 and not res["reproduces"]
+
