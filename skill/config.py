@@ -266,7 +266,8 @@ def _format_error(e: dict) -> str:
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
     """Every problem on one line, each with its path, what is allowed, and what was given."""
-    return f"{source}: " + "; ".join(_format_error(e) for e in err.errors())
+    parts = [_format_error(e) for e in err.errors()]
+    return f"{source}: " + (parts[0] if len(parts) == 1 else f"{len(parts)} errors: " + "; ".join(parts))
 
 
 def parse_config(data: Any, base_dir: Path, source: str = "tic.yaml") -> TicConfig:

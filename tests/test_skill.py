@@ -324,7 +324,8 @@ def test_config_errors_list_every_error_with_allowed_values(example, workdir, ti
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "3 errors" in err and "more)" not in err
     assert "model.colour: unknown key (allowed: path, dtype, generate)" in err
-    assert "rollout.kernels: got 'fast'" in err and "train.kernels: got 'stok'" in err
+    assert "rollout.kernels: Input should be 'stock', 'consistent' or 'vllm' (got 'fast')" in err
+    assert "train.kernels: Input should be 'stock', 'consistent' or 'vllm' (got 'stok')" in err
     assert "'stock', 'consistent' or 'vllm'" in err  # every allowed value
 
 
