@@ -247,7 +247,7 @@ def _known_keys(loc: tuple) -> list[str]:
             continue
         models = [m for model in models if part in model.model_fields
                   for m in _models_in(model.model_fields[part].annotation)]
-    return sorted({k for m in models for k, f in m.model_fields.items() if not f.exclude})
+    return list(dict.fromkeys(k for m in models for k, f in m.model_fields.items() if not f.exclude))  # as declared
 
 
 def _format_error(e: dict) -> str:

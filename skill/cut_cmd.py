@@ -22,7 +22,7 @@ def _generated_weights(model_dir: Path, cfg) -> Path:
     own = (cfg is not None and cfg.model is not None and cfg.model.generate is not None
            and cfg.resolve(cfg.model.path).resolve() == model_dir.resolve())
     if not own:
-        raise TicInputError(f"no *.safetensors in {model_dir}, so nothing to cut; if tic.yaml generates its weights "
+        raise TicInputError(f"no weights found (no *.safetensors in {model_dir}), so nothing to cut; if tic.yaml generates its weights "
                             "(model: {path: ..., generate: {seed: N}}), run tic cut beside that tic.yaml or pass "
                             "-c PATH/TO/tic.yaml")
     return resolve_model_dir(cfg)
