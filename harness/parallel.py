@@ -31,6 +31,27 @@ import torch.nn.functional as F
 COMBINES = ("slot_order", "rank_partials")
 
 
+# -- what the method covers ---------------------------------------------------------------------------------
+COVERED = ("data parallel (requests split), expert parallel with the slot-order merge (all-to-all moves data, "
+           "fp32 sum on the owning rank in top-k slot order), training context parallel (KV concatenated); "
+           "TP = 1 and no decode context parallel")
+
+
+def layout_refusals(side: str, parallel, options: dict | None = None) -> list[str]:
+    """Why a side's layout is outside the method: every cross-rank reduction on the compared path."""
+    out = []
+    if parallel.tp > 1:
+        out.append(f"{side}.parallel.tp={parallel.tp}: TP>1 puts an all-reduce of partial sums on the compared "
+                   "path (its algorithm and order follow message size and rank count)")
+    if parallel.dcp > 1:
+        out.append(f"{side}.parallel.dcp={parallel.dcp}: decode context parallel merges attention partials "
+                   "across ranks (a reduction on the compared path)")
+    if parallel.ep > 1 and (options or {}).get("expert_combine", "slot_order") != "slot_order":
+        out.append(f"{side}.options.expert_combine={options['expert_combine']}: expert partial sums reduced "
+                   "across ranks follow the EP degree; merge on the owning rank in slot order")
+    return out
+
+
 # -- the arithmetic both sides share ---------------------------------------------------------------------
 def expert_owners(num_experts: int, ep: int) -> torch.Tensor:
     """Rank (inside its EP group) holding each expert: contiguous blocks, as vLLM and Megatron place them."""

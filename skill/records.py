@@ -28,7 +28,8 @@ def _version(pkg: str) -> str | None:
         return None
 
 
-def environment_fingerprint() -> dict[str, Any]:
+def environment_fingerprint(parallel: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the numbers ran on; `parallel` is each side's rank layout from tic.yaml."""
     import torch
 
     env = {k: v for k, v in sorted(os.environ.items())
@@ -44,6 +45,7 @@ def environment_fingerprint() -> dict[str, Any]:
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "env": env,
         "patches": _active_patches(),
+        **({"parallel": parallel} if parallel is not None else {}),
     }
 
 

@@ -100,3 +100,82 @@ def test_slot_order_is_the_order_of_slots():
     w = torch.ones(1, 3)
     assert combine_slot_order(outs, w).item() == 0.0  # (1e8 + 1) - 1e8 in fp32
     assert combine_slot_order(outs[:, [0, 2, 1]], w).item() == 1.0
+
+
+# ---- gates across layouts: the hf engine on gloo rank processes ---------------------------------------------
+@pytest.fixture
+def moe_top4(example):
+    """The tiny Qwen3-MoE with 4 experts per token: with 2, an fp32 sum of two terms has one order only,
+    so no merge could show a reduction-order fault."""
+    import json
+
+    ex = example("tiny-qwen3-moe")
+    cfg = json.loads((ex / "config.json").read_text())
+    cfg["num_experts_per_tok"] = 4
+    (ex / "config.json").write_text(json.dumps(cfg))
+    return ex
+
+
+def layouts_yaml(ex, rollout_parallel: str, combine: str = "slot_order", locate: bool = False):
+    path = ex / "layouts.yaml"
+    path.write_text(f"""model: {{path: ., dtype: float32, generate: {{seed: 0}}}}
+rollout: {{engine: hf, kernels: consistent, batch_size: 4, parallel: {rollout_parallel},
+          options: {{expert_combine: {combine}}}}}
+train: {{engine: hf, kernels: consistent, micro_batch_size: 4}}
+prompts: {{source: random, count: 3, seed: 0, min_len: 3, max_len: 6}}
+sampling: {{temperature: 1.0, max_tokens: 3, seed: 0}}
+locate: {{enabled: {str(locate).lower()}}}
+""")
+    return path
+
+
+def run_c5(path):
+    from tic.gates import get
+    from tic.skill.config import load_config
+    from tic.skill.context import GateContext
+    from tic.skill.runner import run_gate
+
+    ctx = GateContext(load_config(path))
+    try:
+        return run_gate(get("C5"), ctx), ctx
+    finally:
+        for eng in ctx._engines.values():
+            getattr(eng, "close", lambda: None)()
+
+
+def test_c5_passes_rollout_dp2_ep2_against_one_rank_training(moe_top4, workdir):
+    res, ctx = run_c5(layouts_yaml(moe_top4, "{dp: 2, ep: 2}"))
+    assert res.verdict == "pass", res.reason
+    assert res.metrics["tokens"] == 9
+    assert {s.meta["rank"] for s in ctx.rollout_samples()} == {0, 1}
+    assert res.environment["parallel"]["rollout"]["ep"] == 2 and res.environment["parallel"]["train"]["ep"] == 1
+
+
+def test_c5_fails_on_planted_cross_rank_expert_reduction(moe_top4, workdir):
+    res, _ = run_c5(layouts_yaml(moe_top4, "{dp: 2, ep: 2}", combine="rank_partials", locate=True))
+    assert res.verdict == "fail" and "train differs from rollout" in res.reason
+    assert res.details["locate"]["status"].startswith("not localised: the locator records one process")
+
+
+def test_c0_states_layouts_and_passes_covered_ones(moe_top4, workdir, tic):
+    import json
+
+    code, out, _ = tic("gate", "C0", "-c", str(layouts_yaml(moe_top4, "{dp: 2, ep: 2}")), "--json")
+    rec = json.loads(out)["results"][0]
+    assert code == 0 and rec["verdict"] == "pass"
+    assert rec["details"]["layouts"] == {"rollout": "DP2 EP2", "train": "1 rank"}
+    assert "slot order" in rec["details"]["layouts_covered"]
+
+
+@pytest.mark.parametrize("parallel, why", [
+    ("{dp: 2, ep: 3}", "ep=3 must divide"),
+    ("{dp: 2, ep: 2, xp: 1}", "unknown key"),
+])
+def test_bad_layout_is_an_input_error(moe_top4, workdir, tic, parallel, why):
+    code, _, err = tic("gate", "C0", "-c", str(layouts_yaml(moe_top4, parallel)))
+    assert code == 2 and why in err
+
+
+def test_unknown_hf_option_is_an_input_error(moe_top4, workdir, tic):
+    code, _, err = tic("gate", "C5", "-c", str(layouts_yaml(moe_top4, "{dp: 2, ep: 2}", combine="fastest")))
+    assert code == 2 and "expert_combine" in err
