@@ -241,7 +241,11 @@ def _rank_main(rank, world, port, conn, setup, setup_args, threads, timeout_s):
             res = ("ok", fn(state, *args))
         except Exception as e:
             res = ("err", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-        conn.send_bytes(pickle.dumps(res))
+        try:
+            blob = pickle.dumps(res)
+        except Exception as e:  # noqa: BLE001 - a result that cannot leave the process is an error, not a hang
+            blob = pickle.dumps(("err", f"rank {rank}: result not picklable: {type(e).__name__}: {e}"))
+        conn.send_bytes(blob)
     dist.destroy_process_group()
 
 

@@ -154,7 +154,10 @@ def test_c5_passes_rollout_dp2_ep2_against_one_rank_training(moe_top4, workdir):
 def test_c5_fails_on_planted_cross_rank_expert_reduction(moe_top4, workdir):
     res, _ = run_c5(layouts_yaml(moe_top4, "{dp: 2, ep: 2}", combine="rank_partials", locate=True))
     assert res.verdict == "fail" and "train differs from rollout" in res.reason
-    assert res.details["locate"]["status"].startswith("not localised: the locator records one process")
+    # the locator reruns the compared request on its owning rank, the other rank serving its experts
+    loc = res.details["locate"]
+    assert loc["first_divergent_layer"] == "model.layers.1" and loc["culprit_module"] == "model.layers.1.mlp"
+    assert loc["reproduced_gate_values"] and "c10d.allreduce_" in loc["status"]
 
 
 def test_c0_states_layouts_and_passes_covered_ones(moe_top4, workdir, tic):
