@@ -5,6 +5,11 @@ that owns its expert, the expert's output travels back unchanged, and the token'
 weighted outputs in fp32 in top-k slot order. Nothing in that sum depends on how many ranks hold experts or
 which rank answers first, so EP=1 and EP=N give the same bits.
 
+`slot_order_allgather` keeps the same merge over an all-gather / reduce-scatter exchange (the shape of
+vLLM's default EP backend): each rank writes its experts' outputs into a per-slot buffer [tokens, k, D]
+that is zero elsewhere, and the cross-rank sum of that buffer has exactly one non-zero term per element,
+so it only moves data (x + 0 = x); the owning rank then merges in slot order.
+
 `rank_partials` is the merge many stacks use instead (vLLM's all-gather/reduce-scatter EP path works this
 way): every rank sums the weighted outputs of the experts it holds, and the partial sums are added across
 ranks in the model dtype. The association of that sum follows the expert placement, so it changes with EP.
@@ -28,13 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-COMBINES = ("slot_order", "rank_partials")
+COMBINES = ("slot_order", "slot_order_allgather", "rank_partials")
 
 
 # -- what the method covers ---------------------------------------------------------------------------------
-COVERED = ("data parallel (requests split), expert parallel with the slot-order merge (all-to-all moves data, "
-           "fp32 sum on the owning rank in top-k slot order), training context parallel (KV concatenated); "
-           "TP = 1 and no decode context parallel")
+COVERED = ("data parallel (requests split), expert parallel whose exchange only moves data and whose merge is "
+           "an fp32 sum on the token's owning rank in top-k slot order, training context parallel (KV "
+           "concatenated); TP = 1 and no decode context parallel")
 
 
 def layout_refusals(side: str, parallel, options: dict | None = None) -> list[str]:
@@ -46,7 +51,7 @@ def layout_refusals(side: str, parallel, options: dict | None = None) -> list[st
     if parallel.dcp > 1:
         out.append(f"{side}.parallel.dcp={parallel.dcp}: decode context parallel merges attention partials "
                    "across ranks (a reduction on the compared path)")
-    if parallel.ep > 1 and (options or {}).get("expert_combine", "slot_order") != "slot_order":
+    if parallel.ep > 1 and (options or {}).get("expert_combine") == "rank_partials":
         out.append(f"{side}.options.expert_combine={options['expert_combine']}: expert partial sums reduced "
                    "across ranks follow the EP degree; merge on the owning rank in slot order")
     return out
@@ -114,8 +119,9 @@ class ExpertParallelMoE:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         w, idx = route(self.block.gate, x, self.rowwise)
-        out = self._slot_order(x, w, idx) if self.combine == "slot_order" else self._rank_partials(x, w, idx)
-        return out.reshape(shape)
+        merge = {"slot_order": self._slot_order, "slot_order_allgather": self._slot_order_allgather,
+                 "rank_partials": self._rank_partials}[self.combine]
+        return merge(x, w, idx).reshape(shape)
 
     def _compute_local(self, x: torch.Tensor, experts_of_rows: torch.Tensor) -> torch.Tensor:
         y = torch.empty_like(x)
@@ -146,18 +152,34 @@ class ExpertParallelMoE:
         outs[order] = back
         return combine_slot_order(outs.view(N, k, x.shape[-1]), w)
 
+    def _gather_tokens(self, *tensors) -> tuple[list[int], list[torch.Tensor]]:
+        """All-gather dispatch: every rank sees every rank's tokens (row counts first, rows padded to the max)."""
+        N = tensors[0].shape[0]
+        if self.ep == 1:
+            return [N], list(tensors)
+        n = torch.tensor([N])
+        counts_t = [torch.zeros_like(n) for _ in range(self.ep)]
+        dist.all_gather(counts_t, n, group=self.group)
+        counts = [int(c) for c in counts_t]
+        return counts, [self._gather_padded(t, max(counts), counts) for t in tensors]
+
+    def _slot_order_allgather(self, x, w, idx):
+        N, k = idx.shape
+        counts, (xs, ids) = self._gather_tokens(x, idx)
+        slots = torch.zeros(xs.shape[0], k, xs.shape[-1], dtype=x.dtype)
+        mine = self.owners[ids] == self.me
+        for e in ids[mine].unique().tolist():
+            t, s = (ids == e).nonzero(as_tuple=True)
+            slots[t, s] = expert_output(self.block.experts, e, xs[t], self.rowwise)
+        if self.ep > 1:
+            dist.all_reduce(slots, group=self.group)  # one non-zero term per element: data movement only
+        start = sum(counts[:self.me])
+        return combine_slot_order(slots[start:start + N], w)
+
     def _rank_partials(self, x, w, idx):
         """Planted: all-gather the tokens, each rank sums its own experts' weighted outputs, all-reduce."""
         N, k = idx.shape
-        if self.ep == 1:
-            counts, xs, ws, ids = [N], x, w, idx
-        else:
-            n = torch.tensor([N])
-            counts_t = [torch.zeros_like(n) for _ in range(self.ep)]
-            dist.all_gather(counts_t, n, group=self.group)
-            counts = [int(c) for c in counts_t]
-            pad = max(counts)
-            xs, ws, ids = (self._gather_padded(t, pad, counts) for t in (x, w, idx))
+        counts, (xs, ws, ids) = self._gather_tokens(x, w, idx)
         partial = torch.zeros(xs.shape[0], xs.shape[-1], dtype=torch.float32)
         for s in range(k):
             mine = (self.owners[ids[:, s]] == self.me).nonzero().flatten()

@@ -58,10 +58,11 @@ def shares(x, dp: int = 2) -> list[torch.Tensor]:
     return [x[:cut], x[cut:]]
 
 
+@pytest.mark.parametrize("combine", ["slot_order", "slot_order_allgather"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ep2_slot_order_merge_is_bitwise_ep1(ranks, dtype):
+def test_ep2_slot_order_merge_is_bitwise_ep1(ranks, dtype, combine):
     x = tokens(1, dtype=dtype)
-    got = ranks.call(_moe_rank, [(s, "slot_order", dtype) for s in shares(x)])
+    got = ranks.call(_moe_rank, [(s, combine, dtype) for s in shares(x)])
     assert torch.equal(torch.cat(got), reference(x, dtype=dtype))
 
 
@@ -74,9 +75,10 @@ def test_planted_cross_rank_partial_sums_break_ep2(ranks, dtype):
     assert not torch.equal(got, reference(x, dtype=dtype))
 
 
-def test_rank_without_tokens_still_serves_its_experts(ranks):
+@pytest.mark.parametrize("combine", ["slot_order", "slot_order_allgather"])
+def test_rank_without_tokens_still_serves_its_experts(ranks, combine):
     x = tokens(2, n=9)
-    got = ranks.call(_moe_rank, [(x, "slot_order", torch.float32), (x[:0], "slot_order", torch.float32)])
+    got = ranks.call(_moe_rank, [(x, combine, torch.float32), (x[:0], combine, torch.float32)])
     assert got[1].shape == (0, 32) and torch.equal(got[0], reference(x))
 
 
@@ -167,7 +169,7 @@ def test_c0_states_layouts_and_passes_covered_ones(moe_top4, workdir, tic):
     rec = json.loads(out)["results"][0]
     assert code == 0 and rec["verdict"] == "pass"
     assert rec["details"]["layouts"] == {"rollout": "DP2 EP2", "train": "1 rank"}
-    assert "slot order" in rec["details"]["layouts_covered"]
+    assert "top-k slot order" in rec["details"]["layouts_covered"]
 
 
 @pytest.mark.parametrize("parallel, why", [
