@@ -94,12 +94,14 @@ def expert_output(experts, e: int, x: torch.Tensor, rowwise: bool) -> torch.Tens
 
 
 def combine_slot_order(outs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """THE RULE: out[t] = sum over slots s = 0..k-1, in that order, of fp32(outs[t, s] * weights[t, s]),
-    rounded to the model dtype once. outs [N, k, D] (expert outputs as they came back), weights [N, k]."""
+    """THE RULE: out[t] = sum over slots s = 0..k-1, in that order, of fp32(outs[t, s]) * fp32(weights[t, s]),
+    accumulated in fp32 from zero and rounded to the model dtype once. outs [N, k, D] (expert outputs as they
+    came back, unweighted), weights [N, k]. This is the arithmetic of DeepEP's low-latency combine, so a
+    training side using this function matches a rollout that merges there."""
     N, k, D = outs.shape
     acc = torch.zeros(N, D, dtype=torch.float32)
     for s in range(k):
-        acc = acc + (outs[:, s] * weights[:, s, None]).to(torch.float32)
+        acc = acc + outs[:, s].to(torch.float32) * weights[:, s, None].to(torch.float32)
     return acc.to(outs.dtype)
 
 
@@ -186,7 +188,7 @@ class ExpertParallelMoE:
             for e in ids[mine, s].unique().tolist():
                 rows = mine[ids[mine, s] == e]
                 h = expert_output(self.block.experts, e, xs[rows], self.rowwise)
-                partial[rows] += (h * ws[rows, s, None]).to(torch.float32)
+                partial[rows] += h.to(torch.float32) * ws[rows, s, None].to(torch.float32)
         partial = partial.to(x.dtype)
         if self.ep > 1:
             dist.all_reduce(partial, group=self.group)
