@@ -33,6 +33,10 @@ def measure(ctx) -> dict:
         notes.append(f"model_type {manifest['model_type']!r} has no family entry; classes come from tensor names")
     if manifest["mtp_layers"]:
         notes.append(f"{manifest['mtp_layers']} MTP layer(s) in the checkpoint: keep them off in rollout")
+    if cfg.rollout.engine == "vllm" and cfg.rollout.parallel.ep > 1:
+        notes.append("rollout.parallel.ep > 1 on vLLM: its default EP exchange (allgather_reducescatter) sums each "
+                     "rank's expert outputs and reduce-scatters the partial sums; with top-k >= 3 that order "
+                     "follows the EP degree. C5 decides; guides/ops/parallel-layouts.md")
     return {
         "metrics": {"layers": manifest["num_layers"], "operator_classes": len(manifest["operator_classes"]),
                     "rejected": len(rejected)},

@@ -127,7 +127,7 @@ def trail_rows(trail: Trail) -> tuple[list[list[tuple]], list[list[torch.Tensor]
 
 
 def _key(t: torch.Tensor) -> tuple:
-    t = t.detach().cpu().contiguous()
+    t = t.detach().cpu().clone(memory_format=torch.contiguous_format)  # a size-1 view may keep a stride != 1
     return str(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
