@@ -94,14 +94,13 @@ def expert_output(experts, e: int, x: torch.Tensor, rowwise: bool) -> torch.Tens
 
 
 def combine_slot_order(outs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """THE RULE: out[t] = sum over slots s = 0..k-1, in that order, of fp32(outs[t, s]) * fp32(weights[t, s]),
-    accumulated in fp32 from zero and rounded to the model dtype once. outs [N, k, D] (expert outputs as they
-    came back, unweighted), weights [N, k]. This is the arithmetic of DeepEP's low-latency combine, so a
-    training side using this function matches a rollout that merges there."""
+    """THE RULE: out[t] = sum over slots s = 0..k-1, in that order, of fp32(outs[t, s] * weights[t, s]) (the
+    product in the model dtype), accumulated in fp32 from zero and rounded to the model dtype once.
+    outs [N, k, D] (expert outputs as they came back, unweighted), weights [N, k] (any float dtype)."""
     N, k, D = outs.shape
     acc = torch.zeros(N, D, dtype=torch.float32)
     for s in range(k):
-        acc = acc + outs[:, s].to(torch.float32) * weights[:, s, None].to(torch.float32)
+        acc = acc + (outs[:, s] * weights[:, s, None].to(outs.dtype)).to(torch.float32)
     return acc.to(outs.dtype)
 
 
@@ -114,22 +113,38 @@ class ExpertParallelMoE:
         if combine not in COMBINES:
             raise ValueError(f"unknown expert combine {combine!r} (known: {', '.join(COMBINES)})")
         self.block, self.group, self.ep, self.combine, self.rowwise = block, group, ep, combine, rowwise
+        # a block driven by tic's kernel modules (kernels: consistent) routes and runs experts with its
+        # provider, so EP = 1 here is bit for bit that provider's own moe_experts
+        ops = getattr(block, "_tic_ops", None)
+        self.provider = getattr(ops, "provider", None) if hasattr(getattr(ops, "provider", None),
+                                                                  "moe_expert_rows") else None
         self.me = dist.get_rank(group) if ep > 1 else 0
         self.owners = expert_owners(block.gate.weight.shape[0], ep)
 
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        w, idx = route(self.block.gate, x, self.rowwise)
+        if self.provider is not None:
+            router = self.block.gate
+            logits = self.provider.linear(x, router.weight)
+            w, idx = self.provider.moe_route(logits, router.top_k, getattr(router, "norm_topk_prob", True))
+        else:
+            w, idx = route(self.block.gate, x, self.rowwise)
         merge = {"slot_order": self._slot_order, "slot_order_allgather": self._slot_order_allgather,
                  "rank_partials": self._rank_partials}[self.combine]
         return merge(x, w, idx).reshape(shape)
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        ex = self.block.experts
+        if self.provider is not None:
+            return self.provider.moe_expert_rows(x, e, ex.gate_up_proj, ex.down_proj)
+        return expert_output(ex, e, x, self.rowwise)
 
     def _compute_local(self, x: torch.Tensor, experts_of_rows: torch.Tensor) -> torch.Tensor:
         y = torch.empty_like(x)
         for e in experts_of_rows.unique().tolist():
             m = experts_of_rows == e
-            y[m] = expert_output(self.block.experts, e, x[m], self.rowwise)
+            y[m] = self._expert(e, x[m])
         return y
 
     def _exchange(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
@@ -172,7 +187,7 @@ class ExpertParallelMoE:
         mine = self.owners[ids] == self.me
         for e in ids[mine].unique().tolist():
             t, s = (ids == e).nonzero(as_tuple=True)
-            slots[t, s] = expert_output(self.block.experts, e, xs[t], self.rowwise)
+            slots[t, s] = self._expert(e, xs[t])
         if self.ep > 1:
             dist.all_reduce(slots, group=self.group)  # one non-zero term per element: data movement only
         start = sum(counts[:self.me])
@@ -187,8 +202,8 @@ class ExpertParallelMoE:
             mine = (self.owners[ids[:, s]] == self.me).nonzero().flatten()
             for e in ids[mine, s].unique().tolist():
                 rows = mine[ids[mine, s] == e]
-                h = expert_output(self.block.experts, e, xs[rows], self.rowwise)
-                partial[rows] += h.to(torch.float32) * ws[rows, s, None].to(torch.float32)
+                h = self._expert(e, xs[rows])
+                partial[rows] += (h * ws[rows, s, None].to(h.dtype)).to(torch.float32)
         partial = partial.to(x.dtype)
         if self.ep > 1:
             dist.all_reduce(partial, group=self.group)

@@ -160,7 +160,7 @@ def test_c5_fails_on_planted_cross_rank_expert_reduction(moe_top4, workdir):
     # the locator reruns the compared request on its owning rank, the other rank serving its experts
     loc = res.details["locate"]
     assert loc["first_divergent_layer"] == "model.layers.1" and loc["culprit_module"] == "model.layers.1.mlp"
-    assert loc["reproduced_gate_values"] and "c10d.allreduce_" in loc["status"]
+    assert loc["reproduced_gate_values"] and "c10d.allgather_" in loc["status"]  # side A's collectives named
 
 
 def test_c0_states_layouts_and_passes_covered_ones(moe_top4, workdir, tic):
