@@ -195,3 +195,16 @@ def test_c0_notes_vllm_expert_parallel_merge(moe_top4, workdir, tic):
     code, out, _ = tic("gate", "C0", "-c", str(cfg), "--json")
     rec = json.loads(out)["results"][0]
     assert code == 0 and any("allgather_reducescatter" in n for n in rec["details"]["notes"])
+
+
+def test_ep1_merge_is_the_cpu_providers_moe_experts():
+    """A block driven by tic's kernel modules: EP = 1 here is bit for bit the provider's own moe_experts."""
+    from tic.harness.kernels.providers import CPUProvider
+
+    prov = CPUProvider()
+    block = moe_block(0)
+    block._tic_ops = SimpleNamespace(provider=prov)
+    x = tokens(5, n=10)
+    w, ids = prov.moe_route(prov.linear(x, block.gate.weight), 4, True)
+    want = prov.moe_experts(x, w, ids, block.experts.gate_up_proj, block.experts.down_proj)
+    assert torch.equal(ExpertParallelMoE(block, None, 1)(x), want)

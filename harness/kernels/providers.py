@@ -81,16 +81,18 @@ class CPUProvider(KernelProvider):
             if x.shape[0] else x.new_zeros(0, x.shape[1])
 
     def moe_experts(self, x, weights, ids, gate_up, down):
-        """Each (token, slot) output, merged by the expert-parallel rule (tic.harness.parallel): fp32 in top-k
-        slot order, the same arithmetic at any EP degree."""
-        from tic.harness.parallel import combine_slot_order
-
-        k = ids.shape[1]
-        outs = x.new_zeros(x.shape[0], k, x.shape[1])
-        for e in ids.unique().tolist():
-            t, slot = (ids == e).nonzero(as_tuple=True)
-            outs[t, slot] = self.moe_expert_rows(x[t], e, gate_up, down)
-        return combine_slot_order(outs, weights)
+        """The expert-parallel merge rule (tic.harness.parallel.combine_slot_order) one row at a time: each
+        slot's output times its weight in the model dtype, summed in fp32 in top-k slot order."""
+        dtype, outs = x.dtype, []
+        for t in range(x.shape[0]):
+            r = x[t:t + 1]
+            acc = torch.zeros(1, x.shape[1], dtype=torch.float32)
+            for slot in range(ids.shape[1]):
+                e = int(ids[t, slot])
+                h = F.linear(self.silu_and_mul(F.linear(r, gate_up[e])), down[e])
+                acc = acc + (h * weights[t, slot].to(dtype)).to(torch.float32)
+            outs.append(acc.to(dtype))
+        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])
 
     def log_softmax(self, logits):
         return cc.row_log_softmax(logits.float())
