@@ -7,16 +7,18 @@ import json
 
 from tic.gates.base import Gate, Judgement
 from tic.harness.inventory import build_manifest
+from tic.harness.parallel import COVERED, layout_refusals
 from tic.core.fsio import atomic_write_text
 
 
 def measure(ctx) -> dict:
     cfg = ctx.cfg
-    rejected = []
+    rejected, layouts = [], {}
     for side in ("rollout", "train"):
-        tp = getattr(cfg, side).tensor_parallel_size
-        if tp > 1:
-            rejected.append(f"{side}.tensor_parallel_size={tp}: TP>1 puts an all-reduce on the compared path")
+        side_cfg = getattr(cfg, side)
+        layouts[side] = side_cfg.parallel.describe()
+        options = side_cfg.options if side_cfg.engine == "hf" else None
+        rejected += layout_refusals(side, side_cfg.parallel, options)
     if cfg.training.updates_per_step > 1:
         rejected.append(f"training.updates_per_step={cfg.training.updates_per_step}: from the second mini-batch "
                         "on, training weights differ from sampling weights, which diff = 0 does not cover")
@@ -31,10 +33,15 @@ def measure(ctx) -> dict:
         notes.append(f"model_type {manifest['model_type']!r} has no family entry; classes come from tensor names")
     if manifest["mtp_layers"]:
         notes.append(f"{manifest['mtp_layers']} MTP layer(s) in the checkpoint: keep them off in rollout")
+    if cfg.rollout.engine == "vllm" and cfg.rollout.parallel.ep > 1:
+        notes.append("rollout.parallel.ep > 1 on vLLM: its default EP exchange (allgather_reducescatter) sums each "
+                     "rank's expert outputs and reduce-scatters the partial sums; with top-k >= 3 that order "
+                     "follows the EP degree. C5 decides; guides/ops/parallel-layouts.md")
     return {
         "metrics": {"layers": manifest["num_layers"], "operator_classes": len(manifest["operator_classes"]),
                     "rejected": len(rejected)},
-        "details": {"rejected": rejected, "notes": notes, "operator_classes": manifest["operator_classes"],
+        "details": {"rejected": rejected, "notes": notes, "layouts": layouts, "layouts_covered": COVERED,
+                    "operator_classes": manifest["operator_classes"],
                     "dtypes": manifest["dtypes"], "quantization_config": manifest["quantization_config"]},
         "evidence": [str(path)],
     }
@@ -54,8 +61,11 @@ GATE = Gate(
     id="C0", title="Target inventory", step=1,
     measures="operator classes, dtypes and quantization per layer (config.json + safetensors headers, no weights "
              "loaded); configuration against the method's coverage",
-    pass_condition="a manifest with at least one layer is written, and nothing is rejected: no TP>1 on the "
-                   "compared path, exactly 1 update per step, no speculative decoding/MTP",
-    inputs=["model.path (config.json, *.safetensors headers)", "rollout/train options", "training"],
+    pass_condition="a manifest with at least one layer is written, and nothing is rejected: no cross-rank "
+                   "reduction on the compared path (TP = 1, no decode context parallel, expert outputs merged "
+                   "on the owning rank in slot order; DP, EP and training CP are covered), exactly 1 update "
+                   "per step, no speculative decoding/MTP",
+    inputs=["model.path (config.json, *.safetensors headers)", "rollout/train parallel layouts and options",
+            "training"],
     artifacts=["artifacts/C0/manifest.json"], guide="guides/C0.md", reads=("model",),
     measure=measure, judge=judge)

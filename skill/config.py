@@ -37,6 +37,37 @@ class ModelConfig(Strict):
     generate: GenerateSpec | None = None
 
 
+class ParallelLayout(Strict):
+    """How one side spreads over ranks (GPUs, or gloo processes for the hf engine on CPU).
+
+    The method covers layouts whose compared path has no cross-rank reduction: data parallel (requests split
+    across replicas), expert parallel (tokens moved to their experts' ranks and back, merged on the owning
+    rank) and training context parallel (sequence split, KV concatenated). Tensor parallel and decode
+    context parallel sum partial results across ranks; C0 refuses them."""
+
+    tp: int = Field(1, ge=1, description="tensor parallel: linear layers all-reduce partial sums across ranks")
+    dp: int = Field(1, ge=1, description="data parallel: requests split across replicas")
+    ep: int = Field(1, ge=1, description="expert parallel: experts split across ranks (vLLM: EP = DP x TP)")
+    cp: int = Field(1, ge=1, description="context parallel (training): sequence split, KV all-gathered")
+    dcp: int = Field(1, ge=1, description="decode context parallel (vLLM): attention partials merged across ranks")
+
+    @property
+    def world(self) -> int:
+        """Ranks one replica set spans: every rank holds a DP x CP x TP coordinate."""
+        return self.dp * self.cp * self.tp
+
+    @model_validator(mode="after")
+    def _check(self) -> "ParallelLayout":
+        if self.world % self.ep:
+            raise ValueError(f"ep={self.ep} must divide the ranks dp*cp*tp={self.world}")
+        if self.tp % self.dcp:
+            raise ValueError(f"dcp={self.dcp} must divide tp={self.tp} (decode context parallel splits TP ranks)")
+        return self
+
+    def describe(self) -> str:
+        return " ".join(f"{k.upper()}{v}" for k, v in self.model_dump().items() if v != 1) or "1 rank"
+
+
 class EngineConfig(Strict):
     engine: Literal["hf", "vllm", "dump"] = "hf"
     # hf: "stock" is plain transformers; "consistent" runs tic's row-invariant CPU kernels and "vllm" the
@@ -47,11 +78,29 @@ class EngineConfig(Strict):
     micro_batch_size: int = Field(4, ge=1, le=MAX_COUNT, description="train: sequences per forward")
     padding_side: Literal["left", "right"] = "right"
     packing: bool = False
-    tensor_parallel_size: int = Field(1, ge=1, le=MAX_COUNT)
+    parallel: ParallelLayout = Field(default_factory=ParallelLayout, description="this side's rank layout")
     device: Literal["cpu", "cuda"] = Field("cpu", description="hf engine: where the model runs")
     dump: Path | None = Field(None, description="dump engine: JSONL file")
     options: dict[str, Any] = Field(default_factory=dict, description="engine-specific options (vllm)")
     patches: list[str] = Field(default_factory=list, description="bundled patches to apply (tic patch list)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tensor_parallel_size_alias(cls, data: Any) -> Any:
+        """`tensor_parallel_size: N` (the vLLM spelling) is read as `parallel: {tp: N}`."""
+        if isinstance(data, dict) and "tensor_parallel_size" in data:
+            data = dict(data)
+            tp = data.pop("tensor_parallel_size")
+            par = dict(data.get("parallel") or {})
+            if "tp" in par and par["tp"] != tp:
+                raise ValueError(f"tensor_parallel_size={tp} contradicts parallel.tp={par['tp']}")
+            par["tp"] = tp
+            data["parallel"] = par
+        return data
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.parallel.tp
 
     @model_validator(mode="after")
     def _dump_needs_file(self) -> "EngineConfig":

@@ -34,6 +34,10 @@ def _locate(gate: Gate, ctx: GateContext, measured: dict) -> tuple[dict | None, 
     return findings, evidence
 
 
+def _layouts(ctx: GateContext) -> dict:
+    return {side: getattr(ctx.cfg, side).parallel.model_dump() for side in ("rollout", "train")}
+
+
 def run_gate(gate: Gate, ctx: GateContext, save: bool = True) -> GateResult:
     t0 = time.perf_counter()
     base = dict(gate=gate.id, title=gate.title, config_hash=ctx.cfg.config_hash(), tic_version=tic.__version__)
@@ -71,7 +75,8 @@ def run_gate(gate: Gate, ctx: GateContext, save: bool = True) -> GateResult:
         mhash = ""
     inputs = input_hashes(ctx.cfg, reads_of(gate))
     res = GateResult(**base, verdict=verdict, reason=reason, key_figure=key, metrics=metrics, details=details,
-                     evidence=evidence, model_hash=mhash, inputs=inputs, environment=environment_fingerprint(),
+                     evidence=evidence, model_hash=mhash, inputs=inputs,
+                     environment={**environment_fingerprint(), "parallel": _layouts(ctx)},
                      duration_s=round(time.perf_counter() - t0, 3))
     if save:
         if verdict == "pass" and gate.locate_on_fail and ctx.state.clear_locate(gate.id):

@@ -52,6 +52,9 @@ def test_c0_inventory_passes(example, workdir, tic):
 
 @pytest.mark.parametrize("extra, why", [
     ("rollout: {tensor_parallel_size: 2}", "TP>1"),
+    ("train: {parallel: {tp: 2, dp: 2, ep: 4}}", "train.parallel.tp=2: TP>1"),
+    ("rollout: {parallel: {tp: 2, dcp: 2}}", "decode context parallel"),
+    ("rollout: {parallel: {dp: 2, ep: 2}, options: {expert_combine: rank_partials}}", "expert_combine"),
     ("training: {updates_per_step: 4}", "updates_per_step=4"),
     ("training: {speculative_decoding: true}", "speculative"),
 ])

@@ -224,3 +224,11 @@ def test_repro_is_emitted_only_when_the_script_itself_says_it_differs(tmp_path):
     bad = emit(tmp_path / "bad", "C5", None, broken, planted, "a", "b", "unresolvable op")
     assert not bad["reproduces"] and bad["exit_code"] == 3
     assert not (tmp_path / "bad" / "repro.py").exists()
+
+
+def test_value_key_of_a_strided_size_one_view():
+    """An int64 row cut from [N, k] routing ids is a size-1 view with stride k; its bytes are still its key."""
+    from tic.harness.locate import _key
+
+    t = torch.empty_strided((1,), (3,), dtype=torch.long).fill_(7)
+    assert _key(t) == _key(torch.tensor([7]))

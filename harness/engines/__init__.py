@@ -30,10 +30,18 @@ def build_engine(ctx, side: str, side_cfg=None, shared_model: bool = True) -> En
         from tic.harness.engines.dump import DumpEngine
 
         return DumpEngine(ctx.cfg.resolve(side_cfg.dump), side)
-    if side_cfg.tensor_parallel_size != 1:
-        raise TicInputError(f"{side}.tensor_parallel_size={side_cfg.tensor_parallel_size}: TP>1 puts a "
-                            "cross-GPU all-reduce on the compared path, which the method does not cover")
+    par = side_cfg.parallel
     if side_cfg.engine == "hf":
+        from tic.harness.engines.hf_ranks import RankedHFEngine, check_options
+
+        check_options(side_cfg.options)
+        if par.tp > 1 or par.cp > 1 or par.dcp > 1:
+            raise TicInputError(f"{side}.parallel: the hf engine runs data and expert parallel ranks only "
+                                f"(tp={par.tp}, cp={par.cp}, dcp={par.dcp}); C0 says which layouts are covered")
+        if par.dp > 1 or par.ep > 1:
+            if getattr(side_cfg, "device", "cpu") != "cpu":
+                raise TicInputError(f"{side}.parallel: hf rank processes run on CPU (gloo); use device: cpu")
+            return RankedHFEngine.from_config(side_cfg, ctx.model_dir, ctx.dtype)
         from tic.harness.engines.hf import HFEngine
 
         return HFEngine.from_config(side_cfg, ctx.model_dir, ctx.dtype, shared_model)

@@ -174,8 +174,17 @@ class VLLMEngine(Engine):
     switch_env = ("VLLM_BATCH_INVARIANT", "TIC_PATCHES")
 
     def __init__(self, model_dir: Path, dtype: str, options: dict, batch_size: int, max_positions: int,
-                 vocab_size: int, patch_names: list[str] | None = None):
+                 vocab_size: int, patch_names: list[str] | None = None, tp: int = 1, ep: int = 1, dp: int = 1,
+                 dcp: int = 1):
         self.opts = check_options(options)
+        if dp > 1:
+            # offline vLLM runs one engine per DP rank (VLLM_DP_RANK/SIZE or torchrun external_launcher);
+            # this in-process engine is one of them
+            raise TicInputError(f"rollout.parallel.dp={dp}: the in-process vllm engine runs one DP rank; "
+                                "data parallel needs one engine process per rank")
+        if ep not in (1, dp * tp):
+            raise TicInputError(f"rollout.parallel.ep={ep}: vLLM's expert parallel spans all DP x TP ranks "
+                                f"(ep = {dp * tp} here, or 1)")
         vllm = _import_vllm(self.opts["batch_invariant"], self.opts["model_runner"])
         self.patches = _apply_patches(list(patch_names or []))
         self.vllm_version = vllm.__version__
@@ -189,7 +198,11 @@ class VLLMEngine(Engine):
             model=str(self.model_dir), skip_tokenizer_init=True, dtype=dtype, seed=o["seed"],
             enforce_eager=o["enforce_eager"], gpu_memory_utilization=o["gpu_memory_utilization"],
             max_model_len=self.max_model_len, logprobs_mode=o["logprobs_mode"],
-            enable_prefix_caching=o["enable_prefix_caching"], tensor_parallel_size=1)
+            enable_prefix_caching=o["enable_prefix_caching"], tensor_parallel_size=tp)
+        if ep > 1:
+            kwargs["enable_expert_parallel"] = True
+        if dcp > 1:
+            kwargs["decode_context_parallel_size"] = dcp
         for k in ("attention_backend", "kv_cache_memory_bytes", "enable_chunked_prefill",
                   "max_num_batched_tokens", "max_num_seqs", "async_scheduling"):
             if o[k] is not None:
@@ -223,8 +236,10 @@ class VLLMEngine(Engine):
         opts = dict(side_cfg.options)
         if opts.get("record"):
             opts["record"] = str(ctx.cfg.resolve(Path(opts["record"])))
+        p = side_cfg.parallel
         return cls(ctx.model_dir, ctx.dtype, opts, side_cfg.batch_size,
-                   int(text.get("max_position_embeddings", 2048)), ctx.vocab_size, side_cfg.patches)
+                   int(text.get("max_position_embeddings", 2048)), ctx.vocab_size, side_cfg.patches,
+                   p.tp, p.ep, p.dp, p.dcp)
 
     @classmethod
     def baseline_changes(cls, side_cfg) -> dict:

@@ -75,7 +75,14 @@ class CPUProvider(KernelProvider):
             return logits.new_zeros(0, top_k, dtype=torch.float32), torch.zeros(0, top_k, dtype=torch.long)
         return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
+    def moe_expert_rows(self, x, e: int, gate_up, down):
+        """Expert e's unweighted output for each row of x [n, H], one row per call."""
+        return torch.cat([F.linear(self.silu_and_mul(F.linear(r, gate_up[e])), down[e]) for r in x.split(1)]) \
+            if x.shape[0] else x.new_zeros(0, x.shape[1])
+
     def moe_experts(self, x, weights, ids, gate_up, down):
+        """The expert-parallel merge rule (tic.harness.parallel.combine_slot_order) one row at a time: each
+        slot's output times its weight in the model dtype, summed in fp32 in top-k slot order."""
         dtype, outs = x.dtype, []
         for t in range(x.shape[0]):
             r = x[t:t + 1]

@@ -1,0 +1,264 @@
+"""The hf engine spread over rank processes on CPU (gloo): the multi-GPU layouts CI can run.
+
+Data parallel: requests are dealt to DP ranks round-robin; each rank samples or scores its own requests with
+its own batches. Expert parallel: every MoE layer's experts are split over an EP group of consecutive ranks
+and tokens travel to their experts and back (tic.harness.parallel). A request's rows live on one rank, its
+owner, so every number the gates compare comes from that rank.
+
+Ranks run forward passes in lockstep: MoE layers exchange tokens inside each forward, so a rank with fewer
+batches runs empty forwards through its MoE layers until every rank is done (as vLLM runs dummy batches).
+"""
+
+from __future__ import annotations
+
+import copyreg
+import pickle
+import weakref
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tic.core.errors import TicInputError
+from tic.harness.engines.base import Engine, Sample, Sampling
+from tic.harness.parallel import COMBINES, ExpertParallelMoE, RankPool, ep_group, moe_blocks
+
+OPTIONS = {"expert_combine": "slot_order"}
+
+
+def check_options(options: dict) -> dict:
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TicInputError(f"options: unknown hf option {unknown[0]!r} (known: {', '.join(OPTIONS)})")
+    out = {**OPTIONS, **options}
+    if out["expert_combine"] not in COMBINES:
+        raise TicInputError(f"options.expert_combine: {out['expert_combine']!r} (expected one of "
+                            f"{', '.join(COMBINES)})")
+    return out
+
+
+# -- inside each rank --------------------------------------------------------------------------------------
+def _setup_rank(rank: int, world: int, engine_kwargs: dict, ep: int, combine: str) -> dict:
+    from tic.harness.engines.hf import HFEngine
+
+    eng = HFEngine(**engine_kwargs)
+    group = ep_group(rank, world, ep)
+    blocks = moe_blocks(eng.model)
+    for b in blocks:
+        b.forward = ExpertParallelMoE(b, group, ep, combine, rowwise=eng.kernels == "consistent")
+    hidden = eng.model.config.get_text_config().hidden_size
+    return {"engine": eng, "blocks": blocks, "hidden": hidden, "dtype": eng.model.dtype, "rank": rank}
+
+
+def _lockstep(state: dict, own_forwards: int) -> int:
+    """How many empty forwards this rank owes so every rank runs as many MoE exchanges."""
+    n = torch.tensor([own_forwards])
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return int(n) - own_forwards
+
+
+@torch.inference_mode()
+def _idle(state: dict, forwards: int) -> None:
+    empty = torch.empty(0, state["hidden"], dtype=state["dtype"])
+    for _ in range(forwards):
+        for b in state["blocks"]:
+            b(empty)
+
+
+def _generate_rank(state: dict, prompts: list, sampling: Sampling, ids: list, together: bool) -> list[Sample]:
+    eng = state["engine"]
+    batches = (1 if prompts else 0) if together else -(-len(prompts) // eng.batch_size)
+    owed = _lockstep(state, batches * sampling.max_tokens)
+    out = (eng.generate_together if together else eng.generate)(prompts, sampling, ids) if prompts else []
+    _idle(state, owed)
+    for s in out:
+        s.meta["rank"] = state["rank"]
+    return out
+
+
+def _score_rank(state: dict, samples: list, sampling: Sampling) -> list[torch.Tensor]:
+    eng = state["engine"]
+    owed = _lockstep(state, -(-len(samples) // eng.micro_batch_size))
+    out = eng.score(samples, sampling) if samples else []
+    _idle(state, owed)
+    return out
+
+
+def _resolve_op(qualified: str, overload: str):
+    ns, name = qualified.split("::", 1)
+    packet = getattr(getattr(torch.ops, ns), name)
+    return getattr(packet, overload or "default")
+
+
+def _reduce_op(op):
+    return _resolve_op, (op._schema.name, op._overloadname)
+
+
+# operator trails cross the process boundary: torch ops pickle by name
+copyreg.pickle(torch._ops.OpOverload, _reduce_op)
+
+
+def _module_names(state: dict) -> dict:
+    from tic.harness.capture import HFCaptureRunner
+
+    r = HFCaptureRunner(state["engine"])
+    return {"stages": r.stages(), "children": {n: r.children(n) for n in r.modules}, "names": list(r.modules)}
+
+
+def _scrub(v):
+    """v with every value that cannot leave this process (a process group, a work handle) named instead."""
+    if isinstance(v, (list, tuple)):
+        return type(v)(_scrub(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _scrub(x) for k, x in v.items()}
+    try:
+        pickle.dumps(v)
+        return v
+    except Exception:  # noqa: BLE001 - whatever pickling refuses
+        return f"<{type(v).__name__} on rank process>"
+
+
+class ForeignOp:
+    """Stands for an operator whose callable cannot leave the rank process (a pybind collective binding)."""
+
+    is_view = False
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self.name} ran on a rank process and cannot be rerun here")
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _portable(cap):
+    """A capture the calling process can unpickle: operator calls holding process-bound arguments (the
+    collectives of the expert exchange) keep their operator, outputs and a name for those arguments."""
+    if cap.trail is not None:
+        for c in cap.trail.calls:
+            try:
+                pickle.dumps(c)
+            except Exception:  # noqa: BLE001
+                c.args, c.kwargs, c.outputs = _scrub(c.args), _scrub(c.kwargs), _scrub(c.outputs)
+                if isinstance(_scrub(c.func), str):
+                    c.func = ForeignOp(c.op)
+    return cap
+
+
+def _capture_rank(state: dict, job: tuple | None):
+    """The owner rank records the compared request; the others serve their experts meanwhile."""
+    from tic.harness.capture import HFCaptureRunner
+
+    own = 0 if job is None else (job[3] + 1 if job[0] == "decode" else 1)
+    owed = _lockstep(state, own)
+    cap = None
+    if job is not None:
+        kind, samples, target, upto, spec, together, temperature = job
+        runner = HFCaptureRunner(state["engine"], temperature)
+        cap = runner.decode(samples, target, upto, spec, together) if kind == "decode" else \
+            runner.score(samples, target, spec)
+    _idle(state, owed)
+    return None if cap is None else _portable(cap)
+
+
+class RankCaptureRunner:
+    """The locator's runner for a ranked engine: the compared request's rows live on one rank, so that rank
+    runs the HF capture runner on its own share while the other ranks take part in the expert exchanges."""
+
+    def __init__(self, engine: "RankedHFEngine", temperature: float):
+        self.engine, self.temperature = engine, temperature
+        self._names = engine.pool.call(_module_names, [()] * engine.dp)[0]
+
+    def stages(self) -> list[str]:
+        return self._names["stages"]
+
+    def children(self, name: str) -> list[str]:
+        return self._names["children"][name]
+
+    def descendants(self, name: str) -> list[str]:
+        return [n for n in self._names["names"] if n.startswith(name + ".")]
+
+    def _run(self, kind: str, samples, target: int, upto: int, spec, together: bool):
+        shares = self.engine._deal(samples)
+        owner = self.engine.owner_rank(target)
+        job = (kind, [samples[i] for i in shares[owner]], shares[owner].index(target), upto, spec, together,
+               self.temperature)
+        return self.engine.pool.call(_capture_rank, [(job if r == owner else None,) for r in range(self.engine.dp)])[owner]
+
+    def decode(self, samples, target, upto, spec, together=False):
+        return self._run("decode", samples, target, upto, spec, together)
+
+    def score(self, samples, target, spec):
+        return self._run("score", samples, target, 0, spec, False)
+
+
+# -- in the calling process --------------------------------------------------------------------------------
+class RankedHFEngine(Engine):
+    """Same interface as HFEngine; the work runs on dp rank processes."""
+
+    name = "hf"
+
+    def __init__(self, model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa",
+                 batch_size: int = 8, micro_batch_size: int = 4, padding_side: str = "right",
+                 packing: bool = False, dp: int = 1, ep: int = 1, options: dict | None = None,
+                 timeout_s: float = 600.0):
+        opts = check_options(options or {})
+        if dp % ep:
+            raise TicInputError(f"parallel.ep={ep} must divide parallel.dp={dp} (hf ranks are DP ranks)")
+        self.kernels, self.batch_size, self.micro_batch_size = kernels, batch_size, micro_batch_size
+        self.dp, self.ep, self.combine = dp, ep, opts["expert_combine"]
+        self.layout = f"DP{dp} EP{ep}" + (f" ({self.combine} merge)" if ep > 1 else "")
+        kwargs = dict(model_dir=Path(model_dir), dtype=dtype, kernels=kernels, attn=attn, batch_size=batch_size,
+                      micro_batch_size=micro_batch_size, padding_side=padding_side, packing=packing)
+        self.pool = RankPool(dp, _setup_rank, (kwargs, ep, self.combine), timeout_s=timeout_s,
+                             threads=torch.get_num_threads())
+        weakref.finalize(self, self.pool.close)
+
+    @classmethod
+    def from_config(cls, side_cfg, model_dir: Path, dtype: str) -> "RankedHFEngine":
+        p = side_cfg.parallel
+        return cls(model_dir, dtype, side_cfg.kernels, side_cfg.attn_implementation, side_cfg.batch_size,
+                   side_cfg.micro_batch_size, side_cfg.padding_side, side_cfg.packing, p.dp, p.ep,
+                   side_cfg.options)
+
+    def owner_rank(self, index: int) -> int:
+        """The DP rank that holds the index-th request of a call (its rows never leave it)."""
+        return index % self.dp
+
+    def _deal(self, items: list) -> list[list[int]]:
+        return [[i for i in range(len(items)) if self.owner_rank(i) == r] for r in range(self.dp)]
+
+    def _gather(self, shares: list[list[int]], results: list[list], n: int) -> list:
+        out: list = [None] * n
+        for idx, res in zip(shares, results):
+            for i, x in zip(idx, res):
+                out[i] = x
+        return out
+
+    def _generate(self, prompts, sampling, request_ids, together: bool) -> list[Sample]:
+        shares = self._deal(prompts)
+        args = [([prompts[i] for i in s], sampling, [request_ids[i] for i in s], together) for s in shares]
+        out = self._gather(shares, self.pool.call(_generate_rank, args), len(prompts))
+        for s in out:
+            s.meta["layout"] = self.layout
+        return out
+
+    def generate(self, prompts, sampling: Sampling, request_ids) -> list[Sample]:
+        return self._generate(prompts, sampling, list(request_ids), together=False)
+
+    def generate_together(self, prompts, sampling: Sampling, request_ids) -> list[Sample]:
+        """One global batch: each DP rank runs its share of it as one batch."""
+        return self._generate(prompts, sampling, list(request_ids), together=True)
+
+    def score(self, samples: list[Sample], sampling: Sampling) -> list[torch.Tensor]:
+        shares = self._deal(samples)
+        args = [([samples[i] for i in s], sampling) for s in shares]
+        return self._gather(shares, self.pool.call(_score_rank, args), len(samples))
+
+    def capture_runner(self, temperature: float) -> RankCaptureRunner:
+        return RankCaptureRunner(self, temperature)
+
+    def close(self) -> None:
+        self.pool.close()
