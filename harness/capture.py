@@ -343,6 +343,9 @@ class InputRows(tuple):
         obj.keys = tuple(keys)
         return obj
 
+    def __reduce__(self):  # pickled with its keys (rows recorded on another rank cross a process boundary)
+        return (InputRows, (tuple(self), self.keys))
+
 
 def _input_tensors(args: tuple, kwargs: dict, batch: int, length: int) -> list[tuple[str, torch.Tensor]]:
     """Every token-row tensor input of a call, positional and keyword, one level into tuples/lists (e.g. the

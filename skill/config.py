@@ -45,11 +45,11 @@ class ParallelLayout(Strict):
     rank) and training context parallel (sequence split, KV concatenated). Tensor parallel and decode
     context parallel sum partial results across ranks; C0 refuses them."""
 
-    tp: int = Field(1, ge=1, description="tensor parallel: linear layers all-reduce partial sums across ranks")
-    dp: int = Field(1, ge=1, description="data parallel: requests split across replicas")
-    ep: int = Field(1, ge=1, description="expert parallel: experts split across ranks (vLLM: EP = DP x TP)")
-    cp: int = Field(1, ge=1, description="context parallel (training): sequence split, KV all-gathered")
-    dcp: int = Field(1, ge=1, description="decode context parallel (vLLM): attention partials merged across ranks")
+    tp: int = Field(1, ge=1, le=MAX_COUNT, description="tensor parallel: linear layers all-reduce partial sums across ranks")
+    dp: int = Field(1, ge=1, le=MAX_COUNT, description="data parallel: requests split across replicas")
+    ep: int = Field(1, ge=1, le=MAX_COUNT, description="expert parallel: experts split across ranks (vLLM: EP = DP x TP)")
+    cp: int = Field(1, ge=1, le=MAX_COUNT, description="context parallel (training): sequence split, KV all-gathered")
+    dcp: int = Field(1, ge=1, le=MAX_COUNT, description="decode context parallel (vLLM): attention partials merged across ranks")
 
     @property
     def world(self) -> int:
