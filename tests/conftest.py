@@ -96,3 +96,14 @@ def tic(capsys):
         return code, out.out, out.err
 
     return run
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models on one thread: more threads only add contention on a shared 2-core CI machine."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -26,12 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DENSE = ROOT / "examples" / "tiny-qwen3"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add contention on a shared CI machine
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _engines():

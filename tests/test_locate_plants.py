@@ -15,12 +15,7 @@ from tic.harness.plants import draw_plant, operator_named, run_trial
 PLANT_SEEDS = [5, 10, 16]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add contention on a shared CI machine
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.mark.parametrize("seed", PLANT_SEEDS)
