@@ -11,7 +11,7 @@ import torch
 from tic.gates.base import Gate, Judgement
 from tic.core.fsio import atomic_write_text
 from tic.harness.metrics import is_exact_match, summary
-from tic.harness.rl import PolicyGradientTrainer, rollout_and_recompute, sync_weights
+from tic.harness.rl import PolicyGradientTrainer, rl_engines, rollout_and_recompute, sync_weights
 
 
 def _row(version: int, samples, m: dict) -> dict:
@@ -22,11 +22,9 @@ def _row(version: int, samples, m: dict) -> dict:
 
 def measure(ctx) -> dict:
     t = ctx.cfg.training
-    rollout, train = ctx.private_engine("rollout", "C8"), ctx.private_engine("train", "C8")
-    try:
-        rollout.weight_storage()
-    except NotImplementedError as e:
-        return {"metrics": {}, "details": {"unavailable": str(e)}}
+    rollout, train, why = rl_engines(ctx, "C8")
+    if why:
+        return {"metrics": {}, "details": {"unavailable": why}}
     trainer = PolicyGradientTrainer(train, t.lr, t.updates_per_step)
     have = rollout.named_weights()
     start_equal = all(k in have and torch.equal(have[k].detach().cpu(), v.cpu()) for k, v in trainer.weights().items())

@@ -12,17 +12,15 @@ from tic.gates import c5
 from tic.gates.base import Gate, Judgement
 from tic.core.fsio import atomic_write_text
 from tic.harness.metrics import is_exact_match, summary
-from tic.harness.rl import (PolicyGradientTrainer, equal_tensors, rollout_and_recompute, samples_as_tensors,
-                            sync_weights)
+from tic.harness.rl import (PolicyGradientTrainer, equal_tensors, rl_engines, rollout_and_recompute,
+                            samples_as_tensors, sync_weights)
 
 
 def _restore(ctx) -> dict:
     t = ctx.cfg.training
-    rollout, train = ctx.private_engine("rollout", "C9"), ctx.private_engine("train", "C9")
-    try:
-        rollout.weight_storage()
-    except NotImplementedError as e:
-        return {"unavailable": str(e)}
+    rollout, train, why = rl_engines(ctx, "C9")
+    if why:
+        return {"unavailable": why}
     out = ctx.artifacts("C9")
     ckpt, fresh = out / "checkpoint", out / "restored"
     for d in (ckpt, fresh):

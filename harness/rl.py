@@ -144,6 +144,16 @@ class SyncReport:
         return not self.storage_moved and not self.unequal
 
 
+def rl_engines(ctx, gate: str) -> tuple[Engine, Engine, str | None]:
+    """The gate's own rollout and train engines, and why not (the rollout engine has no in-place weight sync)."""
+    rollout, train = ctx.private_engine("rollout", gate), ctx.private_engine("train", gate)
+    try:
+        rollout.weight_storage()
+    except NotImplementedError as e:
+        return rollout, train, str(e)
+    return rollout, train, None
+
+
 def sync_weights(trainer: PolicyGradientTrainer, rollout: Engine) -> SyncReport:
     """Copy the trainer's weights into the rollout engine in place; check storage and values afterwards."""
     before = rollout.weight_storage()

@@ -13,6 +13,7 @@ and aligned, contiguous buffers, so every row sees 256 threads and the same path
 """
 
 # no `from __future__ import annotations`: torch.library reads the custom ops' annotations as types
+from tic.patches._swap import is_swapped, restore_everywhere, swap_everywhere
 from tic.patches.base import Patch
 
 NAME = "rmsnorm-fixed-block"
@@ -73,19 +74,18 @@ def _ir_impl():
     return ir.ops.fused_add_rms_norm.impls["vllm_c"]
 
 
+_OPS = "vllm._custom_ops"  # batch-invariant mode calls its fused_add_rms_norm
+
+
 def _apply() -> None:
-    import vllm._custom_ops as ops
-
     op = _register_op()
-    if getattr(ops.fused_add_rms_norm, "__tic_patch__", None) != NAME:
-        original = ops.fused_add_rms_norm
 
-        def custom_ops_entry(input, residual, weight, epsilon):  # batch-invariant mode calls this one
+    def make(original):
+        def custom_ops_entry(input, residual, weight, epsilon):
             op(input, residual, weight, epsilon)
+        return custom_ops_entry
 
-        custom_ops_entry.__tic_patch__ = NAME
-        custom_ops_entry.__wrapped__ = original
-        ops.fused_add_rms_norm = custom_ops_entry
+    swap_everywhere(_OPS, "fused_add_rms_norm", make, NAME, _OPS)
     impl = _ir_impl()
     if getattr(impl.impl_fn, "__tic_patch__", None) != NAME:
         original_ir = impl.impl_fn
@@ -102,10 +102,7 @@ def _apply() -> None:
 
 
 def _revert() -> None:
-    import vllm._custom_ops as ops
-
-    if getattr(ops.fused_add_rms_norm, "__tic_patch__", None) == NAME:
-        ops.fused_add_rms_norm = ops.fused_add_rms_norm.__wrapped__
+    restore_everywhere(_OPS, "fused_add_rms_norm", NAME, _OPS)
     impl = _ir_impl()
     if getattr(impl.impl_fn, "__tic_patch__", None) == NAME:
         impl.impl_fn = impl.impl_fn.__wrapped__
@@ -113,13 +110,10 @@ def _revert() -> None:
 
 def _is_applied() -> bool:
     try:
-        import vllm._custom_ops as ops
-
         impl = _ir_impl()
     except (ImportError, KeyError, AttributeError):
         return False
-    return (getattr(ops.fused_add_rms_norm, "__tic_patch__", None) == NAME
-            and getattr(impl.impl_fn, "__tic_patch__", None) == NAME)
+    return is_swapped(_OPS, "fused_add_rms_norm", NAME) and getattr(impl.impl_fn, "__tic_patch__", None) == NAME
 
 
 PATCH = Patch(
