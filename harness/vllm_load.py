@@ -12,7 +12,7 @@ _MARK = "TIC_VLLM_GENERATED"
 _SCRIPT = f"""
 import sys
 from vllm import LLM, SamplingParams
-llm = LLM(model=sys.argv[1], enforce_eager=True, gpu_memory_utilization=0.3, max_model_len=256, seed=0)
+llm = LLM(model=sys.argv[1], enforce_eager=True, gpu_memory_utilization=0.1, max_model_len=256, seed=0)
 out = llm.generate([{{"prompt_token_ids": [1, 5, 7, 9, 11, 13]}}], SamplingParams(max_tokens=4, temperature=0.0))
 ids = list(out[0].outputs[0].token_ids)
 print("{_MARK}", len(ids), flush=True)

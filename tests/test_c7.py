@@ -11,7 +11,7 @@ from tic.gates import get
 from tic.harness.engines import hf
 from tic.harness.kernels import autograd as ag
 from tic.harness.kernels.providers import CPUProvider
-from tic.harness.kernels.varlen import varlen_from_mask
+from tic.harness.kernels.varlen import paged_layout, varlen_from_mask
 from tic.core.errors import TicInputError
 from tic.skill.config import load_config
 from tic.skill.context import GateContext
@@ -192,6 +192,22 @@ def test_varlen_from_padded_and_packed_masks():
     assert v.cu_seqlens.tolist() == [0, 4, 8, 11, 14] and v.max_seqlen == 4
 
 
+@pytest.mark.parametrize("lens, bs", [([5, 16, 1], 4), ([3, 40], 16), ([1], 16), ([16, 16], 16)])
+def test_paged_layout_puts_every_token_in_its_own_sequence_pages(lens, bs):
+    """Packed K/V written through the slots and read back through the block table give each sequence's keys
+    in order (what FlashAttention reads with seqused_k), and no slot is shared."""
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    p = paged_layout(cu, bs)
+    n = int(cu[-1])
+    keys = torch.arange(1, n + 1, dtype=torch.float32)
+    cache = torch.zeros(p.num_blocks * bs)
+    cache[p.slots] = keys
+    assert p.slots.unique().numel() == n and p.seq_lens.tolist() == lens
+    for s, length in enumerate(lens):
+        read = torch.cat([cache[b * bs:(b + 1) * bs] for b in p.block_table[s].tolist()])[:length]
+        assert torch.equal(read, keys[int(cu[s]):int(cu[s + 1])])
+
+
 def test_varlen_refuses_a_sliding_window_mask():
     ar = torch.arange(6)
     window = (ar[None, :] <= ar[:, None]) & (ar[:, None] - ar[None, :] < 3)
@@ -223,19 +239,28 @@ def test_c7_gradients_artifact_lists_every_tensor(dense_ctx):
 
 
 def test_vllm_provider_attention_layout_with_a_stand_in_kernel(monkeypatch):
-    """The vLLM provider's padded/packed -> varlen -> padded plumbing, checked on CPU: a stand-in for vLLM's
-    flash_attn_varlen_func (causal attention per cu_seqlens segment) must give the row-wise CPU kernel's
+    """The vLLM provider's padded/packed -> varlen + paged K/V -> padded plumbing, checked on CPU: a stand-in for
+    vLLM's flash_attn_varlen_func (causal attention per sequence over its pages) must give the row-wise CPU kernel's
     result on every valid token of a left-padded, a right-padded and a packed row."""
     from tic.harness.kernels.vllm_provider import VLLMProvider
 
-    def varlen(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, softmax_scale, causal, fa_version):
-        assert causal and torch.equal(cu_seqlens_q, cu_seqlens_k) and cu_seqlens_q.dtype == torch.int32
+    def varlen(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, softmax_scale, causal, block_table,
+               fa_version):
+        """Paged like vLLM's KV cache: k/v [blocks, page, heads, D], each sequence's keys through its block table."""
+        assert causal and cu_seqlens_q.dtype == torch.int32 and block_table.dtype == torch.int32
+        assert k.dim() == 4 and k.shape[1] == 16  # vLLM's default page size
         cu = cu_seqlens_q.tolist()
-        return torch.cat([ag.attention_ref(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None],
-                                           v[a:b].transpose(0, 1)[None], None, softmax_scale)[0]
-                          for a, b in zip(cu[:-1], cu[1:])]).to(q.dtype)
+        outs = []
+        for s, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+            n = int(seqused_k[s])
+            assert n == b - a
+            ks, vs = (torch.cat([c[blk] for blk in block_table[s].tolist()])[:n] for c in (k, v))
+            outs.append(ag.attention_ref(q[a:b].transpose(0, 1)[None], ks.transpose(0, 1)[None],
+                                         vs.transpose(0, 1)[None], None, softmax_scale)[0])
+        return torch.cat(outs).to(q.dtype)
 
     monkeypatch.setattr(VLLMProvider, "_find_varlen_attention", staticmethod(lambda: varlen))
+    monkeypatch.delenv("TIC_VLLM_BLOCK_SIZE", raising=False)
     prov = object.__new__(VLLMProvider)
     prov.fa_version = 3
     ar = torch.arange(6)

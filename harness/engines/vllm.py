@@ -223,7 +223,12 @@ class VLLMEngine(Engine):
             except (ValueError, TypeError) as e:
                 raise TicInputError(f"vLLM refused the configuration: {str(e).splitlines()[0]}") from None
         self.llm = _LLMS[key]
-        sched = self.llm.llm_engine.vllm_config.scheduler_config
+        vcfg = self.llm.llm_engine.vllm_config
+        sched = vcfg.scheduler_config
+        # the KV page size this engine runs: tic's training provider lays its prefill K/V out in the same pages
+        # (FA3 picks its key tile from the paging), in this process and in a later one reading the record
+        self.kv_block_size = int(getattr(vcfg.cache_config, "block_size", 0) or 16)
+        os.environ["TIC_VLLM_BLOCK_SIZE"] = str(self.kv_block_size)
         self.max_num_seqs = sched.max_num_seqs
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self._record = Path(o["record"]) if o["record"] else None

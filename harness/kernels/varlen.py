@@ -53,3 +53,30 @@ def varlen_from_mask(mask: torch.Tensor | None, batch: int, length: int, device)
     cu = torch.cat([starts, torch.tensor([index.numel()], device=device)]).to(torch.int32)
     max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
     return Varlen(index, cu, max_len)
+
+
+@dataclass
+class PagedLayout:
+    """Where each packed token's K/V sits in a paged cache of `block_size` slots per block (as vLLM's KV cache
+    holds a sequence): sequences get consecutive blocks in order; slot = block * block_size + offset."""
+    slots: torch.Tensor  # int64 [N] cache slot of each packed token
+    block_table: torch.Tensor  # int32 [S, max_blocks] each sequence's blocks (unused entries 0)
+    seq_lens: torch.Tensor  # int32 [S] keys per sequence (FlashAttention's seqused_k)
+    num_blocks: int
+
+
+def paged_layout(cu_seqlens: torch.Tensor, block_size: int) -> PagedLayout:
+    device = cu_seqlens.device
+    cu = cu_seqlens.to(torch.int64)
+    lens = cu[1:] - cu[:-1]
+    nblocks = (lens + block_size - 1) // block_size
+    first = torch.cumsum(nblocks, 0) - nblocks  # each sequence's first block
+    n = int(cu[-1]) if cu.numel() else 0
+    tok = torch.arange(n, device=device)
+    seq = torch.searchsorted(cu[1:], tok, right=True)
+    pos = tok - cu[seq]
+    slots = (first[seq] + pos // block_size) * block_size + pos % block_size
+    width = max(int(nblocks.max()) if nblocks.numel() else 0, 1)
+    table = first[:, None] + torch.arange(width, device=device)[None]
+    table = torch.where(torch.arange(width, device=device)[None] < nblocks[:, None], table, torch.zeros_like(table))
+    return PagedLayout(slots, table.to(torch.int32), lens.to(torch.int32), max(int(nblocks.sum()), 1))

@@ -1,12 +1,16 @@
 """The vLLM kernel provider: forward values from the installed vLLM's own kernels (GPU).
 
-Each call goes through vLLM's Python entry points, the ones its model layers use, so the training forward
-runs the kernels the rollout ran: RMSNorm and fused add+RMSNorm through vllm.model_executor.layers.layernorm
-(which switches to vLLM's batch-invariant norm when VLLM_BATCH_INVARIANT=1), rotary through
+Each call goes through vLLM's Python entry points, the ones its model layers use in eager mode, on the layouts
+those layers pass: RMSNorm as `_C.rms_norm` (vLLM's `vllm_c` IR implementation; vLLM's batch-invariant Triton
+norm when VLLM_BATCH_INVARIANT=1), fused add+RMSNorm through vllm._custom_ops, rotary through
 vllm._custom_ops.rotary_embedding, SiLU*mul through vLLM's _C silu_and_mul, GEMMs through vLLM's unquantized
 GEMM dispatch (aten, which vLLM's batch-invariant mode overrides with its Triton matmul), prefill attention
-through the varlen flash-attention entry of vLLM's FlashAttention backend over contiguous K/V, MoE through
-vLLM's fused_topk and fused_experts, logprobs as vLLM's sampler computes them (float32 log_softmax).
+through the varlen entry of vLLM's FlashAttention backend over a paged K/V cache of vLLM's page size, MoE
+through vLLM's fused_topk and fused_experts, logprobs as vLLM's sampler computes them (float32 log_softmax of
+the model-dtype logits).
+
+Under torch.compile (vLLM's default graph mode) vLLM runs its `native` RMSNorm through Inductor instead of
+`_C.rms_norm`; a rollout meant to match this provider runs eager (or pins vLLM's IR op priority to vllm_c).
 
 The bundled patches named in TIC_PATCHES (tic.yaml rollout.patches sets it) are applied in this process
 first, so the training forward runs the patched kernels the rollout runs.
@@ -23,7 +27,7 @@ import torch
 
 from tic.core.errors import TicInputError
 from tic.harness.kernels.providers import KernelProvider
-from tic.harness.kernels.varlen import varlen_from_mask
+from tic.harness.kernels.varlen import paged_layout, varlen_from_mask
 
 
 def require_vllm(device: str = "cuda") -> None:
@@ -53,10 +57,9 @@ class VLLMProvider(KernelProvider):
 
         self.patches = sorted(patches.active())
         from vllm import _custom_ops as vops
-        from vllm.model_executor.layers import layernorm
         import vllm.envs as envs
 
-        self.vops, self.layernorm = vops, layernorm
+        self.vops = vops
         self.batch_invariant = bool(envs.VLLM_BATCH_INVARIANT)  # vLLM 0.26 reads its mode from here
         if self.batch_invariant:
             from vllm.model_executor.layers.batch_invariant import init_batch_invariance
@@ -107,27 +110,28 @@ class VLLMProvider(KernelProvider):
         return self._gemm(x, w, b)
 
     def rms_norm(self, x, w, eps):
+        """vLLM's `_C.rms_norm` (its eager IR implementation `vllm_c`) on the layout vLLM's layers give it: a
+        hidden-state norm sees [tokens, hidden]; a per-head norm (Qwen3's q_norm/k_norm) sees the strided
+        [tokens, heads, head_dim] view of the fused qkv output, as Qwen3Attention passes it."""
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).contiguous()
-        fn = getattr(self.layernorm, "rms_norm", None)
-        if fn is not None:
-            out = fn(x2, w, eps)
-        else:
-            out = torch.empty_like(x2)
-            self.vops.rms_norm(out, x2, w, eps)
+        if self.batch_invariant:  # vLLM's batch-invariant RMSNorm (a Triton kernel)
+            from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
+
+            return rms_norm_batch_invariant(x.reshape(-1, shape[-1]).contiguous(), w, eps).reshape(shape)
+        xv = x.flatten(0, 1) if x.dim() == 4 else x.reshape(-1, shape[-1])
+        out = torch.empty(xv.shape, dtype=x.dtype, device=x.device)
+        torch.ops._C.rms_norm(out, xv, w, eps)
         return out.reshape(shape)
 
     def add_rms_norm(self, x, residual, w, eps):
+        """`_C.fused_add_rms_norm` through vllm._custom_ops, where vLLM's IR implementation and its
+        batch-invariant norm both end (and where tic's rmsnorm patch pins the launch); on copies, as it works
+        in place."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).clone()
         r2 = residual.reshape(-1, shape[-1]).clone()
-        fn = getattr(self.layernorm, "fused_add_rms_norm", None)
-        if fn is not None:
-            out, res = fn(x2, r2, w, eps)
-        else:
-            self.vops.fused_add_rms_norm(x2, r2, w, eps)
-            out, res = x2, r2
-        return out.reshape(shape), res.reshape(shape)
+        self.vops.fused_add_rms_norm(x2, r2, w, eps)
+        return x2.reshape(shape), r2.reshape(shape)
 
     rope_source = "not built yet"
 
@@ -176,19 +180,34 @@ class VLLMProvider(KernelProvider):
         torch.ops._C.silu_and_mul(out, x2)
         return out.reshape(*shape[:-1], shape[-1] // 2)
 
+    @property
+    def kv_block_size(self) -> int:
+        """vLLM's KV page size: what the vLLM engine of this process ran (it sets the variable), else 16."""
+        return int(os.environ.get("TIC_VLLM_BLOCK_SIZE", "16"))
+
     def attention(self, q, k, v, mask, scale):
+        """Prefill attention as vLLM's FlashAttention backend runs it: the K/V written into a paged cache of
+        vLLM's page size and read back through a block table (FA3 picks its key tile from whether K/V are
+        paged), through the backend module's varlen entry point (where tic's fa3 patch pins the launch)."""
         flash_attn_varlen_func = self._find_varlen_attention()
         B, H, T, D = q.shape
         cached = getattr(self, "_varlen", None)  # every layer of one forward gets the same mask object
-        if cached is not None and cached[0] is mask and mask is not None:
-            vl = cached[1]
+        bs = self.kv_block_size
+        if cached is not None and cached[0] is mask and mask is not None and cached[3] == bs:
+            vl, pages = cached[1], cached[2]
         else:
             vl = varlen_from_mask(mask, B, T, q.device)
-            self._varlen = (mask, vl)
+            pages = paged_layout(vl.cu_seqlens, bs)
+            self._varlen = (mask, vl, pages, bs)
         flat = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], t.shape[-1])[vl.index].contiguous()  # noqa: E731
-        out = flash_attn_varlen_func(flat(q), flat(k), flat(v), max_seqlen_q=vl.max_seqlen, cu_seqlens_q=vl.cu_seqlens,
-                                     max_seqlen_k=vl.max_seqlen, cu_seqlens_k=vl.cu_seqlens, softmax_scale=scale,
-                                     causal=True, fa_version=self.fa_version)
+        qf, kf, vf = flat(q), flat(k), flat(v)
+        k_cache = kf.new_zeros(pages.num_blocks, bs, kf.shape[1], kf.shape[2])
+        v_cache = vf.new_zeros(pages.num_blocks, bs, vf.shape[1], vf.shape[2])
+        k_cache.view(-1, kf.shape[1], kf.shape[2])[pages.slots] = kf
+        v_cache.view(-1, vf.shape[1], vf.shape[2])[pages.slots] = vf
+        out = flash_attn_varlen_func(q=qf, k=k_cache, v=v_cache, cu_seqlens_q=vl.cu_seqlens, max_seqlen_q=vl.max_seqlen,
+                                     seqused_k=pages.seq_lens, max_seqlen_k=vl.max_seqlen, softmax_scale=scale,
+                                     causal=True, block_table=pages.block_table, fa_version=self.fa_version)
         full = torch.zeros(B * T, H, v.shape[-1], dtype=out.dtype, device=out.device)
         full[vl.index] = out
         return full.reshape(B, T, H, v.shape[-1])
