@@ -46,14 +46,21 @@ def measure(ctx) -> dict:
     adv = advantages(len(samples), ctx.cfg.gradients.advantage_seed)
     min_cos, max_rel = thresholds(ctx)
     details = {"min_cosine": min_cos, "max_rel_error": max_rel, "train_kernels": tc.kernels,
-               "reference": "transformers, float32, eager attention, one sequence per forward",
+               "reference": "transformers, float32, eager attention, one sequence per forward (MoE routers take "
+                            "the top-k experts the path under test chose)",
                "loss": "-(1/N) sum_i A_i sum_t logp(i, t), A_i seeded normal, centred", "error": None}
     try:
         grads = ctx.train_engine().policy_gradients(samples, ctx.sampling, adv)
     except StaleWeightError as e:
         details["error"] = f"stale weight version: {e}"
         return {"metrics": {"tensors": 0, "failing": 0}, "details": {**details, "tensors": []}}
-    ref = reference_gradients(ctx.model_dir, samples, ctx.sampling, adv, device=tc.device)
+    engine = ctx.train_engine()
+    routes = [engine.expert_routes(s) for s in samples]
+    routing: dict = {}
+    ref = reference_gradients(ctx.model_dir, samples, ctx.sampling, adv, device=tc.device,
+                              routes=routes if any(routes) else None, report=routing)
+    if routing:
+        details["routing"] = routing
     rows = [{**r, "cosine": _finite(r["cosine"]), "rel_error": _finite(r["rel_error"])} for r in compare(grads, ref)]
     path = ctx.artifacts("C7") / "gradients.json"
     atomic_write_text(path, json.dumps({**details, "tensors": rows}, indent=2))
@@ -93,7 +100,8 @@ def judge(m: dict) -> Judgement:
 GATE = Gate(
     id="C7", title="Backward vs independent reference", step=3,
     measures="per-parameter gradients of a fixed policy-gradient loss on the rollout's tokens through the train "
-             "engine's kernel wrappers vs plain transformers in float32 on the same weights: cosine similarity "
+             "engine's kernel wrappers vs plain transformers in float32 on the same weights (MoE routers pinned to "
+             "the experts the path under test chose): cosine similarity "
              "and relative error ||g - g_ref|| / ||g_ref|| per tensor",
     pass_condition="every parameter tensor has cosine >= min_cosine and relative error <= max_rel_error (defaults: "
                    "float32 0.999 and 1e-2; bf16/fp16 0.99 and 0.1; tic.yaml gradients: overrides), gradients "

@@ -4,11 +4,15 @@ The loss is fixed and policy-gradient-like: L = -(1/N) sum_i A_i sum_t logp(i, t
 response tokens, with advantages A_i drawn from a seeded generator and centred (a function of the request
 index alone). The path under test computes it through the train engine (tic's kernel wrappers, its layout).
 The reference is plain transformers in float32 on the same weights, one sequence per forward, with torch's
-log_softmax: no tic code on its path.
+log_softmax: no tic code on its path, but one discrete decision: in a mixture-of-experts model its routers
+take the top-k expert ids the path under test chose (their weights still float32 softmax of the reference's own
+logits). Without it a token near a routing tie picks other experts in float32 and sends its gradient to them,
+which is not a fault of the backward; the count of such tokens is reported.
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -21,18 +25,69 @@ def advantages(n: int, seed: int = 0) -> list[float]:
     return (a - a.mean()).tolist() if n > 1 else a.tolist()
 
 
+class RoutingPin:
+    """Makes each HF top-k router (a `gate` module returning (logits, top-k weights, top-k ids)) take given ids:
+    weights = its float32 softmax at those ids, renormalised as the router does. Counts the tokens whose own
+    float32 top-k set differed (routing flips)."""
+
+    def __init__(self, model):
+        self.gates = {name[: -len(".gate")]: m for name, m in model.named_modules()
+                      if name.endswith(".gate") and hasattr(m, "top_k") and hasattr(m, "weight")}
+        self.flips = 0
+        self.tokens = 0
+        self.unpinned: set[str] = set()
+
+    @contextlib.contextmanager
+    def pinned(self, routes: dict[str, torch.Tensor]):
+        saved = {}
+        for block, gate in self.gates.items():
+            ids = routes.get(block)
+            if ids is None:
+                self.unpinned.add(block)
+                continue
+            saved[block] = gate.forward
+            gate.forward = self._forward(gate, gate.forward, ids)
+        try:
+            yield
+        finally:
+            for block, fwd in saved.items():
+                self.gates[block].forward = fwd
+
+    def _forward(self, gate, original, ids):
+        def forward(hidden_states):
+            out = original(hidden_states)
+            if not (isinstance(out, tuple) and len(out) == 3) or out[2].shape != ids.shape:
+                raise ValueError(f"router output {type(out).__name__} does not take pinned top-k ids of shape "
+                                 f"{tuple(ids.shape)}")
+            logits, _, own = out
+            pin = ids.to(device=own.device, dtype=own.dtype)
+            self.flips += int((own.sort(-1).values != pin.sort(-1).values).any(-1).sum())
+            self.tokens += pin.shape[0]
+            w = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, pin)
+            if getattr(gate, "norm_topk_prob", True):
+                w = w / w.sum(dim=-1, keepdim=True)
+            return logits, w.to(logits.dtype), pin
+        return forward
+
+
 def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampling, adv: list[float],
-                        device: str = "cpu") -> dict[str, torch.Tensor]:
+                        device: str = "cpu", routes: list[dict] | None = None,
+                        report: dict | None = None) -> dict[str, torch.Tensor]:
+    """routes: per sample, the path under test's top-k ids per MoE block name (None: the reference routes
+    itself); report receives the routing-pin counts."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     model.to(device).train(False)
     model.requires_grad_(True)
+    pin = RoutingPin(model)
     n_tokens = sum(int(s.mask.sum()) if s.mask is not None else len(s.response_ids) for s in samples)
-    for s, a in zip(samples, adv):
+    for i, (s, a) in enumerate(zip(samples, adv)):
         P, R = len(s.prompt_ids), len(s.response_ids)
         ids = torch.tensor([s.ids], device=device)
-        logits = model(input_ids=ids, use_cache=False).logits[0, P - 1:P - 1 + R].float()
+        ctx = pin.pinned(routes[i]) if routes and pin.gates else contextlib.nullcontext()
+        with ctx:
+            logits = model(input_ids=ids, use_cache=False).logits[0, P - 1:P - 1 + R].float()
         if sampling.temperature not in (0, 1):
             logits = logits / sampling.temperature
         lp = torch.log_softmax(logits, dim=-1)[torch.arange(R, device=device), torch.tensor(s.response_ids,
@@ -40,6 +95,9 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
         if s.mask is not None:
             lp = lp * s.mask.to(device=device, dtype=lp.dtype)
         (-a * lp.sum() / max(n_tokens, 1)).backward()
+    if report is not None and pin.gates:
+        report.update({"moe_routers": len(pin.gates), "pinned": bool(routes), "routed_tokens": pin.tokens,
+                       "reference_would_flip": pin.flips, "unpinned": sorted(pin.unpinned)})
     return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
             for n, p in model.named_parameters()}
 

@@ -12,7 +12,8 @@ _MARK = "TIC_VLLM_GENERATED"
 _SCRIPT = f"""
 import sys
 from vllm import LLM, SamplingParams
-llm = LLM(model=sys.argv[1], enforce_eager=True, gpu_memory_utilization=0.1, max_model_len=256, seed=0)
+llm = LLM(model=sys.argv[1], enforce_eager=True, gpu_memory_utilization=0.1, max_model_len=256, seed=0,
+          skip_tokenizer_init=True)
 out = llm.generate([{{"prompt_token_ids": [1, 5, 7, 9, 11, 13]}}], SamplingParams(max_tokens=4, temperature=0.0))
 ids = list(out[0].outputs[0].token_ids)
 print("{_MARK}", len(ids), flush=True)
@@ -38,5 +39,8 @@ def vllm_generates(model_dir: Path, timeout_s: int = 900) -> str | None:
     for line in r.stdout.splitlines():
         if line.startswith(_MARK) and int(line.split()[1]) > 0:
             return None
-    tail = [x for x in (r.stderr or r.stdout).strip().splitlines() if x.strip()]
-    return f"vLLM exited {r.returncode}: {tail[-1][:300] if tail else 'no output'}"
+    lines = [x.strip() for x in (r.stderr or r.stdout).strip().splitlines() if x.strip()]
+    # the exception line, not the shutdown warnings printed after it
+    errors = [x for x in lines if "Error" in x.split(":")[0] or x.startswith(("ValueError", "RuntimeError"))]
+    why = (errors or lines or ["no output"])[-1]
+    return f"vLLM exited {r.returncode}: {why[:300]}"

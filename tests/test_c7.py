@@ -58,11 +58,64 @@ def test_c7_passes_on_the_consistent_kernels(dense_ctx):
     assert res.metrics["min_cosine"] > 0.9999 and res.metrics["max_rel_error"] < 1e-4
 
 
-def test_c7_passes_on_the_moe_model(tmp_path):
+@pytest.fixture(scope="module")
+def moe_ctx(tmp_path_factory):
     hf._MODELS.clear()
-    res = run_gate(get("C7"), _ctx(tmp_path, "tiny-qwen3-moe"))
+    ctx = _ctx(tmp_path_factory.mktemp("c7moe"), "tiny-qwen3-moe")
+    ctx.rollout_samples()
+    yield ctx
     hf._MODELS.clear()
+
+
+def test_c7_passes_on_the_moe_model_with_the_reference_routed_as_the_path_under_test(moe_ctx):
+    res = run_gate(get("C7"), moe_ctx)
     assert res.verdict == "pass", res.reason
+    routing = res.details["routing"]
+    assert routing["pinned"] and routing["routed_tokens"] > 0 and routing["unpinned"] == []
+    assert routing["moe_routers"] == sum(1 for n, _ in moe_ctx.train_engine().model.named_modules()
+                                         if n.endswith(".mlp.gate"))
+
+
+@pytest.mark.parametrize("op, fault", [
+    ("moe_route", lambda g: (-g[0], *g[1:])),                  # router logits' gradient sign-flipped
+    ("moe_experts", lambda g: (g[0], torch.zeros_like(g[1]), *g[2:])),  # routing weights get no gradient
+    ("moe_experts", lambda g: (g[0], g[1], g[2], g[3] * 2, *g[4:])),  # experts' gate_up gradient doubled
+])
+def test_c7_fails_on_a_planted_wrong_moe_backward(moe_ctx, op, fault):
+    with ag.planted_fault(op, grads=fault):
+        res = run_gate(get("C7"), moe_ctx)
+    assert res.verdict == "fail" and "outside the tolerance" in res.reason
+
+
+def test_routing_pin_gives_the_pinned_experts_their_float32_weights_and_counts_flips():
+    from torch import nn
+
+    from tic.harness.gradcheck import RoutingPin
+
+    class Gate(nn.Module):  # transformers' top-k router interface: (logits, top-k weights, top-k ids)
+        top_k, norm_topk_prob = 2, True
+
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5], [0.1, 0.0]]))
+
+        def forward(self, x):
+            logits = x @ self.weight.T
+            w, ids = torch.softmax(logits, -1).topk(2, -1)
+            return logits, w / w.sum(-1, keepdim=True), ids
+
+    model = nn.Module()
+    model.mlp = nn.Module()
+    model.mlp.gate = Gate()
+    pin = RoutingPin(model)
+    x = torch.tensor([[2.0, 0.0], [0.0, 2.0]])
+    want = torch.tensor([[0, 3], [1, 2]])  # row 0: the router's own choice is {0, 2}
+    with pin.pinned({"mlp": want}):
+        logits, w, ids = model.mlp.gate(x)
+    assert torch.equal(ids, want) and pin.flips == 1 and pin.tokens == 2
+    probs = torch.softmax(logits, -1).gather(-1, want)
+    assert torch.equal(w, probs / probs.sum(-1, keepdim=True))
+    assert model.mlp.gate(x)[2].tolist() != want.tolist()  # unpinned again outside the context
 
 
 # ---- planted wrong backwards ---------------------------------------------------------------------------------

@@ -245,6 +245,18 @@ class HFEngine(Engine):
         score = self._score_packed if self.packing else self._score_padded
         return score(chunk, sampling, model)
 
+    @torch.no_grad()  # not inference mode: the ids feed the reference's autograd graph (C7)
+    def expert_routes(self, sample: Sample) -> dict[str, torch.Tensor]:
+        """The top-k expert ids [tokens, k] each MoE block of the wrapped model picks for this sequence's tokens
+        (forward alone, unpadded); {} for a model without wrapped MoE blocks. C6 makes them layout-independent."""
+        if self.kernels not in WRAPPED_KERNELS:
+            return {}
+        from tic.harness.kernels.modules import capture_routes
+
+        with capture_routes() as routes:
+            self.model(input_ids=torch.tensor([sample.ids], device=self.device), use_cache=False)
+        return {name: torch.cat(calls) for name, calls in routes.items()}
+
     # -- training: gradients through the same forward ------------------------------------------------------
     def policy_gradients(self, samples: list[Sample], sampling: Sampling,
                          advantages: list[float]) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ reads the two addends it was computed from (see ResidualStream) rather than the 
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -68,6 +69,22 @@ def hf_cos_sin_cache(rotary: nn.Module, n: int, dtype: torch.dtype, device) -> t
         cos, sin = forward(torch.zeros(1, dtype=torch.float32, device=device), pos)
     half = cos.shape[-1] // 2
     return torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).to(dtype)
+
+
+_ROUTES: dict | None = None  # block name -> [top-k ids per call], while capture_routes() is active
+
+
+@contextlib.contextmanager
+def capture_routes():
+    """Record the top-k expert ids each wrapped MoE block chooses (by block name, in call order): C7 pins its
+    float32 reference to the experts the path under test chose (a token near a routing tie may pick other
+    experts in float32, and its gradient then goes elsewhere: not a backward fault)."""
+    global _ROUTES
+    prev, _ROUTES = _ROUTES, {}
+    try:
+        yield _ROUTES
+    finally:
+        _ROUTES = prev
 
 
 # -- patched forwards -----------------------------------------------------------------------------------------
@@ -164,6 +181,8 @@ def _moe_forward(self, hidden_states):
     router, experts = self.gate, self.experts
     logits = ops.linear(x, [router.weight])
     weights, ids = ops.moe_route(logits, router.top_k, getattr(router, "norm_topk_prob", True))
+    if _ROUTES is not None:
+        _ROUTES.setdefault(self._tic_name, []).append(ids.detach().to("cpu"))
     return ops.moe_experts(x, weights, ids, experts.gate_up_proj, experts.down_proj).reshape(shape)
 
 
@@ -244,6 +263,7 @@ def apply(model: nn.Module, provider) -> nn.Module:
                 problems.append(f"{name} (shared experts)")
             if "SiLU" not in _act_name(m.experts):
                 problems.append(f"{name} (activation {_act_name(m.experts)})")
+            m._tic_name = name
             m.forward = types.MethodType(_moe_forward, m)
         elif _is_gated_mlp(m):
             if "SiLU" not in _act_name(m):
