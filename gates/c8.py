@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 
-import torch
-
 from tic.gates.base import Gate, Judgement
 from tic.core.fsio import atomic_write_text
 from tic.harness.metrics import is_exact_match, summary
@@ -25,9 +23,16 @@ def measure(ctx) -> dict:
     rollout, train, why = rl_engines(ctx, "C8")
     if why:
         return {"metrics": {}, "details": {"unavailable": why}}
+    try:
+        return _updates(ctx, rollout, train)
+    finally:
+        rollout.release()  # a rollout engine shared with other gates gets its original weights back
+
+
+def _updates(ctx, rollout, train) -> dict:
+    t = ctx.cfg.training
     trainer = PolicyGradientTrainer(train, t.lr, t.updates_per_step)
-    have = rollout.named_weights()
-    start_equal = all(k in have and torch.equal(have[k].detach().cpu(), v.cpu()) for k, v in trainer.weights().items())
+    start_equal = not rollout.unequal_weights(trainer.weights_for(rollout))
     samples, _, m = rollout_and_recompute(rollout, train, ctx.prompts, ctx.sampling, 0)
     rows = [_row(0, samples, m)]
     updates, syncs = [], []

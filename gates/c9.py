@@ -17,10 +17,17 @@ from tic.harness.rl import (PolicyGradientTrainer, equal_tensors, rl_engines, ro
 
 
 def _restore(ctx) -> dict:
-    t = ctx.cfg.training
     rollout, train, why = rl_engines(ctx, "C9")
     if why:
         return {"unavailable": why}
+    try:
+        return _restore_with(ctx, rollout, train)
+    finally:
+        rollout.release()  # a rollout engine shared with other gates gets its original weights back
+
+
+def _restore_with(ctx, rollout, train) -> dict:
+    t = ctx.cfg.training
     out = ctx.artifacts("C9")
     ckpt, fresh = out / "checkpoint", out / "restored"
     for d in (ckpt, fresh):

@@ -101,6 +101,19 @@ class PolicyGradientTrainer:
     def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.named_parameters()}
 
+    def checkpoint_weights(self) -> dict[str, torch.Tensor]:
+        """The weights under the names and layouts a saved checkpoint has (transformers reverts its load-time
+        conversions, e.g. fused expert tensors back to one tensor per expert): what an engine that loads
+        checkpoints (vLLM) understands."""
+        from transformers.modeling_utils import revert_weight_conversion
+
+        return revert_weight_conversion(self.model, self.weights())
+
+    def weights_for(self, engine: Engine) -> dict[str, torch.Tensor]:
+        """The weights in the form `engine` takes them (its weight_format: module parameters or checkpoint)."""
+        return self.checkpoint_weights() if getattr(engine, "weight_format", "module") == "checkpoint" \
+            else self.weights()
+
     # -- checkpoints -------------------------------------------------------------------------------------
     def save(self, directory: Path) -> Path:
         """model.safetensors (weights) + optimizer.pt (optimizer state) + trainer.json (version)."""
@@ -157,12 +170,11 @@ def rl_engines(ctx, gate: str) -> tuple[Engine, Engine, str | None]:
 def sync_weights(trainer: PolicyGradientTrainer, rollout: Engine) -> SyncReport:
     """Copy the trainer's weights into the rollout engine in place; check storage and values afterwards."""
     before = rollout.weight_storage()
-    details = rollout.load_weights_inplace(trainer.weights(), trainer.version)
+    weights = trainer.weights_for(rollout)
+    details = rollout.load_weights_inplace(weights, trainer.version)
     after = rollout.weight_storage()
     moved = sorted(k for k in before if after.get(k) != before[k])
-    have = rollout.named_weights()
-    unequal = sorted(k for k, v in trainer.weights().items()
-                     if k not in have or not torch.equal(have[k].detach().cpu(), v.cpu()))
+    unequal = rollout.unequal_weights(weights)
     return SyncReport(trainer.version, moved, unequal, details)
 
 

@@ -152,6 +152,9 @@ class GateContext:
         r = self.cfg.rollout
         if r.engine == "dump":
             raise TicInputError("C1/C10 measure a live rollout engine, not a dump")
+        common = engine_class(r).perf_changes(r)
+        if common:
+            r = EngineConfig.model_validate({**r.model_dump(), **common})
         if which == "consistent":
             side_cfg, env = r, dict(self.cfg.perf.consistent_env)
         else:

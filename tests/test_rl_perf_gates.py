@@ -290,3 +290,76 @@ def test_rl_gates_are_unavailable_without_in_place_weight_sync(small, monkeypatc
     for g in ("C8", "C9"):
         res = run_gate(get(g), ctx_of(small))
         assert res.verdict == "unavailable" and "in-place weight sync" in res.reason
+
+
+# ---- vLLM weight sync, against a stand-in of vLLM's fused loaders ---------------------------------------------
+class _FusedModel(torch.nn.Module):
+    """Like a vLLM model: q/k/v stored as one fused parameter, filled by load_weights from checkpoint names."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def load_weights(self, weights):
+        rows = {"q.weight": slice(0, 2), "k.weight": slice(2, 4), "v.weight": slice(4, 6)}
+        loaded = set()
+        for name, t in weights:
+            if name in rows:
+                self.qkv.data[rows[name]].copy_(t)
+                loaded.add("qkv")
+            elif name == "norm.weight":
+                self.norm.data.copy_(t)
+                loaded.add("norm")
+        return loaded
+
+
+def _vllm_standin(model):
+    from types import SimpleNamespace
+
+    from tic.harness.engines.vllm import VLLMEngine
+
+    eng = object.__new__(VLLMEngine)
+    eng.llm = SimpleNamespace(apply_model=lambda fn: [fn(model)], reset_prefix_cache=lambda: True)
+    return eng
+
+
+def test_vllm_weight_sync_copies_through_the_models_loaders_in_place_and_checks_every_parameter():
+    model = _FusedModel()
+    eng = _vllm_standin(model)
+    g = torch.Generator().manual_seed(0)
+    w = {"q.weight": torch.randn(2, 4, generator=g), "k.weight": torch.randn(2, 4, generator=g),
+         "v.weight": torch.randn(2, 4, generator=g), "norm.weight": torch.randn(4, generator=g)}
+    before = eng.weight_storage()
+    assert eng.unequal_weights(w) == ["norm", "qkv"]  # nothing synced yet
+    rep = eng.load_weights_inplace(w, 3)
+    assert eng.weight_storage() == before and rep["version"] == 3 and eng.weight_version == 3
+    assert torch.equal(model.qkv[2:4], w["k.weight"])
+    assert eng.unequal_weights(w) == []
+    assert eng.weight_storage() == before  # the check's scratch copies left the live storage in place
+    # planted: one element of one fused slice differs after the sync
+    model.qkv.data[5, 1] += 1
+    assert eng.unequal_weights(w) == ["qkv"]
+    # planted: the trainer's weights do not reach a parameter
+    partial = {k: v for k, v in w.items() if k != "norm.weight"}
+    assert eng.unequal_weights(partial) == ["norm (not reached by the trainer's weights)", "qkv"]
+
+
+def test_checkpoint_weights_are_the_saved_checkpoints_names_and_values(example):
+    """vLLM gets the trainer's weights as a checkpoint has them (per-expert tensors for a MoE model)."""
+    from safetensors.torch import load_file
+
+    from tic.harness.modelgen import generate_model
+
+    ex = example("tiny-qwen3-moe")
+    hf._MODELS.clear()
+    full = generate_model(ex, seed=0, out_dir=ex / "weights")
+    eng = HFEngine(full, "float32", "consistent", device="cpu", shared_model=False)
+    trainer = PolicyGradientTrainer(eng, 1e-3, 1)
+    disk = {}
+    for f in full.glob("*.safetensors"):
+        disk.update(load_file(str(f)))
+    got = trainer.checkpoint_weights()
+    assert sorted(got) == sorted(disk) and all(torch.equal(got[k].float(), disk[k].float()) for k in disk)
+    assert any(".experts." in k for k in got) and sorted(trainer.weights()) != sorted(got)
+    hf._MODELS.clear()

@@ -373,3 +373,18 @@ def test_capture_runner_maps_flat_rows_and_replays_exactly():
     # operator trail of one position inside a module: B = 1, T = the step's token rows
     t = r.decode(batch, 0, 1, CaptureSpec(trail_module="model.layers.0.mlp", trail_position=3), together=True)
     assert t.trail.batch == 1 and t.trail.length == 3 and t.trail.calls
+
+
+def test_engine_process_option_and_perf_sides_in_processes_of_their_own():
+    """C1/C10 sides get engine cores of their own (patches and batch-invariant mode are process-wide); an
+    unknown value is refused."""
+    from types import SimpleNamespace
+
+    from tic.core.errors import TicInputError
+    from tic.harness.engines.vllm import VLLMEngine, check_options
+
+    assert check_options({})["engine_process"] == "inline"
+    with pytest.raises(TicInputError, match="engine_process"):
+        check_options({"engine_process": "subprocess"})
+    side = SimpleNamespace(options={"enforce_eager": True})
+    assert VLLMEngine.perf_changes(side) == {"options": {"enforce_eager": True, "engine_process": "own"}}

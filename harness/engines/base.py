@@ -69,11 +69,17 @@ class Engine:
         return {"engine": self.name}
 
     @classmethod
+    def perf_changes(cls, side_cfg) -> dict:
+        """Side-config changes every C1/C10 side runs with (both sides alike), e.g. a process of its own."""
+        return {}
+
+    @classmethod
     def baseline_changes(cls, side_cfg) -> dict:
         """The side-config changes that turn the consistency switch off (the baseline's rollout)."""
         raise NotImplementedError(f"engine {cls.name!r} has no consistency switch to turn off")
 
     # -- C8/C9: weight sync ---------------------------------------------------------------------------------
+    weight_format = "module"  # what load_weights_inplace takes: "module" parameter names, or "checkpoint" ones
     def load_weights_inplace(self, weights, version: int) -> dict:
         """Copy (name, tensor) pairs into this engine's existing weight storage (never re-allocate: CUDA
         graphs keep the addresses they captured), recompute weight-derived tensors, set weight_version."""
@@ -86,3 +92,13 @@ class Engine:
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The weights as this engine holds them (C8 checks they equal the trainer's after a sync)."""
         raise NotImplementedError(f"engine {self.name!r} does not expose its weights")
+
+    def unequal_weights(self, weights: dict[str, torch.Tensor]) -> list[str]:
+        """The weights of this engine that are not bitwise what `weights` (the trainer's, by its names) give;
+        an engine that stores them under its own names and layouts (fused, sharded) overrides this."""
+        have = self.named_weights()
+        return sorted(k for k, v in weights.items()
+                      if k not in have or not torch.equal(have[k].detach().cpu(), v.detach().cpu()))
+
+    def release(self) -> None:
+        """Give back what a gate's private use changed (C8/C9 change a rollout engine's weights)."""

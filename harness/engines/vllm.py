@@ -14,6 +14,7 @@ tests exercise them on records saved from a real device run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -43,6 +44,10 @@ OPTIONS: dict[str, Any] = {
     "logprobs_mode": "raw_logprobs",
     "model_runner": None,             # v1 or v2 sets VLLM_USE_V2_MODEL_RUNNER (capture needs v1); None: vLLM picks
     "record": None,                   # JSONL file: every raw vLLM output this engine converts (device fixtures)
+    # inline: vLLM's engine core in this process (module hooks for capture/locate, weight sync through the
+    # model); own: in a process of its own, started with this engine's TIC_PATCHES and VLLM_BATCH_INVARIANT,
+    # so sides with different consistency switches run in one measurement (C1/C10 use it)
+    "engine_process": "inline",
 }
 
 _LLMS: dict[str, Any] = {}  # one vLLM engine per process and configuration (they hold the GPU)
@@ -58,6 +63,8 @@ def check_options(options: dict) -> dict:
                             "(raw_logprobs or processed_logprobs)")
     if out["batch_invariant"] not in (None, True, False):
         raise TicInputError("rollout.options.batch_invariant: expected true, false or null")
+    if out["engine_process"] not in ("inline", "own"):
+        raise TicInputError(f"rollout.options.engine_process: {out['engine_process']!r} (expected inline or own)")
     return out
 
 
@@ -126,11 +133,11 @@ def scored_from_record(rec: dict, prompt_len: int) -> torch.Tensor:
 
 
 # -- the engine ------------------------------------------------------------------------------------------------
-def _import_vllm(batch_invariant: bool | None, model_runner: str | None = None):
+def _import_vllm(batch_invariant: bool | None, model_runner: str | None = None, own_process: bool = False):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
         raise TicInputError("VLLM_ENABLE_V1_MULTIPROCESSING must be 0: tic runs vLLM in-process")
-    if batch_invariant is not None:
+    if batch_invariant is not None and not own_process:
         want = "1" if batch_invariant else "0"
         import sys
 
@@ -154,6 +161,32 @@ def _import_vllm(batch_invariant: bool | None, model_runner: str | None = None):
     return vllm
 
 
+@contextlib.contextmanager
+def _own_process_env(patches: list[str], batch_invariant: bool):
+    """The environment an engine core of its own starts under: multiprocessing on, its patches and its
+    batch-invariant mode; vLLM's env cache (enabled once an in-process engine started) off, so vLLM reads them."""
+    from tic import patches as tic_patches
+
+    want = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", tic_patches.ENV_VAR: ",".join(patches),
+            "VLLM_BATCH_INVARIANT": "1" if batch_invariant else "0"}
+    old = {k: os.environ.get(k) for k in want}
+    import vllm.envs as envs
+
+    if hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
+    os.environ.update(want)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if hasattr(envs, "disable_envs_cache"):
+            envs.disable_envs_cache()
+
+
 def _apply_patches(names: list[str]) -> list[str]:
     """The bundled patches of rollout.patches, exactly: set TIC_PATCHES for any process vLLM starts (its plugin
     entry point applies them there) and apply them here, where vLLM may have loaded its plugins already."""
@@ -172,6 +205,7 @@ class VLLMEngine(Engine):
     # the consistency switch: batch-invariant mode and tic's bundled patches (rollout.patches -> TIC_PATCHES)
     switch_keys = ("batch_invariant", "patches")
     switch_env = ("VLLM_BATCH_INVARIANT", "TIC_PATCHES")
+    weight_format = "checkpoint"  # weight sync hands it checkpoint names/layouts, which its loaders map
 
     def __init__(self, model_dir: Path, dtype: str, options: dict, batch_size: int, max_positions: int,
                  vocab_size: int, patch_names: list[str] | None = None, tp: int = 1, ep: int = 1, dp: int = 1,
@@ -185,14 +219,17 @@ class VLLMEngine(Engine):
         if ep not in (1, dp * tp):
             raise TicInputError(f"rollout.parallel.ep={ep}: vLLM's expert parallel spans all DP x TP ranks "
                                 f"(ep = {dp * tp} here, or 1)")
-        vllm = _import_vllm(self.opts["batch_invariant"], self.opts["model_runner"])
-        self.patches = _apply_patches(list(patch_names or []))
+        own = self.opts["engine_process"] == "own"
+        vllm = _import_vllm(self.opts["batch_invariant"], self.opts["model_runner"], own)
+        # an engine core of its own applies its patches at start (tic's plugin entry point reads TIC_PATCHES)
+        self.patches = list(patch_names or []) if own else _apply_patches(list(patch_names or []))
         self.vllm_version = vllm.__version__
         self.model_dir = Path(model_dir)
         self.batch_size = batch_size
         self.vocab_size = vocab_size
-        self.batch_invariant = os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1"
         o = self.opts
+        self.batch_invariant = (bool(o["batch_invariant"]) if own and o["batch_invariant"] is not None
+                                else os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1")
         self.max_model_len = o["max_model_len"] or min(max_positions, 2048)
         kwargs: dict[str, Any] = dict(
             model=str(self.model_dir), skip_tokenizer_init=True, dtype=dtype, seed=o["seed"],
@@ -214,16 +251,26 @@ class VLLMEngine(Engine):
         if comp is not None:
             kwargs["compilation_config"] = comp
         self.llm_kwargs = kwargs
-        key = json.dumps({**kwargs, "tic_patches": self.patches}, sort_keys=True, default=str)
+        key = json.dumps({**kwargs, "tic_patches": self.patches, "process": o["engine_process"],
+                          "batch_invariant": self.batch_invariant}, sort_keys=True, default=str)
         if key not in _LLMS:
             from vllm import LLM
 
             try:
-                _LLMS[key] = LLM(**kwargs)
+                if own:
+                    with _own_process_env(self.patches, self.batch_invariant):
+                        _LLMS[key] = LLM(**kwargs)
+                else:
+                    _LLMS[key] = LLM(**kwargs)
             except (ValueError, TypeError) as e:
                 raise TicInputError(f"vLLM refused the configuration: {str(e).splitlines()[0]}") from None
         self.llm = _LLMS[key]
         vcfg = self.llm.llm_engine.vllm_config
+        cc = vcfg.compilation_config
+        # what vLLM made of the options (it overrides some, e.g. CUDA graphs under enforce_eager)
+        self.effective = {"compilation_mode": str(getattr(cc, "mode", None)),
+                          "cudagraph_mode": str(getattr(cc, "cudagraph_mode", None)),
+                          "engine_process": o["engine_process"]}
         sched = vcfg.scheduler_config
         # the KV page size this engine runs: tic's training provider lays its prefill K/V out in the same pages
         # (FA3 picks its key tile from the paging), in this process and in a later one reading the record
@@ -250,15 +297,97 @@ class VLLMEngine(Engine):
     def baseline_changes(cls, side_cfg) -> dict:
         return {"options": {**side_cfg.options, "batch_invariant": False}, "patches": []}
 
+    @classmethod
+    def perf_changes(cls, side_cfg) -> dict:
+        """C1/C10 sides each get an engine core process of their own: patches and batch-invariant mode are
+        process-wide, so a baseline and a consistent side can only be measured in one run that way."""
+        return {"options": {**side_cfg.options, "engine_process": "own"}}
+
     def fingerprint(self) -> dict:
         return {"engine": self.name, "vllm": self.vllm_version, "batch_invariant": self.batch_invariant,
-                "patches": list(self.patches),
+                "patches": list(self.patches), "effective": dict(getattr(self, "effective", {})),
                 "batch_size": self.batch_size,
                 "llm": {k: v if isinstance(v, (int, float, bool, str, type(None))) else json.dumps(v, default=str)
                         for k, v in self.llm_kwargs.items()}}
 
-    # C8/C9 weight sync (load_weights_inplace, weight_storage, named_weights) is not wired for vLLM yet: the
-    # base Engine raises NotImplementedError and C8/C9 report `unavailable` for this engine.
+    # -- C8/C9: in-place weight sync through vLLM's own loaders --------------------------------------------------
+    def _on_model(self, fn):
+        """fn(model) on the one worker's model (LLM.apply_model); weight sync covers tp = dp = 1."""
+        out = self.llm.apply_model(fn)
+        if len(out) != 1:
+            raise TicInputError(f"weight sync on vllm covers one worker; this engine has {len(out)}")
+        return out[0]
+
+    def weight_storage(self) -> dict[str, tuple[int, tuple, str]]:
+        return self._on_model(lambda m: {n: (p.data_ptr(), tuple(p.shape), str(p.dtype))
+                                         for n, p in m.named_parameters()})
+
+    def load_weights_inplace(self, weights, version: int) -> dict:
+        """The trainer's (HF-named) tensors through the model's own `load_weights`: vLLM's weight loaders copy
+        each one into its slice of the existing (fused) parameter, so the addresses CUDA graphs captured keep
+        serving. The prefix cache is reset: its KV blocks were computed under the old weights."""
+        items = list(weights.items()) if isinstance(weights, dict) else list(weights)
+
+        def load(model):
+            loaded = model.load_weights(iter(items))
+            return sorted(loaded) if loaded is not None else []
+
+        loaded = self._on_model(load)
+        self.llm.reset_prefix_cache()
+        self.weight_version = version
+        self._weights_changed = True
+        return {"copied": len(items), "loaded_parameters": len(loaded), "refreshed": [], "version": version,
+                "prefix_cache": "reset"}
+
+    def unequal_weights(self, weights) -> list[str]:
+        """vLLM parameters that are not bitwise what `weights` load into. The trainer's tensors go through the
+        model's own loaders into scratch copies of every parameter (NaN-filled), which are then compared with
+        the live ones; a parameter the trainer's weights do not reach counts as unequal. vLLM's fusions and
+        layouts are thereby handled by vLLM itself, for any architecture."""
+        items = list(weights.items()) if isinstance(weights, dict) else list(weights)
+
+        def check(model):
+            params = dict(model.named_parameters())
+            live = {n: p.data for n, p in params.items()}
+            scratch = {n: (torch.full_like(t, float("nan")) if t.is_floating_point() else t.clone())
+                       for n, t in live.items()}
+            try:
+                for n, p in params.items():
+                    p.data = scratch[n]
+                model.load_weights(iter(items))
+            finally:
+                for n, p in params.items():
+                    p.data = live[n]
+            bad = []
+            for n, t in live.items():
+                got = scratch[n]
+                if got.is_floating_point() and bool(torch.isnan(got).any()) and not bool(torch.isnan(t).any()):
+                    bad.append(f"{n} (not reached by the trainer's weights)")
+                elif not torch.equal(got, t):
+                    bad.append(n)
+            return sorted(bad)
+
+        return self._on_model(check)
+
+    def release(self) -> None:
+        """After C8/C9 changed this engine's weights in place: the checkpoint's weights back (the LLM is shared
+        by every gate of this process with the same configuration)."""
+        if not getattr(self, "_weights_changed", False):
+            return
+        from safetensors.torch import safe_open
+
+        files = sorted(self.model_dir.glob("*.safetensors"))
+        if not files:
+            raise TicInputError(f"cannot restore the rollout weights: no safetensors in {self.model_dir}")
+
+        def originals():
+            for f in files:
+                with safe_open(str(f), framework="pt") as h:
+                    for k in h.keys():
+                        yield k, h.get_tensor(k)
+
+        self.load_weights_inplace(dict(originals()), 0)
+        self._weights_changed = False
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _check(self, seqs: list[list[int]], extra: int) -> None:
@@ -477,6 +606,9 @@ class VLLMCaptureRunner:
         if engine.opts["enforce_eager"] is not True:
             raise TicInputError("capture on vllm needs rollout.options.enforce_eager: true (CUDA graphs and "
                                 "torch.compile replay kernels without running module hooks)")
+        if engine.opts.get("engine_process", "inline") != "inline":
+            raise TicInputError("capture on vllm needs rollout.options.engine_process: inline (module hooks run "
+                                "in the engine core's process)")
         runner = engine.model_runner()
         if not (hasattr(runner, "input_batch") and hasattr(runner, "query_start_loc")):
             raise TicInputError("capture on vllm needs its V1 GPU model runner (per-step request layout); this "
