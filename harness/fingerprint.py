@@ -27,9 +27,15 @@ def _version(pkg: str) -> str | None:
         return None
 
 
+# Set by vLLM itself while an engine runs (an IPC buffer's name, Triton's autotuning log switch): neither is a
+# setting anybody chose, and neither changes numerics or speed.
+RUNTIME_SET_ENV = ("VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME", "TRITON_PRINT_AUTOTUNING")
+
+
 def numeric_env(overlay: dict[str, str] | None = None) -> dict[str, str]:
     env = {**os.environ, **(overlay or {})}
-    return {k: v for k, v in sorted(env.items()) if k in NUMERIC_ENV_NAMES or k.startswith(NUMERIC_ENV_PREFIXES)}
+    return {k: v for k, v in sorted(env.items())
+            if (k in NUMERIC_ENV_NAMES or k.startswith(NUMERIC_ENV_PREFIXES)) and k not in RUNTIME_SET_ENV}
 
 
 def _gpu() -> dict[str, Any]:

@@ -95,7 +95,11 @@ def side_fingerprint(engine: Engine, env: dict[str, str], workload: Workload, mo
     settings, model and workload."""
     from tic.harness.fingerprint import environment_fingerprint
 
-    return {"environment": environment_fingerprint(env), "engine": engine.fingerprint(), "model": model_hash,
+    own = engine.process_environment()
+    environment = environment_fingerprint({**own.get("env", {}), **env})
+    if "patches" in own:
+        environment["patches"] = sorted(own["patches"])
+    return {"environment": environment, "engine": engine.fingerprint(), "model": model_hash,
             "workload": workload.as_dict()}
 
 

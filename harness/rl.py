@@ -227,4 +227,5 @@ def restored_step(rollout: Engine, train: Engine, checkpoint: Path, prompts: lis
 def equal_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     """Names whose tensors are not bitwise equal (or exist on one side only)."""
     return sorted(k for k in set(a) | set(b)
-                  if k not in a or k not in b or a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k]))
+                  if k not in a or k not in b or a[k].dtype != b[k].dtype
+                  or not torch.equal(a[k].detach().cpu(), b[k].detach().cpu()))

@@ -68,6 +68,11 @@ class Engine:
         """What this engine runs with that changes numerics or speed (kernels, backend, batch sizes)."""
         return {"engine": self.name}
 
+    def process_environment(self) -> dict:
+        """For an engine running in a process of its own: {"env": the variables it started with, "patches": the
+        patches active there}; {} when it runs in this process (its environment is this process's)."""
+        return {}
+
     @classmethod
     def perf_changes(cls, side_cfg) -> dict:
         """Side-config changes every C1/C10 side runs with (both sides alike), e.g. a process of its own."""

@@ -51,6 +51,7 @@ OPTIONS: dict[str, Any] = {
 }
 
 _LLMS: dict[str, Any] = {}  # one vLLM engine per process and configuration (they hold the GPU)
+_START_ENV: dict[str, dict[str, str]] = {}  # engine cores of their own: the switch variables they started with
 
 
 def check_options(options: dict) -> dict:
@@ -167,7 +168,8 @@ def _own_process_env(patches: list[str], batch_invariant: bool):
     batch-invariant mode; vLLM's env cache (enabled once an in-process engine started) off, so vLLM reads them."""
     from tic import patches as tic_patches
 
-    want = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", tic_patches.ENV_VAR: ",".join(patches),
+    want = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+            tic_patches.ENV_VAR: ",".join(patches),
             "VLLM_BATCH_INVARIANT": "1" if batch_invariant else "0"}
     old = {k: os.environ.get(k) for k in want}
     import vllm.envs as envs
@@ -176,7 +178,7 @@ def _own_process_env(patches: list[str], batch_invariant: bool):
         envs.disable_envs_cache()
     os.environ.update(want)
     try:
-        yield
+        yield dict(want)
     finally:
         for k, v in old.items():
             if v is None:
@@ -258,13 +260,15 @@ class VLLMEngine(Engine):
 
             try:
                 if own:
-                    with _own_process_env(self.patches, self.batch_invariant):
+                    with _own_process_env(self.patches, self.batch_invariant) as start_env:
                         _LLMS[key] = LLM(**kwargs)
+                    _START_ENV[key] = start_env
                 else:
                     _LLMS[key] = LLM(**kwargs)
             except (ValueError, TypeError) as e:
                 raise TicInputError(f"vLLM refused the configuration: {str(e).splitlines()[0]}") from None
         self.llm = _LLMS[key]
+        self._start_env = _START_ENV.get(key)
         vcfg = self.llm.llm_engine.vllm_config
         cc = vcfg.compilation_config
         # what vLLM made of the options (it overrides some, e.g. CUDA graphs under enforce_eager)
@@ -296,6 +300,13 @@ class VLLMEngine(Engine):
     @classmethod
     def baseline_changes(cls, side_cfg) -> dict:
         return {"options": {**side_cfg.options, "batch_invariant": False}, "patches": []}
+
+    def process_environment(self) -> dict:
+        """An engine core of its own runs with the patches and switch variables it started with, whatever this
+        process has applied or set since (C1/C10 fingerprint that, not this process's state)."""
+        if getattr(self, "_start_env", None) is None:
+            return {}
+        return {"env": dict(self._start_env), "patches": list(self.patches)}
 
     @classmethod
     def perf_changes(cls, side_cfg) -> dict:
@@ -450,6 +461,7 @@ class VLLMEngine(Engine):
         out = []
         for rec in recs:
             s = sample_from_record(rec)
+            s.weight_version = self.weight_version  # C8: the weight version these tokens were sampled under
             s.meta.update({"batch_invariant": self.batch_invariant, "vllm": self.vllm_version})
             out.append(s)
         return out
