@@ -9,7 +9,7 @@ import json
 from tic.gates.base import Gate, Judgement
 from tic.core.fsio import atomic_write_text
 from tic.harness.metrics import is_exact_match, summary
-from tic.harness.rl import PolicyGradientTrainer, rl_engines, rollout_and_recompute, sync_weights
+from tic.harness.rl import PolicyGradientTrainer, rollout_and_recompute, sync_weights, with_rl_engines
 
 
 def _row(version: int, samples, m: dict) -> dict:
@@ -19,14 +19,8 @@ def _row(version: int, samples, m: dict) -> dict:
 
 
 def measure(ctx) -> dict:
-    t = ctx.cfg.training
-    rollout, train, why = rl_engines(ctx, "C8")
-    if why:
-        return {"metrics": {}, "details": {"unavailable": why}}
-    try:
-        return _updates(ctx, rollout, train)
-    finally:
-        rollout.release()  # a rollout engine shared with other gates gets its original weights back
+    res, why = with_rl_engines(ctx, "C8", lambda rollout, train: _updates(ctx, rollout, train))
+    return {"metrics": {}, "details": {"unavailable": why}} if why else res
 
 
 def _updates(ctx, rollout, train) -> dict:

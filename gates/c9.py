@@ -12,18 +12,13 @@ from tic.gates import c5
 from tic.gates.base import Gate, Judgement
 from tic.core.fsio import atomic_write_text
 from tic.harness.metrics import is_exact_match, summary
-from tic.harness.rl import (PolicyGradientTrainer, equal_tensors, rl_engines, rollout_and_recompute,
-                            samples_as_tensors, sync_weights)
+from tic.harness.rl import (PolicyGradientTrainer, equal_tensors, rollout_and_recompute, samples_as_tensors,
+                            sync_weights, with_rl_engines)
 
 
 def _restore(ctx) -> dict:
-    rollout, train, why = rl_engines(ctx, "C9")
-    if why:
-        return {"unavailable": why}
-    try:
-        return _restore_with(ctx, rollout, train)
-    finally:
-        rollout.release()  # a rollout engine shared with other gates gets its original weights back
+    res, why = with_rl_engines(ctx, "C9", lambda rollout, train: _restore_with(ctx, rollout, train))
+    return {"unavailable": why} if why else res
 
 
 def _restore_with(ctx, rollout, train) -> dict:

@@ -167,6 +167,18 @@ def rl_engines(ctx, gate: str) -> tuple[Engine, Engine, str | None]:
     return rollout, train, None
 
 
+def with_rl_engines(ctx, gate: str, body) -> tuple[object, str | None]:
+    """(body(rollout, train), None) on the gate's own engines, the rollout engine released afterwards (C8/C9
+    change its weights); (None, why) when the rollout engine has no in-place weight sync."""
+    rollout, train, why = rl_engines(ctx, gate)
+    if why:
+        return None, why
+    try:
+        return body(rollout, train), None
+    finally:
+        rollout.release()  # a rollout engine shared with other gates gets its original weights back
+
+
 def sync_weights(trainer: PolicyGradientTrainer, rollout: Engine) -> SyncReport:
     """Copy the trainer's weights into the rollout engine in place; check storage and values afterwards."""
     before = rollout.weight_storage()

@@ -164,29 +164,22 @@ def _import_vllm(batch_invariant: bool | None, model_runner: str | None = None, 
 
 @contextlib.contextmanager
 def _own_process_env(patches: list[str], batch_invariant: bool):
-    """The environment an engine core of its own starts under: multiprocessing on, its patches and its
-    batch-invariant mode; vLLM's env cache (enabled once an in-process engine started) off, so vLLM reads them."""
+    """The environment an engine core of its own starts under: multiprocessing on (spawned: CUDA is live here),
+    its patches and its batch-invariant mode; vLLM's env cache (enabled once an in-process engine started) off,
+    so vLLM reads them."""
     from tic import patches as tic_patches
-
-    want = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-            tic_patches.ENV_VAR: ",".join(patches),
-            "VLLM_BATCH_INVARIANT": "1" if batch_invariant else "0"}
-    old = {k: os.environ.get(k) for k in want}
+    from tic.harness.perf import env_overlay
     import vllm.envs as envs
 
-    if hasattr(envs, "disable_envs_cache"):
-        envs.disable_envs_cache()
-    os.environ.update(want)
+    want = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+            tic_patches.ENV_VAR: ",".join(patches), "VLLM_BATCH_INVARIANT": "1" if batch_invariant else "0"}
+    reset = getattr(envs, "disable_envs_cache", lambda: None)
+    reset()
     try:
-        yield dict(want)
+        with env_overlay(want):
+            yield dict(want)
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        if hasattr(envs, "disable_envs_cache"):
-            envs.disable_envs_cache()
+        reset()
 
 
 def _apply_patches(names: list[str]) -> list[str]:
