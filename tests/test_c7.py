@@ -360,3 +360,26 @@ def test_llama_through_the_wrappers_passes_c5_c6_c7(tmp_path):
             assert run_gate(get("C7"), ctx).verdict == "fail"
     finally:
         hf._MODELS.clear()
+
+
+def test_vllm_provider_gemm_follows_batch_invariant_mode(monkeypatch):
+    """In batch-invariant mode vLLM's linear layers call its Triton linear_batch_invariant directly (not aten);
+    the provider must run the same function, and the unquantized GEMM dispatch otherwise."""
+    import sys
+    import types
+
+    from tic.harness.kernels.vllm_provider import VLLMProvider
+
+    calls = []
+    bi = types.ModuleType("vllm.model_executor.layers.batch_invariant")
+    bi.linear_batch_invariant = lambda x, w, b=None: calls.append("bi") or x @ w.t()
+    utils = types.ModuleType("vllm.model_executor.layers.utils")
+    utils.dispatch_unquantized_gemm = lambda: (lambda layer, x, w, b: calls.append("dispatch") or x @ w.t())
+    for name in ("vllm", "vllm.model_executor", "vllm.model_executor.layers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, bi.__name__, bi)
+    monkeypatch.setitem(sys.modules, utils.__name__, utils)
+    x, w = torch.ones(2, 3), torch.ones(4, 3)
+    VLLMProvider._find_gemm(True)(x, w, None)
+    VLLMProvider._find_gemm(False)(x, w, None)
+    assert calls == ["bi", "dispatch"]

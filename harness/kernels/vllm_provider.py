@@ -4,7 +4,7 @@ Each call goes through vLLM's Python entry points, the ones its model layers use
 those layers pass: RMSNorm as `_C.rms_norm` (vLLM's `vllm_c` IR implementation; vLLM's batch-invariant Triton
 norm when VLLM_BATCH_INVARIANT=1), fused add+RMSNorm through vllm._custom_ops, rotary through
 vllm._custom_ops.rotary_embedding, SiLU*mul through vLLM's _C silu_and_mul, GEMMs through vLLM's unquantized
-GEMM dispatch (aten, which vLLM's batch-invariant mode overrides with its Triton matmul), prefill attention
+GEMM dispatch (in batch-invariant mode vLLM's Triton `linear_batch_invariant`, as its linear layers call it), prefill attention
 through the varlen entry of vLLM's FlashAttention backend over a paged K/V cache of vLLM's page size, MoE
 through vLLM's fused_topk and fused_experts, logprobs as vLLM's sampler computes them (float32 log_softmax of
 the model-dtype logits).
@@ -68,12 +68,22 @@ class VLLMProvider(KernelProvider):
                 init_batch_invariance()
             except TypeError:  # releases that take the attention backend
                 init_batch_invariance(None)
-        self._gemm = self._find_gemm()
+        self._gemm = self._find_gemm(self.batch_invariant)
         self.fa_version = self._find_fa_version()
 
     # -- lookups that moved between vLLM releases ----------------------------------------------------------
     @staticmethod
-    def _find_gemm():
+    def _find_gemm(batch_invariant: bool = False):
+        """The GEMM vLLM's UnquantizedLinearMethod (and lm_head) runs: in batch-invariant mode on CUDA its Triton
+        `linear_batch_invariant` (called directly, not through aten), else the unquantized GEMM dispatch (where
+        tic's gemm-fixed-m patch sits)."""
+        if batch_invariant:
+            try:
+                from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
+
+                return lambda x, w, b: linear_batch_invariant(x, w, b)
+            except ImportError:
+                pass
         try:
             from vllm.model_executor.layers.utils import dispatch_unquantized_gemm
 
