@@ -169,7 +169,7 @@ def _grid(entry: LaunchEntry, launcher, grid, args, kwargs) -> tuple:
         bound = sig.bind(*args, **{k: v for k, v in kwargs.items() if k in sig.parameters})
         bound.apply_defaults()
         grid = grid(dict(bound.arguments))
-    return tuple(int(g) for g in grid)
+    return (int(grid),) if isinstance(grid, int) else tuple(int(g) for g in grid)
 
 
 # -- recording ------------------------------------------------------------------------------------------------
@@ -200,11 +200,7 @@ def _record(rec, entry: LaunchEntry, original, launcher, args: tuple, kwargs: di
     except Exception as e:  # noqa: BLE001  the recording broke, not the launch: launch it plainly
         rec.errors.append(f"launch of {getattr(launcher, entry.fn_attr, launcher)!r}: {type(e).__name__}: {e}")
         return original(launcher, *args, **kwargs)
-    rec.busy += 1  # what the launch dispatches is part of it
-    try:
-        ret = original(launcher, *args, **kwargs)
-    finally:
-        rec.busy -= 1
+    ret = original(launcher, *args, **kwargs)
     written = tuple(k for k, v in keys if isinstance(v, torch.Tensor) and not same_bits(before[k], v))
     func = KernelLaunch(entry, path, hops or 0, grid_t, written, launcher, original)
     returned = _tensors_of(ret)
@@ -232,7 +228,13 @@ def _hooked(entry: LaunchEntry, original):
         rec = _active[-1] if _active else None
         if rec is None or rec.busy or kwargs.get(entry.warmup_kwarg):
             return original(launcher, *args, **kwargs)
-        return _record(rec, entry, original, launcher, args, kwargs)
+        # the recorder's own bookkeeping (clones, comparisons) and what the launch dispatches are not operators
+        # of the trail: this hook runs outside the mode's handler, so the mode would see them
+        rec.busy += 1
+        try:
+            return _record(rec, entry, original, launcher, args, kwargs)
+        finally:
+            rec.busy -= 1
 
     launch._tic_launch_hook = True
     return launch
