@@ -174,11 +174,11 @@ def _grid(entry: LaunchEntry, launcher, grid, args, kwargs) -> tuple:
 
 # -- recording ------------------------------------------------------------------------------------------------
 _active: list = []  # recorders (OpRecorder) now recording, innermost last
-_patched: list[tuple] = []  # (class, method name, original attribute or None if inherited, original function)
+_patched: list[tuple] = []  # (class, method name, the class's own attribute or None if inherited)
 
 
 def _record(rec, entry: LaunchEntry, original, launcher, args: tuple, kwargs: dict):
-    from tic.harness.capture import _snapshot, same_bits
+    from tic.harness.capture import OpCall, _snapshot, same_bits
 
     grid = kwargs.get(entry.grid_kwarg)
     call_kwargs = {k: v for k, v in kwargs.items() if k not in (entry.grid_kwarg, entry.warmup_kwarg)}
@@ -201,25 +201,25 @@ def _record(rec, entry: LaunchEntry, original, launcher, args: tuple, kwargs: di
         rec.errors.append(f"launch of {getattr(launcher, entry.fn_attr, launcher)!r}: {type(e).__name__}: {e}")
         return original(launcher, *args, **kwargs)
     ret = original(launcher, *args, **kwargs)
-    written = tuple(k for k, v in keys if isinstance(v, torch.Tensor) and not same_bits(before[k], v))
-    func = KernelLaunch(entry, path, hops or 0, grid_t, written, launcher, original)
-    returned = _tensors_of(ret)
-    written_t = [args[k] if isinstance(k, int) else call_kwargs[k] for k in written]
-    outs = launch_outputs(ret, args, call_kwargs, written)
-    ci = len(rec.calls)
-    for k, t in enumerate(outs):
-        rec.produced[id(t)] = (ci, k, t)
-        blank.pop(Provenance._storage_key(t), None)
-    out_tokens = None
-    if prov is not None:
-        prov.after(func, args, call_kwargs, returned, written_t)
-        out_tokens = tuple(_snapshot(prov.tokens(t)) for t in outs)
-    if hops is None:
-        rec.errors.append(f"{path}: recorded, but a fresh process cannot import the kernel by this path")
-    from tic.harness.capture import OpCall
-
-    rec.calls.append(OpCall(path, func, pre_args, pre_kwargs, tuple(t.detach().clone() for t in outs), sources,
-                            out_tokens, arg_tokens))
+    try:
+        written = tuple(k for k, v in keys if isinstance(v, torch.Tensor) and not same_bits(before[k], v))
+        func = KernelLaunch(entry, path, hops or 0, grid_t, written, launcher, original)
+        returned = _tensors_of(ret)
+        written_t = [args[k] if isinstance(k, int) else call_kwargs[k] for k in written]
+        outs = launch_outputs(ret, args, call_kwargs, written)
+        out_tokens = None
+        if prov is not None:
+            prov.after(func, args, call_kwargs, returned, written_t)
+            out_tokens = tuple(_snapshot(prov.tokens(t)) for t in outs)
+        rec.calls.append(OpCall(path, func, pre_args, pre_kwargs, tuple(t.detach().clone() for t in outs), sources,
+                                out_tokens, arg_tokens))
+        for k, t in enumerate(outs):
+            rec.produced[id(t)] = (len(rec.calls) - 1, k, t)
+            blank.pop(Provenance._storage_key(t), None)
+        if hops is None:
+            rec.errors.append(f"{path}: recorded, but a fresh process cannot import the kernel by this path")
+    except Exception as e:  # noqa: BLE001  the launch ran; only its record is lost
+        rec.errors.append(f"{path}: launched, not recorded: {type(e).__name__}: {e}")
     return ret
 
 

@@ -178,3 +178,16 @@ def test_layout_clone_keeps_the_strides_a_kernel_addresses():
     got = launch_record.clone_layout(view)
     assert got.stride() == view.stride() and torch.equal(got, view)
     assert torch.equal(launch_record.clone_layout(view, zero=True), torch.zeros(3, 3))
+
+
+def test_a_kernel_not_importable_by_its_path_is_recorded_and_said_so(registered):
+    @tic_fakejit.FakeJIT
+    def local_norm(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK=64):  # defined in a function: no import path
+        tic_fakejit.rms_norm_kernel.fn(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK)
+
+    x, w = torch.randn(2, 8), torch.ones(8)
+    with OpRecorder() as rec:
+        tic_fakejit.rms_norm(x, w, 1e-6, kernel=local_norm)
+    launched = [c.op for c in rec.calls if ":" in c.op]
+    assert len(launched) == 1 and launched[0].endswith(".<locals>.local_norm"), launched
+    assert any("cannot import the kernel" in e for e in rec.errors), rec.errors
