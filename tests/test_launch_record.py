@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,11 @@ def test_launch_recording_unit(registered):
     assert torch.equal(call.args[2], torch.zeros(3, 8))  # a fresh empty_like buffer is recorded as zeros
     assert torch.equal(call.func(*[a.clone() if isinstance(a, torch.Tensor) else a for a in call.args],
                                  **call.kwargs)[0], call.outputs[0])
+    with OpRecorder() as rec:  # a launch from another thread is not part of this thread's recorded call
+        worker = threading.Thread(target=tic_fakejit.rms_norm, args=(x, w, 1e-6))
+        worker.start()
+        worker.join()
+    assert not [c for c in rec.calls if c.op == KERNEL]
     with pytest.raises(RuntimeError, match="boom"):
         with OpRecorder():
             raise RuntimeError("boom")
