@@ -207,7 +207,8 @@ class _OpFailed(Exception):
 # call (e.g. torch.ops._vllm_fa3_C.fwd with its explicit cu_seqlens, page table and KV cache) instead.
 OPEN_NAMESPACES: set[str] = {"vllm", "vllm_ir"}  # vllm_ir: kernel chosen by the engine's config
 
-# Factories of uninitialised memory that take a tensor argument (the others have none and are skipped anyway).
+# Factories of uninitialised memory: never recorded (their bits are garbage, no value two sides could share);
+# their storages stay `blank` until written, and a launched kernel's copy of a blank buffer is zeros.
 UNINITIALIZED = {"aten.empty_like.default", "aten.new_empty.default", "aten.new_empty_strided.default",
                  "aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_permuted.default"}
 
@@ -266,7 +267,7 @@ class OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.busy:  # dispatched from inside a recorded launch
+        if self.busy:  # dispatched inside a recorded launch, or by the launch recorder's own bookkeeping
             return func(*args, **kwargs)
         first = _first_tensor(args, kwargs) if func.namespace in OPEN_NAMESPACES else None
         key = None if first is None else ("CUDA" if first.is_cuda else "CPU")
