@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -173,7 +174,7 @@ def _grid(entry: LaunchEntry, launcher, grid, args, kwargs) -> tuple:
 
 
 # -- recording ------------------------------------------------------------------------------------------------
-_active: list = []  # recorders (OpRecorder) now recording, innermost last
+_active: list[tuple] = []  # (recorder (OpRecorder), its thread id) now recording, innermost last
 _patched: list[tuple] = []  # (class, method name, the class's own attribute or None if inherited)
 
 
@@ -225,7 +226,9 @@ def _record(rec, entry: LaunchEntry, original, launcher, args: tuple, kwargs: di
 
 def _hooked(entry: LaunchEntry, original):
     def launch(launcher, *args, **kwargs):
-        rec = _active[-1] if _active else None
+        # the innermost recorder of this thread (a dispatch mode is per thread: launches of an engine's other
+        # threads are not part of the traced call either)
+        rec = next((r for r, tid in reversed(_active) if tid == threading.get_ident()), None)
         if rec is None or rec.busy or kwargs.get(entry.warmup_kwarg):
             return original(launcher, *args, **kwargs)
         # the recorder's own bookkeeping (clones, comparisons) and what the launch dispatches are not operators
@@ -243,7 +246,7 @@ def _hooked(entry: LaunchEntry, original):
 def attach(recorder) -> None:
     """Start routing launches to `recorder`; the first recorder patches every registered entry point whose module
     is loaded (a kernel of an unloaded module cannot have been defined, so it cannot launch)."""
-    _active.append(recorder)
+    _active.append((recorder, threading.get_ident()))
     if len(_active) > 1:
         return
     for entry in _entries:
@@ -260,8 +263,7 @@ def attach(recorder) -> None:
 
 def detach(recorder) -> None:
     """Stop routing to `recorder`; the last one out restores every patched entry point."""
-    if recorder in _active:
-        _active.remove(recorder)
+    _active[:] = [(r, tid) for r, tid in _active if r is not recorder]
     if _active:
         return
     while _patched:

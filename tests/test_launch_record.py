@@ -7,6 +7,7 @@ training side's kernels run through tic's autograd wrappers (`Ops`) of each engi
 from __future__ import annotations
 
 import copy
+import pickle
 import subprocess
 import sys
 import threading
@@ -156,6 +157,10 @@ def test_launch_recording_unit(registered):
     assert torch.equal(call.args[2], torch.zeros(3, 8))  # a fresh empty_like buffer is recorded as zeros
     assert torch.equal(call.func(*[a.clone() if isinstance(a, torch.Tensor) else a for a in call.args],
                                  **call.kwargs)[0], call.outputs[0])
+    # across a process boundary (ranks send trails pickled) the launch resolves its kernel by import path
+    moved = pickle.loads(pickle.dumps(call.func))
+    assert torch.equal(moved(*[a.clone() if isinstance(a, torch.Tensor) else a for a in call.args],
+                             **call.kwargs)[0], call.outputs[0])
     with OpRecorder() as rec:  # a launch from another thread is not part of this thread's recorded call
         worker = threading.Thread(target=tic_fakejit.rms_norm, args=(x, w, 1e-6))
         worker.start()
