@@ -23,6 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tic.harness import launch_record
 from tic.harness.engines.base import Sample
 from tic.harness.engines.hf import cache_kwargs, packed_row, padded_batch
 from tic.harness.provenance import Provenance
@@ -206,6 +207,11 @@ class _OpFailed(Exception):
 # call (e.g. torch.ops._vllm_fa3_C.fwd with its explicit cu_seqlens, page table and KV cache) instead.
 OPEN_NAMESPACES: set[str] = {"vllm", "vllm_ir"}  # vllm_ir: kernel chosen by the engine's config
 
+# Factories of uninitialised memory: never recorded (their bits are garbage, no value two sides could share);
+# their storages stay `blank` until written, and a launched kernel's copy of a blank buffer is zeros.
+UNINITIALIZED = {"aten.empty_like.default", "aten.new_empty.default", "aten.new_empty_strided.default",
+                 "aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_permuted.default"}
+
 
 def _first_tensor(args, kwargs) -> torch.Tensor | None:
     """The first tensor among a call's arguments (one level into lists), or None for a factory call."""
@@ -240,9 +246,29 @@ class OpRecorder(TorchDispatchMode):
         # id(tensor) -> (call index, output index, the tensor): which recorded call last produced or wrote it;
         # the tensor is held so that its id is not reused while recording
         self.produced: dict[int, tuple] = produced if produced is not None else {}
+        self.busy = 0  # > 0 while a recorded call runs: what it runs inside is part of it
+        # storages fresh from an uninitialised-memory factory and not yet written (their bits are garbage)
+        self.blank: dict[tuple, torch.UntypedStorage] = {}
+
+    # kernels launched from Python outside the dispatcher (Triton) are recorded too, while this mode is active
+    def __enter__(self):
+        launch_record.attach(self)
+        try:
+            return super().__enter__()
+        except BaseException:
+            launch_record.detach(self)
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            launch_record.detach(self)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.busy:  # dispatched inside a recorded launch, or by the launch recorder's own bookkeeping
+            return func(*args, **kwargs)
         first = _first_tensor(args, kwargs) if func.namespace in OPEN_NAMESPACES else None
         key = None if first is None else ("CUDA" if first.is_cuda else "CPU")
         if key and torch._C._dispatch_has_computed_kernel_for_dispatch_key(func.name(), key):
@@ -284,6 +310,12 @@ class OpRecorder(TorchDispatchMode):
         return (ci, k) if same_bits(self.calls[ci].outputs[k], pre) else None
 
     def _record(self, func, args, kwargs):
+        if str(func) in UNINITIALIZED:  # no computation, and garbage bits: not a value two sides can share
+            out = func(*args, **kwargs)
+            for t in tensors_of(out):
+                if (key := Provenance._storage_key(t)) is not None:
+                    self.blank[key] = t.untyped_storage()
+            return out
         if _first_tensor(args, kwargs) is None:
             return func(*args, **kwargs)
         pre_args = tuple(_tree_map(_clone, a) for a in args)
@@ -293,16 +325,20 @@ class OpRecorder(TorchDispatchMode):
         prov = self.provenance
         arg_tokens = None if prov is None else tuple(
             _snapshot(prov.tokens(a)) if isinstance(a, torch.Tensor) else None for a in args)
+        self.busy += 1
         try:
             out = func(*args, **kwargs)
         except Exception as e:  # the operator itself failed: not a recording problem
             raise _OpFailed() from e
+        finally:
+            self.busy -= 1
         returned = tensors_of(out)
         written = _written(func, args, kwargs)
         outs = returned + [w for w in written if not any(w is o for o in returned)]
         ci = len(self.calls)
         for k, t in enumerate(outs):
             self.produced[id(t)] = (ci, k, t)
+            self.blank.pop(Provenance._storage_key(t), None)
         out_tokens = None
         if prov is not None:
             prov.after(func, args, kwargs, returned, written)

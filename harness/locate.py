@@ -398,8 +398,9 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
                             f"{culprit} differs between the two sides' implementations on identical inputs",
                             setup=_setup(side_a, side_b))
                     else:
-                        out["status"] += ("; no repro: the module's output is not produced by a recorded torch "
-                                          "operator (a kernel launched directly, e.g. a Triton GEMM)")
+                        out["status"] += ("; no repro: the module's output is not produced by a recorded "
+                                          "operator (a kernel launched through an entry point that "
+                                          "tic.harness.launch_record does not register)")
             elif found and emit_repro:
                 # the repro's side B is the side with the new value (side A's run when new_on_a: labels say so)
                 a_side = None if found["a_call"] is None else repro_mod.OpSide(

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from tic.harness.capture import OpCall, _clone, _tree_map, call_outputs, same_bits
+from tic.harness.launch_record import clone_layout
 from tic.core.fsio import atomic_write_bytes, atomic_write_text
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -57,8 +58,11 @@ def _values_differ(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _run(side: OpSide, args, kwargs, where) -> torch.Tensor:
     """The operator on copies of the arguments: in-place kernels (vLLM's fused_add_rms_norm writes its input
-    and residual) must not change the values a later evaluation or the saved repro starts from."""
-    copies = _tree_map(_clone, args), {k: _tree_map(_clone, v) for k, v in kwargs.items()}
+    and residual) must not change the values a later evaluation or the saved repro starts from. A kernel
+    launched from Python addresses memory by explicit strides: its copies keep the recorded layout."""
+    launched = getattr(side.call.func, "launch_spec", None) is not None
+    copy = (lambda v: clone_layout(v) if isinstance(v, torch.Tensor) else v) if launched else _clone  # noqa: E731
+    copies = _tree_map(copy, args), {k: _tree_map(copy, v) for k, v in kwargs.items()}
     return pick(outputs_of(side.call.func, *copies), where)
 
 
@@ -201,7 +205,7 @@ def op_imports(*ops: str | None) -> list[str]:
     ours = lambda m: not m.startswith("torch")  # noqa: E731
     for op in ops:
         ns = op.split(".")[0] if op else "aten"
-        if ns in ("aten", "prims"):
+        if ns in ("aten", "prims") or ":" in (op or ""):  # module:qualname: a launched kernel, imported by path
             continue
         exact = [m for m in mods if last(m) == ns]
         suffixed = [m for m in mods if last(m).startswith(ns + "_") and ext(m)]
@@ -243,6 +247,8 @@ def claim(a: dict | None, b: dict) -> str:
         return "implementation difference: the two sides compute the module with different operator sequences"
     if a["op"] != b["op"]:
         return f"implementation difference: operator {a['op']} vs {b['op']}"
+    if not _identical(a.get("launch"), b.get("launch")):
+        return "implementation difference: the kernel is launched on another grid or writes other arguments"
     for what, x, y in (("arguments", a["args"], b["args"]), ("keyword arguments", a["kwargs"], b["kwargs"])):
         if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)) and len(x) == len(y):
             for i, (u, v) in enumerate(zip(x, y)):
@@ -272,6 +278,7 @@ def _imports_and_check(out_dir: Path, data: dict, ops: list[str], setup: list[st
 
     def script(proves: str) -> str:
         return template.render(threads=torch.get_num_threads(), tensor_file=tensor_file, imports=op_imports(*ops),
+                               kernels=sorted({op.partition(":")[0] for op in ops if op and ":" in op}),
                                setup=list(setup or []), proves=proves, **render)
 
     claimed = claim(data["a"], data["b"])
@@ -309,6 +316,7 @@ def emit(out_dir: Path, gate: str, a: OpSide | None, b: OpSide, a_value: torch.T
         for call, side in ((call_a, a), (call_b, b)):
             if call is not None:
                 call["op"] = side.call.op
+                call["launch"] = getattr(side.call.func, "launch_spec", None)  # a kernel launched from Python
                 call["expect"] = _run(side, call["args"], call["kwargs"], call["where"]).detach().clone()
     data = {"a": call_a, "b": call_b, "a_value": None if a_value is None else a_value.clone()}
     rows_a = "1 (its input value)" if a is None else _rows_of(call_a, a.rows)
@@ -334,7 +342,7 @@ def module_program(trail, target: int, where: dict, recorded: torch.Tensor) -> d
     calls = []
     for call in trail.calls[:target + 1]:
         src_args, src_kwargs = call.sources if call.sources is not None else ((None,) * len(call.args), {})
-        calls.append({"op": call.op,
+        calls.append({"op": call.op, "launch": getattr(call.func, "launch_spec", None),
                       "args": tuple(_with_refs(a, s) for a, s in zip(call.args, src_args)),
                       "kwargs": {k: _with_refs(v, src_kwargs.get(k)) for k, v in call.kwargs.items()}})
     return {"calls": calls, "target": target, "where": where, "recorded": recorded.clone(),
