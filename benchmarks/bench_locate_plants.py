@@ -3,8 +3,9 @@
 Each trial draws a model (qwen3, qwen3_moe, llama, mistral, mixtral; seeded random sizes and weights), a
 compared sequence and both sides' layouts (decode batch, score micro-batch), and one plant on one side at a
 random module (tic.harness.plants). The locator must name the plant's layer, module and operator, and its
-repro must exit 1. Controls: nothing planted, or the same plant on both sides; both must report no divergence
-and emit no repro (a repro that exits 1 without a one-sided plant is a false repro). Plants whose change does
+repro must exit 1; with the plant removed, the same repro script, its planted side's entry recorded anew
+(tic.harness.locate.recheck_repro), must exit 0. Controls: nothing planted, or the same plant on both sides;
+both must report no divergence and emit no repro (a repro that exits 1 without a one-sided plant is false). Plants whose change does
 not reach a compared stage (rounded away downstream, or a branch never taken) are redrawn and counted.
 
 Run: .venv/bin/python benchmarks/bench_locate_plants.py [--plants 200] [--controls 40] [--jsonl out.jsonl]
@@ -58,6 +59,12 @@ def table(rows: list[dict]) -> str:
     row("operator wrong (named, not the plant's)", lambda rs: str(sum(
         bool(r.get("operator")) and not r.get("operator_right") for r in rs)))
     row("repro exits 1", lambda rs: _pct(sum(r.get("repro_exit") == 1 for r in rs), len(rs)))
+    emitted = lambda rs: [r for r in rs if r.get("repro_exit") == 1]  # noqa: E731
+    row("repro exits 0 without the plant", lambda rs: _pct(
+        sum(r.get("repro_exit_without_plant") == 0 for r in emitted(rs)), len(emitted(rs))))
+    row("repro exits 1 without the plant", lambda rs: str(sum(r.get("repro_exit_without_plant") == 1 for r in rs)))
+    row("without the plant: operator / module rerun", lambda rs: " / ".join(str(sum(
+        r.get("repro_without_plant_kind") == k for r in emitted(rs))) for k in ("operator", "module")))
     row("repro: one operator on identical inputs", lambda rs: str(sum(
         (r.get("repro_proves") or "").startswith("same operator") for r in rs)))
     row("repro: implementation difference", lambda rs: str(sum(
@@ -92,6 +99,12 @@ def table(rows: list[dict]) -> str:
                 f"module {r.get('module')}, operator {r.get('operator')!r}, expected one of "
                 f"{list(r.get('expected_operators') or [])}" + (f", error {r.get('error')}" if r.get("error") else "")
                 for r in misses]
+    stay = [r for r in plants if r.get("repro_exit") == 1 and r.get("repro_exit_without_plant") != 0]
+    if stay:
+        out += ["", "repros that do not exit 0 without the plant:"]
+        out += [f"- seed {r['seed']} {r['family']}: {r['plant']}: exit {r.get('repro_exit_without_plant')} "
+                f"({r.get('repro_without_plant_kind')}): {(r.get('repro_without_plant_output') or '')[-160:]!r}"
+                for r in stay]
     return "\n".join(out)
 
 
@@ -137,7 +150,8 @@ def main() -> int:
                 n_controls += 1
             print(f"[{time.perf_counter() - t0:7.0f} s] seed {seed} {mode} {r['family']}: {r.get('plant')} -> "
                   f"{r['status'][:60]} L{int(bool(r.get('layer_right')))}M{int(bool(r.get('module_right')))}"
-                  f"O{int(bool(r.get('operator_right')))} repro {r.get('repro_exit')}", file=sys.stderr, flush=True)
+                  f"O{int(bool(r.get('operator_right')))} repro {r.get('repro_exit')}, "
+                  f"without the plant {r.get('repro_exit_without_plant')}", file=sys.stderr, flush=True)
         seed += 1
     print(table(rows))
     print(f"\ntotal wall time {time.perf_counter() - t0:.0f} s")

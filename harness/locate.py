@@ -382,6 +382,9 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
             out["operator_args"] = ({"a": args_new, "b": args_ref} if new_on_a else {"a": args_ref, "b": args_new}) \
                 if found else None
             out["operator_side"] = ("A" if new_on_a else "B") if found else None
+            # each engine side's call index in its trail (None: that side has no such call), for recheck_repro
+            ref_side, new_side = ("B", "A") if new_on_a else ("A", "B")
+            out["operator_calls"] = {ref_side: found["a_call"], new_side: found["b_call"]} if found else None
             out["status"] = "localized" if found else "localized to a module; operator not resolved"
             if found and found.get("implementations_differ"):
                 ops_a, ops_b = trail_info["a_ops"], trail_info["b_ops"]
@@ -397,6 +400,7 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
                             out_dir, gate, culprit, progs[0], progs[1], side_a.label, side_b.label,
                             f"{culprit} differs between the two sides' implementations on identical inputs",
                             setup=_setup(side_a, side_b))
+                        repro_info["sides"] = {"a": "A", "b": "B"}
                     else:
                         out["status"] += ("; no repro: the module's output is not produced by a recorded "
                                           "operator (a kernel launched through an entry point that "
@@ -410,6 +414,7 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
                     headline = f"{found['op']} in {culprit}: the two sides' calls give different bits"
                     repro_info = repro_mod.emit(out_dir, gate, a_side, b_side, found["a_value"],
                                                 lab_ref, lab_new, headline, setup=_setup(side_a, side_b))
+                    repro_info["sides"] = {"a": ref_side, "b": new_side}  # the repro's entries' engine sides
     out["module_trail"] = descent
     out["operator_trail"] = trail_info["steps"][:80] if trail_info else []
     out["operators_a"] = trail_info["a_ops"][:80] if trail_info else []
@@ -426,6 +431,77 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
     atomic_write_text(out_dir / "locate.json", json.dumps(out, indent=2, default=str))
     atomic_write_text(Path(out["report"]), render_report(out))
     return out
+
+
+def recheck_repro(side_a: Side, side_b: Side, found: dict, changed: str, out_dir: Path) -> dict:
+    """Re-run the repro `locate` emitted (`found` is its result) after side `changed` ("A" or "B") was changed,
+    e.g. a fix applied or a planted fault removed: that side's computation is recorded again, on the same module
+    inputs (side B is fed side A's, as in `locate`) at the same traced position, and replaces that side's entry
+    in the repro's tensors; the other side's entry stays as emitted, and the emitted script is run on them in a
+    fresh process. Exit 0: the two sides now give the same bits there; 1: they still differ.
+
+    The changed side's new entry is, for an operator repro, the same operator at the same rank among the calls
+    touching the traced token as the other side's call (the counterpart rule of `first_operator`); for a module
+    repro, the module's recorded operator sequence. When the repro has no call for one side (its value was the
+    input of a conversion only the other side runs), or the changed side no longer runs that operator, both
+    sides' module sequences as recorded now are compared instead ("module"), by a newly rendered module repro."""
+    from tic.harness import repro as repro_mod
+
+    check = found.get("repro_check") or {}
+    if not found.get("repro") or not check.get("tensors"):
+        raise TicInputError("no emitted repro to recheck")
+    changed = changed.upper()
+    culprit, pos = found["culprit_module"], found["traced_position"]
+    ta = side_a.run(CaptureSpec(outputs={culprit}, inputs={culprit}, trail_module=culprit, trail_position=pos))
+    repl = {culprit: ta.inputs[culprit]} if culprit in ta.inputs else {}
+    tb = side_b.run(CaptureSpec(outputs={culprit}, replace=repl, trail_module=culprit, trail_position=pos))
+    fresh = {"A": ta, "B": tb}
+    data = torch.load(check["tensors"], weights_only=False)
+    key = next(k for k, s in check["sides"].items() if s == changed)
+    other_key = "b" if key == "a" else "a"
+    other = check["sides"][other_key]
+    entry = None
+    if data[key] is not None and "calls" in data[key]:
+        entry, kind = _module_program(fresh[changed], culprit, pos), "module"
+    elif data[key] is not None and data[other_key] is not None and fresh[changed].trail and fresh[other].trail:
+        entry, kind = _counterpart_call(fresh[other].trail, found["operator_calls"][other], data[other_key],
+                                        fresh[changed].trail), "operator"
+    if entry is None:  # compare the two sides' whole module as computed now
+        progs = [_module_program(fresh[s], culprit, pos) for s in ("A", "B")]
+        if not all(progs):
+            return {"kind": "module", "exit_code": None, "output": "the module's output is not produced by a "
+                    "recorded torch operator: nothing to replay"}
+        res = repro_mod.emit_module(out_dir, found["gate"], culprit, progs[0], progs[1], found["side_a"],
+                                    found["side_b"], f"{culprit} rechecked after side {changed} changed",
+                                    setup=_setup(side_a, side_b))
+        return {"kind": "module", "exit_code": res["exit_code"], "output": res["output"]}
+    data[key] = entry
+    res = repro_mod.rerun(Path(found["repro"]), data, out_dir)
+    return {"kind": kind, **res}
+
+
+def _counterpart_call(trail_other: Trail, index: int, other_entry: dict, trail_new: Trail) -> dict | None:
+    """A repro entry for trail_new's call that is the counterpart of trail_other's call `index` (same operator,
+    same rank among the calls holding the traced token's values), picking the same output; None if none."""
+    from tic.harness import repro as repro_mod
+
+    outs_other, _ = trail_rows(trail_other)
+    outs_new, _ = trail_rows(trail_new)
+    op = other_entry["op"]
+    if index is None or index >= len(trail_other.calls) or trail_other.calls[index].op != op:
+        return None
+    rank = sum(1 for ci in range(index) if outs_other[ci] and trail_other.calls[ci].op == op)
+    same_op = [ci for ci, got in enumerate(outs_new) if got and trail_new.calls[ci].op == op]
+    if rank >= len(same_op):
+        return None
+    ci = same_op[rank]
+    got = outs_new[ci]
+    k, where, _v, rows = next((g for g in got if g[0] == other_entry["where"]["output"]), got[0])
+    call = trail_new.calls[ci]
+    side = repro_mod.OpSide(call, where, rows)
+    with torch.inference_mode():
+        expect = repro_mod._run(side, call.args, dict(call.kwargs), where).detach().clone()
+    return {"op": op, "args": call.args, "kwargs": dict(call.kwargs), "where": where, "expect": expect}
 
 
 def write_chart(path: Path, table: list[dict], gate: str) -> str:

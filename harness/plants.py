@@ -395,15 +395,19 @@ def _samples(engine, rng: random.Random, vocab: int, upto: int):
 
 
 def run_trial(seed: int, out_dir: Path, mode: str = "plant", family: str | None = None,
-              models_per_family_seed: int = 4) -> dict:
+              models_per_family_seed: int = 4, remove_plant_for_recheck: bool = True) -> dict:
     """One trial: a random tiny model, a random compared sequence and layouts, and
       mode "plant": one random plant on one random side -> what the locator says, judged against the plant;
+        then the plant is removed and the emitted repro is run again with the planted side's entry recorded
+        anew (tic.harness.locate.recheck_repro): it must exit 0 (`repro_exit_without_plant`). With
+        `remove_plant_for_recheck=False` the plant stays for that rerun, which must then exit 1: a self-check
+        that the recheck can fail;
       mode "clean": nothing planted -> must report no divergence and emit no repro;
       mode "symmetric": the same random plant on both sides -> must report no divergence and emit no repro.
     A plant that changes nothing on the compared sequence (e.g. a branch never taken) is reported "ineffective"."""
     from tic.harness.capture import CaptureSpec, HFCaptureRunner, rows_equal
     from tic.harness.engines.hf import HFEngine
-    from tic.harness.locate import Side, locate
+    from tic.harness.locate import Side, locate, recheck_repro
     from tic.harness.tinymodels import tiny_model
 
     rng = random.Random(seed)
@@ -460,6 +464,20 @@ def run_trial(seed: int, out_dir: Path, mode: str = "plant", family: str | None 
                module=res["culprit_module"], operator=res["first_operator"],
                repro_exit=(res.get("repro_check") or {}).get("exit_code") if res.get("repro") else None,
                repro_proves=res.get("repro_proves"))
+    if plant is not None and mode == "plant" and res.get("repro"):
+        # the same repro without the plant: the planted side's entry recorded again with the plant removed
+        if remove_plant_for_recheck:
+            for u in undo:
+                u()
+        t1 = time.perf_counter()
+        try:
+            again = recheck_repro(side_a, side_b, res, plant.side, Path(out_dir) / "without-plant")
+            rec.update(repro_exit_without_plant=again["exit_code"], repro_without_plant_kind=again["kind"],
+                       repro_without_plant_output=(again.get("output") or "")[-300:])
+        except Exception as e:  # noqa: BLE001  counted, not fatal to the benchmark
+            rec.update(repro_exit_without_plant=None, repro_without_plant_kind="crash",
+                       repro_without_plant_output=f"{type(e).__name__}: {e}")
+        rec["recheck_seconds"] = time.perf_counter() - t1
     if plant is not None and mode == "plant":
         rec.update(expected_layer=plant.layer, expected_module=plant.module, expected_operators=plant.operators,
                    layer_right=res["first_divergent_layer"] == plant.layer,

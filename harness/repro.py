@@ -307,6 +307,22 @@ def _imports_and_check(out_dir: Path, data: dict, ops: list[str], setup: list[st
     return result
 
 
+def rerun(script: Path, data: dict, out_dir: Path) -> dict:
+    """An emitted repro script run, in a fresh process, on other tensors (e.g. one side's entry recorded again
+    after a fix): the script copied into `out_dir` next to `data` saved as its tensor file. Kept either way."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    torch.save(data, buf)
+    atomic_write_bytes(out_dir / "repro_tensors.pt", buf.getvalue())
+    path = out_dir / "repro.py"
+    atomic_write_text(path, Path(script).read_text())
+    proc = subprocess.run([sys.executable, str(path.resolve())], cwd=out_dir.resolve(), capture_output=True,
+                          text=True, timeout=300)
+    return {"script": str(path), "exit_code": proc.returncode, "output": proc.stdout.strip()[-2000:],
+            "stderr": proc.stderr.strip()[-1000:]}
+
+
 def emit(out_dir: Path, gate: str, a: OpSide | None, b: OpSide, a_value: torch.Tensor | None,
          side_a: str, side_b: str, headline: str, setup: list[str] | None = None) -> dict:
     """One operator, shrunk, as both sides ran it on the same inputs. Each side's value as computed here is
