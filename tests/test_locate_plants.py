@@ -1,8 +1,8 @@
 """Generative check of the locator, seeded subset (the full set: benchmarks/bench_locate_plants.py).
 
 Each seed draws a tiny model of some family, a compared sequence and layouts, and one plant on one side at a
-random module; the locator must name the plant's layer, module and operator, with a repro that exits 1.
-Controls (nothing planted; the same plant on both sides) must report no divergence and emit no repro."""
+random module; the locator must name the plant's layer, module and operator, with a repro that exits 1, and
+that same repro, rerun with the plant removed (the planted side's entry recorded anew), must exit 0. Controls (nothing planted; the same plant on both sides) must report no divergence and emit no repro."""
 
 from __future__ import annotations
 
@@ -26,6 +26,18 @@ def test_plant_is_located_with_a_repro(tmp_path, monkeypatch, seed):
     assert r["layer_right"] and r["module_right"], r
     assert r["operator_right"], r
     assert r["repro_exit"] == 1, r
+    assert r["repro_exit_without_plant"] == 0, r
+
+
+# seed 16: an operator repro (eps: aten.add on another scalar); seed 5: a module repro (rsqrt as 1/sqrt)
+@pytest.mark.parametrize("seed,kind", [(16, "operator"), (5, "module")])
+def test_recheck_without_plant_can_fail(tmp_path, monkeypatch, seed, kind):
+    """The rerun that must exit 0 without the plant exits 1 when the plant is left in: it is no formality."""
+    monkeypatch.chdir(tmp_path)
+    r = run_trial(seed, tmp_path / "out", remove_plant_for_recheck=False)
+    assert r["repro_exit"] == 1, r
+    assert r["repro_without_plant_kind"] == kind, r
+    assert r["repro_exit_without_plant"] == 1, r
 
 
 @pytest.mark.parametrize("seed,mode", [(20, "clean"), (25, "symmetric")])
@@ -89,3 +101,15 @@ def test_benchmark_table_counts_honestly():
     assert "| operator unresolved | 1 | 1 |" in text
     assert "controls clean: 1/2" in text and "repros exiting 1 without a one-sided plant (controls): 1" in text
     assert "1 rounded away before any compared stage" in text
+    # a repro without its rerun counts as not shown to exit 0, and is listed
+    assert "| repro exits 0 without the plant | 0.0 % (0/1) | 0.0 % (0/1) |" in text
+    assert "repros that do not exit 0 without the plant:" in text
+    rows[0] = dict(base, repro_exit_without_plant=0, repro_without_plant_kind="operator")
+    text = bench.table(rows)
+    assert "| repro exits 0 without the plant | 100.0 % (1/1) | 100.0 % (1/1) |" in text
+    assert "| without the plant: operator / module rerun | 1 / 0 | 1 / 0 |" in text
+    assert "repros that do not exit 0 without the plant:" not in text
+    rows[0] = dict(base, repro_exit_without_plant=1, repro_without_plant_kind="operator")
+    text = bench.table(rows)
+    assert "| repro exits 0 without the plant | 0.0 % (0/1) | 0.0 % (0/1) |" in text
+    assert "| repro exits 1 without the plant | 1 | 1 |" in text
