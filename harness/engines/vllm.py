@@ -526,22 +526,34 @@ def _signature(module):
     return None
 
 
-def _bind(module, args, kwargs) -> list[tuple[str, Any]]:
-    """(parameter name, value) of a call, in the forward's parameter order."""
+def _bind_call(module, args, kwargs) -> tuple[list[tuple[str, Any]], bool]:
+    """(parameter name, value) of a call in the forward's parameter order, and whether the names come from its
+    signature; without one (forward(*args, **kwargs) all the way down), positional arguments are named by
+    their index ("0", "1", ...) and keyword arguments by their keyword."""
     sig = _signature(module)
-    try:
-        if sig is None:
-            raise TypeError
-        return list(sig.bind(*args, **kwargs).arguments.items())
-    except TypeError:
-        return [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
+    if sig is not None:
+        try:
+            return list(sig.bind(*args, **kwargs).arguments.items()), True
+        except TypeError:
+            pass
+    return [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items()), False
+
+
+def _bind(module, args, kwargs) -> list[tuple[str, Any]]:
+    return _bind_call(module, args, kwargs)[0]
 
 
 def flat_inputs(module, args, kwargs, n: int) -> tuple[list[tuple[str, torch.Tensor]], str | None]:
-    """The token-row float inputs of a call [(name, tensor)], and the name of its residual input if it has one."""
+    """The token-row float inputs of a call [(key, tensor)], and the name of its residual input if it has one.
+
+    Keys name the argument, positional or keyword alike; a tensor inside a tuple/list argument (e.g. the
+    (cos, sin) of `position_embeddings`) is keyed "name.j". Top-level arguments come first, in parameter order,
+    so the first input is the hidden state as other engines' replays take it."""
     bound = _bind(module, args, kwargs)
     rows = [(k, v) for k, v in bound if _float_rows(v, n)]
     res = "residual" if any(k == "residual" for k, _ in rows) else None
+    rows += [(f"{k}.{j}", x) for k, v in bound if isinstance(v, (list, tuple))
+             for j, x in enumerate(v) if _float_rows(x, n)]
     return rows, res
 
 
@@ -565,9 +577,25 @@ def stable_outputs(is_layer: bool, out, n: int) -> list[torch.Tensor]:
     return ts[:1]
 
 
+def _recorded_row(got, key: str, k: int, own_keys: list[str]):
+    """The recorded row that replaces input `key` (the call's k-th token-row input), or None.
+
+    Rows that name their arguments (InputRows, e.g. from the HF runner) replace the input of the same name; rows
+    whose names match none of this call's inputs (another engine's module signature) replace the hidden state
+    (the first input) only. Plain rows (this runner's own records) go by input order, which the same module's
+    call gives both sides."""
+    keys = getattr(got, "keys", None)
+    if keys:
+        if key in keys:
+            return got[keys.index(key)]
+        return got[0] if k == 0 and not any(o in keys for o in own_keys) else None
+    return got[k] if k < len(got) else None
+
+
 def replace_rows(module, args, kwargs, n: int, targets: list[tuple[int, int]], repl: dict) -> tuple[tuple, dict]:
-    """args/kwargs with the compared request's input rows replaced by the other side's recorded rows."""
-    bound = _bind(module, args, kwargs)
+    """args/kwargs with the compared request's rows of every token-row input (positional, keyword, or inside a
+    tuple argument) replaced by the other side's recorded rows. A row of another shape is left as it is."""
+    bound, named = _bind_call(module, args, kwargs)
     rows, res = flat_inputs(module, args, kwargs, n)
     new = {k: v for k, v in bound}
     if res is not None and len(rows) == 2:
@@ -584,15 +612,26 @@ def replace_rows(module, args, kwargs, n: int, targets: list[tuple[int, int]], r
                 rs[i] = 0
         new[x_name], new[res] = xs, rs
     else:
-        for k, (name, v) in enumerate(rows):
-            v = v.clone()
+        own = [key for key, _ in rows]
+        for k, (key, v) in enumerate(rows):
+            v, changed = v.clone(), False
             for i, pos in targets:
                 got = repl.get(pos)
-                if got is not None and k < len(got):
-                    v[i] = got[k].to(v.device, v.dtype)
-            new[name] = v
-    names = [k for k, _ in bound]
-    if all(k.isdigit() for k in names):  # could not bind by name: positional as given
+                row = None if got is None else _recorded_row(got, key, k, own)
+                if row is None or tuple(row.shape) != tuple(v[i].shape):
+                    continue
+                v[i] = row.to(v.device, v.dtype)
+                changed = True
+            if not changed:
+                continue
+            head, _, j = key.partition(".")
+            if j:  # a member of a tuple/list argument: a new container of the same type
+                seq = list(new[head])
+                seq[int(j)] = v
+                new[head] = type(new[head])(seq)
+            else:
+                new[key] = v
+    if not named:  # no signature to bind to: positional as given, keywords by keyword
         return tuple(new[str(i)] for i in range(len(args))), {k: new[k] for k in kwargs}
     import inspect
 
