@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tic.harness import launch_record
 from tic.harness.engines.base import Sample
 from tic.harness.engines.hf import cache_kwargs, packed_row, padded_batch
+from tic.harness import provenance as provenance_mod
 from tic.harness.provenance import Provenance
 
 RowTensors = tuple  # one tensor per row-shaped output (or input) of a module, for one token
@@ -264,6 +265,16 @@ class OpRecorder(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             launch_record.detach(self)
+
+    def __enter__(self):
+        if self.provenance is not None:  # kernel code may hand it values that stand for the module's input
+            provenance_mod.ACTIVE.append(self.provenance)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self.provenance is not None and self.provenance in provenance_mod.ACTIVE:
+            provenance_mod.ACTIVE.remove(self.provenance)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -39,6 +39,24 @@ def standard_map(shape: tuple, batch: int, length: int) -> torch.Tensor | None:
     return None
 
 
+# the provenances of the trails being recorded now (tic.harness.capture.OpRecorder pushes and pops its own)
+ACTIVE: list["Provenance"] = []
+
+
+def stands_for(x: torch.Tensor, *values) -> None:
+    """For kernel code that computes a module from values standing in for its input `x` (e.g. the two addends
+    x was summed from, kept aside by the previous layer): those values carry x's tokens in any trail being
+    recorded, as x's own views would. Values of another shape, or with tokens already, are left alone; without
+    a trail being recorded this does nothing."""
+    for prov in ACTIVE:
+        m = prov.tokens(x)
+        if m is None:
+            continue
+        for v in values:
+            if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(x.shape) and prov.tokens(v) is None:
+                prov._set(v, m.clone())
+
+
 class Provenance:
     def __init__(self, batch: int, length: int):
         self.batch, self.length = batch, length

@@ -23,6 +23,7 @@ from torch import nn
 
 from tic.core.errors import TicInputError
 from tic.harness.kernels.autograd import Ops
+from tic.harness.provenance import stands_for
 
 ATTN_NAME = "tic_rowwise"
 
@@ -41,7 +42,10 @@ class ResidualStream:
 
     def take(self, x):
         p, self._pending = self._pending, None
-        return (p[1], p[2]) if p is not None and p[0] is x else None
+        if p is None or p[0] is not x:
+            return None
+        stands_for(x, p[1], p[2])  # a trail of the consumer follows x's tokens into the addends it reads instead
+        return p[1], p[2]
 
 
 class RopeTable:
