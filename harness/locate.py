@@ -190,6 +190,13 @@ def _module_program(cap: Capture, module: str, pos: int) -> dict | None:
     return None if target is None else repro_mod.module_program(cap.trail, *target)
 
 
+def _step_kind(trail: Trail, outs: list, ci: int) -> tuple:
+    """What makes two sides' calls the same step of a computation: the operator and the shapes of the traced
+    token's values it produces. The k-th call of a kind on one side is the counterpart of the k-th on the other
+    (a fused pre-add on one side then does not shift the pairing of a norm's eps add)."""
+    return trail.calls[ci].op, tuple(tuple(v.shape) for _, _, v, _ in outs[ci])
+
+
 def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
     """The first op on side B whose value for the traced token is none of side A's values (inputs equal)."""
     outs_a, ins_a = trail_rows(trail_a)
@@ -202,22 +209,23 @@ def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
     a_by_op = defaultdict(list)
     for ci, got in enumerate(outs_a):
         if got:
-            a_by_op[trail_a.calls[ci].op].append(ci)
+            a_by_op[_step_kind(trail_a, outs_a, ci)].append(ci)
     steps = []
     found = None
     for ci, got in enumerate(outs_b):
         if not got:
             continue
         call = trail_b.calls[ci]
-        r = rank[call.op]
-        rank[call.op] += 1
+        kind = _step_kind(trail_b, outs_b, ci)
+        r = rank[kind]
+        rank[kind] += 1
         bad = [g for g in got if _key(g[2]) not in seen
                and not (g[2].is_floating_point() and _key(g[2].to(torch.float64)) in seen)
                and not (call.op in CAST_OPS and _lossless(g[2], ins_b[ci]))]
         steps.append({"op": call.op, "args": _describe_args(call), "equal": not bad})
         if bad and found is None:
             k, where_b, value_b, rows_b = bad[0]
-            a_ci = a_by_op[call.op][r] if r < len(a_by_op[call.op]) else None
+            a_ci = a_by_op[kind][r] if r < len(a_by_op[kind]) else None
             found = {"b_call": ci, "b_where": where_b, "b_rows": rows_b, "a_call": None, "a_where": None,
                      "a_rows": 0, "a_value": None, "op": call.op, "b_args": _describe_args(call)}
             if a_ci is not None:
@@ -481,17 +489,20 @@ def recheck_repro(side_a: Side, side_b: Side, found: dict, changed: str, out_dir
 
 
 def _counterpart_call(trail_other: Trail, index: int, other_entry: dict, trail_new: Trail) -> dict | None:
-    """A repro entry for trail_new's call that is the counterpart of trail_other's call `index` (same operator,
-    same rank among the calls holding the traced token's values), picking the same output; None if none."""
+    """A repro entry for trail_new's call that is the counterpart of trail_other's call `index` (the same step:
+    operator and traced value shapes, at the same rank, as `first_operator` pairs them), picking the same output;
+    None if there is none."""
     from tic.harness import repro as repro_mod
 
     outs_other, _ = trail_rows(trail_other)
     outs_new, _ = trail_rows(trail_new)
     op = other_entry["op"]
-    if index is None or index >= len(trail_other.calls) or trail_other.calls[index].op != op:
+    if index is None or index >= len(trail_other.calls) or trail_other.calls[index].op != op \
+            or not outs_other[index]:
         return None
-    rank = sum(1 for ci in range(index) if outs_other[ci] and trail_other.calls[ci].op == op)
-    same_op = [ci for ci, got in enumerate(outs_new) if got and trail_new.calls[ci].op == op]
+    kind = _step_kind(trail_other, outs_other, index)
+    rank = sum(1 for ci in range(index) if outs_other[ci] and _step_kind(trail_other, outs_other, ci) == kind)
+    same_op = [ci for ci, got in enumerate(outs_new) if got and _step_kind(trail_new, outs_new, ci) == kind]
     if rank >= len(same_op):
         return None
     ci = same_op[rank]

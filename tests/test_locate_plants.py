@@ -13,8 +13,10 @@ from tic.harness.plants import draw_plant, operator_named, run_trial
 
 # plant seeds covering qwen3_moe, llama, mixtral; side A; a norm's operator, a scale moved across a GEMM, an eps;
 # seed 41 (qwen3, side B): the final norm, which on the decode side reads the two addends the last layer kept
-# aside instead of its input (the trail follows the input's tokens into them: provenance.stands_for)
-PLANT_SEEDS = [5, 10, 16, 41]
+# aside instead of its input (the trail follows the input's tokens into them: provenance.stands_for); seed 75
+# (mistral, side B): the final norm's eps, where the decode side's fused pre-add must not shift the pairing of
+# the two sides' eps adds (steps pair by operator and value shape)
+PLANT_SEEDS = [5, 10, 16, 41, 75]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
