@@ -448,8 +448,8 @@ def recheck_repro(side_a: Side, side_b: Side, found: dict, changed: str, out_dir
     in the repro's tensors; the other side's entry stays as emitted, and the emitted script is run on them in a
     fresh process. Exit 0: the two sides now give the same bits there; 1: they still differ.
 
-    The changed side's new entry is, for an operator repro, the same operator at the same rank among the calls
-    touching the traced token as the other side's call (the counterpart rule of `first_operator`); for a module
+    The changed side's new entry is, for an operator repro, the counterpart of the other side's call (the same
+    step: operator and traced value shapes, at the same rank, as `first_operator` pairs them); for a module
     repro, the module's recorded operator sequence. When the repro has no call for one side (its value was the
     input of a conversion only the other side runs), or the changed side no longer runs that operator, both
     sides' module sequences as recorded now are compared instead ("module"), by a newly rendered module repro."""

@@ -210,6 +210,12 @@ def _topk_high_index_first(orig, x, k, dim=-1, **kw):  # ties go to the higher i
     return v, x.shape[dim] - 1 - i
 
 
+def _sort_high_index_first(orig, x, dim=-1, descending=False, stable=False, **kw):
+    # a selection by sorting (a stable sort gives ties to the lower index): ties go to the higher index
+    v, i = orig(x.flip(dim), dim=dim, descending=descending, stable=True, **kw)
+    return torch.return_types.sort((v, x.shape[dim] - 1 - i))
+
+
 # -- the catalogue ---------------------------------------------------------------------------------------
 def _stage_of(name: str) -> str:
     m = re.match(r"(.*\.layers\.\d+)", name)
@@ -336,9 +342,12 @@ def _key_split_plant(name, rng, side, model, branches=True):
 
 
 def _tie_break(name, rng, side, model, branches=True):
+    # the router picks its experts by top-k or by a sort, depending on the kernels: both break ties the other way
     return _p("top-k ties broken towards the higher expert index", name,
-              ("aten.flip.default", "aten.rsub.Scalar", "aten.topk.default"), side,
-              swap_in(name, {"topk": _topk_high_index_first}), prepare=_tie_router(name))
+              ("aten.flip.default", "aten.rsub.Scalar", "aten.topk.default", "aten.sort.stable",
+               "aten.sort.default"), side,
+              swap_in(name, {"topk": _topk_high_index_first, "sort": _sort_high_index_first}),
+              prepare=_tie_router(name))
 
 
 _PLANTS: dict[str, list[Callable]] = {

@@ -15,8 +15,9 @@ from tic.harness.plants import draw_plant, operator_named, run_trial
 # seed 41 (qwen3, side B): the final norm, which on the decode side reads the two addends the last layer kept
 # aside instead of its input (the trail follows the input's tokens into them: provenance.stands_for); seed 75
 # (mistral, side B): the final norm's eps, where the decode side's fused pre-add must not shift the pairing of
-# the two sides' eps adds (steps pair by operator and value shape)
-PLANT_SEEDS = [5, 10, 16, 41, 75]
+# the two sides' eps adds (steps pair by operator and value shape); seed 105 (qwen3_moe, side B): expert ties
+# broken the other way in a router that selects by a stable sort, not top-k
+PLANT_SEEDS = [5, 10, 16, 41, 75, 105]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
