@@ -251,30 +251,28 @@ class OpRecorder(TorchDispatchMode):
         # storages fresh from an uninitialised-memory factory and not yet written (their bits are garbage)
         self.blank: dict[tuple, torch.UntypedStorage] = {}
 
-    # kernels launched from Python outside the dispatcher (Triton) are recorded too, while this mode is active
+    # kernels launched from Python outside the dispatcher (Triton) are recorded too, while this mode is active;
+    # kernel code may hand the provenance values that stand for the module's input (provenance.stands_for)
     def __enter__(self):
         launch_record.attach(self)
+        if self.provenance is not None:
+            provenance_mod.ACTIVE.append(self.provenance)
         try:
             return super().__enter__()
         except BaseException:
-            launch_record.detach(self)
+            self._detach()
             raise
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            launch_record.detach(self)
+            self._detach()
 
-    def __enter__(self):
-        if self.provenance is not None:  # kernel code may hand it values that stand for the module's input
-            provenance_mod.ACTIVE.append(self.provenance)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
+    def _detach(self):
+        launch_record.detach(self)
         if self.provenance is not None and self.provenance in provenance_mod.ACTIVE:
             provenance_mod.ACTIVE.remove(self.provenance)
-        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

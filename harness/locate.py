@@ -512,7 +512,8 @@ def _counterpart_call(trail_other: Trail, index: int, other_entry: dict, trail_n
     side = repro_mod.OpSide(call, where, rows)
     with torch.inference_mode():
         expect = repro_mod._run(side, call.args, dict(call.kwargs), where).detach().clone()
-    return {"op": op, "args": call.args, "kwargs": dict(call.kwargs), "where": where, "expect": expect}
+    return {"op": op, "args": call.args, "kwargs": dict(call.kwargs), "where": where, "expect": expect,
+            "launch": getattr(call.func, "launch_spec", None)}  # as repro.emit keeps it (a kernel launched from Python)
 
 
 def write_chart(path: Path, table: list[dict], gate: str) -> str:

@@ -202,3 +202,26 @@ def test_a_kernel_not_importable_by_its_path_is_recorded_and_said_so(registered)
     launched = [c.op for c in rec.calls if ":" in c.op]
     assert len(launched) == 1 and launched[0].endswith(".<locals>.local_norm"), launched
     assert any("cannot import the kernel" in e for e in rec.errors), rec.errors
+
+
+def test_recheck_after_the_plant_is_removed_relaunches_the_unplanted_kernel(tmp_path, monkeypatch, registered):
+    """locate.recheck_repro on a launched kernel: side B launched again without the plant, the emitted repro
+    exits 0; with the plant still in, 1."""
+    from tic.harness.locate import recheck_repro
+
+    monkeypatch.chdir(tmp_path)
+    a, b = _engines()
+    launch_norms(a.model)
+    launch_norms(b.model, block=16)
+    sp = Sampling(temperature=1.0, max_tokens=3, seed=0)
+    samples = a.generate([[5, 17, 99, 3, 250, 31], [7, 8, 9]], sp, [0, 1])
+    ra, rb = HFCaptureRunner(a), HFCaptureRunner(b)
+    side_a = Side("decode", ra, lambda spec: ra.decode(samples, 0, 2, spec))
+    side_b = Side("score", rb, lambda spec: rb.score(samples, 0, spec))
+    res = locate(side_a, side_b, tmp_path / "out", "plant", 2)
+    assert res["first_operator"] == KERNEL and res["repro_check"]["exit_code"] == 1, res["status"]
+    still = recheck_repro(side_a, side_b, res, "B", tmp_path / "still")
+    assert still["kind"] == "operator" and still["exit_code"] == 1, still
+    launch_norms(b.model)  # the plant removed: side B launches with side A's block size
+    gone = recheck_repro(side_a, side_b, res, "B", tmp_path / "gone")
+    assert gone["kind"] == "operator" and gone["exit_code"] == 0, gone
