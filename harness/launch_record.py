@@ -188,6 +188,9 @@ def _record(rec, entry: LaunchEntry, original, launcher, args: tuple, kwargs: di
         grid_t = _grid(entry, launcher, grid, args, call_kwargs)
         blank = getattr(rec, "blank", {})
         keys = [(i, a) for i, a in enumerate(args)] + list(call_kwargs.items())
+        for _, v in keys:
+            if isinstance(v, torch.Tensor) and Provenance._storage_key(v) in blank:
+                _poison(v)
         before = {k: clone_layout(v) for k, v in keys if isinstance(v, torch.Tensor)}
         recorded = {k: clone_layout(v, zero=True) if Provenance._storage_key(v) in blank else before[k]
                     for k, v in keys if isinstance(v, torch.Tensor)}
@@ -222,6 +225,17 @@ def _record(rec, entry: LaunchEntry, original, launcher, args: tuple, kwargs: di
     except Exception as e:  # noqa: BLE001  the launch ran; only its record is lost
         rec.errors.append(f"{path}: launched, not recorded: {type(e).__name__}: {e}")
     return ret
+
+
+def _poison(t: torch.Tensor) -> None:
+    """Fill a buffer nobody has written yet with one fixed byte pattern before a launch: freed memory handed out
+    again may already hold exactly the bits the launch writes (the same computation just ran), and a write that
+    changes no bit would not be seen. Its contents are undefined anyway, so this changes nothing a kernel may use."""
+    if t.dtype == torch.bool or t.numel() == 0:
+        return
+    pattern = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    pattern.reshape(-1).view(torch.uint8).fill_(0xA5)
+    t.copy_(pattern)
 
 
 def _hooked(entry: LaunchEntry, original):

@@ -225,3 +225,21 @@ def test_recheck_after_the_plant_is_removed_relaunches_the_unplanted_kernel(tmp_
     launch_norms(b.model)  # the plant removed: side B launches with side A's block size
     gone = recheck_repro(side_a, side_b, res, "B", tmp_path / "gone")
     assert gone["kind"] == "operator" and gone["exit_code"] == 0, gone
+
+
+def test_a_write_into_a_fresh_buffer_is_seen_even_when_its_old_bits_were_the_result(registered):
+    """Freed memory handed out again can already hold exactly what the launch writes (the same computation just
+    ran): the launch must still be recorded with that buffer as its output (the recorder fills a buffer nobody
+    wrote with a fixed pattern first)."""
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    w = torch.rand(8, generator=torch.Generator().manual_seed(1)) + 0.5
+    y = tic_fakejit.rms_norm(x, w, 1e-6)
+    with OpRecorder() as rec:
+        out = torch.empty_like(x)  # uninitialised: blank for the recorder
+        rec.busy += 1  # as if the allocator handed back memory holding the result: unseen by the recorder
+        out.copy_(y)
+        rec.busy -= 1
+        tic_fakejit.rms_norm_kernel[(3,)](x, w, out, 8, 1e-6, BLOCK=64)
+    launches = [c for c in rec.calls if c.op == KERNEL]
+    assert len(launches) == 1 and launches[0].func.written == (2,), rec.errors
+    assert torch.equal(launches[0].outputs[0], y)
