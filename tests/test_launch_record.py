@@ -6,7 +6,6 @@ training side's kernels run through tic's autograd wrappers (`Ops`) of each engi
 
 from __future__ import annotations
 
-import copy
 import pickle
 import subprocess
 import sys
@@ -19,15 +18,13 @@ import torch
 from tic.harness import launch_record
 from tic.harness.capture import HFCaptureRunner, OpRecorder
 from tic.harness.engines.base import Sampling
-from tic.harness.engines.hf import HFEngine
 from tic.harness.locate import Side, locate
-from tic.skill.config import load_config
-from tic.skill.context import GateContext
 
 ROOT = Path(__file__).resolve().parent.parent
 SUPPORT = Path(__file__).resolve().parent / "support"
 sys.path.insert(0, str(SUPPORT))
 import tic_fakejit  # noqa: E402
+from tic_locate_pair import engines, locate_pair  # noqa: E402
 
 FAKE = launch_record.LaunchEntry("tic_fakejit", "FakeJIT", "run")
 KERNEL = "tic_fakejit:rms_norm_kernel"
@@ -42,13 +39,7 @@ def registered(monkeypatch):
 
 
 def _engines():
-    """Two consistent-kernel engines over private copies of one model, each with its own kernel provider."""
-    ctx = GateContext(load_config(ROOT / "examples" / "tiny-qwen3" / "tic-consistent.yaml"))
-    a = HFEngine(ctx.model_dir, "float32", kernels="consistent", batch_size=4, micro_batch_size=2)
-    b = HFEngine(ctx.model_dir, "float32", kernels="consistent", batch_size=4, micro_batch_size=2)
-    a.model = copy.deepcopy(a.model)
-    b.model = copy.deepcopy(a.model)
-    return a, b
+    return engines(ROOT / "examples" / "tiny-qwen3" / "tic-consistent.yaml")
 
 
 def launch_norms(model, kernel=tic_fakejit.rms_norm_kernel, block: int = 64) -> None:
@@ -58,14 +49,7 @@ def launch_norms(model, kernel=tic_fakejit.rms_norm_kernel, block: int = 64) -> 
     provider.rms_norm = lambda x, w, eps: tic_fakejit.rms_norm(x, w, eps, kernel=kernel, block=block)
 
 
-def _locate(a, b, out: Path, upto: int = 2) -> dict:
-    sp = Sampling(temperature=1.0, max_tokens=upto + 1, seed=0)
-    prompts = [[5, 17, 99, 3, 250, 31], [7, 8, 9], [400, 2, 77, 13, 14]]
-    samples = a.generate(prompts, sp, [0, 1, 2])
-    ra, rb = HFCaptureRunner(a), HFCaptureRunner(b)
-    side_a = Side("decode", ra, lambda spec: ra.decode(samples, 0, upto, spec))
-    side_b = Side("score", rb, lambda spec: rb.score(samples, 0, spec))
-    return locate(side_a, side_b, out, "plant", upto)
+_locate = locate_pair
 
 
 def _rerun(script: str) -> subprocess.CompletedProcess:

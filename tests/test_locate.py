@@ -4,7 +4,6 @@ the embedded default's real C4/C5 failures are localised through the runner."""
 
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 import sys
@@ -15,37 +14,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tic.harness.capture import HFCaptureRunner
-from tic.harness.engines.base import Sampling
-from tic.harness.engines.hf import HFEngine
 from tic.harness.kernels.consistent_cpu import rowwise
-from tic.harness.locate import Side, locate
 from tic.skill.config import load_config
 from tic.skill.context import GateContext
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+from tic_locate_pair import engines, locate_pair  # noqa: E402
 DENSE = ROOT / "examples" / "tiny-qwen3"
 MOE = ROOT / "examples" / "tiny-qwen3-moe"
 
 
 def _engines(example: Path):
-    """Two consistent-kernel engines over private copies of one model (plants never leak into the cache)."""
-    ctx = GateContext(load_config(example / "tic-consistent.yaml"))
-    a = HFEngine(ctx.model_dir, "float32", kernels="consistent", batch_size=4, micro_batch_size=2)
-    b = HFEngine(ctx.model_dir, "float32", kernels="consistent", batch_size=4, micro_batch_size=2)
-    a.model = copy.deepcopy(a.model)
-    b.model = copy.deepcopy(a.model)
-    return a, b
+    return engines(example / "tic-consistent.yaml")
 
 
-def _run(a: HFEngine, b: HFEngine, out: Path, upto: int = 2):
-    sp = Sampling(temperature=1.0, max_tokens=upto + 1, seed=0)
-    prompts = [[5, 17, 99, 3, 250, 31], [7, 8, 9], [400, 2, 77, 13, 14]]
-    samples = a.generate(prompts, sp, [0, 1, 2])
-    ra, rb = HFCaptureRunner(a), HFCaptureRunner(b)
-    side_a = Side("decode", ra, lambda spec: ra.decode(samples, 0, upto, spec))
-    side_b = Side("score", rb, lambda spec: rb.score(samples, 0, spec))
-    return locate(side_a, side_b, out, "plant", upto)
+_run = locate_pair
 
 
 def _check_repro(res: dict):

@@ -1,0 +1,34 @@
+"""Two consistent-kernel HF engines over private copies of one model, and the locator run between them (decode
+side A vs score side B on three seeded prompts): shared by the locator tests."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from tic.harness.capture import HFCaptureRunner
+from tic.harness.engines.base import Sampling
+from tic.harness.engines.hf import HFEngine
+from tic.harness.locate import Side, locate
+from tic.skill.config import load_config
+from tic.skill.context import GateContext
+
+
+def engines(config: Path) -> tuple[HFEngine, HFEngine]:
+    """Private model copies: a plant on one side never leaks into the other or into the model cache."""
+    ctx = GateContext(load_config(config))
+    a = HFEngine(ctx.model_dir, "float32", kernels="consistent", batch_size=4, micro_batch_size=2)
+    b = HFEngine(ctx.model_dir, "float32", kernels="consistent", batch_size=4, micro_batch_size=2)
+    a.model = copy.deepcopy(a.model)
+    b.model = copy.deepcopy(a.model)
+    return a, b
+
+
+def locate_pair(a: HFEngine, b: HFEngine, out: Path, upto: int = 2) -> dict:
+    sp = Sampling(temperature=1.0, max_tokens=upto + 1, seed=0)
+    prompts = [[5, 17, 99, 3, 250, 31], [7, 8, 9], [400, 2, 77, 13, 14]]
+    samples = a.generate(prompts, sp, [0, 1, 2])
+    ra, rb = HFCaptureRunner(a), HFCaptureRunner(b)
+    side_a = Side("decode", ra, lambda spec: ra.decode(samples, 0, upto, spec))
+    side_b = Side("score", rb, lambda spec: rb.score(samples, 0, spec))
+    return locate(side_a, side_b, out, "plant", upto)
