@@ -123,6 +123,15 @@ def _read_json(path: Path, problems: list[str]) -> dict | None:
     return data
 
 
+def _read_step(path: Path, missing: str, problems: list[str]) -> dict | None:
+    """The record of one baseline step (freeze, approval), or None with the reason added to `problems`: `missing`
+    when the file is absent, else why it cannot be read."""
+    if not path.is_file():
+        problems.append(missing)
+        return None
+    return _read_json(path, problems)
+
+
 def verify(directory: Path) -> BaselineStatus:
     """Is the baseline there, frozen, approved, and are its files still the frozen bytes?"""
     st = BaselineStatus(str(directory))
@@ -132,10 +141,7 @@ def verify(directory: Path) -> BaselineStatus:
         return st
     rec = _read_json(directory / "baseline.json", st.problems)
     st.record = rec or {}
-    if not (directory / FREEZE).is_file():
-        st.problems.append("baseline not frozen (`tic baseline freeze`)")
-        return st
-    fr = _read_json(directory / FREEZE, st.problems)
+    fr = _read_step(directory / FREEZE, "baseline not frozen (`tic baseline freeze`)", st.problems)
     if fr is None:
         return st
     st.frozen = True
@@ -150,10 +156,8 @@ def verify(directory: Path) -> BaselineStatus:
         elif now[name] != frozen_files.get(name):
             st.problems.append(f"{name} changed after the freeze (sha256 {now[name][:12]} vs frozen "
                                f"{str(frozen_files.get(name))[:12]})")
-    if not (directory / APPROVAL).is_file():
-        st.approval_problems.append("frozen baseline not approved (`tic baseline approve --by NAME`)")
-        return st
-    ap = _read_json(directory / APPROVAL, st.approval_problems)
+    ap = _read_step(directory / APPROVAL, "frozen baseline not approved (`tic baseline approve --by NAME`)",
+                    st.approval_problems)
     if ap is None:
         return st
     st.approved_by = str(ap.get("by", ""))

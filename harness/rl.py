@@ -111,8 +111,7 @@ class PolicyGradientTrainer:
 
     def weights_for(self, engine: Engine) -> dict[str, torch.Tensor]:
         """The weights in the form `engine` takes them (its weight_format: module parameters or checkpoint)."""
-        return self.checkpoint_weights() if getattr(engine, "weight_format", "module") == "checkpoint" \
-            else self.weights()
+        return self.checkpoint_weights() if engine.weight_format == "checkpoint" else self.weights()
 
     # -- checkpoints -------------------------------------------------------------------------------------
     def save(self, directory: Path) -> Path:

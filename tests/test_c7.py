@@ -30,14 +30,19 @@ def _ctx(tmp, name):
     return GateContext(cfg)
 
 
-@pytest.fixture(scope="module")
-def dense_ctx(tmp_path_factory):
-    """One rollout shared by the dense tests; each test gets a fresh trainable model."""
+def _rolled_out(tmp_path_factory, name):
+    """A context whose rollout the module's tests share (the model cache is cleared around it)."""
     hf._MODELS.clear()
-    ctx = _ctx(tmp_path_factory.mktemp("c7"), "tiny-qwen3")
+    ctx = _ctx(tmp_path_factory.mktemp(name), name)
     ctx.rollout_samples()
     yield ctx
     hf._MODELS.clear()
+
+
+@pytest.fixture(scope="module")
+def dense_ctx(tmp_path_factory):
+    """One rollout shared by the dense tests; each test gets a fresh trainable model."""
+    yield from _rolled_out(tmp_path_factory, "tiny-qwen3")
 
 
 def _fresh_train_model():
@@ -60,11 +65,7 @@ def test_c7_passes_on_the_consistent_kernels(dense_ctx):
 
 @pytest.fixture(scope="module")
 def moe_ctx(tmp_path_factory):
-    hf._MODELS.clear()
-    ctx = _ctx(tmp_path_factory.mktemp("c7moe"), "tiny-qwen3-moe")
-    ctx.rollout_samples()
-    yield ctx
-    hf._MODELS.clear()
+    yield from _rolled_out(tmp_path_factory, "tiny-qwen3-moe")
 
 
 def test_c7_passes_on_the_moe_model_with_the_reference_routed_as_the_path_under_test(moe_ctx):

@@ -182,6 +182,11 @@ def _own_process_env(patches: list[str], batch_invariant: bool):
         reset()
 
 
+def _pairs(weights) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from a dict or an iterable of pairs (what vLLM's load_weights iterates)."""
+    return list(weights.items()) if isinstance(weights, dict) else list(weights)
+
+
 def _apply_patches(names: list[str]) -> list[str]:
     """The bundled patches of rollout.patches, exactly: set TIC_PATCHES for any process vLLM starts (its plugin
     entry point applies them there) and apply them here, where vLLM may have loaded its plugins already."""
@@ -201,6 +206,9 @@ class VLLMEngine(Engine):
     switch_keys = ("batch_invariant", "patches")
     switch_env = ("VLLM_BATCH_INVARIANT", "TIC_PATCHES")
     weight_format = "checkpoint"  # weight sync hands it checkpoint names/layouts, which its loaders map
+    effective: dict = {}  # what vLLM made of the options (set once the LLM exists)
+    _start_env: dict | None = None  # an engine core of its own: the switch variables it started with
+    _weights_changed = False  # C8/C9 synced other weights in: release() restores the checkpoint's
 
     def __init__(self, model_dir: Path, dtype: str, options: dict, batch_size: int, max_positions: int,
                  vocab_size: int, patch_names: list[str] | None = None, tp: int = 1, ep: int = 1, dp: int = 1,
@@ -297,7 +305,7 @@ class VLLMEngine(Engine):
     def process_environment(self) -> dict:
         """An engine core of its own runs with the patches and switch variables it started with, whatever this
         process has applied or set since (C1/C10 fingerprint that, not this process's state)."""
-        if getattr(self, "_start_env", None) is None:
+        if self._start_env is None:
             return {}
         return {"env": dict(self._start_env), "patches": list(self.patches)}
 
@@ -309,7 +317,7 @@ class VLLMEngine(Engine):
 
     def fingerprint(self) -> dict:
         return {"engine": self.name, "vllm": self.vllm_version, "batch_invariant": self.batch_invariant,
-                "patches": list(self.patches), "effective": dict(getattr(self, "effective", {})),
+                "patches": list(self.patches), "effective": dict(self.effective),
                 "batch_size": self.batch_size,
                 "llm": {k: v if isinstance(v, (int, float, bool, str, type(None))) else json.dumps(v, default=str)
                         for k, v in self.llm_kwargs.items()}}
@@ -330,7 +338,7 @@ class VLLMEngine(Engine):
         """The trainer's (HF-named) tensors through the model's own `load_weights`: vLLM's weight loaders copy
         each one into its slice of the existing (fused) parameter, so the addresses CUDA graphs captured keep
         serving. The prefix cache is reset: its KV blocks were computed under the old weights."""
-        items = list(weights.items()) if isinstance(weights, dict) else list(weights)
+        items = _pairs(weights)
 
         def load(model):
             loaded = model.load_weights(iter(items))
@@ -348,7 +356,7 @@ class VLLMEngine(Engine):
         model's own loaders into scratch copies of every parameter (NaN-filled), which are then compared with
         the live ones; a parameter the trainer's weights do not reach counts as unequal. vLLM's fusions and
         layouts are thereby handled by vLLM itself, for any architecture."""
-        items = list(weights.items()) if isinstance(weights, dict) else list(weights)
+        items = _pairs(weights)
 
         def check(model):
             params = dict(model.named_parameters())
@@ -376,21 +384,14 @@ class VLLMEngine(Engine):
     def release(self) -> None:
         """After C8/C9 changed this engine's weights in place: the checkpoint's weights back (the LLM is shared
         by every gate of this process with the same configuration)."""
-        if not getattr(self, "_weights_changed", False):
+        if not self._weights_changed:
             return
-        from safetensors.torch import safe_open
+        from safetensors.torch import load_file
 
         files = sorted(self.model_dir.glob("*.safetensors"))
         if not files:
             raise TicInputError(f"cannot restore the rollout weights: no safetensors in {self.model_dir}")
-
-        def originals():
-            for f in files:
-                with safe_open(str(f), framework="pt") as h:
-                    for k in h.keys():
-                        yield k, h.get_tensor(k)
-
-        self.load_weights_inplace(dict(originals()), 0)
+        self.load_weights_inplace({k: v for f in files for k, v in load_file(str(f)).items()}, 0)
         self._weights_changed = False
 
     # -- helpers -------------------------------------------------------------------------------------------

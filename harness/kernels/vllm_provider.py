@@ -44,6 +44,13 @@ def require_vllm(device: str = "cuda") -> None:
                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
 
 
+def _in_pages(t: torch.Tensor, pages, block_size: int) -> torch.Tensor:
+    """Packed K or V [N, heads, D] written into a zeroed paged cache [blocks, block_size, heads, D] at its slots."""
+    cache = t.new_zeros(pages.num_blocks, block_size, t.shape[1], t.shape[2])
+    cache.view(-1, t.shape[1], t.shape[2])[pages.slots] = t
+    return cache
+
+
 class VLLMProvider(KernelProvider):
     name = "vllm"
     fuse_projections = True
@@ -81,7 +88,7 @@ class VLLMProvider(KernelProvider):
             try:
                 from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
 
-                return lambda x, w, b: linear_batch_invariant(x, w, b)
+                return linear_batch_invariant
             except ImportError:
                 pass
         try:
@@ -210,11 +217,8 @@ class VLLMProvider(KernelProvider):
             pages = paged_layout(vl.cu_seqlens, bs)
             self._varlen = (mask, vl, pages, bs)
         flat = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], t.shape[-1])[vl.index].contiguous()  # noqa: E731
-        qf, kf, vf = flat(q), flat(k), flat(v)
-        k_cache = kf.new_zeros(pages.num_blocks, bs, kf.shape[1], kf.shape[2])
-        v_cache = vf.new_zeros(pages.num_blocks, bs, vf.shape[1], vf.shape[2])
-        k_cache.view(-1, kf.shape[1], kf.shape[2])[pages.slots] = kf
-        v_cache.view(-1, vf.shape[1], vf.shape[2])[pages.slots] = vf
+        qf = flat(q)
+        k_cache, v_cache = (_in_pages(flat(t), pages, bs) for t in (k, v))
         out = flash_attn_varlen_func(q=qf, k=k_cache, v=v_cache, cu_seqlens_q=vl.cu_seqlens, max_seqlen_q=vl.max_seqlen,
                                      seqused_k=pages.seq_lens, max_seqlen_k=vl.max_seqlen, softmax_scale=scale,
                                      causal=True, block_table=pages.block_table, fa_version=self.fa_version)
