@@ -81,6 +81,29 @@ def timed(fn, repeats):
     return statistics.median(times), peak, peak - resident
 
 
+def profile_steps(*named_fns, top: int) -> None:
+    """CUDA time per tic operator range (tic.forward.<op> / tic.backward.<op>, inclusive) and per kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, fn in named_fns:
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+        rows = prof.key_averages()
+        dev = lambda r: getattr(r, "device_time_total", None) or getattr(r, "cuda_time_total", 0)  # noqa: E731
+        total = sum(dev(r) for r in rows if r.device_type.name == "CUDA") / 3
+        print(f"\n   profile {name}: {total / 1e3:.2f} ms of kernels per step")
+        ranges = sorted((r for r in rows if r.key.startswith("tic.")), key=dev, reverse=True)
+        for r in ranges[:top]:
+            print(f"     {r.key:32s} {dev(r) / 3e3:9.3f} ms/step  {r.count // 3:5d} calls")
+        kernels = sorted((r for r in rows if r.device_type.name == "CUDA"), key=dev, reverse=True)
+        for r in kernels[:top]:
+            print(f"     {r.key[:90]:90s} {dev(r) / 3e3:9.3f} ms/step  {r.count // 3:5d} calls")
+
+
 # -- check 1: wrapper forward == direct vLLM kernel -----------------------------------------------------------
 def kernel_checks(ops, moe: bool) -> list[tuple[str, bool, str]]:
     from vllm import _custom_ops as vops
@@ -170,6 +193,9 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--strict-time", action="store_true", help="fail the run when the step ratio misses 1.3x")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile 3 steps of each and print the N largest CUDA-time rows: tic's per-operator "
+                         "forward/backward ranges, then kernels")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("FAIL: no CUDA GPU")
@@ -246,6 +272,8 @@ def main() -> int:
         print(f"   {name:28s} {1e3 * t:15.2f} {m / 2**30:11.2f} {d / 2**30:16.2f}")
     print(f"   ratio tic/plain: time {ratio:.2f}x (goal <= 1.3x{'' if ratio <= 1.3 else ', MISSED'}), "
           f"step memory {d_tic / max(d_plain, 1):.2f}x")
+    if args.profile:
+        profile_steps(("plain", plain_fn), ("tic", tic_fn), top=args.profile)
     if args.strict_time and ratio > 1.3:
         failed = True
     print("\nRESULT:", "FAIL" if failed else "ok")

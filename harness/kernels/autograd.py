@@ -15,7 +15,7 @@ gates knowing about it: C7 must catch such faults by measurement alone.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -129,12 +129,20 @@ class Op:
     backward: Callable | None = None  # (tensors, grads, kw) -> input grads (instead of the reference)
 
 
+def _profiled(what: str):
+    """A named range while torch's profiler runs (benchmarks break a step down per operator), else nothing."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.autograd.profiler.record_function(what)
+    return nullcontext()
+
+
 class KernelFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op: Op, provider, kw: dict, *tensors):
         ctx.op, ctx.kw, ctx.n_in = op, kw, len(tensors)
         ctx.guard = WeightGuard(tensors)
-        out = op.kernel(provider, *tensors, **kw)
+        with _profiled(f"tic.forward.{op.name}"):
+            out = op.kernel(provider, *tensors, **kw)
         outs = out if isinstance(out, tuple) else (out,)
         fixed = [o for o in outs if not o.is_floating_point()]
         if fixed:
@@ -144,6 +152,11 @@ class KernelFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        with _profiled(f"tic.backward.{ctx.op.name}"):
+            return KernelFunction._backward(ctx, *grads)
+
+    @staticmethod
+    def _backward(ctx, *grads):
         op = ctx.op
         for _, before in _FAULTS.get(op.name, []):
             if before is not None:
