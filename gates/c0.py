@@ -18,7 +18,8 @@ def measure(ctx) -> dict:
         side_cfg = getattr(cfg, side)
         layouts[side] = side_cfg.parallel.describe()
         options = side_cfg.options if side_cfg.engine == "hf" else None
-        rejected += layout_refusals(side, side_cfg.parallel, options)
+        rejected += layout_refusals(side, side_cfg.parallel, options, side_cfg.engine,
+                                    getattr(side_cfg, "patches", ()))
     if cfg.training.updates_per_step > 1:
         rejected.append(f"training.updates_per_step={cfg.training.updates_per_step}: from the second mini-batch "
                         "on, training weights differ from sampling weights, which diff = 0 does not cover")
@@ -33,10 +34,9 @@ def measure(ctx) -> dict:
         notes.append(f"model_type {manifest['model_type']!r} has no family entry; classes come from tensor names")
     if manifest["mtp_layers"]:
         notes.append(f"{manifest['mtp_layers']} MTP layer(s) in the checkpoint: keep them off in rollout")
-    if cfg.rollout.engine == "vllm" and cfg.rollout.parallel.ep > 1:
-        notes.append("rollout.parallel.ep > 1 on vLLM: its default EP exchange (allgather_reducescatter) sums each "
-                     "rank's expert outputs and reduce-scatters the partial sums; with top-k >= 3 that order "
-                     "follows the EP degree. C5 decides; guides/ops/parallel-layouts.md")
+    if cfg.rollout.engine == "vllm" and cfg.rollout.parallel.dp > 1 and cfg.rollout.parallel.ep == 1:
+        notes.append(f"rollout.parallel.dp={cfg.rollout.parallel.dp} with ep=1 on vLLM: tic runs independent "
+                     "replicas (vLLM's coupled DP would shard each MoE expert over the DP ranks as tensor parallel)")
     return {
         "metrics": {"layers": manifest["num_layers"], "operator_classes": len(manifest["operator_classes"]),
                     "rejected": len(rejected)},

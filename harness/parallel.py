@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tic.core.errors import TicInputError
+
 COMBINES = ("slot_order", "slot_order_allgather", "rank_partials")
 
 
@@ -42,7 +44,11 @@ COVERED = ("data parallel (requests split), expert parallel whose exchange only 
            "concatenated); TP = 1 and no decode context parallel")
 
 
-def layout_refusals(side: str, parallel, options: dict | None = None) -> list[str]:
+SLOT_ORDER_PATCH = "moe-slot-order-sum"  # the bundled vLLM patch that merges expert outputs by this rule
+
+
+def layout_refusals(side: str, parallel, options: dict | None = None, engine: str = "hf",
+                    patches: list[str] | tuple = ()) -> list[str]:
     """Why a side's layout is outside the method: every cross-rank reduction on the compared path."""
     out = []
     if parallel.tp > 1:
@@ -51,6 +57,10 @@ def layout_refusals(side: str, parallel, options: dict | None = None) -> list[st
     if parallel.dcp > 1:
         out.append(f"{side}.parallel.dcp={parallel.dcp}: decode context parallel merges attention partials "
                    "across ranks (a reduction on the compared path)")
+    if engine == "vllm" and parallel.ep > 1 and SLOT_ORDER_PATCH not in patches:
+        out.append(f"{side}.parallel.ep={parallel.ep} on vLLM without the {SLOT_ORDER_PATCH} patch: each rank sums "
+                   "its own experts' outputs and the partial sums are reduce-scattered across ranks, an order that "
+                   f"follows the EP degree; add {side}.patches: [{SLOT_ORDER_PATCH}]")
     if parallel.ep > 1 and (options or {}).get("expert_combine") == "rank_partials":
         out.append(f"{side}.options.expert_combine={options['expert_combine']}: expert partial sums reduced "
                    "across ranks follow the EP degree; merge on the owning rank in slot order")
@@ -255,15 +265,19 @@ def ep_group(rank: int, world: int, ep: int):
     return mine
 
 
-def _rank_main(rank, world, port, conn, setup, setup_args, threads, timeout_s):
+def _rank_main(rank, world, port, conn, setup, setup_args, threads, timeout_s, backend):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     if threads:
         torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        if backend:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
         state = setup(rank, world, *setup_args) if setup else {}
         conn.send_bytes(pickle.dumps(("ok", None)))
+    except TicInputError as e:
+        conn.send_bytes(pickle.dumps(("input", f"rank {rank}: {e}")))
+        return
     except Exception as e:
         conn.send_bytes(pickle.dumps(("err", f"rank {rank} setup: {type(e).__name__}: {e}\n"
                                               f"{traceback.format_exc()}")))
@@ -278,6 +292,8 @@ def _rank_main(rank, world, port, conn, setup, setup_args, threads, timeout_s):
         fn, args = msg
         try:
             res = ("ok", fn(state, *args))
+        except TicInputError as e:
+            res = ("input", f"rank {rank}: {e}")
         except Exception as e:
             res = ("err", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         try:
@@ -285,7 +301,8 @@ def _rank_main(rank, world, port, conn, setup, setup_args, threads, timeout_s):
         except Exception as e:  # noqa: BLE001 - a result that cannot leave the process is an error, not a hang
             blob = pickle.dumps(("err", f"rank {rank}: result not picklable: {type(e).__name__}: {e}"))
         conn.send_bytes(blob)
-    dist.destroy_process_group()
+    if backend:
+        dist.destroy_process_group()
 
 
 class RankPool:
@@ -293,10 +310,13 @@ class RankPool:
 
     setup(rank, world, *setup_args) builds each rank's state once; call(fn, per_rank_args) runs
     fn(state, *args) on every rank at once (fn must be importable) and returns the results in rank order.
-    Every wait is bounded: a rank that dies or hangs ends the pool with an error instead of a stuck test."""
+    Every wait is bounded: a rank that dies or hangs ends the pool with an error instead of a stuck test.
+    backend=None: no process group (the ranks' own library, e.g. vLLM, builds its groups); daemon=False lets a
+    rank start processes of its own (close() still ends the ranks)."""
 
     def __init__(self, world: int, setup: Callable | None = None, setup_args: tuple = (),
-                 timeout_s: float = 300.0, threads: int | None = None):
+                 timeout_s: float = 300.0, threads: int | None = None, backend: str | None = "gloo",
+                 daemon: bool = True):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
@@ -305,8 +325,8 @@ class RankPool:
         self.conns, self.procs = [], []
         for r in range(world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, daemon=True,
-                            args=(r, world, port, child, setup, setup_args, threads, timeout_s))
+            p = ctx.Process(target=_rank_main, daemon=daemon,
+                            args=(r, world, port, child, setup, setup_args, threads, timeout_s, backend))
             p.start()
             child.close()
             self.conns.append(parent)
@@ -325,6 +345,9 @@ class RankPool:
                     self.close()
                     raise RuntimeError(f"rank {r} did not answer within {self.timeout_s:.0f} s")
             status, value = pickle.loads(c.recv_bytes())
+            if status == "input":  # bad input met inside a rank stays bad input (one line, exit 2)
+                self.close()
+                raise TicInputError(value)
             if status == "err":
                 self.close()
                 raise RuntimeError(value)

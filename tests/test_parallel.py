@@ -187,14 +187,17 @@ def test_unknown_hf_option_is_an_input_error(moe_top4, workdir, tic):
     assert code == 2 and "expert_combine" in err
 
 
-def test_c0_notes_vllm_expert_parallel_merge(moe_top4, workdir, tic):
+@pytest.mark.parametrize("patches, verdict", [("[]", "fail"), ("[moe-slot-order-sum]", "pass")])
+def test_c0_refuses_vllm_expert_parallel_without_the_slot_order_merge(moe_top4, workdir, tic, patches, verdict):
     import json
 
     cfg = moe_top4 / "vllm-ep.yaml"
-    cfg.write_text("model: {path: ., generate: {seed: 0}}\nrollout: {engine: vllm, parallel: {tp: 1, dp: 2, ep: 2}}\n")
+    cfg.write_text("model: {path: ., generate: {seed: 0}}\n"
+                   f"rollout: {{engine: vllm, parallel: {{tp: 1, dp: 2, ep: 2}}, patches: {patches}}}\n")
     code, out, _ = tic("gate", "C0", "-c", str(cfg), "--json")
     rec = json.loads(out)["results"][0]
-    assert code == 0 and any("allgather_reducescatter" in n for n in rec["details"]["notes"])
+    assert rec["verdict"] == verdict and code == (1 if verdict == "fail" else 0)
+    assert ("moe-slot-order-sum patch" in rec["reason"]) == (verdict == "fail")
 
 
 def test_ep1_merge_is_the_cpu_providers_moe_experts():

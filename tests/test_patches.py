@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -16,83 +15,9 @@ from tic import patches
 from tic.core.errors import TicInputError
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+from tic_fake_vllm import make_fake_vllm  # noqa: E402
 ALL = sorted(patches.registry())
-
-FAKE = {
-    "vllm/__init__.py": "__version__ = '{version}'\n",
-    "vllm/v1/__init__.py": "", "vllm/v1/attention/__init__.py": "", "vllm/v1/attention/backends/__init__.py": "",
-    "vllm/v1/attention/backends/flash_attn.py": """
-        def flash_attn_varlen_func(**kwargs):
-            return kwargs
-
-        def use_cascade_attention(*args, **kwargs):
-            return True
-        """,
-    "vllm/model_executor/__init__.py": "", "vllm/model_executor/layers/__init__.py": "",
-    "vllm/model_executor/layers/utils.py": """
-        import torch
-
-        def default_unquantized_gemm(layer, x, weight, bias=None):
-            # like cuBLAS, another kernel (here: split-K) above a row count
-            x2 = x.reshape(-1, x.shape[-1])
-            if x2.shape[0] > 64:
-                k = x2.shape[1] // 2
-                y = x2[:, :k] @ weight[:, :k].T + x2[:, k:] @ weight[:, k:].T
-            else:
-                y = x2 @ weight.T
-            y = y if bias is None else y + bias
-            return y.view(*x.shape[:-1], weight.shape[0])
-
-        def dispatch_unquantized_gemm():
-            return default_unquantized_gemm
-        """,
-    "vllm/model_executor/layers/linear.py": "from vllm.model_executor.layers.utils import dispatch_unquantized_gemm\n",
-    "vllm/_custom_ops.py": """
-        import torch
-
-        def fused_add_rms_norm(input, residual, weight, epsilon):
-            torch.ops._C.fused_add_rms_norm(input, residual, weight, epsilon)
-        """,
-    "vllm/kernels/__init__.py": "",
-    "vllm/kernels/vllm_c.py": """
-        import torch
-        from vllm import ir
-
-        def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None):
-            torch.ops._C.fused_add_rms_norm(x, x_residual, weight, epsilon)
-            return x, x_residual
-
-        ir.ops.fused_add_rms_norm.impls["vllm_c"] = ir.Impl(fused_add_rms_norm)
-        """,
-    "vllm/ir/__init__.py": """
-        class Impl:
-            def __init__(self, fn):
-                self.impl_fn = fn
-
-        class _Op:
-            def __init__(self):
-                self.impls = {}
-
-        class ops:
-            fused_add_rms_norm = _Op()
-        """,
-    "vllm/plugins/__init__.py": """
-        from importlib.metadata import entry_points
-
-        def load_general_plugins():
-            for ep in entry_points(group="vllm.general_plugins"):
-                ep.load()()
-        """,
-}
-
-
-def make_fake_vllm(root: Path, version: str = "0.26.0") -> Path:
-    for rel, text in FAKE.items():
-        p = root / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(textwrap.dedent(text).lstrip().replace("{version}", version))
-    return root
-
 
 def _define_block_dependent_rmsnorm():
     """A CPU stand-in for vLLM's `_C.fused_add_rms_norm` with the launcher's flaw made loud: below 256 rows the
@@ -135,7 +60,7 @@ def fake_vllm(tmp_path, monkeypatch):
 
 def test_registry_metadata_is_complete():
     reg = patches.registry()
-    assert set(reg) == {"fa3-fixed-tile", "gemm-fixed-m", "rmsnorm-fixed-block"}
+    assert set(reg) == {"fa3-fixed-tile", "gemm-fixed-m", "moe-slot-order-sum", "rmsnorm-fixed-block"}
     for name, p in reg.items():
         assert p.target == "vllm" and p.gate in {f"C{i}" for i in range(11)}
         assert p.symptom and p.fix and p.cost

@@ -48,6 +48,10 @@ def build_engine(ctx, side: str, side_cfg=None, shared_model: bool = True) -> En
     if side_cfg.engine == "vllm":
         if side != "rollout":
             raise TicInputError("vllm is a rollout engine; use train.engine: hf or dump")
+        if par.dp > 1:  # one rank process per DP rank, each with its own in-process engine
+            from tic.harness.engines.vllm_ranks import RankedVLLMEngine
+
+            return RankedVLLMEngine.from_config(side_cfg, ctx)
         try:
             from tic.harness.engines.vllm import VLLMEngine
         except ImportError as e:

@@ -214,11 +214,11 @@ class VLLMEngine(Engine):
                  vocab_size: int, patch_names: list[str] | None = None, tp: int = 1, ep: int = 1, dp: int = 1,
                  dcp: int = 1):
         self.opts = check_options(options)
-        if dp > 1:
-            # offline vLLM runs one engine per DP rank (VLLM_DP_RANK/SIZE or torchrun external_launcher);
-            # this in-process engine is one of them
+        if dp > 1 and os.environ.get("VLLM_DP_SIZE") != str(dp):
+            # offline vLLM runs one engine per DP rank (VLLM_DP_RANK/SIZE set by tic's rank processes,
+            # tic.harness.engines.vllm_ranks); this in-process engine is one of them
             raise TicInputError(f"rollout.parallel.dp={dp}: the in-process vllm engine runs one DP rank; "
-                                "data parallel needs one engine process per rank")
+                                "data parallel runs one engine process per rank (tic.harness.engines.vllm_ranks)")
         if ep not in (1, dp * tp):
             raise TicInputError(f"rollout.parallel.ep={ep}: vLLM's expert parallel spans all DP x TP ranks "
                                 f"(ep = {dp * tp} here, or 1)")

@@ -1,0 +1,208 @@
+"""vLLM on several GPUs: one rank process per data-parallel rank, each holding tic's in-process vLLM engine.
+
+Two layouts, both as RL rollouts run them:
+- `dp > 1, ep = 1`: independent replicas, one GPU each (CUDA_VISIBLE_DEVICES). A request lives on one replica
+  and no collective touches it. (vLLM's own coupled DP would shard every MoE expert over the DP ranks as
+  tensor parallel, an all-reduce on the compared path; replicas avoid that.)
+- `ep = dp * tp` (tp = 1): vLLM's offline SPMD data parallel (VLLM_DP_RANK/SIZE/MASTER_IP/PORT) with
+  `enable_expert_parallel`: attention per rank, the experts split over the ranks, tokens all-gathered into
+  every MoE layer and the outputs reduce-scattered back. The ranks step together (vLLM runs dummy batches on a
+  rank without work), so every rank makes the same sequence of generate calls: a rank with fewer requests
+  runs placeholder requests whose outputs are dropped.
+
+Requests are dealt round-robin (request i on rank i % dp), the same rule as the hf rank engine; every sample
+records its rank and the layout.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+
+import torch
+
+from tic.core.errors import TicInputError
+from tic.harness.engines.base import Engine, Sample, Sampling
+from tic.harness.parallel import RankPool, free_port
+
+PLACEHOLDER = [0]  # one token: a request a rank runs only to take its turn in the lockstep
+PLACEHOLDER_ID = -1
+
+
+# -- inside each rank ----------------------------------------------------------------------------------------
+def _setup_rank(rank: int, world: int, engine_kwargs: dict, spmd: bool, master_port: int, engine_path: str) -> dict:
+    record = engine_kwargs["options"].get("record")
+    if record:  # one record file per rank (ranks write at once)
+        p = Path(record)
+        engine_kwargs = {**engine_kwargs, "options": {**engine_kwargs["options"],
+                                                      "record": str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))}}
+    if spmd:
+        os.environ.update({"VLLM_DP_RANK": str(rank), "VLLM_DP_RANK_LOCAL": str(rank), "VLLM_DP_SIZE": str(world),
+                           "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(master_port)})
+    else:  # a replica sees only its own GPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    import importlib
+
+    module, cls = engine_path.split(":")
+    engine = getattr(importlib.import_module(module), cls)(**engine_kwargs)
+    return {"engine": engine, "rank": rank, "spmd": spmd}
+
+
+def _info(state: dict) -> dict:
+    eng = state["engine"]
+    return {"fingerprint": eng.fingerprint(), "kv_block_size": eng.kv_block_size,
+            "max_num_seqs": eng.max_num_seqs, "vllm_version": eng.vllm_version, "patches": list(eng.patches),
+            "batch_invariant": eng.batch_invariant, "process_environment": eng.process_environment()}
+
+
+def _turns(state: dict, calls: list[tuple[list, list]], turns: int, run) -> list:
+    """Run this rank's calls, then placeholder calls until it has taken `turns` turns (SPMD lockstep)."""
+    out = []
+    for items, ids in calls:
+        out += run(items, ids)
+    for _ in range(turns - len(calls) if state["spmd"] else 0):
+        run(None, None)
+    return out
+
+
+def _generate_rank(state: dict, calls: list, turns: int, sampling: Sampling) -> list[Sample]:
+    eng = state["engine"]
+
+    def run(prompts, ids):
+        if prompts is None:
+            eng.generate_together([PLACEHOLDER], Sampling(temperature=sampling.temperature, max_tokens=1,
+                                                          seed=sampling.seed), [PLACEHOLDER_ID])
+            return []
+        return eng.generate_together(prompts, sampling, ids)
+
+    out = _turns(state, calls, turns, run)
+    for s in out:
+        s.meta["rank"] = state["rank"]
+    return out
+
+
+def _score_rank(state: dict, calls: list, turns: int, sampling: Sampling) -> list[torch.Tensor]:
+    eng = state["engine"]
+
+    def run(samples, _ids):
+        if samples is None:
+            eng.score([Sample(prompt_ids=list(PLACEHOLDER), response_ids=[0], logprobs=torch.zeros(1),
+                              id=PLACEHOLDER_ID)], sampling)
+            return []
+        return eng.score(samples, sampling)
+
+    return _turns(state, calls, turns, run)
+
+
+# -- in the calling process ----------------------------------------------------------------------------------
+class RankedVLLMEngine(Engine):
+    """Same interface as VLLMEngine for generation and scoring; the work runs on dp rank processes."""
+
+    name = "vllm"
+
+    def __init__(self, engine_kwargs: dict, dp: int, ep: int = 1, tp: int = 1, timeout_s: float = 900.0,
+                 engine_path: str = "tic.harness.engines.vllm:VLLMEngine"):
+        """engine_kwargs: VLLMEngine's arguments except the layout; engine_path: the engine class each rank
+        builds (tests put a stand-in there)."""
+        if tp != 1:
+            raise TicInputError(f"rollout.parallel.tp={tp}: tic's vLLM ranks run TP = 1 (C0: TP > 1 is not covered)")
+        if ep not in (1, dp):
+            raise TicInputError(f"rollout.parallel.ep={ep}: vLLM's expert parallel spans all DP x TP ranks "
+                                f"(ep = {dp} here, or 1 for independent replicas)")
+        if torch.cuda.is_available() and torch.cuda.device_count() < dp:
+            raise TicInputError(f"rollout.parallel.dp={dp} needs {dp} GPUs; this machine has "
+                                f"{torch.cuda.device_count()}")
+        self.dp, self.ep, self.spmd = dp, ep, ep > 1
+        self.layout = f"DP{dp} EP{ep}" if self.spmd else f"DP{dp} (replicas)"
+        kwargs = {**engine_kwargs, "dp": dp if self.spmd else 1, "ep": ep, "tp": 1}
+        self.pool = RankPool(dp, _setup_rank, (kwargs, self.spmd, free_port(), engine_path), timeout_s=timeout_s,
+                             backend=None, daemon=False)
+        weakref.finalize(self, self.pool.close)
+        info = self.pool.call(_info, [()] * dp)
+        first = info[0]
+        self.batch_size = int(engine_kwargs.get("batch_size", 8))
+        self.vllm_version, self.patches = first["vllm_version"], first["patches"]
+        self.batch_invariant, self.kv_block_size = first["batch_invariant"], first["kv_block_size"]
+        self.max_num_seqs = first["max_num_seqs"]
+        self._fingerprint = {**first["fingerprint"], "parallel": self.layout}
+        self._process_environment = first["process_environment"]
+        # what a training provider in this process must match: the rollout's KV pages (FA3 picks its tile from
+        # them) and its bundled patches (it applies TIC_PATCHES, as every vLLM process of the rollout does)
+        from tic import patches as tic_patches
+
+        os.environ["TIC_VLLM_BLOCK_SIZE"] = str(self.kv_block_size)
+        os.environ[tic_patches.ENV_VAR] = ",".join(self.patches)
+
+    @classmethod
+    def from_config(cls, side_cfg, ctx) -> "RankedVLLMEngine":
+        c = ctx.model_config
+        text = c.get("text_config", c)
+        opts = dict(side_cfg.options)
+        if opts.get("record"):
+            opts["record"] = str(ctx.cfg.resolve(Path(opts["record"])))
+        if opts.get("engine_process", "inline") != "inline":
+            raise TicInputError("rollout.options.engine_process: vLLM rank processes run their engine inline")
+        kwargs = dict(model_dir=ctx.model_dir, dtype=ctx.dtype, options=opts, batch_size=side_cfg.batch_size,
+                      max_positions=int(text.get("max_position_embeddings", 2048)), vocab_size=ctx.vocab_size,
+                      patch_names=list(side_cfg.patches))
+        p = side_cfg.parallel
+        return cls(kwargs, p.dp, p.ep, p.tp)
+
+    def owner_rank(self, index: int) -> int:
+        """The DP rank that holds the index-th request of a call (its rows never leave it)."""
+        return index % self.dp
+
+    def _deal(self, n: int) -> list[list[int]]:
+        return [[i for i in range(n) if self.owner_rank(i) == r] for r in range(self.dp)]
+
+    def _calls(self, items: list, ids: list, chunk: int) -> tuple[list[list[int]], list, int]:
+        """Each rank's share in generate calls of at most `chunk` items, and the turns every rank takes."""
+        shares = self._deal(len(items))
+        calls = [[([items[i] for i in s[j:j + chunk]], [ids[i] for i in s[j:j + chunk]])
+                  for j in range(0, len(s), chunk)] for s in shares]
+        return shares, calls, max(1, *(len(c) for c in calls))
+
+    @staticmethod
+    def _gather(shares: list[list[int]], results: list[list], n: int) -> list:
+        out: list = [None] * n
+        for idx, res in zip(shares, results):
+            if len(res) != len(idx):
+                raise RuntimeError(f"a rank returned {len(res)} results for {len(idx)} requests")
+            for i, x in zip(idx, res):
+                out[i] = x
+        return out
+
+    def _generate(self, prompts, sampling: Sampling, request_ids, chunk: int) -> list[Sample]:
+        shares, calls, turns = self._calls(list(prompts), list(request_ids), chunk)
+        res = self.pool.call(_generate_rank, [(c, turns, sampling) for c in calls])
+        out = self._gather(shares, res, len(prompts))
+        for s in out:
+            s.meta["layout"] = self.layout
+        return out
+
+    def generate(self, prompts, sampling: Sampling, request_ids) -> list[Sample]:
+        return self._generate(prompts, sampling, request_ids, self.batch_size)
+
+    def generate_together(self, prompts, sampling: Sampling, request_ids) -> list[Sample]:
+        """One global batch: each DP rank runs its share of it as one batch."""
+        return self._generate(prompts, sampling, request_ids, max(1, len(prompts)))
+
+    def score(self, samples: list[Sample], sampling: Sampling) -> list[torch.Tensor]:
+        shares, calls, turns = self._calls(list(samples), [s.id for s in samples], self.batch_size)
+        res = self.pool.call(_score_rank, [(c, turns, sampling) for c in calls])
+        return self._gather(shares, res, len(samples))
+
+    def fingerprint(self) -> dict:
+        return dict(self._fingerprint)
+
+    def process_environment(self) -> dict:
+        return dict(self._process_environment)
+
+    def capture_runner(self, temperature: float):
+        # not an input error: the gate's verdict stands and its record says why nothing was located
+        raise NotImplementedError(f"the locator replays one vLLM process; this rollout runs {self.layout}. Rerun the "
+                            "failing request with rollout.parallel dp = 1 (and the same patches) to locate it")
+
+    def close(self) -> None:
+        self.pool.close()

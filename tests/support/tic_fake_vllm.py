@@ -1,0 +1,90 @@
+"""A stand-in vLLM with the module paths the bundled patches touch (CPU tests of tic.patches)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+FAKE = {
+    "vllm/__init__.py": "__version__ = '{version}'\n",
+    "vllm/v1/__init__.py": "", "vllm/v1/attention/__init__.py": "", "vllm/v1/attention/backends/__init__.py": "",
+    "vllm/v1/attention/backends/flash_attn.py": """
+        def flash_attn_varlen_func(**kwargs):
+            return kwargs
+
+        def use_cascade_attention(*args, **kwargs):
+            return True
+        """,
+    "vllm/model_executor/__init__.py": "", "vllm/model_executor/layers/__init__.py": "",
+    "vllm/model_executor/layers/utils.py": """
+        import torch
+
+        def default_unquantized_gemm(layer, x, weight, bias=None):
+            # like cuBLAS, another kernel (here: split-K) above a row count
+            x2 = x.reshape(-1, x.shape[-1])
+            if x2.shape[0] > 64:
+                k = x2.shape[1] // 2
+                y = x2[:, :k] @ weight[:, :k].T + x2[:, k:] @ weight[:, k:].T
+            else:
+                y = x2 @ weight.T
+            y = y if bias is None else y + bias
+            return y.view(*x.shape[:-1], weight.shape[0])
+
+        def dispatch_unquantized_gemm():
+            return default_unquantized_gemm
+        """,
+    "vllm/model_executor/layers/linear.py": "from vllm.model_executor.layers.utils import dispatch_unquantized_gemm\n",
+    "vllm/_custom_ops.py": """
+        import torch
+
+        def fused_add_rms_norm(input, residual, weight, epsilon):
+            torch.ops._C.fused_add_rms_norm(input, residual, weight, epsilon)
+
+        def moe_sum(input, output, topk_ids=None, expert_map=None):
+            # like _moe_C.moe_sum: the k slots added one after another, each add rounded to the model dtype
+            acc = input[:, 0].clone()
+            for k in range(1, input.shape[1]):
+                acc = acc + input[:, k]
+            output.copy_(acc)
+        """,
+    "vllm/distributed/__init__.py": "",
+    "vllm/distributed/parallel_state.py": "_EP = None  # vLLM's expert-parallel GroupCoordinator once initialised\n",
+    "vllm/kernels/__init__.py": "",
+    "vllm/kernels/vllm_c.py": """
+        import torch
+        from vllm import ir
+
+        def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None):
+            torch.ops._C.fused_add_rms_norm(x, x_residual, weight, epsilon)
+            return x, x_residual
+
+        ir.ops.fused_add_rms_norm.impls["vllm_c"] = ir.Impl(fused_add_rms_norm)
+        """,
+    "vllm/ir/__init__.py": """
+        class Impl:
+            def __init__(self, fn):
+                self.impl_fn = fn
+
+        class _Op:
+            def __init__(self):
+                self.impls = {}
+
+        class ops:
+            fused_add_rms_norm = _Op()
+        """,
+    "vllm/plugins/__init__.py": """
+        from importlib.metadata import entry_points
+
+        def load_general_plugins():
+            for ep in entry_points(group="vllm.general_plugins"):
+                ep.load()()
+        """,
+}
+
+
+def make_fake_vllm(root: Path, version: str = "0.26.0") -> Path:
+    for rel, text in FAKE.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(textwrap.dedent(text).lstrip().replace("{version}", version))
+    return root

@@ -1,0 +1,63 @@
+"""A stand-in for tic's VLLMEngine inside vLLM rank processes (CPU tests of tic.harness.engines.vllm_ranks).
+
+Like vLLM's offline SPMD data parallel, the ranks of one DP group step together: every generate or score call
+joins a collective over a gloo group built from VLLM_DP_MASTER_PORT, so ranks whose call sequences differ hang
+(and the rank pool's timeout turns that into an error). A token's logprob depends on its request alone."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tic.harness.engines.base import Sample, request_seed
+
+
+class StandInVLLM:
+    kv_block_size, max_num_seqs, vllm_version, batch_invariant = 16, 256, "0.0-standin", False
+
+    def __init__(self, model_dir, dtype, options, batch_size, max_positions, vocab_size, patch_names=None,
+                 tp=1, ep=1, dp=1, dcp=1):
+        self.patches, self.dp, self.ep, self.calls = list(patch_names or []), dp, ep, 0
+        self.env = {k: os.environ.get(k) for k in ("VLLM_DP_RANK", "VLLM_DP_SIZE", "CUDA_VISIBLE_DEVICES")}
+        if dp > 1:
+            assert os.environ["VLLM_DP_SIZE"] == str(dp)
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['VLLM_DP_MASTER_PORT']}",
+                                    rank=int(os.environ["VLLM_DP_RANK"]), world_size=dp,
+                                    timeout=timedelta(seconds=20))
+
+    def _step(self) -> None:
+        self.calls += 1
+        if self.dp > 1:  # the lockstep: every rank joins every step
+            dist.all_reduce(torch.ones(1))
+
+    def generate_together(self, prompts, sampling, request_ids):
+        self._step()
+        out = []
+        for p, rid in zip(prompts, request_ids):
+            g = torch.Generator().manual_seed(request_seed(sampling.seed, rid) % (1 << 62))
+            resp = torch.randint(0, 50, (sampling.max_tokens,), generator=g).tolist()
+            lp = -torch.rand(sampling.max_tokens, generator=g) - 0.001 * sum(p)
+            out.append(Sample(prompt_ids=list(p), response_ids=resp, logprobs=lp, id=rid))
+        return out
+
+    def score(self, samples, sampling):
+        self._step()
+        return [torch.full((len(s.response_ids),), -0.5 - 0.001 * sum(s.prompt_ids)) for s in samples]
+
+    def fingerprint(self):
+        return {"engine": "vllm-standin", "env": self.env, "calls": self.calls}
+
+    def process_environment(self):
+        return {}
+
+
+class RefusingVLLM(StandInVLLM):
+    """Refuses its configuration as VLLMEngine does (TicInputError)."""
+
+    def __init__(self, *a, **kw):
+        from tic.core.errors import TicInputError
+
+        raise TicInputError(f"vocab_size {kw.get('vocab_size')!r} is not a vocabulary size")

@@ -1,0 +1,81 @@
+"""tic's vLLM rank processes on CPU, with a stand-in engine per rank: requests dealt round-robin and gathered
+back in order, replicas pinned to one GPU each, SPMD ranks (vLLM DP x EP) kept in lockstep with placeholder
+calls, a rank's bad input kept as bad input."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tic.core.errors import TicInputError
+from tic.harness.engines.base import Sampling
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+from tic_vllm_standin import StandInVLLM  # noqa: E402
+
+from tic.harness.engines.vllm_ranks import RankedVLLMEngine  # noqa: E402
+
+STANDIN = "tic_vllm_standin:StandInVLLM"
+KW = dict(model_dir=Path("."), dtype="bfloat16", options={}, batch_size=2, max_positions=64, vocab_size=50,
+          patch_names=["moe-slot-order-sum"])
+PROMPTS = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10], [11]]  # uneven: rank 0 holds 3 (two calls), rank 1 holds 2
+
+
+def one_process(prompts, sampling, ids):
+    return StandInVLLM(**KW).generate_together(prompts, sampling, ids)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_ranks_deal_and_gather_like_one_engine(ep):
+    eng = RankedVLLMEngine(KW, dp=2, ep=ep, timeout_s=60, engine_path=STANDIN)
+    try:
+        sampling = Sampling(temperature=1.0, max_tokens=4, seed=3)
+        ids = [10, 11, 12, 13, 14]
+        got = eng.generate(PROMPTS, sampling, ids)
+        want = one_process(PROMPTS, sampling, ids)
+        assert [s.prompt_ids for s in got] == PROMPTS
+        for g, w in zip(got, want):
+            assert g.response_ids == w.response_ids and torch.equal(g.logprobs, w.logprobs)
+        assert [s.meta["rank"] for s in got] == [0, 1, 0, 1, 0]
+        assert eng.generate_together(PROMPTS[:1], sampling, ids[:1])[0].meta["rank"] == 0  # rank 1: placeholder
+        scored = eng.score(got, sampling)
+        assert [len(t) for t in scored] == [4] * 5 and scored[3][0] == -0.5 - 0.001 * sum(PROMPTS[3])
+        env = eng.fingerprint()["env"]
+        if ep == 1:  # replicas: one GPU each, no vLLM DP group
+            assert env["VLLM_DP_SIZE"] is None and env["CUDA_VISIBLE_DEVICES"] == "0"
+        else:
+            assert env["VLLM_DP_SIZE"] == "2" and env["VLLM_DP_RANK"] == "0"
+        assert eng.fingerprint()["parallel"] == ("DP2 EP2" if ep == 2 else "DP2 (replicas)")
+    finally:
+        eng.close()
+
+
+def test_spmd_ranks_without_placeholders_would_hang():
+    """The stand-in's lockstep is real: a rank that skips a turn leaves the other waiting (pool timeout)."""
+    from tic.harness.engines import vllm_ranks
+
+    eng = RankedVLLMEngine(KW, dp=2, ep=2, timeout_s=15, engine_path=STANDIN)
+    try:
+        calls = [[([[1]], [0]), ([[2]], [1])], [([[3]], [2])]]
+        with pytest.raises(RuntimeError):
+            eng.pool.call(vllm_ranks._generate_rank, [(c, 0, Sampling(max_tokens=2)) for c in calls])
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(dp=2, ep=2, tp=2), "TP = 1"),
+    (dict(dp=4, ep=2), "ep = 4 here"),
+])
+def test_uncovered_rank_layouts_are_input_errors(kw, why):
+    with pytest.raises(TicInputError, match=why):
+        RankedVLLMEngine(KW, engine_path=STANDIN, **kw)
+
+
+def test_bad_input_inside_a_rank_is_an_input_error():
+    with pytest.raises(TicInputError, match="rank 0: .*vocab"):
+        RankedVLLMEngine({**KW, "vocab_size": "not a number"}, dp=2, timeout_s=60,
+                         engine_path="tic_vllm_standin:RefusingVLLM")
