@@ -115,9 +115,15 @@ def generate_model(config_dir: Path, seed: int, init_std: float | None = None, o
     tmp = Path(tempfile.mkdtemp(prefix=".gen-", dir=out_dir.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)  # concurrent generators: last rename wins, both wrote the same bytes
+        if out_dir.exists() and not has_weights(out_dir):
+            shutil.rmtree(out_dir)  # a leftover without weights (never a finished model: those arrive by rename)
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            # another generator finished first with the same bytes: keep its directory, which readers may be
+            # loading right now (replacing it would pull files from under them)
+            if not has_weights(out_dir):
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

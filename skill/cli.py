@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import click
+from contextlib import contextmanager
 
 import tic
 from tic.core.errors import EXIT_INPUT, EXIT_INTERNAL, TicInputError
@@ -33,6 +34,27 @@ def _context(config_path: Path):
     from tic.skill.context import GateContext
 
     return GateContext(load_config(config_path))
+
+
+@contextmanager
+def _stdout_reserved(as_json: bool):
+    """--json: stdout carries the JSON record alone. While gates run, whatever reaches file descriptor 1
+    (vLLM's logger, engine and rank processes it starts, C extensions) goes to stderr instead."""
+    if not as_json:
+        yield
+        return
+    stdout = sys.stdout
+    stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stdout = stdout
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _finish(results, as_json: bool, junit: Path | None, title: str) -> None:
@@ -80,7 +102,7 @@ def gate(gate_id, config_path, as_json, junit):
     g = get(gate_id)
     ctx = _context(config_path)
     validate_run(ctx, [g])
-    with report.console().status(f"running {g.id} ..."):
+    with _stdout_reserved(as_json), report.console().status(f"running {g.id} ..."):
         res = run_gate(g, ctx)
     _finish([res], as_json, junit, f"tic gate {g.id}")
 
@@ -107,7 +129,8 @@ def ladder(config_path, start, stop, keep_going, as_json, junit):
         con.print(f"  {r.gate:<4} {r.verdict:<11} {r.key_figure}")
 
     con.print(f"tic ladder {start}..{stop} on {config_path or 'tic.yaml'}")
-    results = run_ladder(ctx, start, stop, keep_going, on_result=progress, validate=False)
+    with _stdout_reserved(as_json):
+        results = run_ladder(ctx, start, stop, keep_going, on_result=progress, validate=False)
     _finish(results, as_json, junit, f"tic ladder ({config_path or 'tic.yaml'})")
 
 

@@ -1,6 +1,8 @@
 """Config validation, exit codes, status/staleness, explain, JSON/NO_COLOR behaviour."""
 
 import json
+import os
+import sys
 
 import pytest
 
@@ -73,3 +75,31 @@ def test_json_record_has_fingerprint(example, workdir, tic):
     r = json.loads(out)["results"][0]
     assert r["config_hash"] and r["model_hash"] and "torch" in r["environment"]["packages"]
     assert "env" in r["environment"] and r["environment"]["device"]
+
+
+def test_json_stdout_carries_the_record_alone(example, workdir, capfd, monkeypatch):
+    """Engines log to file descriptor 1 (vLLM's logger, processes they start, C code): with --json, all of it
+    goes to stderr while the gate runs, and stdout holds exactly one JSON document."""
+    import json
+    import subprocess
+
+    from tic.skill import cli, runner
+
+    real = runner.run_gate
+
+    def noisy(*a, **kw):
+        print("noise from python")
+        os.write(1, b"noise on fd 1\n")
+        subprocess.run([sys.executable, "-c", "print('noise from a child process')"], check=True)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(runner, "run_gate", noisy)
+    monkeypatch.setattr(cli, "run_gate", noisy, raising=False)
+    ex = example("tiny-qwen3")
+    with pytest.raises(SystemExit):
+        cli.main(["gate", "C0", "-c", str(ex / "tic.yaml"), "--json"])
+    out, err = capfd.readouterr()
+    assert json.loads(out)["results"][0]["gate"] == "C0"
+    assert all(n in err for n in ("noise from python", "noise on fd 1", "noise from a child process"))
+    print("after")  # fd 1 is stdout again once the run is over
+    assert capfd.readouterr().out == "after\n"
