@@ -211,3 +211,12 @@ def test_ep1_merge_is_the_cpu_providers_moe_experts():
     w, ids = prov.moe_route(prov.linear(x, block.gate.weight), 4, True)
     want = prov.moe_experts(x, w, ids, block.experts.gate_up_proj, block.experts.down_proj)
     assert torch.equal(ExpertParallelMoE(block, None, 1)(x), want)
+
+
+def test_gpu_training_ranks_run_data_parallel_only(example):
+    """hf expert parallel exchanges tokens over gloo on CPU; on GPUs the hf ranks are DP replicas only."""
+    from tic.core.errors import TicInputError
+    from tic.harness.engines.hf_ranks import RankedHFEngine
+
+    with pytest.raises(TicInputError, match="GPU ranks run data parallel only"):
+        RankedHFEngine(example("tiny-qwen3-moe"), dp=2, ep=2, device="cuda")

@@ -38,9 +38,7 @@ def build_engine(ctx, side: str, side_cfg=None, shared_model: bool = True) -> En
         if par.tp > 1 or par.cp > 1 or par.dcp > 1:
             raise TicInputError(f"{side}.parallel: the hf engine runs data and expert parallel ranks only "
                                 f"(tp={par.tp}, cp={par.cp}, dcp={par.dcp}); C0 says which layouts are covered")
-        if par.dp > 1 or par.ep > 1:
-            if getattr(side_cfg, "device", "cpu") != "cpu":
-                raise TicInputError(f"{side}.parallel: hf rank processes run on CPU (gloo); use device: cpu")
+        if par.dp > 1 or par.ep > 1:  # rank processes: CPU (gloo, DP and EP) or one GPU each (DP)
             return RankedHFEngine.from_config(side_cfg, ctx.model_dir, ctx.dtype)
         from tic.harness.engines.hf import HFEngine
 

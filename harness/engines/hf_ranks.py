@@ -39,11 +39,16 @@ def check_options(options: dict) -> dict:
 
 # -- inside each rank --------------------------------------------------------------------------------------
 def _setup_rank(rank: int, world: int, engine_kwargs: dict, ep: int, combine: str) -> dict:
+    import os
+
+    if engine_kwargs.get("device", "cpu") != "cpu":  # a GPU rank sees its own GPU only (set before CUDA starts)
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     from tic.harness.engines.hf import HFEngine
 
     eng = HFEngine(**engine_kwargs)
     group = ep_group(rank, world, ep)
-    blocks = moe_blocks(eng.model)
+    # EP = 1: every rank holds every expert and runs the model's own MoE forward (DP only splits requests)
+    blocks = moe_blocks(eng.model) if ep > 1 else []
     for b in blocks:
         b.forward = ExpertParallelMoE(b, group, ep, combine, rowwise=eng.kernels == "consistent")
     hidden = eng.model.config.get_text_config().hidden_size
@@ -203,15 +208,23 @@ class RankedHFEngine(Engine):
     def __init__(self, model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa",
                  batch_size: int = 8, micro_batch_size: int = 4, padding_side: str = "right",
                  packing: bool = False, dp: int = 1, ep: int = 1, options: dict | None = None,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, device: str = "cpu"):
         opts = check_options(options or {})
         if dp % ep:
             raise TicInputError(f"parallel.ep={ep} must divide parallel.dp={dp} (hf ranks are DP ranks)")
+        if device != "cpu":
+            if ep > 1:
+                raise TicInputError(f"parallel.ep={ep} with device {device}: hf expert parallel runs on CPU ranks "
+                                    "(gloo); GPU ranks run data parallel only")
+            if torch.cuda.device_count() < dp:
+                raise TicInputError(f"parallel.dp={dp} with device {device} needs {dp} GPUs; this machine has "
+                                    f"{torch.cuda.device_count()}")
         self.kernels, self.batch_size, self.micro_batch_size = kernels, batch_size, micro_batch_size
         self.dp, self.ep, self.combine = dp, ep, opts["expert_combine"]
         self.layout = f"DP{dp} EP{ep}" + (f" ({self.combine} merge)" if ep > 1 else "")
         kwargs = dict(model_dir=Path(model_dir), dtype=dtype, kernels=kernels, attn=attn, batch_size=batch_size,
-                      micro_batch_size=micro_batch_size, padding_side=padding_side, packing=packing)
+                      micro_batch_size=micro_batch_size, padding_side=padding_side, packing=packing,
+                      device="cuda" if device != "cpu" else "cpu")
         self.pool = RankPool(dp, _setup_rank, (kwargs, ep, self.combine), timeout_s=timeout_s,
                              threads=torch.get_num_threads())
         weakref.finalize(self, self.pool.close)
@@ -221,7 +234,7 @@ class RankedHFEngine(Engine):
         p = side_cfg.parallel
         return cls(model_dir, dtype, side_cfg.kernels, side_cfg.attn_implementation, side_cfg.batch_size,
                    side_cfg.micro_batch_size, side_cfg.padding_side, side_cfg.packing, p.dp, p.ep,
-                   side_cfg.options)
+                   side_cfg.options, device=getattr(side_cfg, "device", "cpu"))
 
     def owner_rank(self, index: int) -> int:
         """The DP rank that holds the index-th request of a call (its rows never leave it)."""
