@@ -288,7 +288,9 @@ def _imports_and_check(out_dir: Path, data: dict, ops: list[str], setup: list[st
     atomic_write_text(path, script(claimed))
     proc = subprocess.run([sys.executable, str(path.resolve())], cwd=out_dir.resolve(), capture_output=True,
                           text=True, timeout=300)
-    proven = next((line.removeprefix("PROVES: ") for line in proc.stdout.splitlines() if line.startswith("PROVES: ")),
+    # the fresh process's own reading of what the two computations are (its CHECKS line; PROVES follows only
+    # when their bits differ)
+    proven = next((line.removeprefix("CHECKS: ") for line in proc.stdout.splitlines() if line.startswith("CHECKS: ")),
                   None)
     if proven is not None and proven != claimed:  # the fresh process has the last word on what it shows
         atomic_write_text(path, script(proven))

@@ -207,4 +207,6 @@ def test_fresh_process_claims_one_operator_for_identical_calls(tmp_path):
     side = OpSide(call, {"kind": "row", "output": 0, "row": 1}, 3)
     res = repro.emit(tmp_path, "C5", side, side, None, "a", "b", "claim check")
     assert res["proves"] == repro.SAME_OPERATOR and res["exit_code"] == 0 and not res["reproduces"]
+    # equal bits prove nothing: the script says what it checked, and claims no proof
+    assert f"CHECKS: {repro.SAME_OPERATOR}" in res["output"] and "PROVES:" not in res["output"]
 
