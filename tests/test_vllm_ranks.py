@@ -40,7 +40,7 @@ def test_ranks_deal_and_gather_like_one_engine(ep):
         for g, w in zip(got, want):
             assert g.response_ids == w.response_ids and torch.equal(g.logprobs, w.logprobs)
         assert [s.meta["rank"] for s in got] == [0, 1, 0, 1, 0]
-        assert eng.generate_together(PROMPTS[:1], sampling, ids[:1])[0].meta["rank"] == 0  # rank 1: placeholder
+        assert eng.generate_together(PROMPTS[:1], sampling, ids[:1])[0].meta["rank"] == 0  # rank 1: a turn only
         scored = eng.score(got, sampling)
         assert [len(t) for t in scored] == [4] * 5 and scored[3][0] == -0.5 - 0.001 * sum(PROMPTS[3])
         env = eng.fingerprint()["env"]
@@ -79,3 +79,24 @@ def test_bad_input_inside_a_rank_is_an_input_error():
     with pytest.raises(TicInputError, match="rank 0: .*vocab"):
         RankedVLLMEngine({**KW, "vocab_size": "not a number"}, dp=2, timeout_s=60,
                          engine_path="tic_vllm_standin:RefusingVLLM")
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_the_locator_reruns_a_request_on_its_owner_rank(ep):
+    """The owner rank captures on its own share; under DP x EP the other rank takes turns until released."""
+    from tic.harness.capture import Capture
+
+    eng = RankedVLLMEngine(KW, dp=2, ep=ep, timeout_s=30, engine_path=STANDIN)
+    try:
+        samples = eng.generate(PROMPTS, Sampling(max_tokens=2), [10, 11, 12, 13, 14])
+        runner = eng.capture_runner(1.0)
+        assert runner.stages() == ["model.layers.0"] and runner.repro_setup == ["import os"]
+        cap = runner.decode(samples, 3, 1, None)  # request 3 lives on rank 1, second of its share (11, 13)
+        assert isinstance(cap, Capture)
+        assert cap.owner == {"prompt": PROMPTS[3], "index": 1, "share": [11, 13]}
+        again = runner.score(samples, 4, None)  # rank 0; the lockstep survived the first capture
+        assert again.owner["prompt"] == PROMPTS[4]
+        with pytest.raises(RuntimeError, match="planted"):  # a failing capture releases the serving rank
+            runner.decode(samples, 0, 0, "fail")
+    finally:
+        eng.close()

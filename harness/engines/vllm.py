@@ -209,6 +209,7 @@ class VLLMEngine(Engine):
     effective: dict = {}  # what vLLM made of the options (set once the LLM exists)
     _start_env: dict | None = None  # an engine core of its own: the switch variables it started with
     _weights_changed = False  # C8/C9 synced other weights in: release() restores the checkpoint's
+    turns = 0  # generate calls made (under vLLM's DP x EP each is one lockstep turn with the other ranks)
 
     def __init__(self, model_dir: Path, dtype: str, options: dict, batch_size: int, max_positions: int,
                  vocab_size: int, patch_names: list[str] | None = None, tp: int = 1, ep: int = 1, dp: int = 1,
@@ -422,6 +423,7 @@ class VLLMEngine(Engine):
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                  use_tqdm=False)
         self._call += 1
+        self.turns += 1
         recs = [output_record(o, kind, r) for o, r in zip(outs, rids)]
         for rec, p in zip(recs, prompts):
             if rec["prompt_token_ids"] != list(p):
@@ -473,6 +475,17 @@ class VLLMEngine(Engine):
             recs = self._run([s.ids for s in chunk], params, "score", [s.id for s in chunk])
             out += [scored_from_record(r, len(s.prompt_ids)) for r, s in zip(recs, chunk)]
         return out
+
+    def take_turn(self) -> None:
+        """One generate call of a one-token request whose output is dropped (nothing recorded): under vLLM's DP x
+        EP every rank steps with the others, so a rank without work of its own still takes its turn (its MoE
+        layers serve the other ranks' tokens meanwhile)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.llm.generate([TokensPrompt(prompt_token_ids=[0])],
+                          [SamplingParams(n=1, max_tokens=1, detokenize=False, ignore_eos=True)], use_tqdm=False)
+        self.turns += 1
 
     def capture_runner(self, temperature: float):
         """The locator's CaptureRunner for this engine (tic.harness.capture); see VLLMCaptureRunner."""

@@ -26,10 +26,6 @@ from tic.core.errors import TicInputError
 from tic.harness.engines.base import Engine, Sample, Sampling
 from tic.harness.parallel import RankPool, free_port
 
-PLACEHOLDER = [0]  # one token: a request a rank runs only to take its turn in the lockstep
-PLACEHOLDER_ID = -1
-
-
 # -- inside each rank ----------------------------------------------------------------------------------------
 def _setup_rank(rank: int, world: int, engine_kwargs: dict, spmd: bool, master_port: int, engine_path: str) -> dict:
     record = engine_kwargs["options"].get("record")
@@ -57,26 +53,18 @@ def _info(state: dict) -> dict:
 
 
 def _turns(state: dict, calls: list[tuple[list, list]], turns: int, run) -> list:
-    """Run this rank's calls, then placeholder calls until it has taken `turns` turns (SPMD lockstep)."""
+    """Run this rank's calls, then placeholder turns until it has taken `turns` turns (SPMD lockstep)."""
     out = []
     for items, ids in calls:
         out += run(items, ids)
     for _ in range(turns - len(calls) if state["spmd"] else 0):
-        run(None, None)
+        state["engine"].take_turn()
     return out
 
 
 def _generate_rank(state: dict, calls: list, turns: int, sampling: Sampling) -> list[Sample]:
     eng = state["engine"]
-
-    def run(prompts, ids):
-        if prompts is None:
-            eng.generate_together([PLACEHOLDER], Sampling(temperature=sampling.temperature, max_tokens=1,
-                                                          seed=sampling.seed), [PLACEHOLDER_ID])
-            return []
-        return eng.generate_together(prompts, sampling, ids)
-
-    out = _turns(state, calls, turns, run)
+    out = _turns(state, calls, turns, lambda prompts, ids: eng.generate_together(prompts, sampling, ids))
     for s in out:
         s.meta["rank"] = state["rank"]
     return out
@@ -84,15 +72,87 @@ def _generate_rank(state: dict, calls: list, turns: int, sampling: Sampling) -> 
 
 def _score_rank(state: dict, calls: list, turns: int, sampling: Sampling) -> list[torch.Tensor]:
     eng = state["engine"]
+    return _turns(state, calls, turns, lambda samples, _ids: eng.score(samples, sampling))
 
-    def run(samples, _ids):
-        if samples is None:
-            eng.score([Sample(prompt_ids=list(PLACEHOLDER), response_ids=[0], logprobs=torch.zeros(1),
-                              id=PLACEHOLDER_ID)], sampling)
-            return []
-        return eng.score(samples, sampling)
 
-    return _turns(state, calls, turns, run)
+# -- the locator on the owner rank ---------------------------------------------------------------------------
+def _module_names(state: dict, temperature: float) -> dict:
+    r = _runner(state, temperature)
+    names = list(r.modules)
+    return {"stages": r.stages(), "children": {n: r.children(n) for n in names}, "names": names,
+            "repro_setup": list(getattr(r, "repro_setup", None) or [])}
+
+
+def _runner(state: dict, temperature: float):
+    key = ("runner", temperature)
+    if key not in state:
+        state[key] = state["engine"].capture_runner(temperature)
+    return state[key]
+
+
+def _capture_rank(state: dict, job: tuple | None, release: str):
+    """The owner rank reruns the compared request under capture. In SPMD lockstep the other ranks keep taking
+    turns (their MoE layers serve the owner's tokens; each of their turns pairs with one generate call of the
+    owner) until they have taken as many as the owner: when done, the owner writes its count, one more than it
+    has taken, to `release`, then takes that last turn with them. Replicas just wait."""
+    from tic.core.fsio import atomic_write_text
+    from tic.harness.engines.hf_ranks import _portable
+
+    eng = state["engine"]
+    start = eng.turns
+    if job is None:
+        while state["spmd"]:
+            eng.take_turn()
+            if os.path.exists(release) and int(Path(release).read_text()) == eng.turns - start:
+                break
+        return None
+    kind, samples, target, upto, spec, together, temperature = job
+    try:
+        runner = _runner(state, temperature)
+        cap = runner.decode(samples, target, upto, spec, together) if kind == "decode" else \
+            runner.score(samples, target, spec)
+    finally:
+        if state["spmd"]:
+            atomic_write_text(Path(release), str(eng.turns - start + 1))
+            eng.take_turn()
+    return _portable(cap)
+
+
+class RankVLLMCaptureRunner:
+    """The locator's runner for vLLM ranks: the compared request's rows live on one rank, which runs tic's vLLM
+    capture runner on its own share (as it rolled it out); under DP x EP the other ranks step along."""
+
+    def __init__(self, engine: "RankedVLLMEngine", temperature: float):
+        self.engine, self.temperature = engine, temperature
+        self._names = engine.pool.call(_module_names, [(temperature,)] * engine.dp)[0]
+        self.repro_setup = self._names["repro_setup"]
+
+    def stages(self) -> list[str]:
+        return self._names["stages"]
+
+    def children(self, name: str) -> list[str]:
+        return self._names["children"][name]
+
+    def descendants(self, name: str) -> list[str]:
+        return [n for n in self._names["names"] if n.startswith(name + ".")]
+
+    def _run(self, kind: str, samples, target: int, upto: int, spec, together: bool):
+        import tempfile
+
+        shares = self.engine._deal(len(samples))
+        owner = self.engine.owner_rank(target)
+        job = (kind, [samples[i] for i in shares[owner]], shares[owner].index(target), upto, spec, together,
+               self.temperature)
+        with tempfile.TemporaryDirectory(prefix="tic-capture-") as d:
+            release = os.path.join(d, "release")
+            return self.engine.pool.call(_capture_rank, [(job if r == owner else None, release)
+                                                         for r in range(self.engine.dp)])[owner]
+
+    def decode(self, samples, target, upto, spec, together=False):
+        return self._run("decode", samples, target, upto, spec, together)
+
+    def score(self, samples, target, spec):
+        return self._run("score", samples, target, 0, spec, False)
 
 
 # -- in the calling process ----------------------------------------------------------------------------------
@@ -199,10 +259,8 @@ class RankedVLLMEngine(Engine):
     def process_environment(self) -> dict:
         return dict(self._process_environment)
 
-    def capture_runner(self, temperature: float):
-        # not an input error: the gate's verdict stands and its record says why nothing was located
-        raise NotImplementedError(f"the locator replays one vLLM process; this rollout runs {self.layout}. Rerun the "
-                            "failing request with rollout.parallel dp = 1 (and the same patches) to locate it")
+    def capture_runner(self, temperature: float) -> RankVLLMCaptureRunner:
+        return RankVLLMCaptureRunner(self, temperature)
 
     def close(self) -> None:
         self.pool.close()

@@ -28,6 +28,10 @@ class StandInVLLM:
                                     rank=int(os.environ["VLLM_DP_RANK"]), world_size=dp,
                                     timeout=timedelta(seconds=20))
 
+    @property
+    def turns(self) -> int:
+        return self.calls
+
     def _step(self) -> None:
         self.calls += 1
         if self.dp > 1:  # the lockstep: every rank joins every step
@@ -47,6 +51,12 @@ class StandInVLLM:
         self._step()
         return [torch.full((len(s.response_ids),), -0.5 - 0.001 * sum(s.prompt_ids)) for s in samples]
 
+    def take_turn(self):
+        self._step()
+
+    def capture_runner(self, temperature):
+        return StandInCaptureRunner(self, temperature)
+
     def fingerprint(self):
         return {"engine": "vllm-standin", "env": self.env, "calls": self.calls}
 
@@ -61,3 +71,41 @@ class RefusingVLLM(StandInVLLM):
         from tic.core.errors import TicInputError
 
         raise TicInputError(f"vocab_size {kw.get('vocab_size')!r} is not a vocabulary size")
+
+
+class StandInCaptureRunner:
+    """Reruns the compared request in two engine calls (two lockstep turns), as a capture with a replay would."""
+
+    modules = {"model": None, "model.layers.0": None}
+    repro_setup = ["import os"]
+
+    def __init__(self, engine, temperature):
+        self.engine, self.temperature = engine, temperature
+
+    def stages(self):
+        return ["model.layers.0"]
+
+    def children(self, name):
+        return []
+
+    def decode(self, samples, target, upto, spec, together=False):
+        from tic.harness.capture import Capture
+
+        if spec == "fail":
+            raise RuntimeError("capture hook failed: planted")
+        s = samples[target]
+        for _ in range(2):
+            self.engine.generate_together([s.prompt_ids], _Sampling(), [s.id])
+        cap = Capture()
+        cap.logprobs = {0: torch.tensor(float(self.engine.calls))}
+        cap.owner = {"prompt": list(s.prompt_ids), "index": target, "share": [x.id for x in samples]}
+        return cap
+
+    def score(self, samples, target, spec):
+        return self.decode(samples, target, 0, spec)
+
+
+def _Sampling():
+    from tic.harness.engines.base import Sampling
+
+    return Sampling(max_tokens=1)
