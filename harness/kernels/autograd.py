@@ -2,9 +2,13 @@
 
 The inference kernels define the values and training adds the backward (method 3.1). Each operator below is
 one `autograd.Function`: forward calls the provider's kernel (the very kernel the rollout runs) and returns
-its output unchanged; backward differentiates a plain PyTorch reference of the same operator, evaluated in
-float32 on the inputs saved at forward (quantization and rounding treated as identity: a straight-through
-estimator). Linear layers, the bulk of the cost, have their backward written out (two GEMMs) instead.
+its output unchanged; backward is the gradient of a plain PyTorch reference of the same operator (`*_ref`,
+float32 or wider, on the inputs saved at forward; quantization and rounding treated as identity: a
+straight-through estimator). Every operator has that gradient written out in closed form (a few fused passes,
+GEMMs in the model dtype as a plain training step runs them, elementwise math in float32), so a backward
+builds no autograd graph; tests compare each with autograd through its reference. Attention's backward is
+torch's SDPA backward on the saved inputs. An operator whose written-out backward does not cover a case
+(a gradient for the rotary table) falls back to autograd through the reference.
 
 Every backward first checks that no weight it saw at forward changed since (tensor version and storage): an
 optimizer step or weight sync between forward and backward would otherwise mix weight versions silently.
@@ -15,6 +19,7 @@ gates knowing about it: C7 must catch such faults by measurement alone.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
@@ -63,26 +68,30 @@ def planted_fault(op: str, grads: Callable[[tuple], tuple] | None = None,
         _FAULTS[op].remove(entry)
 
 
-# -- references: plain PyTorch, float32, differentiable -------------------------------------------------------
+# -- references: plain PyTorch, float32 (float64 stays float64: tests), differentiable ---------------------------
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def rms_norm_ref(x, w, eps):
-    x32 = x.float()
-    return w.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
+    x32 = _wide(x)
+    return _wide(w) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def add_rms_norm_ref(x, residual, w, eps):
-    total = x.float() + residual.float()
+    total = _wide(x) + _wide(residual)
     return rms_norm_ref(total, w, eps), total
 
 
 def rotary_ref(q, k, positions, cos_sin):
     from tic.harness.kernels.providers import rotate_neox
 
-    c = cos_sin.float()
-    return rotate_neox(q.float(), positions, c), rotate_neox(k.float(), positions, c)
+    c = _wide(cos_sin)
+    return rotate_neox(_wide(q), positions, c), rotate_neox(_wide(k), positions, c)
 
 
 def silu_and_mul_ref(x):
-    g, u = x.float().chunk(2, dim=-1)
+    g, u = _wide(x).chunk(2, dim=-1)
     return F.silu(g) * u
 
 
@@ -90,34 +99,34 @@ def attention_ref(q, k, v, mask, scale):
     """q [B, H, Q, D], k/v [B, Hkv, K, D], mask bool [B, 1, Q, K] or None (causal) -> [B, Q, H, D].
     torch's SDPA in float32 (its fused backward on GPU); a query that sees no key (padding) gives 0."""
     rep = q.shape[1] // k.shape[1]
-    k, v = k.float().repeat_interleave(rep, dim=1), v.float().repeat_interleave(rep, dim=1)
+    k, v = _wide(k).repeat_interleave(rep, dim=1), _wide(v).repeat_interleave(rep, dim=1)
     Q, K = q.shape[2], k.shape[2]
     if mask is None:
         mask = torch.ones(Q, K, dtype=torch.bool, device=q.device).tril(K - Q)[None, None]
     seen = mask.any(-1, keepdim=True)
     first = torch.arange(K, device=q.device) == 0
     safe = mask | (~seen & first)  # a fully masked row would give NaN: let it see key 0, then zero it
-    out = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=safe, scale=scale)
+    out = F.scaled_dot_product_attention(_wide(q), k, v, attn_mask=safe, scale=scale)
     return torch.where(seen, out, torch.zeros((), device=q.device)).transpose(1, 2)
 
 
 def moe_route_ref(logits, ids, top_k, renormalize):
-    w = torch.softmax(logits.float(), dim=-1).gather(-1, ids)
+    w = torch.softmax(_wide(logits), dim=-1).gather(-1, ids)
     return w / w.sum(-1, keepdim=True) if renormalize else w
 
 
 def moe_experts_ref(x, weights, ids, gate_up, down):
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    x32 = x.float()
+    x32 = _wide(x)
+    out = torch.zeros(x.shape, dtype=x32.dtype, device=x.device)
     for e in ids.unique().tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        h = F.linear(silu_and_mul_ref(F.linear(x32[tok], gate_up[e].float())), down[e].float())
-        out = out.index_add(0, tok, h * weights[tok, slot].float()[:, None])
+        h = F.linear(silu_and_mul_ref(F.linear(x32[tok], _wide(gate_up[e]))), _wide(down[e]))
+        out = out.index_add(0, tok, h * _wide(weights[tok, slot])[:, None])
     return out
 
 
 def log_softmax_ref(logits):
-    return torch.log_softmax(logits.float(), dim=-1)
+    return torch.log_softmax(_wide(logits), dim=-1)
 
 
 # -- the generic Function -------------------------------------------------------------------------------------
@@ -126,7 +135,9 @@ class Op:
     name: str
     kernel: Callable  # (provider, *tensors, **kw) -> Tensor | tuple
     reference: Callable | None = None  # (*tensors, *integer outputs, **kw) -> Tensor | tuple, differentiable
-    backward: Callable | None = None  # (tensors, grads, kw) -> input grads (instead of the reference)
+    # (tensors, integer outputs, grads, kw, needs) -> input grads: the reference's gradient written out; it may
+    # return None for a case it does not cover, and autograd through the reference runs instead
+    backward: Callable | None = None
 
 
 def _profiled(what: str):
@@ -166,10 +177,8 @@ class KernelFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         tensors, fixed = saved[:ctx.n_in], saved[ctx.n_in:]
         needs = ctx.needs_input_grad[3:]
-        if op.backward is not None:
-            out = tuple(op.backward(tensors, grads, ctx.kw, needs))
-        else:
-            out = _reference_grads(op, tensors, fixed, grads, ctx.kw, needs)
+        out = op.backward(tensors, fixed, grads, ctx.kw, needs) if op.backward is not None else None
+        out = tuple(out) if out is not None else _reference_grads(op, tensors, fixed, grads, ctx.kw, needs)
         for fault, _ in _FAULTS.get(op.name, []):
             if fault is not None:
                 out = tuple(fault(out))
@@ -201,7 +210,7 @@ def _linear_kernel(provider, x, *wb, n):
     return provider.linear(x, w, b)
 
 
-def _linear_backward(tensors, grads, kw, needs):
+def _linear_backward(tensors, fixed, grads, kw, needs):
     n = kw["n"]
     x, ws, bs = tensors[0], tensors[1:1 + n], tensors[1 + n:]
     g = grads[0]
@@ -216,18 +225,210 @@ def _linear_backward(tensors, grads, kw, needs):
     return (gx, *[gi.to(wi.dtype) if gi is not None else None for gi, wi in zip(gws, ws)],
             *[gi.to(bi.dtype) if gi is not None and bi is not None else None for gi, bi in zip(gbs, bs)])
 
+# -- written-out gradients of the references ------------------------------------------------------------------
+# Each returns the gradient autograd would give through the matching *_ref (tests/test_backward_closed_form.py
+# checks that in float64). Elementwise math runs in float32 (or wider); GEMMs run in the model dtype.
+def _rms_norm_input_grads(x, w, g, eps, need_x: bool, need_w: bool):
+    """y = w * x * r, r = (mean(x^2) + eps)^-1/2: gx = r * (g w - n * mean(g w n)), n = x r; gw = sum g n."""
+    x32 = _wide(x)
+    r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    n = x32 * r
+    g32 = g.to(x32.dtype)
+    gw = (g32 * n).reshape(-1, n.shape[-1]).sum(0) if need_w else None
+    gx = None
+    if need_x:
+        gn = g32 * _wide(w)
+        gx = r * (gn - n * (gn * n).mean(-1, keepdim=True))
+    return gx, gw
+
+
+def _rms_norm_backward(tensors, fixed, grads, kw, needs):
+    x, w = tensors
+    return _rms_norm_input_grads(x, w, grads[0], kw["eps"], needs[0], needs[1])
+
+
+def _add_rms_norm_backward(tensors, fixed, grads, kw, needs):
+    x, residual, w = tensors
+    g_norm, g_total = grads
+    gt, gw = None, None
+    if g_norm is not None:
+        gt, gw = _rms_norm_input_grads(_wide(x) + _wide(residual), w, g_norm, kw["eps"],
+                                       needs[0] or needs[1], needs[2])
+    if g_total is not None:
+        gt = _wide(g_total) if gt is None else gt + g_total
+    return (gt if needs[0] else None), (gt if needs[1] else None), gw
+
+
+def _silu_and_mul_backward(tensors, fixed, grads, kw, needs):
+    if not needs[0]:
+        return (None,)
+    a, b = _wide(tensors[0]).chunk(2, dim=-1)
+    g = grads[0].to(a.dtype)
+    s = torch.sigmoid(a)
+    return (torch.cat([g * b * s * (1 + a * (1 - s)), g * a * s], dim=-1),)
+
+
+def _rotate_neox_input_grad(g, positions, cos_sin):
+    """Transpose of rotate_neox: out1 = x1 c - x2 s, out2 = x2 c + x1 s, so gx1 = g1 c + g2 s, gx2 = g2 c - g1 s."""
+    g32 = _wide(g)
+    rot = cos_sin.shape[-1]
+    cos, sin = _wide(cos_sin)[positions].to(g32.dtype).chunk(2, dim=-1)
+    cos, sin = cos[:, None], sin[:, None]
+    g1, g2 = g32[..., :rot].chunk(2, dim=-1)
+    out = torch.cat([g1 * cos + g2 * sin, g2 * cos - g1 * sin], dim=-1)
+    return torch.cat([out, g32[..., rot:]], dim=-1) if g32.shape[-1] > rot else out
+
+
+def _rotary_backward(tensors, fixed, grads, kw, needs):
+    if needs[3]:
+        return None  # a trainable rotary table: autograd through the reference
+    q, k, positions, cos_sin = tensors
+    gq = _rotate_neox_input_grad(grads[0], positions, cos_sin) if needs[0] and grads[0] is not None else None
+    gk = _rotate_neox_input_grad(grads[1], positions, cos_sin) if needs[1] and grads[1] is not None else None
+    return gq, gk, None, None
+
+
+class _CausalRows:
+    """Per mask: which query rows are exactly causal (see keys 0..q), read once per mask and kept while the same
+    mask object, unmodified (tensor version), comes back (every layer of one backward passes it)."""
+
+    def __init__(self):
+        self._mask, self._key, self._rows = None, None, None
+
+    def get(self, mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        key = (mask._version, tuple(mask.shape), mask.device)
+        if self._mask is None or self._mask() is not mask or self._key != key:
+            Q, K = mask.shape[-2:]
+            tril = torch.ones(Q, K, dtype=torch.bool, device=mask.device).tril()
+            rows = (mask[:, 0] == tril).all(-1)  # [B, Q]
+            self._mask, self._key, self._rows = weakref.ref(mask), key, (rows, bool(rows.all()))
+        return self._rows
+
+
+_CAUSAL_ROWS = _CausalRows()
+
+
+def _attention_backward(tensors, fixed, grads, kw, needs):
+    """attention_ref's gradient through torch's SDPA backward in the inputs' dtype, K/V heads shared by
+    enable_gqa. With the causal flag (no materialised mask, the fused kernels) when every query row whose
+    output gradient is non-zero sees exactly keys 0..q: a right-padded batch, where only padding rows see
+    otherwise and the loss gives them no gradient; else with the bool mask, fully masked rows' gradient zeroed
+    (their output is 0 in the reference)."""
+    q, k, v, mask = tensors
+    g = grads[0]
+    if g is None or not any(needs[:3]):
+        return None, None, None, None
+    B, H, Q, D = q.shape
+    K = k.shape[2]
+    go = g.transpose(1, 2).to(q.dtype)  # [B, H, Q, Dv]
+    causal = Q == K
+    if causal and mask is not None:
+        rows, all_causal = _CAUSAL_ROWS.get(mask)
+        # one device sync; only for masks with non-causal rows (padding)
+        causal = all_causal or not bool(((go != 0).any(-1).any(1) & ~rows).any())
+    sdpa_kw = dict(scale=kw["scale"], enable_gqa=k.shape[1] != H)
+    if causal:
+        sdpa_kw["is_causal"] = True
+    else:
+        if mask is None:
+            mask = torch.ones(Q, K, dtype=torch.bool, device=q.device).tril(K - Q)[None, None]
+        seen = mask.any(-1, keepdim=True)
+        first = torch.arange(K, device=q.device) == 0
+        sdpa_kw["attn_mask"] = mask | (~seen & first)
+        go = go * seen.to(go.dtype)
+    with torch.enable_grad():
+        ins = [t.detach().requires_grad_(bool(n)) for t, n in zip((q, k, v), needs[:3])]
+        out = F.scaled_dot_product_attention(*ins, **sdpa_kw)
+        wanted = [t for t in ins if t.requires_grad]
+        got = iter(torch.autograd.grad(out, wanted, go))
+    return (*[next(got) if t.requires_grad else None for t in ins], None)
+
+
+def _moe_route_backward(tensors, fixed, grads, kw, needs):
+    """w = softmax(logits)[ids] (/ sum w): back through the renormalisation, scatter to experts, softmax."""
+    if not needs[0] or grads[0] is None:
+        return (None,)
+    ids = fixed[0]
+    p = torch.softmax(_wide(tensors[0]), dim=-1)
+    gw = grads[0].to(p.dtype)
+    if kw["renormalize"]:
+        w = p.gather(-1, ids)
+        total = w.sum(-1, keepdim=True)
+        gw = (gw - (gw * w).sum(-1, keepdim=True) / total) / total
+    gp = torch.zeros_like(p).scatter_add_(-1, ids, gw)
+    return (p * (gp - (p * gp).sum(-1, keepdim=True)),)
+
+
+def _log_softmax_backward(tensors, fixed, grads, kw, needs):
+    if not needs[0]:
+        return (None,)
+    out = torch.log_softmax(_wide(tensors[0]), dim=-1)
+    g = grads[0].to(out.dtype)
+    return (g - out.exp() * g.sum(-1, keepdim=True),)
+
+
+def _moe_experts_backward(tensors, fixed, grads, kw, needs):
+    """moe_experts_ref's gradient, expert by expert over the (token, slot) pairs sorted by expert once: recompute
+    gate_up GEMM -> silu * mul -> down GEMM in the model dtype, then the gradients of x, the routing weights and
+    both expert weights (GEMMs in the model dtype, elementwise math and the x / routing-weight sums in float32)."""
+    x, weights, ids, gate_up, down = tensors
+    g = grads[0]
+    if g is None:
+        return None, None, None, None, None
+    T, k = ids.shape
+    dt = x.dtype
+    wide = torch.promote_types(dt, torch.float32)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pair index t * k + slot, grouped by expert
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()  # one device sync
+    gd = g.to(dt)
+    w_flat = weights.reshape(-1).to(wide)
+    gx = torch.zeros(x.shape, dtype=wide, device=x.device) if needs[0] else None
+    gw = torch.zeros(T * k, dtype=wide, device=x.device) if needs[1] else None
+    g_gate_up = torch.zeros_like(gate_up) if needs[3] else None
+    g_down = torch.zeros_like(down) if needs[4] else None
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        tok = pairs // k
+        xe = x[tok]
+        a1, a2 = _wide(xe @ gate_up[e].to(dt).t()).chunk(2, dim=-1)
+        s = torch.sigmoid(a1)
+        h = (a1 * s * a2).to(dt)
+        ge = gd[tok]
+        if gw is not None:
+            gw[pairs] = (_wide(ge) * _wide(h @ down[e].to(dt).t())).sum(-1)
+        gy = (_wide(ge) * w_flat[pairs, None]).to(dt)
+        if g_down is not None:
+            g_down[e] = (gy.t() @ h).to(down.dtype)
+        if gx is not None or g_gate_up is not None:
+            gh = _wide(gy @ down[e].to(dt))
+            ga = torch.cat([gh * a2 * s * (1 + a1 * (1 - s)), gh * a1 * s], dim=-1).to(dt)
+            if g_gate_up is not None:
+                g_gate_up[e] = (ga.t() @ xe).to(gate_up.dtype)
+            if gx is not None:
+                gx.index_add_(0, tok, _wide(ga @ gate_up[e].to(dt)))
+    return gx, (gw.reshape(T, k) if gw is not None else None), None, g_gate_up, g_down
+
+
 
 OPS: dict[str, Op] = {op.name: op for op in [
     Op("linear", _linear_kernel, backward=_linear_backward),
-    Op("rms_norm", lambda p, x, w, eps: p.rms_norm(x, w, eps), rms_norm_ref),
-    Op("add_rms_norm", lambda p, x, r, w, eps: p.add_rms_norm(x, r, w, eps), add_rms_norm_ref),
-    Op("rotary", lambda p, q, k, pos, cs: p.rotary(q, k, pos, cs), rotary_ref),
-    Op("silu_and_mul", lambda p, x: p.silu_and_mul(x), silu_and_mul_ref),
-    Op("attention", lambda p, q, k, v, mask, scale: p.attention(q, k, v, mask, scale), attention_ref),
+    Op("rms_norm", lambda p, x, w, eps: p.rms_norm(x, w, eps), rms_norm_ref, _rms_norm_backward),
+    Op("add_rms_norm", lambda p, x, r, w, eps: p.add_rms_norm(x, r, w, eps), add_rms_norm_ref,
+       _add_rms_norm_backward),
+    Op("rotary", lambda p, q, k, pos, cs: p.rotary(q, k, pos, cs), rotary_ref, _rotary_backward),
+    Op("silu_and_mul", lambda p, x: p.silu_and_mul(x), silu_and_mul_ref, _silu_and_mul_backward),
+    Op("attention", lambda p, q, k, v, mask, scale: p.attention(q, k, v, mask, scale), attention_ref,
+       _attention_backward),
     Op("moe_route", lambda p, logits, top_k, renormalize: p.moe_route(logits, top_k, renormalize),
-       moe_route_ref),
-    Op("moe_experts", lambda p, x, w, ids, gu, d: p.moe_experts(x, w, ids, gu, d), moe_experts_ref),
-    Op("log_softmax", lambda p, logits: p.log_softmax(logits), log_softmax_ref),
+       moe_route_ref, _moe_route_backward),
+    Op("moe_experts", lambda p, x, w, ids, gu, d: p.moe_experts(x, w, ids, gu, d), moe_experts_ref,
+       _moe_experts_backward),
+    Op("log_softmax", lambda p, logits: p.log_softmax(logits), log_softmax_ref, _log_softmax_backward),
 ]}
 
 
