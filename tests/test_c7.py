@@ -384,3 +384,28 @@ def test_vllm_provider_gemm_follows_batch_invariant_mode(monkeypatch):
     VLLMProvider._find_gemm(True)(x, w, None)
     VLLMProvider._find_gemm(False)(x, w, None)
     assert calls == ["bi", "dispatch"]
+
+
+def test_vllm_provider_reuses_a_mask_layout_only_for_that_unchanged_mask(monkeypatch):
+    """Every layer of one forward passes the same mask object: its varlen/paged layout is built once. A mask
+    changed in place, another mask (even with equal contents or shape) or another page size builds afresh."""
+    from tic.harness.kernels import vllm_provider as vp
+
+    built = []
+    real = vp.varlen_from_mask
+    monkeypatch.setattr(vp, "varlen_from_mask", lambda m, *a: built.append(m) or real(m, *a))
+    prov = object.__new__(vp.VLLMProvider)
+    ar = torch.arange(6)
+    causal = ar[None, :] <= ar[:, None]
+    mask = torch.stack([causal, causal & (ar[None, :] < 4)])[:, None].clone()
+    first = prov._layout(mask, 2, 6, "cpu", 16)
+    assert prov._layout(mask, 2, 6, "cpu", 16) is first and len(built) == 1
+    mask[1, 0] = causal  # in place: the right padding is gone
+    vl, _ = prov._layout(mask, 2, 6, "cpu", 16)
+    assert len(built) == 2 and vl.cu_seqlens.tolist() == [0, 6, 12]
+    other = mask.clone()
+    prov._layout(other, 2, 6, "cpu", 16)
+    prov._layout(other, 2, 6, "cpu", 4)
+    assert len(built) == 4
+    assert prov._layout(None, 2, 6, "cpu", 4) is prov._layout(None, 2, 6, "cpu", 4)
+    assert prov._layout(None, 1, 6, "cpu", 4)[0].cu_seqlens.tolist() == [0, 6] and len(built) == 6

@@ -22,6 +22,7 @@ the backward. vLLM is imported when the provider is built, never at tic import.
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -202,20 +203,30 @@ class VLLMProvider(KernelProvider):
         """vLLM's KV page size: what the vLLM engine of this process ran (it sets the variable), else 16."""
         return int(os.environ.get("TIC_VLLM_BLOCK_SIZE", "16"))
 
+    _layout_cache: tuple | None = None
+
+    def _layout(self, mask, B: int, T: int, device, block_size: int):
+        """(varlen, paged layout) for one mask, built once per mask: every layer of one forward passes the same
+        mask object, and reading the sequences back from it syncs the device. Kept only while that very object
+        (held weakly), unmodified (tensor version) and of the same shape comes back with the same batch shape,
+        device and page size; anything else builds afresh."""
+        key = (None if mask is None else (mask._version, tuple(mask.shape)), B, T, str(device), block_size)
+        hit = self._layout_cache
+        if hit is not None and hit[1] == key and (hit[0] is None if mask is None else hit[0]() is mask):
+            return hit[2]
+        vl = varlen_from_mask(mask, B, T, device)
+        layout = (vl, paged_layout(vl.cu_seqlens, block_size))
+        self._layout_cache = (None if mask is None else weakref.ref(mask), key, layout)
+        return layout
+
     def attention(self, q, k, v, mask, scale):
         """Prefill attention as vLLM's FlashAttention backend runs it: the K/V written into a paged cache of
         vLLM's page size and read back through a block table (FA3 picks its key tile from whether K/V are
         paged), through the backend module's varlen entry point (where tic's fa3 patch pins the launch)."""
         flash_attn_varlen_func = self._find_varlen_attention()
         B, H, T, D = q.shape
-        cached = getattr(self, "_varlen", None)  # every layer of one forward gets the same mask object
         bs = self.kv_block_size
-        if cached is not None and cached[0] is mask and mask is not None and cached[3] == bs:
-            vl, pages = cached[1], cached[2]
-        else:
-            vl = varlen_from_mask(mask, B, T, q.device)
-            pages = paged_layout(vl.cu_seqlens, bs)
-            self._varlen = (mask, vl, pages, bs)
+        vl, pages = self._layout(mask, B, T, q.device, bs)
         flat = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], t.shape[-1])[vl.index].contiguous()  # noqa: E731
         qf = flat(q)
         k_cache, v_cache = (_in_pages(flat(t), pages, bs) for t in (k, v))
