@@ -7,7 +7,8 @@ HF training step on the same bf16 model and batch.
 
 Checks, each printed with its verdict; any failure exits 1:
   1. every wrapper's forward value equals a direct call of vLLM's kernel on the same inputs, bit for bit;
-  2. the wrapped model's gradients are within C7's bf16 tolerance of plain HF float32 on the same weights;
+  2. the wrapped model's gradients are within C7's bf16 tolerance of plain HF float32 on the same weights (MoE:
+     the reference's routers pinned to the wrapped model's top-k choices with RoutingPin, as gates/c7.py does);
   3. time per step (forward + backward, median of --repeats) and peak memory of both steps, and the ratio
      (goal <= 1.3x; reported, and a miss is flagged, with --strict-time it fails the run).
 """
@@ -15,6 +16,7 @@ Checks, each printed with its verdict; any failure exits 1:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import sys
@@ -202,8 +204,8 @@ def main() -> int:
         return 1
 
     from tic.gates.c7 import DEFAULT_THRESHOLDS
-    from tic.harness.gradcheck import compare
-    from tic.harness.kernels.modules import apply
+    from tic.harness.gradcheck import RoutingPin, compare
+    from tic.harness.kernels.modules import apply, capture_routes
     from tic.harness.kernels.providers import get_provider
 
     import vllm
@@ -228,12 +230,21 @@ def main() -> int:
     ids, mask, pos, adv = batch(args)
     f32_log_softmax = lambda t: t.float().log_softmax(-1)  # noqa: E731
 
-    print("\n2. gradients of the wrapped bf16 model vs plain HF float32 (same weights, same loss)")
+    print("\n2. gradients of the wrapped bf16 model vs plain HF float32 (same weights, same loss; MoE routers of "
+          "the reference take the wrapped model's top-k experts, as C7 pins them)")
+    wrapped.zero_grad(set_to_none=True)
+    with capture_routes() as calls:
+        step(wrapped, ids, mask, pos, adv, wrapped._tic_ops.log_softmax)
+    routes = {name: torch.cat(c) for name, c in calls.items()}
     ref = copy.deepcopy(plain).float()
     ref.zero_grad(set_to_none=True)
-    step(ref, ids, mask, pos, adv, f32_log_softmax)
-    wrapped.zero_grad(set_to_none=True)
-    step(wrapped, ids, mask, pos, adv, wrapped._tic_ops.log_softmax)
+    pin = RoutingPin(ref)
+    with pin.pinned(routes) if pin.gates else contextlib.nullcontext():
+        step(ref, ids, mask, pos, adv, f32_log_softmax)
+    if pin.gates:
+        print(f"   routing pinned in {len(pin.gates)} routers ({len(pin.unpinned)} unpinned), {pin.tokens} routed "
+              f"tokens; the float32 reference alone would have chosen other experts for {pin.flips}")
+        failed |= bool(pin.unpinned)
     grads = {n: p.grad.float().cpu() for n, p in wrapped.named_parameters() if p.grad is not None}
     rows = compare(grads, {n: p.grad.float().cpu() for n, p in ref.named_parameters() if p.grad is not None})
     del ref

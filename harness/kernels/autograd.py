@@ -368,51 +368,60 @@ def _log_softmax_backward(tensors, fixed, grads, kw, needs):
 
 
 def _moe_experts_backward(tensors, fixed, grads, kw, needs):
-    """moe_experts_ref's gradient, expert by expert over the (token, slot) pairs sorted by expert once: recompute
-    gate_up GEMM -> silu * mul -> down GEMM in the model dtype, then the gradients of x, the routing weights and
-    both expert weights (GEMMs in the model dtype, elementwise math and the x / routing-weight sums in float32)."""
+    """moe_experts_ref's gradient over the (token, slot) pairs sorted by expert once: per expert only its GEMMs
+    (model dtype: recompute gate_up -> down, then the gradient GEMMs), each writing its rows of one buffer;
+    gathers, silu * mul and its derivative, the routing-weight dot products and the scatter back to tokens run
+    once over all pairs (elementwise math and the sums over slots in float32)."""
     x, weights, ids, gate_up, down = tensors
     g = grads[0]
     if g is None:
         return None, None, None, None, None
     T, k = ids.shape
-    dt = x.dtype
-    wide = torch.promote_types(dt, torch.float32)
+    H, dt = x.shape[-1], x.dtype
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pair index t * k + slot, grouped by expert
     counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()  # one device sync
-    gd = g.to(dt)
-    w_flat = weights.reshape(-1).to(wide)
-    gx = torch.zeros(x.shape, dtype=wide, device=x.device) if needs[0] else None
-    gw = torch.zeros(T * k, dtype=wide, device=x.device) if needs[1] else None
-    g_gate_up = torch.zeros_like(gate_up) if needs[3] else None
-    g_down = torch.zeros_like(down) if needs[4] else None
-    start = 0
+    spans, start = [], 0
     for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        pairs = order[start:start + n]
+        if n:
+            spans.append((e, start, start + n))
         start += n
-        tok = pairs // k
-        xe = x[tok]
-        a1, a2 = _wide(xe @ gate_up[e].to(dt).t()).chunk(2, dim=-1)
-        s = torch.sigmoid(a1)
-        h = (a1 * s * a2).to(dt)
-        ge = gd[tok]
-        if gw is not None:
-            gw[pairs] = (_wide(ge) * _wide(h @ down[e].to(dt).t())).sum(-1)
-        gy = (_wide(ge) * w_flat[pairs, None]).to(dt)
-        if g_down is not None:
-            g_down[e] = (gy.t() @ h).to(down.dtype)
-        if gx is not None or g_gate_up is not None:
-            gh = _wide(gy @ down[e].to(dt))
-            ga = torch.cat([gh * a2 * s * (1 + a1 * (1 - s)), gh * a1 * s], dim=-1).to(dt)
-            if g_gate_up is not None:
-                g_gate_up[e] = (ga.t() @ xe).to(gate_up.dtype)
-            if gx is not None:
-                gx.index_add_(0, tok, _wide(ga @ gate_up[e].to(dt)))
-    return gx, (gw.reshape(T, k) if gw is not None else None), None, g_gate_up, g_down
+    tok = order // k
+    xs, gs = x[tok], g.to(dt)[tok]  # [P, H] in expert order
+    mat = lambda w: w if w.dtype == dt else w.to(dt)  # noqa: E731
 
+    def per_expert(fn, cols):  # rows of one [P, cols] buffer, expert by expert
+        out = torch.empty(order.shape[0], cols, dtype=dt, device=x.device)
+        for e, a, b in spans:
+            torch.mm(*fn(e, a, b), out=out[a:b])
+        return out
+
+    act = per_expert(lambda e, a, b: (xs[a:b], mat(gate_up[e]).t()), gate_up.shape[1])
+    a1, a2 = _wide(act).chunk(2, dim=-1)
+    s = torch.sigmoid(a1)
+    h = (a1 * s * a2).to(dt)
+    gx = gw = g_gate_up = g_down = None
+    if needs[1]:
+        y = per_expert(lambda e, a, b: (h[a:b], mat(down[e]).t()), H)
+        gw = torch.zeros(T * k, dtype=a1.dtype, device=x.device)
+        gw[order] = (_wide(gs) * _wide(y)).sum(-1)
+        gw = gw.reshape(T, k)
+    gy = (_wide(gs) * _wide(weights).reshape(-1)[order, None]).to(dt)
+    if needs[4]:
+        g_down = torch.zeros_like(down)
+        for e, a, b in spans:
+            g_down[e] = (gy[a:b].t() @ h[a:b]).to(down.dtype)
+    if needs[0] or needs[3]:
+        gh = _wide(per_expert(lambda e, a, b: (gy[a:b], mat(down[e])), down.shape[2]))
+        ga = torch.cat([gh * a2 * s * (1 + a1 * (1 - s)), gh * a1 * s], dim=-1).to(dt)
+        if needs[3]:
+            g_gate_up = torch.zeros_like(gate_up)
+            for e, a, b in spans:
+                g_gate_up[e] = (ga[a:b].t() @ xs[a:b]).to(gate_up.dtype)
+        if needs[0]:
+            gxs = per_expert(lambda e, a, b: (ga[a:b], mat(gate_up[e])), H)
+            gx = torch.zeros(x.shape, dtype=a1.dtype, device=x.device).index_add_(0, tok, _wide(gxs))
+    return gx, gw, None, g_gate_up, g_down
 
 
 OPS: dict[str, Op] = {op.name: op for op in [
