@@ -246,6 +246,20 @@ def test_varlen_from_padded_and_packed_masks():
     assert v.cu_seqlens.tolist() == [0, 4, 8, 11, 14] and v.max_seqlen == 4
 
 
+def test_varlen_with_an_all_padding_row_and_no_tokens_at_all():
+    ar = torch.arange(5)
+    causal = ar[None, :] <= ar[:, None]
+    seg = torch.tensor([0, 0, 1, 1, 1])
+    mask = torch.stack([torch.zeros(5, 5, dtype=torch.bool), causal & (seg[None, :] == seg[:, None])])[:, None]
+    v = varlen_from_mask(mask, 2, 5, "cpu")
+    assert v.index.tolist() == [5, 6, 7, 8, 9] and v.cu_seqlens.tolist() == [0, 2, 5] and v.max_seqlen == 3
+    p = paged_layout(v.cu_seqlens, 2)
+    assert p.num_blocks == 3 and p.block_table.tolist() == [[0, 0], [1, 2]] and p.slots.tolist() == [0, 1, 2, 3, 4]
+    empty = varlen_from_mask(torch.zeros(1, 1, 4, 4, dtype=torch.bool), 1, 4, "cpu")
+    assert empty.index.numel() == 0 and empty.cu_seqlens.tolist() == [0] and empty.max_seqlen == 0
+    assert paged_layout(empty.cu_seqlens, 16).num_blocks == 1
+
+
 @pytest.mark.parametrize("lens, bs", [([5, 16, 1], 4), ([3, 40], 16), ([1], 16), ([16, 16], 16)])
 def test_paged_layout_puts_every_token_in_its_own_sequence_pages(lens, bs):
     """Packed K/V written through the slots and read back through the block table give each sequence's keys

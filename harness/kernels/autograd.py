@@ -264,8 +264,7 @@ def _silu_and_mul_backward(tensors, fixed, grads, kw, needs):
         return (None,)
     a, b = _wide(tensors[0]).chunk(2, dim=-1)
     g = grads[0].to(a.dtype)
-    s = torch.sigmoid(a)
-    return (torch.cat([g * b * s * (1 + a * (1 - s)), g * a * s], dim=-1),)
+    return (torch.cat([torch.ops.aten.silu_backward(g * b, a), g * F.silu(a)], dim=-1),)
 
 
 def _rotate_neox_input_grad(g, positions, cos_sin):
@@ -362,9 +361,10 @@ def _moe_route_backward(tensors, fixed, grads, kw, needs):
 def _log_softmax_backward(tensors, fixed, grads, kw, needs):
     if not needs[0]:
         return (None,)
-    out = torch.log_softmax(_wide(tensors[0]), dim=-1)
-    g = grads[0].to(out.dtype)
-    return (g - out.exp() * g.sum(-1, keepdim=True),)
+    logits = tensors[0]
+    wide = torch.promote_types(logits.dtype, torch.float32)
+    out = torch.log_softmax(logits, dim=-1, dtype=wide)  # upcast fused into the pass, as the reference's value
+    return (torch._log_softmax_backward_data(grads[0].to(wide), out, -1, wide),)  # g - exp(out) * sum(g)
 
 
 def _moe_experts_backward(tensors, fixed, grads, kw, needs):
@@ -398,8 +398,8 @@ def _moe_experts_backward(tensors, fixed, grads, kw, needs):
 
     act = per_expert(lambda e, a, b: (xs[a:b], mat(gate_up[e]).t()), gate_up.shape[1])
     a1, a2 = _wide(act).chunk(2, dim=-1)
-    s = torch.sigmoid(a1)
-    h = (a1 * s * a2).to(dt)
+    silu = F.silu(a1)
+    h = (silu * a2).to(dt)
     gx = gw = g_gate_up = g_down = None
     if needs[1]:
         y = per_expert(lambda e, a, b: (h[a:b], mat(down[e]).t()), H)
@@ -413,7 +413,7 @@ def _moe_experts_backward(tensors, fixed, grads, kw, needs):
             g_down[e] = (gy[a:b].t() @ h[a:b]).to(down.dtype)
     if needs[0] or needs[3]:
         gh = _wide(per_expert(lambda e, a, b: (gy[a:b], mat(down[e])), down.shape[2]))
-        ga = torch.cat([gh * a2 * s * (1 + a1 * (1 - s)), gh * a1 * s], dim=-1).to(dt)
+        ga = torch.cat([torch.ops.aten.silu_backward(gh * a2, a1), gh * silu], dim=-1).to(dt)
         if needs[3]:
             g_gate_up = torch.zeros_like(gate_up)
             for e, a, b in spans:

@@ -24,6 +24,14 @@ class Varlen:
     max_seqlen: int
 
 
+def _positions(flags: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the True entries of a 1-D bool tensor holding `count` of them, without another device read."""
+    try:
+        return torch.nonzero_static(flags, size=count).squeeze(1)
+    except (NotImplementedError, RuntimeError):  # a backend without nonzero_static
+        return flags.nonzero().squeeze(1)
+
+
 def varlen_from_mask(mask: torch.Tensor | None, batch: int, length: int, device) -> Varlen:
     """mask: bool [B, 1, T, T] (True = attend) or None (every row one causal sequence)."""
     if mask is None:
@@ -42,16 +50,19 @@ def varlen_from_mask(mask: torch.Tensor | None, batch: int, length: int, device)
     prev_start = torch.cat([torch.full_like(start[:, :1], -1), start[:, :-1]], dim=1)
     chained = (start == ar[None]) | (start == prev_start)
     # padding queries (not seeing themselves) may see anything: their outputs are dropped
-    rows_ok = ((expected == m) | ~valid[..., None]).all()
-    if not bool(rows_ok) or not bool((chained | ~valid).all()):
+    rows_ok = ((expected == m) | ~valid[..., None]).all() & (chained | ~valid).all()
+    is_start = (start == ar[None]) & valid
+    # each sequence's length, at its start: the valid tokens that name that start
+    lengths = torch.zeros_like(start).scatter_add_(1, torch.where(valid, start, 0), valid.to(start.dtype))
+    # everything the layout needs from the device in one read (a sync each read on GPU)
+    ok, n, n_seqs, max_len = torch.stack([rows_ok.to(start.dtype), valid.sum(), is_start.sum(),
+                                          lengths.max() if lengths.numel() else start.new_zeros(())]).tolist()
+    if not ok:
         raise TicInputError("attention mask is not block-causal over contiguous sequences (sliding window or "
                             "custom mask); the varlen prefill kernel cannot reproduce it")
-    flat_valid = valid.reshape(-1)
-    index = flat_valid.nonzero().squeeze(1)
-    is_start = ((start == ar[None]) & valid).reshape(-1)[index]
-    starts = is_start.nonzero().squeeze(1)
-    cu = torch.cat([starts, torch.tensor([index.numel()], device=device)]).to(torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    index = _positions(valid.reshape(-1), n)
+    starts = _positions(is_start.reshape(-1)[index], n_seqs)
+    cu = torch.cat([starts, torch.tensor([n], device=device)]).to(torch.int32)
     return Varlen(index, cu, max_len)
 
 
@@ -71,12 +82,14 @@ def paged_layout(cu_seqlens: torch.Tensor, block_size: int) -> PagedLayout:
     lens = cu[1:] - cu[:-1]
     nblocks = (lens + block_size - 1) // block_size
     first = torch.cumsum(nblocks, 0) - nblocks  # each sequence's first block
-    n = int(cu[-1]) if cu.numel() else 0
+    zero = cu.new_zeros(1)
+    n, widest, total = torch.cat([cu[-1:] if cu.numel() else zero, torch.cat([nblocks, zero]).max()[None],
+                                  nblocks.sum()[None]]).tolist()  # one device read
     tok = torch.arange(n, device=device)
     seq = torch.searchsorted(cu[1:], tok, right=True)
     pos = tok - cu[seq]
     slots = (first[seq] + pos // block_size) * block_size + pos % block_size
-    width = max(int(nblocks.max()) if nblocks.numel() else 0, 1)
+    width = max(widest, 1)
     table = first[:, None] + torch.arange(width, device=device)[None]
     table = torch.where(torch.arange(width, device=device)[None] < nblocks[:, None], table, torch.zeros_like(table))
-    return PagedLayout(slots, table.to(torch.int32), lens.to(torch.int32), max(int(nblocks.sum()), 1))
+    return PagedLayout(slots, table.to(torch.int32), lens.to(torch.int32), max(total, 1))
