@@ -183,6 +183,28 @@ def kernel_checks(ops, moe: bool) -> list[tuple[str, bool, str]]:
     return rows
 
 
+def sdpa_backends(args) -> str:
+    """Which of torch's fused SDPA backends accept the attention backward's two calls at this shape (bf16, GQA):
+    the causal-flag call (right padding, no mask) and the bool-mask call (left padding or packing). torch
+    takes the first eligible in its priority order (cuDNN first where it prefers it, then flash, then
+    memory-efficient); --profile's kernel rows name the one it ran."""
+    D, Hkv = args.hidden // args.heads, args.kv_heads
+    q = torch.zeros(args.batch, args.heads, args.seq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.zeros(args.batch, Hkv, args.seq, D, device="cuda", dtype=torch.bfloat16)
+    mask = torch.ones(args.batch, 1, args.seq, args.seq, device="cuda", dtype=torch.bool).tril()
+    b = torch.backends.cuda
+    out = []
+    for what, m, causal in (("causal flag", None, True), ("bool mask", mask, False)):
+        try:
+            params = b.SDPAParams(q, k, k, m, 0.0, causal, Hkv != args.heads)
+            ok = [n for n, f in (("cudnn", b.can_use_cudnn_attention), ("flash", b.can_use_flash_attention),
+                                 ("efficient", b.can_use_efficient_attention)) if f(params, False)]
+        except (AttributeError, TypeError, RuntimeError) as e:  # SDPAParams' signature moved between releases
+            ok = [f"unknown ({type(e).__name__})"]
+        out.append(f"{what}: {', '.join(ok) or 'math only'}")
+    return "; ".join(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE model (16 experts, top-4) instead of dense")
@@ -283,6 +305,7 @@ def main() -> int:
         print(f"   {name:28s} {1e3 * t:15.2f} {m / 2**30:11.2f} {d / 2**30:16.2f}")
     print(f"   ratio tic/plain: time {ratio:.2f}x (goal <= 1.3x{'' if ratio <= 1.3 else ', MISSED'}), "
           f"step memory {d_tic / max(d_plain, 1):.2f}x")
+    print(f"   attention backward, fused SDPA backends eligible: {sdpa_backends(args)}")
     if args.profile:
         profile_steps(("plain", plain_fn), ("tic", tic_fn), top=args.profile)
     if args.strict_time and ratio > 1.3:
