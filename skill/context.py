@@ -24,7 +24,7 @@ def check_kernels(cfg: TicConfig) -> None:
             from tic.harness.kernels.vllm_provider import require_vllm
 
             try:
-                require_vllm(c.device)
+                require_vllm(c.device, load=False)  # the rollout engine sets vLLM's mode before it is imported
             except TicInputError as e:
                 raise TicInputError(f"{side}: {e}") from None
 

@@ -423,3 +423,34 @@ def test_vllm_provider_reuses_a_mask_layout_only_for_that_unchanged_mask(monkeyp
     assert len(built) == 4
     assert prov._layout(None, 2, 6, "cpu", 4) is prov._layout(None, 2, 6, "cpu", 4)
     assert prov._layout(None, 1, 6, "cpu", 4)[0].cu_seqlens.tolist() == [0, 6] and len(built) == 6
+    with torch.inference_mode():  # C5's recompute scores under inference mode: such masks carry no version
+        inf = mask.clone()
+        first = prov._layout(inf, 2, 6, "cpu", 16)
+        inf[1, 0] = causal & (ar[None, :] < 2)
+        vl, _ = prov._layout(inf, 2, 6, "cpu", 16)
+    assert len(built) == 8 and vl.cu_seqlens.tolist() == [0, 6, 8] and first[0].cu_seqlens.tolist() == [0, 6, 12]
+
+
+def test_the_kernels_check_looks_vllm_up_without_importing_it(example, tmp_path, monkeypatch):
+    """vLLM reads its mode (VLLM_BATCH_INVARIANT) once, at import, and the rollout engine sets it: the check made
+    when the gate context is built must not import vLLM first (on the H200 a batch-invariant rollout with
+    `kernels: vllm` training was refused because the check had imported vLLM in default mode)."""
+    import sys
+
+    from tic.skill.config import load_config
+    from tic.skill.context import GateContext
+
+    fake = tmp_path / "site" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise RuntimeError('vllm imported by the check')\n")
+    monkeypatch.syspath_prepend(str(fake.parent))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ex = example("tiny-qwen3")
+    cfg = ex / "vllm.yaml"
+    cfg.write_text("model: {path: ., generate: {seed: 0}}\ntrain: {engine: hf, kernels: vllm, device: cuda}\n")
+    GateContext(load_config(cfg))
+    assert "vllm" not in sys.modules
+    (fake.parent / "vllm").rename(fake.parent / "elsewhere")
+    with pytest.raises(TicInputError, match="needs vLLM installed"):
+        GateContext(load_config(cfg))

@@ -306,6 +306,10 @@ def main() -> int:
     print(f"   ratio tic/plain: time {ratio:.2f}x (goal <= 1.3x{'' if ratio <= 1.3 else ', MISSED'}), "
           f"step memory {d_tic / max(d_plain, 1):.2f}x")
     print(f"   attention backward, fused SDPA backends eligible: {sdpa_backends(args)}")
+    from tic.harness.kernels.autograd import COMPILE_ERRORS
+
+    print(f"   closed-form backwards compiled on the GPU (TIC_FUSE_BACKWARD={os.environ.get('TIC_FUSE_BACKWARD', '1')}): "
+          f"{'no compile errors' if not COMPILE_ERRORS else COMPILE_ERRORS}")
     if args.profile:
         profile_steps(("plain", plain_fn), ("tic", tic_fn), top=args.profile)
     if args.strict_time and ratio > 1.3:

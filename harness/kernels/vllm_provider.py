@@ -31,12 +31,20 @@ from tic.harness.kernels.providers import KernelProvider
 from tic.harness.kernels.varlen import paged_layout, varlen_from_mask
 
 
-def require_vllm(device: str = "cuda") -> None:
-    """One-line refusal unless this machine can run vLLM's kernels (CUDA GPU, vLLM importable)."""
+def require_vllm(device: str = "cuda", load: bool = True) -> None:
+    """One-line refusal unless this machine can run vLLM's kernels (CUDA GPU, vLLM importable).
+    load=False only looks vLLM up: a check made before the rollout engine starts must not import vLLM, which
+    reads its mode (VLLM_BATCH_INVARIANT) once, at import, from a variable that engine sets."""
     if device != "cuda":
         raise TicInputError("kernels: vllm runs vLLM's GPU kernels; set device: cuda")
     if not torch.cuda.is_available():
         raise TicInputError("kernels: vllm needs a CUDA GPU, and torch sees none on this machine")
+    if not load:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise TicInputError("kernels: vllm needs vLLM installed (not found)")
+        return
     try:
         import vllm  # noqa: F401
         from vllm import _custom_ops  # noqa: F401
@@ -209,7 +217,11 @@ class VLLMProvider(KernelProvider):
         """(varlen, paged layout) for one mask, built once per mask: every layer of one forward passes the same
         mask object, and reading the sequences back from it syncs the device. Kept only while that very object
         (held weakly), unmodified (tensor version) and of the same shape comes back with the same batch shape,
-        device and page size; anything else builds afresh."""
+        device and page size; anything else builds afresh. An inference-mode mask has no version counter, so
+        nothing would show it changed in place: its layout is built every time."""
+        if mask is not None and mask.is_inference():
+            vl = varlen_from_mask(mask, B, T, device)
+            return vl, paged_layout(vl.cu_seqlens, block_size)
         key = (None if mask is None else (mask._version, tuple(mask.shape)), B, T, str(device), block_size)
         hit = self._layout_cache
         if hit is not None and hit[1] == key and (hit[0] is None if mask is None else hit[0]() is mask):
