@@ -492,11 +492,25 @@ class VLLMEngine(Engine):
         return VLLMCaptureRunner(self, temperature)
 
     # -- in-process model access (locator capture) -----------------------------------------------------------
+    def _require_model_here(self, what: str) -> None:
+        """Hooks and module replay need vLLM's model in this process. vLLM keeps it here only with its
+        single-process executor; under its data parallel (or TP > 1) the model lives in worker processes and
+        asking for it would pickle the model runner across (it cannot be: the call fails in the worker and the
+        caller waits forever). A RuntimeError, not an input error: a gate's verdict stands, its locator says why."""
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        ex = getattr(self.llm.llm_engine, "model_executor", None)
+        if not isinstance(ex, UniProcExecutor):
+            raise RuntimeError(f"{what} needs vLLM's model in this process; this engine runs it in worker processes "
+                               f"({type(ex).__name__}: vLLM data parallel > 1 or tensor parallel > 1)")
+
     def model(self) -> torch.nn.Module:
         """The torch module vLLM runs (in this process)."""
+        self._require_model_here("the model")
         return self.llm.apply_model(lambda m: m)[0]  # in-process engine: the module itself comes back
 
     def model_runner(self):
+        self._require_model_here("the model runner")
         return self.llm.collective_rpc(lambda w: getattr(w, "worker", w).model_runner)[0]
 
 
