@@ -107,3 +107,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """A stand-in vLLM (tests/support/tic_fake_vllm.py) importable in this process; vLLM's modules and every
+    bundled patch reverted afterwards."""
+    import sys
+
+    from tic import patches
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+    from tic_fake_vllm import make_fake_vllm
+
+    root = make_fake_vllm(tmp_path / "site")
+    monkeypatch.syspath_prepend(str(root))
+    for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, m)
+    yield root
+    patches.apply([])
+    for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        del sys.modules[m]

@@ -36,18 +36,6 @@ def merged(moe_sum, slots) -> torch.Tensor:
     return out
 
 
-@pytest.fixture
-def fake_vllm(tmp_path, monkeypatch):
-    root = make_fake_vllm(tmp_path / "site")
-    monkeypatch.syspath_prepend(str(root))
-    for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
-        monkeypatch.delitem(sys.modules, m)
-    yield root
-    patches.apply([])
-    for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
-        del sys.modules[m]
-
-
 def test_one_gpu_merge_is_float32_in_slot_order(fake_vllm):
     import vllm._custom_ops as ops
 

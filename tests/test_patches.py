@@ -45,19 +45,6 @@ def _define_block_dependent_rmsnorm():
     _define_block_dependent_rmsnorm.lib = lib  # keep the registration alive
 
 
-@pytest.fixture
-def fake_vllm(tmp_path, monkeypatch):
-    """The stand-in vLLM importable in this process; vLLM's modules and every patch reverted afterwards."""
-    root = make_fake_vllm(tmp_path / "site")
-    monkeypatch.syspath_prepend(str(root))
-    for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
-        monkeypatch.delitem(sys.modules, m)
-    yield root
-    patches.apply([])
-    for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
-        del sys.modules[m]
-
-
 def test_registry_metadata_is_complete():
     reg = patches.registry()
     assert set(reg) == {"fa3-fixed-tile", "gemm-fixed-m", "moe-slot-order-sum", "rmsnorm-fixed-block"}

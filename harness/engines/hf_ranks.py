@@ -11,8 +11,6 @@ batches runs empty forwards through its MoE layers until every rank is done (as 
 
 from __future__ import annotations
 
-import copyreg
-import pickle
 import weakref
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import torch.distributed as dist
 
 from tic.core.errors import TicInputError
 from tic.harness.engines.base import Engine, Sample, Sampling
+from tic.harness.engines.ranks import DealtRequests, OwnerRankCaptureRunner, portable
 from tic.harness.parallel import COMBINES, ExpertParallelMoE, RankPool, ep_group, moe_blocks
 
 OPTIONS = {"expert_combine": "slot_order"}
@@ -89,67 +88,11 @@ def _score_rank(state: dict, samples: list, sampling: Sampling) -> list[torch.Te
     return out
 
 
-def _resolve_op(qualified: str, overload: str):
-    ns, name = qualified.split("::", 1)
-    packet = getattr(getattr(torch.ops, ns), name)
-    return getattr(packet, overload or "default")
-
-
-def _reduce_op(op):
-    return _resolve_op, (op._schema.name, op._overloadname)
-
-
-# operator trails cross the process boundary: torch ops pickle by name
-copyreg.pickle(torch._ops.OpOverload, _reduce_op)
-
-
-def _module_names(state: dict) -> dict:
+def _module_names(state: dict, temperature: float) -> dict:
     from tic.harness.capture import HFCaptureRunner
 
     r = HFCaptureRunner(state["engine"])
     return {"stages": r.stages(), "children": {n: r.children(n) for n in r.modules}, "names": list(r.modules)}
-
-
-def _scrub(v):
-    """v with every value that cannot leave this process (a process group, a work handle) named instead."""
-    if isinstance(v, (list, tuple)):
-        return type(v)(_scrub(x) for x in v)
-    if isinstance(v, dict):
-        return {k: _scrub(x) for k, x in v.items()}
-    try:
-        pickle.dumps(v)
-        return v
-    except Exception:  # noqa: BLE001 - whatever pickling refuses
-        return f"<{type(v).__name__} on rank process>"
-
-
-class ForeignOp:
-    """Stands for an operator whose callable cannot leave the rank process (a pybind collective binding)."""
-
-    is_view = False
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __call__(self, *args, **kwargs):
-        raise RuntimeError(f"{self.name} ran on a rank process and cannot be rerun here")
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-def _portable(cap):
-    """A capture the calling process can unpickle: operator calls holding process-bound arguments (the
-    collectives of the expert exchange) keep their operator, outputs and a name for those arguments."""
-    if cap.trail is not None:
-        for c in cap.trail.calls:
-            try:
-                pickle.dumps(c)
-            except Exception:  # noqa: BLE001
-                c.args, c.kwargs, c.outputs = _scrub(c.args), _scrub(c.kwargs), _scrub(c.outputs)
-                if isinstance(_scrub(c.func), str):
-                    c.func = ForeignOp(c.op)
-    return cap
 
 
 def _capture_rank(state: dict, job: tuple | None):
@@ -165,42 +108,19 @@ def _capture_rank(state: dict, job: tuple | None):
         cap = runner.decode(samples, target, upto, spec, together) if kind == "decode" else \
             runner.score(samples, target, spec)
     _idle(state, owed)
-    return None if cap is None else _portable(cap)
+    return None if cap is None else portable(cap)
 
 
-class RankCaptureRunner:
-    """The locator's runner for a ranked engine: the compared request's rows live on one rank, so that rank
-    runs the HF capture runner on its own share while the other ranks take part in the expert exchanges."""
+class RankCaptureRunner(OwnerRankCaptureRunner):
+    """The owner rank runs the HF capture runner on its own share while the other ranks take part in the
+    expert exchanges."""
 
-    def __init__(self, engine: "RankedHFEngine", temperature: float):
-        self.engine, self.temperature = engine, temperature
-        self._names = engine.pool.call(_module_names, [()] * engine.dp)[0]
-
-    def stages(self) -> list[str]:
-        return self._names["stages"]
-
-    def children(self, name: str) -> list[str]:
-        return self._names["children"][name]
-
-    def descendants(self, name: str) -> list[str]:
-        return [n for n in self._names["names"] if n.startswith(name + ".")]
-
-    def _run(self, kind: str, samples, target: int, upto: int, spec, together: bool):
-        shares = self.engine._deal(samples)
-        owner = self.engine.owner_rank(target)
-        job = (kind, [samples[i] for i in shares[owner]], shares[owner].index(target), upto, spec, together,
-               self.temperature)
-        return self.engine.pool.call(_capture_rank, [(job if r == owner else None,) for r in range(self.engine.dp)])[owner]
-
-    def decode(self, samples, target, upto, spec, together=False):
-        return self._run("decode", samples, target, upto, spec, together)
-
-    def score(self, samples, target, spec):
-        return self._run("score", samples, target, 0, spec, False)
+    names_fn = _module_names
+    capture_fn = _capture_rank
 
 
 # -- in the calling process --------------------------------------------------------------------------------
-class RankedHFEngine(Engine):
+class RankedHFEngine(DealtRequests, Engine):
     """Same interface as HFEngine; the work runs on dp rank processes."""
 
     name = "hf"
@@ -235,20 +155,6 @@ class RankedHFEngine(Engine):
         return cls(model_dir, dtype, side_cfg.kernels, side_cfg.attn_implementation, side_cfg.batch_size,
                    side_cfg.micro_batch_size, side_cfg.padding_side, side_cfg.packing, p.dp, p.ep,
                    side_cfg.options, device=getattr(side_cfg, "device", "cpu"))
-
-    def owner_rank(self, index: int) -> int:
-        """The DP rank that holds the index-th request of a call (its rows never leave it)."""
-        return index % self.dp
-
-    def _deal(self, items: list) -> list[list[int]]:
-        return [[i for i in range(len(items)) if self.owner_rank(i) == r] for r in range(self.dp)]
-
-    def _gather(self, shares: list[list[int]], results: list[list], n: int) -> list:
-        out: list = [None] * n
-        for idx, res in zip(shares, results):
-            for i, x in zip(idx, res):
-                out[i] = x
-        return out
 
     def _generate(self, prompts, sampling, request_ids, together: bool) -> list[Sample]:
         shares = self._deal(prompts)

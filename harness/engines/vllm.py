@@ -287,17 +287,22 @@ class VLLMEngine(Engine):
         self._record = Path(o["record"]) if o["record"] else None
         self._call = 0
 
-    @classmethod
-    def from_config(cls, side_cfg, ctx) -> "VLLMEngine":
+    @staticmethod
+    def config_kwargs(side_cfg, ctx) -> dict:
+        """The engine's arguments from a rollout config, all but the layout (one engine, or each rank's)."""
         c = ctx.model_config
         text = c.get("text_config", c)
         opts = dict(side_cfg.options)
         if opts.get("record"):
             opts["record"] = str(ctx.cfg.resolve(Path(opts["record"])))
+        return dict(model_dir=ctx.model_dir, dtype=ctx.dtype, options=opts, batch_size=side_cfg.batch_size,
+                    max_positions=int(text.get("max_position_embeddings", 2048)), vocab_size=ctx.vocab_size,
+                    patch_names=list(side_cfg.patches))
+
+    @classmethod
+    def from_config(cls, side_cfg, ctx) -> "VLLMEngine":
         p = side_cfg.parallel
-        return cls(ctx.model_dir, ctx.dtype, opts, side_cfg.batch_size,
-                   int(text.get("max_position_embeddings", 2048)), ctx.vocab_size, side_cfg.patches,
-                   p.tp, p.ep, p.dp, p.dcp)
+        return cls(**cls.config_kwargs(side_cfg, ctx), tp=p.tp, ep=p.ep, dp=p.dp, dcp=p.dcp)
 
     @classmethod
     def baseline_changes(cls, side_cfg) -> dict:

@@ -16,7 +16,9 @@ records its rank and the layout.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 import weakref
 from pathlib import Path
 
@@ -24,6 +26,7 @@ import torch
 
 from tic.core.errors import TicInputError
 from tic.harness.engines.base import Engine, Sample, Sampling
+from tic.harness.engines.ranks import DealtRequests, OwnerRankCaptureRunner, portable
 from tic.harness.parallel import RankPool, free_port
 
 # -- inside each rank ----------------------------------------------------------------------------------------
@@ -96,7 +99,6 @@ def _capture_rank(state: dict, job: tuple | None, release: str):
     owner) until they have taken as many as the owner: when done, the owner writes its count, one more than it
     has taken, to `release`, then takes that last turn with them. Replicas just wait."""
     from tic.core.fsio import atomic_write_text
-    from tic.harness.engines.hf_ranks import _portable
 
     eng = state["engine"]
     start = eng.turns
@@ -115,48 +117,23 @@ def _capture_rank(state: dict, job: tuple | None, release: str):
         if state["spmd"]:
             atomic_write_text(Path(release), str(eng.turns - start + 1))
             eng.take_turn()
-    return _portable(cap)
+    return portable(cap)
 
 
-class RankVLLMCaptureRunner:
-    """The locator's runner for vLLM ranks: the compared request's rows live on one rank, which runs tic's vLLM
-    capture runner on its own share (as it rolled it out); under DP x EP the other ranks step along."""
+class RankVLLMCaptureRunner(OwnerRankCaptureRunner):
+    """tic's vLLM capture runner on the owner rank; under DP x EP the other ranks step along until released."""
 
-    def __init__(self, engine: "RankedVLLMEngine", temperature: float):
-        self.engine, self.temperature = engine, temperature
-        self._names = engine.pool.call(_module_names, [(temperature,)] * engine.dp)[0]
-        self.repro_setup = self._names["repro_setup"]
+    names_fn = _module_names
+    capture_fn = _capture_rank
 
-    def stages(self) -> list[str]:
-        return self._names["stages"]
-
-    def children(self, name: str) -> list[str]:
-        return self._names["children"][name]
-
-    def descendants(self, name: str) -> list[str]:
-        return [n for n in self._names["names"] if n.startswith(name + ".")]
-
-    def _run(self, kind: str, samples, target: int, upto: int, spec, together: bool):
-        import tempfile
-
-        shares = self.engine._deal(len(samples))
-        owner = self.engine.owner_rank(target)
-        job = (kind, [samples[i] for i in shares[owner]], shares[owner].index(target), upto, spec, together,
-               self.temperature)
+    @contextlib.contextmanager
+    def _extra(self):
         with tempfile.TemporaryDirectory(prefix="tic-capture-") as d:
-            release = os.path.join(d, "release")
-            return self.engine.pool.call(_capture_rank, [(job if r == owner else None, release)
-                                                         for r in range(self.engine.dp)])[owner]
-
-    def decode(self, samples, target, upto, spec, together=False):
-        return self._run("decode", samples, target, upto, spec, together)
-
-    def score(self, samples, target, spec):
-        return self._run("score", samples, target, 0, spec, False)
+            yield (os.path.join(d, "release"),)
 
 
 # -- in the calling process ----------------------------------------------------------------------------------
-class RankedVLLMEngine(Engine):
+class RankedVLLMEngine(DealtRequests, Engine):
     """Same interface as VLLMEngine for generation and scoring; the work runs on dp rank processes."""
 
     name = "vllm"
@@ -196,42 +173,20 @@ class RankedVLLMEngine(Engine):
 
     @classmethod
     def from_config(cls, side_cfg, ctx) -> "RankedVLLMEngine":
-        c = ctx.model_config
-        text = c.get("text_config", c)
-        opts = dict(side_cfg.options)
-        if opts.get("record"):
-            opts["record"] = str(ctx.cfg.resolve(Path(opts["record"])))
-        if opts.get("engine_process", "inline") != "inline":
+        from tic.harness.engines.vllm import VLLMEngine
+
+        kwargs = VLLMEngine.config_kwargs(side_cfg, ctx)
+        if kwargs["options"].get("engine_process", "inline") != "inline":
             raise TicInputError("rollout.options.engine_process: vLLM rank processes run their engine inline")
-        kwargs = dict(model_dir=ctx.model_dir, dtype=ctx.dtype, options=opts, batch_size=side_cfg.batch_size,
-                      max_positions=int(text.get("max_position_embeddings", 2048)), vocab_size=ctx.vocab_size,
-                      patch_names=list(side_cfg.patches))
         p = side_cfg.parallel
         return cls(kwargs, p.dp, p.ep, p.tp)
 
-    def owner_rank(self, index: int) -> int:
-        """The DP rank that holds the index-th request of a call (its rows never leave it)."""
-        return index % self.dp
-
-    def _deal(self, n: int) -> list[list[int]]:
-        return [[i for i in range(n) if self.owner_rank(i) == r] for r in range(self.dp)]
-
     def _calls(self, items: list, ids: list, chunk: int) -> tuple[list[list[int]], list, int]:
         """Each rank's share in generate calls of at most `chunk` items, and the turns every rank takes."""
-        shares = self._deal(len(items))
+        shares = self._deal(items)
         calls = [[([items[i] for i in s[j:j + chunk]], [ids[i] for i in s[j:j + chunk]])
                   for j in range(0, len(s), chunk)] for s in shares]
         return shares, calls, max(1, *(len(c) for c in calls))
-
-    @staticmethod
-    def _gather(shares: list[list[int]], results: list[list], n: int) -> list:
-        out: list = [None] * n
-        for idx, res in zip(shares, results):
-            if len(res) != len(idx):
-                raise RuntimeError(f"a rank returned {len(res)} results for {len(idx)} requests")
-            for i, x in zip(idx, res):
-                out[i] = x
-        return out
 
     def _generate(self, prompts, sampling: Sampling, request_ids, chunk: int) -> list[Sample]:
         shares, calls, turns = self._calls(list(prompts), list(request_ids), chunk)
