@@ -27,6 +27,7 @@ import socket
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import connection as mp_connection
 from typing import Callable
 
 import torch
@@ -334,25 +335,34 @@ class RankPool:
         self._collect()
 
     def _collect(self) -> list:
+        """Every rank's answer, in rank order. Ranks are read as they answer: one rank's error ends the call at
+        once, while the others may still wait in a collective for the rank that failed."""
         deadline = time.monotonic() + self.timeout_s
-        out = []
-        for r, (c, p) in enumerate(zip(self.conns, self.procs)):
-            while not c.poll(0.2):
-                if not p.is_alive() and not c.poll(0):
-                    self.close()
-                    raise RuntimeError(f"rank {r} exited (code {p.exitcode}) without answering")
+        out: dict[int, object] = {}
+        while len(out) < len(self.conns):
+            waiting = [r for r in range(len(self.conns)) if r not in out]
+            ready = [r for r in waiting if self.conns[r].poll(0)]
+            if not ready:
+                for r in waiting:
+                    if not self.procs[r].is_alive() and not self.conns[r].poll(0):
+                        code = self.procs[r].exitcode
+                        self.close()
+                        raise RuntimeError(f"rank {r} exited (code {code}) without answering")
                 if time.monotonic() > deadline:
                     self.close()
-                    raise RuntimeError(f"rank {r} did not answer within {self.timeout_s:.0f} s")
-            status, value = pickle.loads(c.recv_bytes())
-            if status == "input":  # bad input met inside a rank stays bad input (one line, exit 2)
-                self.close()
-                raise TicInputError(value)
-            if status == "err":
-                self.close()
-                raise RuntimeError(value)
-            out.append(value)
-        return out
+                    raise RuntimeError(f"rank {waiting[0]} did not answer within {self.timeout_s:.0f} s")
+                mp_connection.wait([self.conns[r] for r in waiting], timeout=0.2)
+                continue
+            for r in ready:
+                status, value = pickle.loads(self.conns[r].recv_bytes())
+                if status == "input":  # bad input met inside a rank stays bad input (one line, exit 2)
+                    self.close()
+                    raise TicInputError(value)
+                if status == "err":
+                    self.close()
+                    raise RuntimeError(value)
+                out[r] = value
+        return [out[r] for r in range(len(self.conns))]
 
     def call(self, fn: Callable, per_rank_args: list[tuple]) -> list:
         if not self.procs:

@@ -76,7 +76,7 @@ def test_uncovered_rank_layouts_are_input_errors(kw, why):
 
 
 def test_bad_input_inside_a_rank_is_an_input_error():
-    with pytest.raises(TicInputError, match="rank 0: .*vocab"):
+    with pytest.raises(TicInputError, match=r"rank [01]: .*vocab"):
         RankedVLLMEngine({**KW, "vocab_size": "not a number"}, dp=2, timeout_s=60,
                          engine_path="tic_vllm_standin:RefusingVLLM")
 
@@ -98,5 +98,20 @@ def test_the_locator_reruns_a_request_on_its_owner_rank(ep):
         assert again.owner["prompt"] == PROMPTS[4]
         with pytest.raises(RuntimeError, match="planted"):  # a failing capture releases the serving rank
             runner.decode(samples, 0, 0, "fail")
+    finally:
+        eng.close()
+
+
+def test_a_ranks_bad_input_is_reported_while_the_others_wait_in_lockstep():
+    """Rank 1 refuses its prompt while rank 0 waits in the lockstep collective for it: the pool reports rank 1's
+    input error at once, not rank 0's wait running out."""
+    import time
+
+    eng = RankedVLLMEngine(KW, dp=2, ep=2, timeout_s=60, engine_path="tic_vllm_standin:CheckingVLLM")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TicInputError, match="rank 1: token id outside"):
+            eng.generate([[1, 2], [99]], Sampling(max_tokens=2), [0, 1])
+        assert time.monotonic() - t0 < 15  # the stand-in's collective gives up after 20 s
     finally:
         eng.close()

@@ -109,3 +109,16 @@ def _Sampling():
     from tic.harness.engines.base import Sampling
 
     return Sampling(max_tokens=1)
+
+
+class CheckingVLLM(StandInVLLM):
+    """Checks its prompts' token ids before it steps, as VLLMEngine does (TicInputError): with SPMD ranks, the
+    other ranks step on and wait in the collective for the rank that refused."""
+
+    def generate_together(self, prompts, sampling, request_ids):
+        from tic.core.errors import TicInputError
+
+        for p in prompts:
+            if max(p) >= 50:
+                raise TicInputError(f"token id outside the vocabulary (size 50): {p}")
+        return super().generate_together(prompts, sampling, request_ids)
