@@ -51,7 +51,10 @@ def _stdout_reserved(as_json: bool):
     try:
         yield
     finally:
-        sys.stdout.flush()
+        # text written meanwhile through stdout objects held from before (a log handler, sys.__stdout__) still
+        # sits in their buffers: it leaves now, while fd 1 is stderr, not ahead of the record later
+        for f in {id(f): f for f in (sys.stdout, stdout, sys.__stdout__) if f is not None}.values():
+            f.flush()
         sys.stdout = stdout
         os.dup2(saved, 1)
         os.close(saved)

@@ -103,3 +103,22 @@ def test_json_stdout_carries_the_record_alone(example, workdir, capfd, monkeypat
     assert all(n in err for n in ("noise from python", "noise on fd 1", "noise from a child process"))
     print("after")  # fd 1 is stdout again once the run is over
     assert capfd.readouterr().out == "after\n"
+
+
+def test_json_stdout_gets_no_text_buffered_during_the_run():
+    """Text a library wrote during the run through a stdout object it held from before (a log handler made
+    earlier, sys.__stdout__) sits in that object's buffer: it must go to stderr with the run's other output, not
+    reach stdout ahead of the record once file descriptor 1 is stdout again."""
+    import subprocess
+
+    code = ("import sys\n"
+            "from tic.skill.cli import _stdout_reserved\n"
+            "held = sys.stdout\n"
+            "with _stdout_reserved(True):\n"
+            "    held.write('buffered noise\\n')\n"
+            "    sys.__stdout__.write('more buffered noise\\n')\n"
+            "print('{}')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout buffered, as users run it
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert r.stdout == "{}\n"
+    assert "buffered noise" in r.stderr and "more buffered noise" in r.stderr
