@@ -266,6 +266,18 @@ def ep_group(rank: int, world: int, ep: int):
     return mine
 
 
+def rank_gpu(rank: int) -> str:
+    """The CUDA_VISIBLE_DEVICES entry for a rank process that drives one GPU: the rank-th of the GPUs this
+    process was given (a scheduler's list, UUIDs included), or GPU `rank` when none was set."""
+    given = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if "CUDA_VISIBLE_DEVICES" not in os.environ:
+        return str(rank)
+    if rank >= len(given):
+        raise TicInputError(f"rank {rank} needs a GPU of its own; CUDA_VISIBLE_DEVICES gives this process "
+                            f"{len(given)}")
+    return given[rank]
+
+
 def _rank_main(rank, world, port, conn, setup, setup_args, threads, timeout_s, backend):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)

@@ -115,3 +115,16 @@ def test_a_ranks_bad_input_is_reported_while_the_others_wait_in_lockstep():
         assert time.monotonic() - t0 < 15  # the stand-in's collective gives up after 20 s
     finally:
         eng.close()
+
+
+def test_replicas_take_the_gpus_this_process_was_given(monkeypatch):
+    """A scheduler that hands this process GPUs 5 and 7 (CUDA_VISIBLE_DEVICES) gets replicas on 5 and 7, not on
+    physical GPUs 0 and 1, which belong to someone else."""
+    from tic_vllm_standin import rank_env
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    eng = RankedVLLMEngine(KW, dp=2, ep=1, timeout_s=60, engine_path=STANDIN)
+    try:
+        assert [e["CUDA_VISIBLE_DEVICES"] for e in eng.pool.call(rank_env, [()] * 2)] == ["5", "7"]
+    finally:
+        eng.close()

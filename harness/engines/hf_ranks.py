@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tic.core.errors import TicInputError
 from tic.harness.engines.base import Engine, Sample, Sampling
 from tic.harness.engines.ranks import DealtRequests, OwnerRankCaptureRunner, portable
-from tic.harness.parallel import COMBINES, ExpertParallelMoE, RankPool, ep_group, moe_blocks
+from tic.harness.parallel import COMBINES, ExpertParallelMoE, RankPool, ep_group, moe_blocks, rank_gpu
 
 OPTIONS = {"expert_combine": "slot_order"}
 
@@ -41,7 +41,7 @@ def _setup_rank(rank: int, world: int, engine_kwargs: dict, ep: int, combine: st
     import os
 
     if engine_kwargs.get("device", "cpu") != "cpu":  # a GPU rank sees its own GPU only (set before CUDA starts)
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+        os.environ["CUDA_VISIBLE_DEVICES"] = rank_gpu(rank)
     from tic.harness.engines.hf import HFEngine
 
     eng = HFEngine(**engine_kwargs)

@@ -27,7 +27,7 @@ import torch
 from tic.core.errors import TicInputError
 from tic.harness.engines.base import Engine, Sample, Sampling
 from tic.harness.engines.ranks import DealtRequests, OwnerRankCaptureRunner, portable
-from tic.harness.parallel import RankPool, free_port
+from tic.harness.parallel import RankPool, free_port, rank_gpu
 
 # -- inside each rank ----------------------------------------------------------------------------------------
 def _setup_rank(rank: int, world: int, engine_kwargs: dict, spmd: bool, master_port: int, engine_path: str) -> dict:
@@ -40,7 +40,7 @@ def _setup_rank(rank: int, world: int, engine_kwargs: dict, spmd: bool, master_p
         os.environ.update({"VLLM_DP_RANK": str(rank), "VLLM_DP_RANK_LOCAL": str(rank), "VLLM_DP_SIZE": str(world),
                            "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(master_port)})
     else:  # a replica sees only its own GPU
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+        os.environ["CUDA_VISIBLE_DEVICES"] = rank_gpu(rank)
     import importlib
 
     module, cls = engine_path.split(":")

@@ -122,3 +122,8 @@ class CheckingVLLM(StandInVLLM):
             if max(p) >= 50:
                 raise TicInputError(f"token id outside the vocabulary (size 50): {p}")
         return super().generate_together(prompts, sampling, request_ids)
+
+
+def rank_env(state: dict) -> dict:
+    """The variables the rank's engine saw when it started (a RankPool call)."""
+    return state["engine"].env
