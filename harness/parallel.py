@@ -344,37 +344,51 @@ class RankPool:
             child.close()
             self.conns.append(parent)
             self.procs.append(p)
-        self._collect()
+        self._collect(setup=True)
 
-    def _collect(self) -> list:
-        """Every rank's answer, in rank order. Ranks are read as they answer: one rank's error ends the call at
-        once, while the others may still wait in a collective for the rank that failed."""
+    ERROR_GRACE_S = 5.0  # after one rank's error, how long the others get to come back before the pool ends
+
+    def _collect(self, setup: bool = False) -> list:
+        """Every rank's answer, in rank order. Ranks are read as they answer. One rank's error ends the wait for
+        the others after ERROR_GRACE_S (they may be stuck in a collective for the rank that failed): if every
+        rank came back the pool stays usable (a failed locator capture leaves the engine to later gates), else
+        it ends. A failed setup always ends it."""
+        n = len(self.conns)
         deadline = time.monotonic() + self.timeout_s
-        out: dict[int, object] = {}
-        while len(out) < len(self.conns):
-            waiting = [r for r in range(len(self.conns)) if r not in out]
+        answers: dict[int, tuple] = {}
+        first_bad = None
+        while len(answers) < n:
+            waiting = [r for r in range(n) if r not in answers]
             ready = [r for r in waiting if self.conns[r].poll(0)]
-            if not ready:
-                for r in waiting:
-                    if not self.procs[r].is_alive() and not self.conns[r].poll(0):
-                        code = self.procs[r].exitcode
-                        self.close()
-                        raise RuntimeError(f"rank {r} exited (code {code}) without answering")
-                if time.monotonic() > deadline:
-                    self.close()
-                    raise RuntimeError(f"rank {waiting[0]} did not answer within {self.timeout_s:.0f} s")
-                mp_connection.wait([self.conns[r] for r in waiting], timeout=0.2)
-                continue
             for r in ready:
-                status, value = pickle.loads(self.conns[r].recv_bytes())
-                if status == "input":  # bad input met inside a rank stays bad input (one line, exit 2)
-                    self.close()
-                    raise TicInputError(value)
-                if status == "err":
-                    self.close()
-                    raise RuntimeError(value)
-                out[r] = value
-        return [out[r] for r in range(len(self.conns))]
+                answers[r] = pickle.loads(self.conns[r].recv_bytes())
+                if answers[r][0] != "ok" and first_bad is None:
+                    first_bad = answers[r]
+                    deadline = min(deadline, time.monotonic() + self.ERROR_GRACE_S)
+            if ready:
+                continue
+            dead = [r for r in waiting if not self.procs[r].is_alive() and not self.conns[r].poll(0)]
+            if dead or time.monotonic() > deadline:
+                code = self.procs[dead[0]].exitcode if dead else None
+                self.close()
+                if first_bad is not None:
+                    self._raise(first_bad)
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} exited (code {code}) without answering")
+                raise RuntimeError(f"rank {waiting[0]} did not answer within {self.timeout_s:.0f} s")
+            mp_connection.wait([self.conns[r] for r in waiting], timeout=0.2)
+        if first_bad is not None:
+            if setup:
+                self.close()
+            self._raise(first_bad)
+        return [answers[r][1] for r in range(n)]
+
+    @staticmethod
+    def _raise(answer: tuple):
+        status, value = answer
+        if status == "input":  # bad input met inside a rank stays bad input (one line, exit 2)
+            raise TicInputError(value)
+        raise RuntimeError(value)
 
     def call(self, fn: Callable, per_rank_args: list[tuple]) -> list:
         if not self.procs:

@@ -98,6 +98,8 @@ def test_the_locator_reruns_a_request_on_its_owner_rank(ep):
         assert again.owner["prompt"] == PROMPTS[4]
         with pytest.raises(RuntimeError, match="planted"):  # a failing capture releases the serving rank
             runner.decode(samples, 0, 0, "fail")
+        # and leaves the engine working: the ladder's later gates (--keep-going) still have their rollout
+        assert [s.prompt_ids for s in eng.generate(PROMPTS[:3], Sampling(max_tokens=2), [0, 1, 2])] == PROMPTS[:3]
     finally:
         eng.close()
 
