@@ -130,3 +130,26 @@ def test_replicas_take_the_gpus_this_process_was_given(monkeypatch):
         assert [e["CUDA_VISIBLE_DEVICES"] for e in eng.pool.call(rank_env, [()] * 2)] == ["5", "7"]
     finally:
         eng.close()
+
+
+def test_perf_sides_on_ranks_run_each_rank_engine_inline(monkeypatch):
+    """C1/C10 ask each rollout side for an engine process of its own (engine_process: own); vLLM rank processes
+    are that already, so the ranks run their engine inline instead of refusing the option C1/C10 set."""
+    from types import SimpleNamespace
+
+    from tic.harness.engines.vllm import VLLMEngine
+    from tic.skill.config import EngineConfig
+
+    side = EngineConfig.model_validate({"engine": "vllm", "parallel": {"dp": 2, "ep": 2}, "patches": [],
+                                        "options": {}})
+    side = EngineConfig.model_validate({**side.model_dump(), **VLLMEngine.perf_changes(side)})
+    ctx = SimpleNamespace(model_config={"max_position_embeddings": 64}, model_dir=Path("."), dtype="bfloat16",
+                          vocab_size=50, cfg=SimpleNamespace(resolve=lambda p: p))
+    seen = {}
+
+    def init(self, engine_kwargs, dp, ep=1, tp=1, **kw):
+        seen.update(engine_kwargs=engine_kwargs, dp=dp, ep=ep)
+
+    monkeypatch.setattr(RankedVLLMEngine, "__init__", init)
+    RankedVLLMEngine.from_config(side, ctx)
+    assert seen["engine_kwargs"]["options"]["engine_process"] == "inline" and (seen["dp"], seen["ep"]) == (2, 2)

@@ -176,8 +176,9 @@ class RankedVLLMEngine(DealtRequests, Engine):
         from tic.harness.engines.vllm import VLLMEngine
 
         kwargs = VLLMEngine.config_kwargs(side_cfg, ctx)
-        if kwargs["options"].get("engine_process", "inline") != "inline":
-            raise TicInputError("rollout.options.engine_process: vLLM rank processes run their engine inline")
+        # engine_process: own (C1/C10 ask it of each side, so that patches and modes stay per side) is what a rank
+        # process is already; in it the engine runs inline (module hooks for the locator need the model there)
+        kwargs["options"] = {**kwargs["options"], "engine_process": "inline"}
         p = side_cfg.parallel
         return cls(kwargs, p.dp, p.ep, p.tp)
 
