@@ -153,3 +153,13 @@ def test_perf_sides_on_ranks_run_each_rank_engine_inline(monkeypatch):
     monkeypatch.setattr(RankedVLLMEngine, "__init__", init)
     RankedVLLMEngine.from_config(side, ctx)
     assert seen["engine_kwargs"]["options"]["engine_process"] == "inline" and (seen["dp"], seen["ep"]) == (2, 2)
+
+
+def test_ranked_sides_differ_only_by_vllms_consistency_switch():
+    """C10 compares a baseline and a consistent rollout's fingerprints; on ranks, as on one vLLM engine, the
+    batch-invariant mode and the patches are the switch, not a difference that refuses the comparison."""
+    from tic.harness.engines.vllm import VLLMEngine
+    from tic.harness.perf import switch_allowance
+
+    assert switch_allowance(RankedVLLMEngine.__new__(RankedVLLMEngine)) == \
+        switch_allowance(VLLMEngine.__new__(VLLMEngine))

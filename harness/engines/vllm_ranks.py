@@ -27,6 +27,7 @@ import torch
 from tic.core.errors import TicInputError
 from tic.harness.engines.base import Engine, Sample, Sampling
 from tic.harness.engines.ranks import DealtRequests, OwnerRankCaptureRunner, portable
+from tic.harness.engines.vllm import VLLMEngine
 from tic.harness.parallel import RankPool, free_port, rank_gpu
 
 # -- inside each rank ----------------------------------------------------------------------------------------
@@ -137,6 +138,7 @@ class RankedVLLMEngine(DealtRequests, Engine):
     """Same interface as VLLMEngine for generation and scoring; the work runs on dp rank processes."""
 
     name = "vllm"
+    switch_keys, switch_env = VLLMEngine.switch_keys, VLLMEngine.switch_env  # C1/C10: the same switch as one engine
 
     def __init__(self, engine_kwargs: dict, dp: int, ep: int = 1, tp: int = 1, timeout_s: float = 900.0,
                  engine_path: str = "tic.harness.engines.vllm:VLLMEngine"):
@@ -173,8 +175,6 @@ class RankedVLLMEngine(DealtRequests, Engine):
 
     @classmethod
     def from_config(cls, side_cfg, ctx) -> "RankedVLLMEngine":
-        from tic.harness.engines.vllm import VLLMEngine
-
         kwargs = VLLMEngine.config_kwargs(side_cfg, ctx)
         # engine_process: own (C1/C10 ask it of each side, so that patches and modes stay per side) is what a rank
         # process is already; in it the engine runs inline (module hooks for the locator need the model there)
