@@ -58,6 +58,11 @@ def layout_refusals(side: str, parallel, options: dict | None = None, engine: st
     if parallel.dcp > 1:
         out.append(f"{side}.parallel.dcp={parallel.dcp}: decode context parallel merges attention partials "
                    "across ranks (a reduction on the compared path)")
+    exchange = os.environ.get("VLLM_ALL2ALL_BACKEND") or "allgather_reducescatter"
+    if engine == "vllm" and parallel.ep > 1 and exchange not in ("allgather_reducescatter", "naive"):
+        out.append(f"{side}.parallel.ep={parallel.ep} on vLLM with VLLM_ALL2ALL_BACKEND={exchange}: the covered "
+                   "expert exchange is allgather_reducescatter (every rank merges the same gathered tokens); "
+                   f"{exchange} merges each rank's own tokens, which the {SLOT_ORDER_PATCH} patch does not cover")
     if engine == "vllm" and parallel.ep > 1 and SLOT_ORDER_PATCH not in patches:
         out.append(f"{side}.parallel.ep={parallel.ep} on vLLM without the {SLOT_ORDER_PATCH} patch: each rank sums "
                    "its own experts' outputs and the partial sums are reduce-scattered across ranks, an order that "

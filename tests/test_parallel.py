@@ -220,3 +220,18 @@ def test_gpu_training_ranks_run_data_parallel_only(example):
 
     with pytest.raises(TicInputError, match="GPU ranks run data parallel only"):
         RankedHFEngine(example("tiny-qwen3-moe"), dp=2, ep=2, device="cuda")
+
+
+def test_c0_refuses_vllm_expert_parallel_over_other_exchanges(moe_top4, workdir, tic, monkeypatch):
+    import json
+
+    cfg = moe_top4 / "vllm-ep.yaml"
+    cfg.write_text("model: {path: ., generate: {seed: 0}}\n"
+                   "rollout: {engine: vllm, parallel: {dp: 2, ep: 2}, patches: [moe-slot-order-sum]}\n")
+    monkeypatch.setenv("VLLM_ALL2ALL_BACKEND", "deepep_high_throughput")
+    code, out, _ = tic("gate", "C0", "-c", str(cfg), "--json")
+    rec = json.loads(out)["results"][0]
+    assert code == 1 and "VLLM_ALL2ALL_BACKEND=deepep_high_throughput" in rec["reason"]
+    monkeypatch.setenv("VLLM_ALL2ALL_BACKEND", "allgather_reducescatter")
+    code, out, _ = tic("gate", "C0", "-c", str(cfg), "--json")
+    assert code == 0

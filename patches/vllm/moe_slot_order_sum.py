@@ -17,9 +17,12 @@ zeros, so vLLM's following cross-rank reduction again adds zeros only. With one 
 training provider calls the same patched moe_sum through vLLM's fused_experts, so rollout and training merge
 alike whatever their EP degree.
 
-Covered: vLLM's Triton MoE experts with the standard activation format (allgather_reducescatter or no
-exchange). All-to-all kernels that merge inside their combine kernel (DeepEP, pplx, FlashInfer) do not call
-moe_sum and are not changed.
+Covered (measured on two H200s, docs/results/parallel-h200.md): vLLM's Triton MoE experts on one GPU and under
+vLLM's default exchange, allgather_reducescatter, where every EP rank holds the same gathered tokens in the same
+order. Not covered: other all-to-all backends (DeepEP and the like run moe_sum on each rank's own tokens, so the
+ranks' slot buffers do not line up; C0 refuses them with EP), and MoE layers sharded as tensor parallel (TP > 1,
+or vLLM's coupled DP without EP), where vLLM's EP group still exists and the all-reduce would add partial sums
+(C0 refuses TP > 1; tic runs DP without EP as replicas).
 """
 
 from __future__ import annotations
