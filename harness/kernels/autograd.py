@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import os
-import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
@@ -29,6 +28,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tic.harness.kernels.varlen import MaskMemo
 
 
 class StaleWeightError(RuntimeError):
@@ -102,14 +103,19 @@ def attention_ref(q, k, v, mask, scale):
     torch's SDPA in float32 (its fused backward on GPU); a query that sees no key (padding) gives 0."""
     rep = q.shape[1] // k.shape[1]
     k, v = _wide(k).repeat_interleave(rep, dim=1), _wide(v).repeat_interleave(rep, dim=1)
-    Q, K = q.shape[2], k.shape[2]
-    if mask is None:
-        mask = torch.ones(Q, K, dtype=torch.bool, device=q.device).tril(K - Q)[None, None]
-    seen = mask.any(-1, keepdim=True)
-    first = torch.arange(K, device=q.device) == 0
-    safe = mask | (~seen & first)  # a fully masked row would give NaN: let it see key 0, then zero it
+    safe, seen = _sdpa_mask(mask, q.shape[2], k.shape[2], q.device)
     out = F.scaled_dot_product_attention(_wide(q), k, v, attn_mask=safe, scale=scale)
     return torch.where(seen, out, torch.zeros((), device=q.device)).transpose(1, 2)
+
+
+def _sdpa_mask(mask, Q: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the bool mask SDPA runs, which query rows see any key) for a mask [B, 1, Q, K] or None (causal,
+    bottom-right aligned). A fully masked row would give NaN: it is let see key 0, and the caller zeroes it."""
+    if mask is None:
+        mask = torch.ones(Q, K, dtype=torch.bool, device=device).tril(K - Q)[None, None]
+    seen = mask.any(-1, keepdim=True)
+    first = torch.arange(K, device=device) == 0
+    return mask | (~seen & first), seen
 
 
 def moe_route_ref(logits, ids, top_k, renormalize):
@@ -321,24 +327,15 @@ def _rotary_backward(tensors, fixed, grads, kw, needs):
     return gq, gk, None, None
 
 
-class _CausalRows:
-    """Per mask: which query rows are exactly causal (see keys 0..q), read once per mask and kept while the same
-    mask object, unmodified (tensor version), comes back (every layer of one backward passes it)."""
-
-    def __init__(self):
-        self._mask, self._key, self._rows = None, None, None
-
-    def get(self, mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        key = (mask._version, tuple(mask.shape), mask.device)
-        if self._mask is None or self._mask() is not mask or self._key != key:
-            Q, K = mask.shape[-2:]
-            tril = torch.ones(Q, K, dtype=torch.bool, device=mask.device).tril()
-            rows = (mask[:, 0] == tril).all(-1)  # [B, Q]
-            self._mask, self._key, self._rows = weakref.ref(mask), key, (rows, bool(rows.all()))
-        return self._rows
+def _causal_rows(mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Which query rows of a bool mask [B, 1, Q, K] see exactly keys 0..q, [B, Q], and whether all do."""
+    Q, K = mask.shape[-2:]
+    tril = torch.ones(Q, K, dtype=torch.bool, device=mask.device).tril()
+    rows = (mask[:, 0] == tril).all(-1)
+    return rows, bool(rows.all())
 
 
-_CAUSAL_ROWS = _CausalRows()
+_CAUSAL_ROWS = MaskMemo(_causal_rows)  # read once per mask: every layer of one backward passes the same one
 
 
 def _attention_backward(tensors, fixed, grads, kw, needs):
@@ -363,11 +360,7 @@ def _attention_backward(tensors, fixed, grads, kw, needs):
     if causal:
         sdpa_kw["is_causal"] = True
     else:
-        if mask is None:
-            mask = torch.ones(Q, K, dtype=torch.bool, device=q.device).tril(K - Q)[None, None]
-        seen = mask.any(-1, keepdim=True)
-        first = torch.arange(K, device=q.device) == 0
-        sdpa_kw["attn_mask"] = mask | (~seen & first)
+        sdpa_kw["attn_mask"], seen = _sdpa_mask(mask, Q, K, q.device)
         go = go * seen.to(go.dtype)
     with torch.enable_grad():
         ins = [t.detach().requires_grad_(bool(n)) for t, n in zip((q, k, v), needs[:3])]

@@ -10,7 +10,9 @@ cu_seqlens. Anything else (sliding windows, a KV cache longer than the queries) 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -93,3 +95,26 @@ def paged_layout(cu_seqlens: torch.Tensor, block_size: int) -> PagedLayout:
     table = first[:, None] + torch.arange(width, device=device)[None]
     table = torch.where(torch.arange(width, device=device)[None] < nblocks[:, None], table, torch.zeros_like(table))
     return PagedLayout(slots, table.to(torch.int32), lens.to(torch.int32), max(total, 1))
+
+
+class MaskMemo:
+    """build(mask, *args) for the last mask seen. Every layer of one forward (or backward) passes the same mask
+    object, and reading anything back from it syncs the device: the value is kept while that very object (held
+    weakly), unmodified (tensor version) and of the same shape, comes back with equal args. An inference-mode
+    mask has no version counter, so nothing would show it changed in place: its value is built every time."""
+
+    def __init__(self, build: Callable):
+        self.build = build
+        self._held = False
+        self._ref = self._key = self._value = None
+
+    def get(self, mask: torch.Tensor | None, *args):
+        if mask is not None and mask.is_inference():
+            return self.build(mask, *args)
+        key = (None if mask is None else (mask._version, tuple(mask.shape)), args)
+        same_object = self._ref is None if mask is None else self._ref is not None and self._ref() is mask
+        if not (self._held and self._key == key and same_object):
+            self._value = self.build(mask, *args)
+            self._ref = None if mask is None else weakref.ref(mask)
+            self._key, self._held = key, True
+        return self._value

@@ -22,13 +22,12 @@ the backward. vLLM is imported when the provider is built, never at tic import.
 from __future__ import annotations
 
 import os
-import weakref
 
 import torch
 
 from tic.core.errors import TicInputError
 from tic.harness.kernels.providers import KernelProvider
-from tic.harness.kernels.varlen import paged_layout, varlen_from_mask
+from tic.harness.kernels.varlen import MaskMemo, paged_layout, varlen_from_mask
 
 
 def require_vllm(device: str = "cuda", load: bool = True) -> None:
@@ -51,6 +50,11 @@ def require_vllm(device: str = "cuda", load: bool = True) -> None:
     except Exception as e:  # noqa: BLE001 - any import failure means: not usable here
         raise TicInputError(f"kernels: vllm needs vLLM installed ({type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def _build_layout(mask, B: int, T: int, device, block_size: int):
+    vl = varlen_from_mask(mask, B, T, device)
+    return vl, paged_layout(vl.cu_seqlens, block_size)
 
 
 def _in_pages(t: torch.Tensor, pages, block_size: int) -> torch.Tensor:
@@ -211,25 +215,12 @@ class VLLMProvider(KernelProvider):
         """vLLM's KV page size: what the vLLM engine of this process ran (it sets the variable), else 16."""
         return int(os.environ.get("TIC_VLLM_BLOCK_SIZE", "16"))
 
-    _layout_cache: tuple | None = None
-
     def _layout(self, mask, B: int, T: int, device, block_size: int):
-        """(varlen, paged layout) for one mask, built once per mask: every layer of one forward passes the same
-        mask object, and reading the sequences back from it syncs the device. Kept only while that very object
-        (held weakly), unmodified (tensor version) and of the same shape comes back with the same batch shape,
-        device and page size; anything else builds afresh. An inference-mode mask has no version counter, so
-        nothing would show it changed in place: its layout is built every time."""
-        if mask is not None and mask.is_inference():
-            vl = varlen_from_mask(mask, B, T, device)
-            return vl, paged_layout(vl.cu_seqlens, block_size)
-        key = (None if mask is None else (mask._version, tuple(mask.shape)), B, T, str(device), block_size)
-        hit = self._layout_cache
-        if hit is not None and hit[1] == key and (hit[0] is None if mask is None else hit[0]() is mask):
-            return hit[2]
-        vl = varlen_from_mask(mask, B, T, device)
-        layout = (vl, paged_layout(vl.cu_seqlens, block_size))
-        self._layout_cache = (None if mask is None else weakref.ref(mask), key, layout)
-        return layout
+        """(varlen, paged layout) for one mask, built once per mask (tic.harness.kernels.varlen.MaskMemo)."""
+        memo = getattr(self, "_layouts", None)
+        if memo is None:
+            memo = self._layouts = MaskMemo(_build_layout)
+        return memo.get(mask, B, T, device, block_size)
 
     def attention(self, q, k, v, mask, scale):
         """Prefill attention as vLLM's FlashAttention backend runs it: the K/V written into a paged cache of
