@@ -271,6 +271,13 @@ def ep_group(rank: int, world: int, ep: int):
     return mine
 
 
+def require_gpus(what: str, n: int) -> None:
+    """A layout of n GPU ranks needs n GPUs on this machine."""
+    have = torch.cuda.device_count()
+    if have < n:
+        raise TicInputError(f"{what} needs {n} GPUs; this machine has {have}")
+
+
 def rank_gpu(rank: int) -> str:
     """The CUDA_VISIBLE_DEVICES entry for a rank process that drives one GPU: the rank-th of the GPUs this
     process was given (a scheduler's list, UUIDs included), or GPU `rank` when none was set."""

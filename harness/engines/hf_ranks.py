@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from tic.core.errors import TicInputError
 from tic.harness.engines.base import Engine, Sample, Sampling
-from tic.harness.engines.ranks import DealtRequests, OwnerRankCaptureRunner, portable
-from tic.harness.parallel import COMBINES, ExpertParallelMoE, RankPool, ep_group, moe_blocks, rank_gpu
+from tic.harness.engines.ranks import DealtRequests, OwnerRankCaptureRunner, portable, runner_names
+from tic.harness.parallel import (COMBINES, ExpertParallelMoE, RankPool, ep_group, moe_blocks, rank_gpu,
+                                  require_gpus)
 
 OPTIONS = {"expert_combine": "slot_order"}
 
@@ -91,8 +92,7 @@ def _score_rank(state: dict, samples: list, sampling: Sampling) -> list[torch.Te
 def _module_names(state: dict, temperature: float) -> dict:
     from tic.harness.capture import HFCaptureRunner
 
-    r = HFCaptureRunner(state["engine"])
-    return {"stages": r.stages(), "children": {n: r.children(n) for n in r.modules}, "names": list(r.modules)}
+    return runner_names(HFCaptureRunner(state["engine"]))
 
 
 def _capture_rank(state: dict, job: tuple | None):
@@ -136,9 +136,7 @@ class RankedHFEngine(DealtRequests, Engine):
             if ep > 1:
                 raise TicInputError(f"parallel.ep={ep} with device {device}: hf expert parallel runs on CPU ranks "
                                     "(gloo); GPU ranks run data parallel only")
-            if torch.cuda.device_count() < dp:
-                raise TicInputError(f"parallel.dp={dp} with device {device} needs {dp} GPUs; this machine has "
-                                    f"{torch.cuda.device_count()}")
+            require_gpus(f"parallel.dp={dp} with device {device}", dp)
         self.kernels, self.batch_size, self.micro_batch_size = kernels, batch_size, micro_batch_size
         self.dp, self.ep, self.combine = dp, ep, opts["expert_combine"]
         self.layout = f"DP{dp} EP{ep}" + (f" ({self.combine} merge)" if ep > 1 else "")

@@ -94,11 +94,18 @@ def portable(cap):
     return cap
 
 
+def runner_names(runner) -> dict:
+    """What the calling process's runner answers from, read once from a capture runner on a rank."""
+    names = list(runner.modules)
+    return {"stages": runner.stages(), "children": {n: runner.children(n) for n in names}, "names": names,
+            "repro_setup": list(getattr(runner, "repro_setup", None) or [])}
+
+
 class OwnerRankCaptureRunner:
     """The locator's runner for a ranked engine: the owner of the compared request captures on its own share
     (as it ran it), while the other ranks do what the layout needs of them meanwhile.
 
-    names_fn(state, temperature) -> {"stages", "children", "names"[, "repro_setup"]} runs on every rank once;
+    names_fn(state, temperature) -> runner_names(a capture runner) runs on every rank once;
     capture_fn(state, job, *extra) runs on every rank per capture, job = (kind, share, index in share, upto,
     spec, together, temperature) on the owner and None on the others; `_extra()` yields those extra arguments."""
 
@@ -108,7 +115,7 @@ class OwnerRankCaptureRunner:
     def __init__(self, engine, temperature: float):
         self.engine, self.temperature = engine, temperature
         self._names = engine.pool.call(type(self).names_fn, [(temperature,)] * engine.dp)[0]
-        self.repro_setup = list(self._names.get("repro_setup", []))
+        self.repro_setup = self._names["repro_setup"]
 
     def stages(self) -> list[str]:
         return self._names["stages"]

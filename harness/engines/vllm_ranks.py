@@ -26,9 +26,9 @@ import torch
 
 from tic.core.errors import TicInputError
 from tic.harness.engines.base import Engine, Sample, Sampling
-from tic.harness.engines.ranks import DealtRequests, OwnerRankCaptureRunner, portable
+from tic.harness.engines.ranks import DealtRequests, OwnerRankCaptureRunner, portable, runner_names
 from tic.harness.engines.vllm import VLLMEngine
-from tic.harness.parallel import RankPool, free_port, rank_gpu
+from tic.harness.parallel import RankPool, free_port, rank_gpu, require_gpus
 
 # -- inside each rank ----------------------------------------------------------------------------------------
 def _setup_rank(rank: int, world: int, engine_kwargs: dict, spmd: bool, master_port: int, engine_path: str) -> dict:
@@ -81,10 +81,7 @@ def _score_rank(state: dict, calls: list, turns: int, sampling: Sampling) -> lis
 
 # -- the locator on the owner rank ---------------------------------------------------------------------------
 def _module_names(state: dict, temperature: float) -> dict:
-    r = _runner(state, temperature)
-    names = list(r.modules)
-    return {"stages": r.stages(), "children": {n: r.children(n) for n in names}, "names": names,
-            "repro_setup": list(getattr(r, "repro_setup", None) or [])}
+    return runner_names(_runner(state, temperature))
 
 
 def _runner(state: dict, temperature: float):
@@ -149,9 +146,8 @@ class RankedVLLMEngine(DealtRequests, Engine):
         if ep not in (1, dp):
             raise TicInputError(f"rollout.parallel.ep={ep}: vLLM's expert parallel spans all DP x TP ranks "
                                 f"(ep = {dp} here, or 1 for independent replicas)")
-        if torch.cuda.is_available() and torch.cuda.device_count() < dp:
-            raise TicInputError(f"rollout.parallel.dp={dp} needs {dp} GPUs; this machine has "
-                                f"{torch.cuda.device_count()}")
+        if torch.cuda.is_available():  # (rank engines that need no GPU stand in for vLLM in CPU tests)
+            require_gpus(f"rollout.parallel.dp={dp}", dp)
         self.dp, self.ep, self.spmd = dp, ep, ep > 1
         self.layout = f"DP{dp} EP{ep}" if self.spmd else f"DP{dp} (replicas)"
         kwargs = {**engine_kwargs, "dp": dp if self.spmd else 1, "ep": ep, "tp": 1}
