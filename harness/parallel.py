@@ -290,22 +290,30 @@ def rank_gpu(rank: int) -> str:
     return given[rank]
 
 
+def _answer(rank: int, fn, stage: str = "") -> tuple:
+    """("ok", fn()) or its failure as it crosses back to the caller: bad input stays bad input."""
+    try:
+        return "ok", fn()
+    except TicInputError as e:
+        return "input", f"rank {rank}: {e}"
+    except Exception as e:  # noqa: BLE001 - any failure is reported, never a hang
+        return "err", f"rank {rank}{stage}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
+
+
 def _rank_main(rank, world, port, conn, setup, setup_args, threads, timeout_s, backend):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     if threads:
         torch.set_num_threads(threads)
-    try:
+
+    def start():
         if backend:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
-        state = setup(rank, world, *setup_args) if setup else {}
-        conn.send_bytes(pickle.dumps(("ok", None)))
-    except TicInputError as e:
-        conn.send_bytes(pickle.dumps(("input", f"rank {rank}: {e}")))
-        return
-    except Exception as e:
-        conn.send_bytes(pickle.dumps(("err", f"rank {rank} setup: {type(e).__name__}: {e}\n"
-                                              f"{traceback.format_exc()}")))
+        return setup(rank, world, *setup_args) if setup else {}
+
+    status, state = _answer(rank, start, " setup")
+    conn.send_bytes(pickle.dumps((status, None) if status == "ok" else (status, state)))
+    if status != "ok":
         return
     while True:
         try:
@@ -315,12 +323,7 @@ def _rank_main(rank, world, port, conn, setup, setup_args, threads, timeout_s, b
         if msg is None:
             break
         fn, args = msg
-        try:
-            res = ("ok", fn(state, *args))
-        except TicInputError as e:
-            res = ("input", f"rank {rank}: {e}")
-        except Exception as e:
-            res = ("err", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        res = _answer(rank, lambda: fn(state, *args))
         try:
             blob = pickle.dumps(res)
         except Exception as e:  # noqa: BLE001 - a result that cannot leave the process is an error, not a hang
