@@ -44,3 +44,20 @@ def is_swapped(home: str, attr: str, name: str) -> bool:
     except ImportError:
         return False
     return getattr(getattr(mod, attr, None), _MARK, None) == name
+
+
+def swap_hooks(name: str, *swaps: tuple[str, str, Callable[[Callable], Callable], str]) -> dict:
+    """A Patch's `_apply`, `_revert` and `_is_applied` for a patch that only swaps module-level functions: each
+    swap is (home module, attribute, make(original) -> replacement, module prefix to rebind in)."""
+    def apply() -> None:
+        for home, attr, make, prefix in swaps:
+            swap_everywhere(home, attr, make, name, prefix)
+
+    def revert() -> None:
+        for home, attr, _, prefix in swaps:
+            restore_everywhere(home, attr, name, prefix)
+
+    def is_applied() -> bool:
+        return all(is_swapped(home, attr, name) for home, attr, _, _ in swaps)
+
+    return {"_apply": apply, "_revert": revert, "_is_applied": is_applied}

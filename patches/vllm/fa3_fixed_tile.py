@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 
-from tic.patches._swap import is_swapped, restore_everywhere, swap_everywhere
+from tic.patches._swap import swap_hooks
 from tic.patches.base import Patch
 
 NAME = "fa3-fixed-tile"
@@ -40,20 +40,6 @@ def _never(fn):
     return never
 
 
-def _apply() -> None:
-    swap_everywhere(_BACKEND, "flash_attn_varlen_func", _pin, NAME, _BACKEND)
-    swap_everywhere(_BACKEND, "use_cascade_attention", _never, NAME, _BACKEND)
-
-
-def _revert() -> None:
-    restore_everywhere(_BACKEND, "flash_attn_varlen_func", NAME, _BACKEND)
-    restore_everywhere(_BACKEND, "use_cascade_attention", NAME, _BACKEND)
-
-
-def _is_applied() -> bool:
-    return is_swapped(_BACKEND, "flash_attn_varlen_func", NAME) and is_swapped(_BACKEND, "use_cascade_attention", NAME)
-
-
 PATCH = Patch(
     name=NAME, target="vllm", versions=">=0.26.0,<0.27", gate="C4",
     symptom="C4 (or C3) fails in self_attn.attn, first operator _vllm_fa3_C.fwd: one decode row vs the same "
@@ -63,5 +49,6 @@ PATCH = Patch(
     guide="guides/C4.md",
     cost="the three patches together: 118-119 % of default vLLM's tokens/s on a Qwen3-1.7B-like model with CUDA "
          "graphs (H200, vLLM 0.26.0, docs/results/vllm-patches.md); this wrapper alone measured 96.6 % earlier",
-    _apply=_apply, _revert=_revert, _is_applied=_is_applied,
+    **swap_hooks(NAME, (_BACKEND, "flash_attn_varlen_func", _pin, _BACKEND),
+                 (_BACKEND, "use_cascade_attention", _never, _BACKEND)),
 )

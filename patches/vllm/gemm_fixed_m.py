@@ -10,7 +10,7 @@ which cost little while a GEMM that small is bound by reading the weights.
 """
 
 # no `from __future__ import annotations`: torch.library reads the custom ops' annotations as types
-from tic.patches._swap import is_swapped, restore_everywhere, swap_everywhere
+from tic.patches._swap import swap_hooks
 from tic.patches.base import Patch
 
 NAME = "gemm-fixed-m"
@@ -75,18 +75,6 @@ def _make(original_dispatch):
     return dispatch
 
 
-def _apply() -> None:
-    swap_everywhere(_HOME, "dispatch_unquantized_gemm", _make, NAME, "vllm.")
-
-
-def _revert() -> None:
-    restore_everywhere(_HOME, "dispatch_unquantized_gemm", NAME, "vllm.")
-
-
-def _is_applied() -> bool:
-    return is_swapped(_HOME, "dispatch_unquantized_gemm", NAME)
-
-
 PATCH = Patch(
     name=NAME, target="vllm", versions=">=0.26.0,<0.27", gate="C3",
     symptom="C3 (or C4) fails in an MLP or attention projection (e.g. mlp.down_proj), first operator aten.linear "
@@ -96,5 +84,5 @@ PATCH = Patch(
     guide="guides/C3.md",
     cost="prefill runs one GEMM per 128 rows instead of one per batch; decode below 128 rows pads; the three "
          "patches together ran at 118-119 % of default (docs/results/vllm-patches.md)",
-    _apply=_apply, _revert=_revert, _is_applied=_is_applied,
+    **swap_hooks(NAME, (_HOME, "dispatch_unquantized_gemm", _make, "vllm.")),
 )

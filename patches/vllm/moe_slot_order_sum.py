@@ -27,7 +27,7 @@ or vLLM's coupled DP without EP), where vLLM's EP group still exists and the all
 
 from __future__ import annotations
 
-from tic.patches._swap import is_swapped, restore_everywhere, swap_everywhere
+from tic.patches._swap import swap_hooks
 from tic.patches.base import Patch
 
 NAME = "moe-slot-order-sum"
@@ -73,18 +73,6 @@ def moe_sum_slot_order(input, output, topk_ids=None, expert_map=None) -> None:
         output.zero_()  # vLLM's combine adds the ranks' outputs: this rank contributes exact zeros
 
 
-def _apply() -> None:
-    swap_everywhere(_OPS, "moe_sum", lambda original: moe_sum_slot_order, NAME, "vllm.")
-
-
-def _revert() -> None:
-    restore_everywhere(_OPS, "moe_sum", NAME, "vllm.")
-
-
-def _is_applied() -> bool:
-    return is_swapped(_OPS, "moe_sum", NAME)
-
-
 PATCH = Patch(
     name=NAME, target="vllm", versions=">=0.26.0,<0.27", gate="C5",
     symptom="C5 fails in a MoE layer (mlp / experts, operator _moe_C.moe_sum or the expert combine) when rollout "
@@ -97,5 +85,5 @@ PATCH = Patch(
     guide="guides/C5.md",
     cost="EP > 1: one all-reduce of the [tokens, k, hidden] slot buffer per MoE layer (k times the combine's "
          "bytes) plus a float32 sum; EP = 1: the float32 sum only (k small elementwise passes)",
-    _apply=_apply, _revert=_revert, _is_applied=_is_applied,
+    **swap_hooks(NAME, (_OPS, "moe_sum", lambda original: moe_sum_slot_order, "vllm.")),
 )
