@@ -116,7 +116,8 @@ def generate_model(config_dir: Path, seed: int, init_std: float | None = None, o
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         if out_dir.exists() and not has_weights(out_dir):
-            shutil.rmtree(out_dir, ignore_errors=True)  # a leftover without weights (never a finished model: those arrive by rename)
+            # a leftover without weights (a finished model only ever arrives by rename)
+            shutil.rmtree(out_dir, ignore_errors=True)
         try:
             os.rename(tmp, out_dir)
         except OSError:

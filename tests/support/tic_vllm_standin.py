@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tic.harness.engines.base import Sample, request_seed
+from tic.harness.engines.base import Sample, Sampling, request_seed
 
 
 class StandInVLLM:
@@ -95,7 +95,7 @@ class StandInCaptureRunner:
             raise RuntimeError("capture hook failed: planted")
         s = samples[target]
         for _ in range(2):
-            self.engine.generate_together([s.prompt_ids], _Sampling(), [s.id])
+            self.engine.generate_together([s.prompt_ids], Sampling(max_tokens=1), [s.id])
         cap = Capture()
         cap.logprobs = {0: torch.tensor(float(self.engine.calls))}
         cap.owner = {"prompt": list(s.prompt_ids), "index": target, "share": [x.id for x in samples]}
@@ -103,12 +103,6 @@ class StandInCaptureRunner:
 
     def score(self, samples, target, spec):
         return self.decode(samples, target, 0, spec)
-
-
-def _Sampling():
-    from tic.harness.engines.base import Sampling
-
-    return Sampling(max_tokens=1)
 
 
 class CheckingVLLM(StandInVLLM):
