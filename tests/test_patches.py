@@ -129,6 +129,40 @@ def test_gemm_fixed_m_gives_every_row_the_same_gemm_whatever_the_batch(fake_vllm
     for lo, hi in ((0, 1), (3, 50), (127, 129), (250, 300)):
         assert torch.equal(gemm(None, x[lo:hi].clone(), w, b), full[lo:hi])
     assert torch.equal(gemm(None, x.view(3, 100, 96), w, b).reshape(300, 40), full)
+    # without a bias: this GEMM is not mm on a full tile (its split-K), so every tile still goes through it
+    plain = gemm(None, x, w)
+    assert torch.equal(plain[:128], stock(None, x[:128].clone(), w))
+    for lo, hi in ((0, 1), (3, 50), (127, 129), (250, 300)):
+        assert torch.equal(gemm(None, x[lo:hi].clone(), w), plain[lo:hi])
+
+
+def test_gemm_fixed_m_writes_full_tiles_in_place_only_where_mm_gives_the_gemms_bits(fake_vllm, monkeypatch):
+    from tic.patches.vllm import gemm_fixed_m as gm
+
+    patches.apply(["gemm-fixed-m"])
+    monkeypatch.setattr(gm, "_state", dict(gm._state))  # this test's GEMMs and probes stay here
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(300, 96, generator=g), torch.randn(40, 96, generator=g)
+    calls = []
+
+    def counting_mm(*a, **kw):
+        calls.append(a[0].shape[0])
+        return torch.mm(*a, **kw)
+
+    def mm_gemm(layer, t, weight, bias=None):  # a GEMM that is mm(x, w.t()): full tiles may skip it
+        return t @ weight.t() if bias is None else t @ weight.t() + bias
+
+    def wide_gemm(layer, t, weight, bias=None):  # one that is not: accumulates in float64, rounds once
+        return (t.double() @ weight.double().t()).to(t.dtype)
+
+    for gemm, in_place in ((mm_gemm, True), (wide_gemm, False)):
+        gm._state.update(gemm=gemm, mm_is_gemm={}, mm=counting_mm)
+        calls.clear()
+        out = gm.linear_fixed_m(x, w)
+        assert calls == ([128, 128] if in_place else [])
+        tiles = [gemm(None, torch.cat([x[s:s + 128], x.new_zeros(max(0, s + 128 - 300), 96)]), w)[:min(128, 300 - s)]
+                 for s in (0, 128, 256)]
+        assert torch.equal(out, torch.cat(tiles))  # either way, each tile's rows are the GEMM's own bits
 
 
 def test_rmsnorm_fixed_block_removes_the_block_shape_dependence(fake_vllm):

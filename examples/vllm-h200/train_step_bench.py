@@ -85,26 +85,46 @@ def timed(fn, repeats):
 
 
 def profile_steps(*named_fns, top: int) -> None:
-    """CUDA time per tic operator range (tic.forward.<op> / tic.backward.<op>, inclusive) and per kernel."""
+    """Per step: wall time, time the GPU spent in kernels (is the step bound by the GPU or by the host?), CUDA
+    time per tic operator range (tic.forward.<op> / tic.backward.<op>, inclusive: kernels plus the gaps between
+    them) and per kernel; then the host's Python functions by own time (cProfile) for the tic step."""
+    import cProfile
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     for name, fn in named_fns:
         fn()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
             for _ in range(3):
                 fn()
             torch.cuda.synchronize()
+            wall = (time.perf_counter() - t) / 3
         rows = prof.key_averages()
         dev = lambda r: getattr(r, "device_time_total", None) or getattr(r, "cuda_time_total", 0)  # noqa: E731
-        total = sum(dev(r) for r in rows if r.device_type.name == "CUDA") / 3
-        print(f"\n   profile {name}: {total / 1e3:.2f} ms of kernels per step")
+        kernels = sorted((r for r in rows if r.device_type.name == "CUDA" and not r.key.startswith("tic.")),
+                         key=dev, reverse=True)
+        busy = sum(dev(r) for r in kernels) / 3
+        launches = sum(r.count for r in kernels) // 3
+        print(f"\n   profile {name}: {wall * 1e3:.2f} ms per step (under the profiler), {busy / 1e3:.2f} ms of kernels "
+              f"({launches} kernels) per step: GPU busy {100 * busy / 1e3 / (wall * 1e3):.0f} %")
         ranges = sorted((r for r in rows if r.key.startswith("tic.")), key=dev, reverse=True)
         for r in ranges[:top]:
             print(f"     {r.key:32s} {dev(r) / 3e3:9.3f} ms/step  {r.count // 3:5d} calls")
-        kernels = sorted((r for r in rows if r.device_type.name == "CUDA"), key=dev, reverse=True)
         for r in kernels[:top]:
             print(f"     {r.key[:90]:90s} {dev(r) / 3e3:9.3f} ms/step  {r.count // 3:5d} calls")
+        if name == "tic":
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            pr.disable()
+            print("\n   host Python, tic step (cProfile over 3 steps, by own time):")
+            stats = pstats.Stats(pr)
+            stats.sort_stats("tottime").print_stats(top)
 
 
 # -- check 1: wrapper forward == direct vLLM kernel -----------------------------------------------------------
@@ -144,6 +164,12 @@ def kernel_checks(ops, moe: bool) -> list[tuple[str, bool, str]]:
     check("silu_and_mul", ops.silu_and_mul(gu), out)
     wl = torch.randn(2048, 1024, device="cuda", dtype=bf)
     check("linear", ops.linear(x, [wl]), torch.nn.functional.linear(x, wl))
+    if "gemm-fixed-m" in ops.provider.patches:  # its in-place full tiles vs F.linear (vLLM's GEMM) per tile
+        from tic.patches.vllm.gemm_fixed_m import ROWS
+
+        got = ops.linear(x, [wl])
+        check(f"gemm-fixed-m tiles of {ROWS} in place", got[:2 * ROWS],
+              torch.cat([torch.nn.functional.linear(x[s:s + ROWS].clone(), wl) for s in (0, ROWS)]))
     q, k = torch.randn(T, H, D, device="cuda", dtype=bf), torch.randn(T, Hkv, D, device="cuda", dtype=bf)
     pos = torch.arange(T, device="cuda")
     cs = torch.randn(4096, D, device="cuda", dtype=bf)

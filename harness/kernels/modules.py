@@ -23,6 +23,7 @@ from torch import nn
 
 from tic.core.errors import TicInputError
 from tic.harness.kernels.autograd import Ops
+from tic.harness.kernels.varlen import MaskMemo
 from tic.harness.provenance import stands_for
 
 ATTN_NAME = "tic_rowwise"
@@ -62,6 +63,10 @@ class RopeTable:
             with torch.inference_mode(False), torch.no_grad():
                 self.table = self.provider.cos_sin_cache(self.rotary, self.config, n, self.dtype, device)
         return self.table
+
+
+# rows of the rotary table a forward needs: one device read per position_ids tensor, not one per layer
+_ROWS_NEEDED = MaskMemo(lambda pos: int(pos.max()) + 1 if pos.numel() else 1)
 
 
 def hf_cos_sin_cache(rotary: nn.Module, n: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -157,7 +162,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
         position_ids = torch.arange(past, past + T, device=q.device)[None].expand(B, T)
     positions = position_ids.expand(B, T).reshape(-1)
-    table = self._tic_rope.get(int(positions.max()) + 1 if positions.numel() else 1, q.device)
+    table = self._tic_rope.get(_ROWS_NEEDED.get(position_ids), q.device)
     q, k = ops.rotary(q.reshape(B * T, -1, D), k.reshape(B * T, -1, D), positions, table)
     q, k, v = q.reshape(B, T, -1, D).transpose(1, 2), k.reshape(B, T, -1, D).transpose(1, 2), v.transpose(1, 2)
     if cache is not None:

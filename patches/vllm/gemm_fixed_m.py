@@ -26,19 +26,51 @@ def linear_fixed_m(x, weight, bias=None):
     x2 = x.reshape(-1, k)
     n = x2.shape[0]
     out = x2.new_empty((n, weight.shape[0]))
+    full = n // ROWS * ROWS
+    if full and bias is None and x2.data_ptr() % 16 == 0 and _mm_is_gemm(gemm, x2, weight):
+        # full tiles written in place: one mm per tile into its rows of `out` (no per-tile output and copy; in
+        # training, 32 tiles per 4096 tokens, the loop's launches are what this patch costs)
+        wt = weight.t()
+        for tile, rows in zip(x2[:full].split(ROWS), out[:full].split(ROWS)):
+            _state["mm"](tile, wt, out=rows)
+        start = full
+    else:
+        start = 0
     pad = None
-    for s in range(0, n, ROWS):
+    for s in range(start, n, ROWS):
         e = min(s + ROWS, n)
         tile = x2[s:e]
         if e - s < ROWS or tile.data_ptr() % 16 != 0:
             if pad is None:
                 pad = x2.new_zeros((ROWS, k))
             pad[: e - s].copy_(tile)
-            if e - s < ROWS:
-                pad[e - s:].zero_()
+            pad[e - s:].zero_()
             tile = pad
         out[s:e] = gemm(None, tile, weight, bias)[: e - s]
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _mm_is_gemm(gemm, x2, weight) -> bool:
+    """Whether mm(tile, w.t()) gives vLLM's GEMM's bits on a (ROWS, K) x (K, N) tile of these dtypes and device
+    (vLLM 0.26's default GEMM is F.linear, which without a bias is that mm; another dispatch may differ). Decided
+    once per problem on seeded random operands, never on the data, so every process (rollout and training)
+    decides alike; while a CUDA graph is being captured an unseen problem takes the copying path."""
+    import torch
+
+    key = (tuple(weight.shape), weight.dtype, x2.dtype, str(x2.device), weight.stride())
+    seen = _state.setdefault("mm_is_gemm", {})
+    if key not in seen:
+        if x2.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(ROWS, x2.shape[1], generator=g).to(x2.dtype).to(x2.device)
+        w = torch.empty_strided(weight.shape, weight.stride(), dtype=weight.dtype, device=weight.device)
+        w.copy_(torch.randn(weight.shape, generator=g))  # the weight's own layout: it picks the kernel too
+        got = torch.empty(ROWS, w.shape[0], dtype=x2.dtype, device=x2.device)
+        torch.mm(a, w.t(), out=got)
+        seen[key] = bool(torch.equal(got, gemm(None, a, w, None)))
+        _state.setdefault("mm", torch.mm)
+    return seen[key]
 
 
 def _register_op():
