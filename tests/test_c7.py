@@ -306,10 +306,12 @@ def test_c7_gradients_artifact_lists_every_tensor(dense_ctx):
     assert len(data["tensors"]) == res.metrics["tensors"] and data["min_cosine"] == 0.999
 
 
-def test_vllm_provider_attention_layout_with_a_stand_in_kernel(monkeypatch):
+@pytest.mark.parametrize("batch", ["mixed", "right-padded", "right-padded-empty-row", "one-row"])
+def test_vllm_provider_attention_layout_with_a_stand_in_kernel(monkeypatch, batch):
     """The vLLM provider's padded/packed -> varlen + paged K/V -> padded plumbing, checked on CPU: a stand-in for
     vLLM's flash_attn_varlen_func (causal attention per sequence over its pages) must give the row-wise CPU kernel's
-    result on every valid token of a left-padded, a right-padded and a packed row."""
+    result on every valid token of a left-padded, a right-padded and a packed row; a batch of right-padded rows
+    only is its own paged cache (no scatter), with the same result."""
     from tic.harness.kernels.vllm_provider import VLLMProvider
 
     def varlen(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, softmax_scale, causal, block_table,
@@ -334,14 +336,20 @@ def test_vllm_provider_attention_layout_with_a_stand_in_kernel(monkeypatch):
     ar = torch.arange(6)
     causal = ar[None, :] <= ar[:, None]
     seg = torch.tensor([0, 0, 0, 1, 1, 1])
-    mask = torch.stack([causal & (ar[None, :] >= 2) & (ar[:, None] >= 2), causal & (ar[None, :] < 4),
-                        causal & (seg[None, :] == seg[:, None])])[:, None]
+    right = lambda n: causal & (ar[None, :] < n)  # noqa: E731
+    mask = {"mixed": [causal & (ar[None, :] >= 2) & (ar[:, None] >= 2), right(4), causal & (seg[None, :] == seg[:, None])],
+            "right-padded": [right(4), right(6), right(1)],
+            "right-padded-empty-row": [right(3), torch.zeros(6, 6, dtype=torch.bool), right(5)],
+            "one-row": [right(6)]}[batch]
+    mask = torch.stack(mask)[:, None]
+    B = mask.shape[0]
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(3, h, 6, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    q, k, v = (torch.randn(B, h, 6, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
     got = prov.attention(q, k, v, mask, 0.35)
     want = CPUProvider().attention(q, k, v, mask, 0.35)
     valid = mask[:, 0].diagonal(dim1=1, dim2=2)
     assert torch.allclose(got[valid], want[valid], rtol=1e-5, atol=1e-6) and (got[~valid] == 0).all()
+    assert bool(prov._layout(mask, B, 6, "cpu", 16)[1].row_pages) == (batch != "mixed")
 
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 32,

@@ -333,7 +333,11 @@ def main() -> int:
     print(f"   ratio tic/plain: time {ratio:.2f}x (goal <= 1.3x{'' if ratio <= 1.3 else ', MISSED'}), "
           f"step memory {d_tic / max(d_plain, 1):.2f}x")
     print(f"   attention backward, fused SDPA backends eligible: {sdpa_backends(args)}")
-    from tic.harness.kernels.autograd import COMPILE_ERRORS
+    from tic.harness.kernels.autograd import COMPILE_ERRORS, GROUPED_MM_ERRORS
+
+    if args.moe:
+        print(f"   experts' backward GEMMs: {'one by one (' + GROUPED_MM_ERRORS[0] + ')' if GROUPED_MM_ERRORS else 'grouped (torch._grouped_mm)'}"
+              f"{' [TIC_GROUPED_MM=0]' if os.environ.get('TIC_GROUPED_MM') == '0' else ''}")
 
     print(f"   closed-form backwards compiled on the GPU (TIC_FUSE_BACKWARD={os.environ.get('TIC_FUSE_BACKWARD', '1')}): "
           f"{'no compile errors' if not COMPILE_ERRORS else COMPILE_ERRORS}")

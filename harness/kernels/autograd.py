@@ -281,15 +281,25 @@ def _rms_norm_backward(tensors, fixed, grads, kw, needs):
     return _rms_norm_input_grads(x, w, grads[0], kw["eps"], needs[0], needs[1])
 
 
+@_fused_on_gpu
+def _add_rms_norm_input_grads(x, residual, w, g_norm, g_total, eps, need_x: bool, need_w: bool):
+    """The norm's gradients at x + residual, plus the gradient of the sum output: one compiled function (on the
+    GPU), not the sum, the norm backward and the add launched one by one."""
+    gt, gw = _rms_norm_input_grads.__wrapped__(_wide(x) + _wide(residual), w, g_norm, eps, need_x, need_w)
+    if g_total is not None and gt is not None:
+        gt = gt + g_total
+    return gt, gw
+
+
 def _add_rms_norm_backward(tensors, fixed, grads, kw, needs):
     x, residual, w = tensors
     g_norm, g_total = grads
     gt, gw = None, None
     if g_norm is not None:
-        gt, gw = _rms_norm_input_grads(_wide(x) + _wide(residual), w, g_norm, kw["eps"],
-                                       needs[0] or needs[1], needs[2])
-    if g_total is not None:
-        gt = _wide(g_total) if gt is None else gt + g_total
+        gt, gw = _add_rms_norm_input_grads(x, residual, w, g_norm, g_total, kw["eps"], needs[0] or needs[1],
+                                           needs[2])
+    elif g_total is not None:
+        gt = _wide(g_total)
     return (gt if needs[0] else None), (gt if needs[1] else None), gw
 
 
@@ -394,11 +404,72 @@ def _log_softmax_backward(tensors, fixed, grads, kw, needs):
     return (torch._log_softmax_backward_data(grads[0].to(wide), out, -1, wide),)  # g - exp(out) * sum(g)
 
 
+def _grouped_mm_usable(*tensors) -> bool:
+    """torch's grouped GEMM (`torch._grouped_mm`, one launch for all experts) takes bfloat16 operands; elsewhere
+    (float32/64 models, a torch without it, TIC_GROUPED_MM=0) the experts' GEMMs run one by one."""
+    return (hasattr(torch, "_grouped_mm") and all(t.dtype == torch.bfloat16 for t in tensors)
+            and os.environ.get("TIC_GROUPED_MM", "1") != "0")
+
+
+GROUPED_MM_ERRORS: list[str] = []  # why torch's grouped GEMM failed here (then the experts' GEMMs run one by one)
+
+
+class _ExpertGemms:
+    """The per-expert GEMMs of the experts' backward over pairs grouped by expert (`counts` pairs each, in expert
+    order): `rows(a, w)` = a[pairs of e] @ w[e] into one [P, N] buffer; `weights(a, b)` = a[pairs of e].T @
+    b[pairs of e] for every expert, [E, A, B] (zero for an expert without pairs). One grouped launch each where
+    torch's grouped GEMM runs (bf16), else one GEMM per expert with pairs (which needs the counts on the host:
+    one device read). Either is a surrogate's GEMM in the model dtype: C7 judges the result."""
+
+    def __init__(self, counts: torch.Tensor, grouped: bool):
+        self.counts, self.grouped, self._spans = counts, grouped and not GROUPED_MM_ERRORS, None
+        if self.grouped:
+            self.offs = torch.cumsum(counts, 0).to(torch.int32)
+
+    @property
+    def spans(self) -> list[tuple[int, int, int]]:
+        if self._spans is None:
+            self._spans, start = [], 0
+            for e, n in enumerate(self.counts.tolist()):
+                if n:
+                    self._spans.append((e, start, start + n))
+                start += n
+        return self._spans
+
+    def _grouped(self, fn):
+        try:
+            return fn()
+        except (RuntimeError, NotImplementedError) as e:  # a layout or device this torch does not group: loop
+            GROUPED_MM_ERRORS.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            self.grouped = False
+            return None
+
+    def rows(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.grouped:
+            out = self._grouped(lambda: torch._grouped_mm(a, w, offs=self.offs))
+            if out is not None:
+                return out
+        out = a.new_empty(a.shape[0], w.shape[-1])
+        for e, lo, hi in self.spans:
+            torch.mm(a[lo:hi], w[e], out=out[lo:hi])
+        return out
+
+    def weights(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.grouped:  # groups along the reduced dimension; an empty group's block is not written everywhere
+            out = self._grouped(lambda: torch._grouped_mm(a.t(), b, offs=self.offs))
+            if out is not None:
+                return torch.where((self.counts > 0)[:, None, None], out, 0)
+        out = a.new_zeros(self.counts.shape[0], a.shape[1], b.shape[1])
+        for e, lo, hi in self.spans:
+            torch.mm(a[lo:hi].t(), b[lo:hi], out=out[e])
+        return out
+
+
 def _moe_experts_backward(tensors, fixed, grads, kw, needs):
     """moe_experts_ref's gradient over the (token, slot) pairs sorted by expert once: per expert only its GEMMs
-    (model dtype: recompute gate_up -> down, then the gradient GEMMs), each writing its rows of one buffer;
-    gathers, silu * mul and its derivative, the routing-weight dot products and the scatter back to tokens run
-    once over all pairs (elementwise math and the sums over slots in float32)."""
+    (model dtype: recompute gate_up -> down, then the gradient GEMMs; one grouped launch each in bf16), each
+    writing its rows of one buffer; gathers, silu * mul and its derivative, the routing-weight dot products and
+    the scatter back to tokens run once over all pairs (elementwise math and the sums over slots in float32)."""
     x, weights, ids, gate_up, down = tensors
     g = grads[0]
     if g is None:
@@ -407,46 +478,30 @@ def _moe_experts_backward(tensors, fixed, grads, kw, needs):
     H, dt = x.shape[-1], x.dtype
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pair index t * k + slot, grouped by expert
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()  # one device sync
-    spans, start = [], 0
-    for e, n in enumerate(counts):
-        if n:
-            spans.append((e, start, start + n))
-        start += n
+    gu_w, down_w = (w if w.dtype == dt else w.to(dt) for w in (gate_up, down))
+    gemms = _ExpertGemms(torch.bincount(flat, minlength=gate_up.shape[0]), _grouped_mm_usable(x, gu_w, down_w))
     tok = order // k
     xs, gs = x[tok], g.to(dt)[tok]  # [P, H] in expert order
-    mat = lambda w: w if w.dtype == dt else w.to(dt)  # noqa: E731
-
-    def per_expert(fn, cols):  # rows of one [P, cols] buffer, expert by expert
-        out = torch.empty(order.shape[0], cols, dtype=dt, device=x.device)
-        for e, a, b in spans:
-            torch.mm(*fn(e, a, b), out=out[a:b])
-        return out
-
-    act = per_expert(lambda e, a, b: (xs[a:b], mat(gate_up[e]).t()), gate_up.shape[1])
+    act = gemms.rows(xs, gu_w.transpose(1, 2))
     a1, a2 = _wide(act).chunk(2, dim=-1)
     silu = F.silu(a1)
     h = (silu * a2).to(dt)
     gx = gw = g_gate_up = g_down = None
     if needs[1]:
-        y = per_expert(lambda e, a, b: (h[a:b], mat(down[e]).t()), H)
+        y = gemms.rows(h, down_w.transpose(1, 2))
         gw = torch.zeros(T * k, dtype=a1.dtype, device=x.device)
         gw[order] = (_wide(gs) * _wide(y)).sum(-1)
         gw = gw.reshape(T, k)
     gy = (_wide(gs) * _wide(weights).reshape(-1)[order, None]).to(dt)
     if needs[4]:
-        g_down = torch.zeros_like(down)
-        for e, a, b in spans:
-            g_down[e] = (gy[a:b].t() @ h[a:b]).to(down.dtype)
+        g_down = gemms.weights(gy, h).to(down.dtype)
     if needs[0] or needs[3]:
-        gh = _wide(per_expert(lambda e, a, b: (gy[a:b], mat(down[e])), down.shape[2]))
+        gh = _wide(gemms.rows(gy, down_w))
         ga = torch.cat([torch.ops.aten.silu_backward(gh * a2, a1), gh * silu], dim=-1).to(dt)
         if needs[3]:
-            g_gate_up = torch.zeros_like(gate_up)
-            for e, a, b in spans:
-                g_gate_up[e] = (ga[a:b].t() @ xs[a:b]).to(gate_up.dtype)
+            g_gate_up = gemms.weights(ga, xs).to(gate_up.dtype)
         if needs[0]:
-            gxs = per_expert(lambda e, a, b: (ga[a:b], mat(gate_up[e])), H)
+            gxs = gemms.rows(ga, gu_w)
             gx = torch.zeros(x.shape, dtype=a1.dtype, device=x.device).index_add_(0, tok, _wide(gxs))
     return gx, gw, None, g_gate_up, g_down
 

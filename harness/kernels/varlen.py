@@ -72,10 +72,13 @@ def varlen_from_mask(mask: torch.Tensor | None, batch: int, length: int, device)
 class PagedLayout:
     """Where each packed token's K/V sits in a paged cache of `block_size` slots per block (as vLLM's KV cache
     holds a sequence): sequences get consecutive blocks in order; slot = block * block_size + offset."""
-    slots: torch.Tensor  # int64 [N] cache slot of each packed token
+    slots: torch.Tensor | None  # int64 [N] cache slot of each packed token (None: the pages are the rows)
     block_table: torch.Tensor  # int32 [S, max_blocks] each sequence's blocks (unused entries 0)
     seq_lens: torch.Tensor  # int32 [S] keys per sequence (FlashAttention's seqused_k)
     num_blocks: int
+    # > 0: every sequence starts its batch row (right padding), and row b of the padded batch, padded to
+    # row_pages pages, is pages b * row_pages ... of the cache: the batch's K/V is the cache, without a scatter
+    row_pages: int = 0
 
 
 def paged_layout(cu_seqlens: torch.Tensor, block_size: int) -> PagedLayout:
@@ -95,6 +98,26 @@ def paged_layout(cu_seqlens: torch.Tensor, block_size: int) -> PagedLayout:
     table = first[:, None] + torch.arange(width, device=device)[None]
     table = torch.where(torch.arange(width, device=device)[None] < nblocks[:, None], table, torch.zeros_like(table))
     return PagedLayout(slots, table.to(torch.int32), lens.to(torch.int32), max(total, 1))
+
+
+def paged_rows_layout(vl: Varlen, batch: int, length: int, block_size: int) -> PagedLayout | None:
+    """The paged layout in which the padded batch itself is the cache (each row padded to whole pages), when every
+    sequence starts at the start of its own row (right padding, one sequence per row); else None. The kernel reads
+    each sequence's keys through its block table as from any other pages (FlashAttention: seqused_k keys)."""
+    if vl.index.numel() == 0:
+        return None
+    cu = vl.cu_seqlens.to(torch.int64)
+    starts = vl.index[cu[:-1]]
+    lens = cu[1:] - cu[:-1]
+    nblocks = (lens + block_size - 1) // block_size
+    in_rows, widest = torch.stack([(starts % length == 0).all().to(torch.int64), nblocks.max()]).tolist()  # one read
+    if not in_rows:
+        return None
+    row_pages = (length + block_size - 1) // block_size
+    width = max(widest, 1)
+    cols = torch.arange(width, device=cu.device)[None]
+    table = torch.where(cols < nblocks[:, None], (starts // length * row_pages)[:, None] + cols, 0)
+    return PagedLayout(None, table.to(torch.int32), lens.to(torch.int32), batch * row_pages, row_pages)
 
 
 class MaskMemo:

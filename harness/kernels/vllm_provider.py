@@ -27,7 +27,7 @@ import torch
 
 from tic.core.errors import TicInputError
 from tic.harness.kernels.providers import KernelProvider
-from tic.harness.kernels.varlen import MaskMemo, paged_layout, varlen_from_mask
+from tic.harness.kernels.varlen import MaskMemo, paged_layout, paged_rows_layout, varlen_from_mask
 
 
 def require_vllm(device: str = "cuda", load: bool = True) -> None:
@@ -54,7 +54,17 @@ def require_vllm(device: str = "cuda", load: bool = True) -> None:
 
 def _build_layout(mask, B: int, T: int, device, block_size: int):
     vl = varlen_from_mask(mask, B, T, device)
-    return vl, paged_layout(vl.cu_seqlens, block_size)
+    return vl, paged_rows_layout(vl, B, T, block_size) or paged_layout(vl.cu_seqlens, block_size)
+
+
+def _rows_as_pages(t: torch.Tensor, pages, block_size: int) -> torch.Tensor:
+    """K or V [B, heads, T, D] of a batch whose rows are its pages: [B * row_pages, block_size, heads, D], each row
+    padded to whole pages (no copy when the [B, T, heads, D] layout is contiguous and T fills the pages)."""
+    rows = t.transpose(1, 2)
+    pad = pages.row_pages * block_size - rows.shape[1]
+    if pad:
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, 0, 0, pad))
+    return rows.contiguous().view(-1, block_size, t.shape[1], t.shape[-1])
 
 
 def _in_pages(t: torch.Tensor, pages, block_size: int) -> torch.Tensor:
@@ -232,7 +242,10 @@ class VLLMProvider(KernelProvider):
         vl, pages = self._layout(mask, B, T, q.device, bs)
         flat = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], t.shape[-1])[vl.index].contiguous()  # noqa: E731
         qf = flat(q)
-        k_cache, v_cache = (_in_pages(flat(t), pages, bs) for t in (k, v))
+        if pages.row_pages:
+            k_cache, v_cache = (_rows_as_pages(t, pages, bs) for t in (k, v))
+        else:
+            k_cache, v_cache = (_in_pages(flat(t), pages, bs) for t in (k, v))
         out = flash_attn_varlen_func(q=qf, k=k_cache, v=v_cache, cu_seqlens_q=vl.cu_seqlens, max_seqlen_q=vl.max_seqlen,
                                      seqused_k=pages.seq_lens, max_seqlen_k=vl.max_seqlen, softmax_scale=scale,
                                      causal=True, block_table=pages.block_table, fa_version=self.fa_version)
