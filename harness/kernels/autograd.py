@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tic.harness.kernels.varlen import MaskMemo
+from tic.harness.kernels.varlen import TensorMemo
 
 
 class StaleWeightError(RuntimeError):
@@ -345,7 +345,7 @@ def _causal_rows(mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return rows, bool(rows.all())
 
 
-_CAUSAL_ROWS = MaskMemo(_causal_rows)  # read once per mask: every layer of one backward passes the same one
+_CAUSAL_ROWS = TensorMemo(_causal_rows)  # read once per mask: every layer of one backward passes the same one
 
 
 def _attention_backward(tensors, fixed, grads, kw, needs):

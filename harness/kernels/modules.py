@@ -23,7 +23,7 @@ from torch import nn
 
 from tic.core.errors import TicInputError
 from tic.harness.kernels.autograd import Ops
-from tic.harness.kernels.varlen import MaskMemo
+from tic.harness.kernels.varlen import TensorMemo
 from tic.harness.provenance import stands_for
 
 ATTN_NAME = "tic_rowwise"
@@ -66,7 +66,7 @@ class RopeTable:
 
 
 # rows of the rotary table a forward needs: one device read per position_ids tensor, not one per layer
-_ROWS_NEEDED = MaskMemo(lambda pos: int(pos.max()) + 1 if pos.numel() else 1)
+_ROWS_NEEDED = TensorMemo(lambda pos: int(pos.max()) + 1 if pos.numel() else 1)
 
 
 def hf_cos_sin_cache(rotary: nn.Module, n: int, dtype: torch.dtype, device) -> torch.Tensor:

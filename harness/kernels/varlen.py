@@ -120,11 +120,13 @@ def paged_rows_layout(vl: Varlen, batch: int, length: int, block_size: int) -> P
     return PagedLayout(None, table.to(torch.int32), lens.to(torch.int32), batch * row_pages, row_pages)
 
 
-class MaskMemo:
-    """build(mask, *args) for the last mask seen. Every layer of one forward (or backward) passes the same mask
-    object, and reading anything back from it syncs the device: the value is kept while that very object (held
-    weakly), unmodified (tensor version) and of the same shape, comes back with equal args. An inference-mode
-    mask has no version counter, so nothing would show it changed in place: its value is built every time."""
+class TensorMemo:
+    """build(tensor, *args) for the last tensor seen. Every layer of one forward (or backward) passes the same mask
+    (or position) tensor object, and reading anything back from it syncs the device: the value is kept while that
+    very object (held weakly), unmodified (tensor version) and of the same shape, comes back with equal args. An
+    inference-mode tensor has no version counter, so nothing would show it changed in place: its value is built
+    every time.
+    """
 
     def __init__(self, build: Callable):
         self.build = build

@@ -27,7 +27,7 @@ import torch
 
 from tic.core.errors import TicInputError
 from tic.harness.kernels.providers import KernelProvider
-from tic.harness.kernels.varlen import MaskMemo, paged_layout, paged_rows_layout, varlen_from_mask
+from tic.harness.kernels.varlen import TensorMemo, paged_layout, paged_rows_layout, varlen_from_mask
 
 
 def require_vllm(device: str = "cuda", load: bool = True) -> None:
@@ -226,10 +226,10 @@ class VLLMProvider(KernelProvider):
         return int(os.environ.get("TIC_VLLM_BLOCK_SIZE", "16"))
 
     def _layout(self, mask, B: int, T: int, device, block_size: int):
-        """(varlen, paged layout) for one mask, built once per mask (tic.harness.kernels.varlen.MaskMemo)."""
+        """(varlen, paged layout) for one mask, built once per mask (tic.harness.kernels.varlen.TensorMemo)."""
         memo = getattr(self, "_layouts", None)
         if memo is None:
-            memo = self._layouts = MaskMemo(_build_layout)
+            memo = self._layouts = TensorMemo(_build_layout)
         return memo.get(mask, B, T, device, block_size)
 
     def attention(self, q, k, v, mask, scale):
