@@ -136,7 +136,8 @@ def test_gemm_fixed_m_gives_every_row_the_same_gemm_whatever_the_batch(fake_vllm
         assert torch.equal(gemm(None, x[lo:hi].clone(), w), plain[lo:hi])
 
 
-def test_gemm_fixed_m_writes_full_tiles_in_place_only_where_mm_gives_the_gemms_bits(fake_vllm, monkeypatch):
+def test_gemm_fixed_m_batches_or_writes_full_tiles_in_place_only_where_that_gives_the_gemms_bits(fake_vllm,
+                                                                                                 monkeypatch):
     from tic.patches.vllm import gemm_fixed_m as gm
 
     patches.apply(["gemm-fixed-m"])
@@ -145,9 +146,8 @@ def test_gemm_fixed_m_writes_full_tiles_in_place_only_where_mm_gives_the_gemms_b
     x, w = torch.randn(300, 96, generator=g), torch.randn(40, 96, generator=g)
     calls = []
 
-    def counting_mm(*a, **kw):
-        calls.append(a[0].shape[0])
-        return torch.mm(*a, **kw)
+    def counting(name, fn):
+        return lambda *a, **kw: calls.append((name, a[0].shape[0])) or fn(*a, **kw)
 
     def mm_gemm(layer, t, weight, bias=None):  # a GEMM that is mm(x, w.t()): full tiles may skip it
         return t @ weight.t() if bias is None else t @ weight.t() + bias
@@ -155,14 +155,22 @@ def test_gemm_fixed_m_writes_full_tiles_in_place_only_where_mm_gives_the_gemms_b
     def wide_gemm(layer, t, weight, bias=None):  # one that is not: accumulates in float64, rounds once
         return (t.double() @ weight.double().t()).to(t.dtype)
 
-    for gemm, in_place in ((mm_gemm, True), (wide_gemm, False)):
-        gm._state.update(gemm=gemm, mm_is_gemm={}, mm=counting_mm)
+    def lying_bmm(a, b, out):  # a batched GEMM whose bits differ from the per-tile GEMM's: never used
+        return out.copy_(torch.bmm(a.double(), b.double()))
+
+    cases = [(mm_gemm, torch.bmm, [("bmm", 2)]), (mm_gemm, lying_bmm, [("mm", 128), ("mm", 128)]),
+             (wide_gemm, torch.bmm, [])]
+    for gemm, bmm, expect in cases:
+        gm._state.update(gemm=gemm, same_bits={}, mm=counting("mm", torch.mm), bmm=counting("bmm", bmm))
+        out = gm.linear_fixed_m(x, w)  # probes first (they call mm/bmm too), then runs
         calls.clear()
         out = gm.linear_fixed_m(x, w)
-        assert calls == ([128, 128] if in_place else [])
+        assert calls == expect, (gemm.__name__, bmm)
         tiles = [gemm(None, torch.cat([x[s:s + 128], x.new_zeros(max(0, s + 128 - 300), 96)]), w)[:min(128, 300 - s)]
                  for s in (0, 128, 256)]
-        assert torch.equal(out, torch.cat(tiles))  # either way, each tile's rows are the GEMM's own bits
+        assert torch.equal(out, torch.cat(tiles))  # whichever path, each tile's rows are the GEMM's own bits
+        one = gm.linear_fixed_m(x[:128].clone(), w)  # one full tile: never batched
+        assert torch.equal(one, out[:128])
 
 
 def test_rmsnorm_fixed_block_removes_the_block_shape_dependence(fake_vllm):

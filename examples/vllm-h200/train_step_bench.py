@@ -168,7 +168,7 @@ def kernel_checks(ops, moe: bool) -> list[tuple[str, bool, str]]:
         from tic.patches.vllm.gemm_fixed_m import ROWS
 
         got = ops.linear(x, [wl])
-        check(f"gemm-fixed-m tiles of {ROWS} in place", got[:2 * ROWS],
+        check(f"gemm-fixed-m full tiles of {ROWS}", got[:2 * ROWS],
               torch.cat([torch.nn.functional.linear(x[s:s + ROWS].clone(), wl) for s in (0, ROWS)]))
     q, k = torch.randn(T, H, D, device="cuda", dtype=bf), torch.randn(T, Hkv, D, device="cuda", dtype=bf)
     pos = torch.arange(T, device="cuda")
@@ -341,6 +341,12 @@ def main() -> int:
 
     print(f"   closed-form backwards compiled on the GPU (TIC_FUSE_BACKWARD={os.environ.get('TIC_FUSE_BACKWARD', '1')}): "
           f"{'no compile errors' if not COMPILE_ERRORS else COMPILE_ERRORS}")
+    if "gemm-fixed-m" in provider.patches:
+        from tic.patches.vllm import gemm_fixed_m
+
+        probed = gemm_fixed_m._state.get("same_bits", {})
+        print("   gemm-fixed-m full tiles, probed problems (how, tiles, weight shape): "
+              + "; ".join(f"{k[0]} x{k[1]} {k[2]}: {'same bits' if v else 'differs'}" for k, v in probed.items()))
     if args.profile:
         profile_steps(("plain", plain_fn), ("tic", tic_fn), top=args.profile)
     if args.strict_time and ratio > 1.3:

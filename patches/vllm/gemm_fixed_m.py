@@ -27,15 +27,17 @@ def linear_fixed_m(x, weight, bias=None):
     n = x2.shape[0]
     out = x2.new_empty((n, weight.shape[0]))
     full = n // ROWS * ROWS
-    if full and bias is None and x2.data_ptr() % 16 == 0 and _mm_is_gemm(gemm, x2, weight):
-        # full tiles written in place: one mm per tile into its rows of `out` (no per-tile output and copy; in
-        # training, 32 tiles per 4096 tokens, the loop's launches are what this patch costs)
-        wt = weight.t()
-        for tile, rows in zip(x2[:full].split(ROWS), out[:full].split(ROWS)):
-            _state["mm"](tile, wt, out=rows)
-        start = full
-    else:
-        start = 0
+    start = 0
+    if full and bias is None and x2.data_ptr() % 16 == 0:
+        # the full tiles in one strided-batched GEMM, or one mm per tile written in place, wherever that gives the
+        # bits of vLLM's GEMM on each tile alone (probed): in training (32 tiles per 4096 tokens) the per-tile
+        # launches, not the arithmetic, are what this patch costs
+        tiles = full // ROWS
+        for how in (("batched", "per-tile") if tiles > 1 else ("per-tile",)):
+            if _same_bits(how, gemm, x2, weight, tiles):
+                _full_tiles(how, x2[:full], weight, out[:full], tiles)
+                start = full
+                break
     pad = None
     for s in range(start, n, ROWS):
         e = min(s + ROWS, n)
@@ -50,26 +52,47 @@ def linear_fixed_m(x, weight, bias=None):
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _mm_is_gemm(gemm, x2, weight) -> bool:
-    """Whether mm(tile, w.t()) gives vLLM's GEMM's bits on a (ROWS, K) x (K, N) tile of these dtypes and device
-    (vLLM 0.26's default GEMM is F.linear, which without a bias is that mm; another dispatch may differ). Decided
-    once per problem on seeded random operands, never on the data, so every process (rollout and training)
-    decides alike; while a CUDA graph is being captured an unseen problem takes the copying path."""
+def _full_tiles(how: str, a, weight, out, tiles: int) -> None:
+    """out[tile] = a[tile] @ weight.T for `tiles` full tiles: one bmm over [tiles, ROWS, K] (the weight broadcast,
+    not copied), or one mm per tile into its rows of out."""
+    k, n = a.shape[1], weight.shape[0]
+    wt = weight.t()
+    if how == "batched":
+        _state.get("bmm", _torch().bmm)(a.view(tiles, ROWS, k), wt.expand(tiles, k, n), out=out.view(tiles, ROWS, n))
+    else:
+        mm = _state.get("mm", _torch().mm)
+        for tile, rows in zip(a.split(ROWS), out.split(ROWS)):
+            mm(tile, wt, out=rows)
+
+
+def _torch():
     import torch
 
-    key = (tuple(weight.shape), weight.dtype, x2.dtype, str(x2.device), weight.stride())
-    seen = _state.setdefault("mm_is_gemm", {})
+    return torch
+
+
+def _same_bits(how: str, gemm, x2, weight, tiles: int) -> bool:
+    """Whether `_full_tiles(how)` gives, on every tile, the bits vLLM's GEMM gives that (ROWS, K) x (K, N) tile alone
+    (vLLM 0.26's default GEMM is F.linear, which without a bias is mm(x, w.t()); a batched call or another
+    dispatch may pick another kernel). Decided once per problem (and per tile count when batched) on seeded random
+    operands made on the device, never on the data, so every process, rollout and training, decides alike. While a
+    CUDA graph is being captured an unseen problem takes the per-tile path of vLLM's GEMM."""
+    torch = _torch()
+    key = (how, tiles if how == "batched" else 1, tuple(weight.shape), weight.stride(), weight.dtype, x2.dtype,
+           str(x2.device))
+    seen = _state.setdefault("same_bits", {})
     if key not in seen:
         if x2.is_cuda and torch.cuda.is_current_stream_capturing():
             return False
-        g = torch.Generator().manual_seed(0)
-        a = torch.randn(ROWS, x2.shape[1], generator=g).to(x2.dtype).to(x2.device)
+        count = key[1]
+        g = torch.Generator(device=x2.device).manual_seed(0)
+        a = torch.randn(count * ROWS, x2.shape[1], generator=g, device=x2.device).to(x2.dtype)
         w = torch.empty_strided(weight.shape, weight.stride(), dtype=weight.dtype, device=weight.device)
-        w.copy_(torch.randn(weight.shape, generator=g))  # the weight's own layout: it picks the kernel too
-        got = torch.empty(ROWS, w.shape[0], dtype=x2.dtype, device=x2.device)
-        torch.mm(a, w.t(), out=got)
-        seen[key] = bool(torch.equal(got, gemm(None, a, w, None)))
-        _state.setdefault("mm", torch.mm)
+        w.copy_(torch.randn(weight.shape, generator=g, device=weight.device))  # the weight's layout picks kernels too
+        got = torch.empty(count * ROWS, w.shape[0], dtype=x2.dtype, device=x2.device)
+        _full_tiles(how, a, w, got, count)
+        want = torch.cat([gemm(None, t, w, None) for t in a.split(ROWS)])
+        seen[key] = bool(torch.equal(got, want))
     return seen[key]
 
 
