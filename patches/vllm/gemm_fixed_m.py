@@ -91,9 +91,10 @@ def _same_bits(how: str, gemm, x2, weight, tiles: int) -> bool:
             return False
         count = key[1]
         g = torch.Generator(device=x2.device).manual_seed(0)
-        a = torch.randn(count * ROWS, x2.shape[1], generator=g, device=x2.device).to(x2.dtype)
+        # in the operands' own dtypes (no float32 copy of a weight-sized tensor); the weight's layout picks kernels too
+        a = torch.randn(count * ROWS, x2.shape[1], generator=g, device=x2.device, dtype=x2.dtype)
         w = torch.empty_strided(weight.shape, weight.stride(), dtype=weight.dtype, device=weight.device)
-        w.copy_(torch.randn(weight.shape, generator=g, device=weight.device))  # the weight's layout picks kernels too
+        w.copy_(torch.randn(weight.shape, generator=g, device=weight.device, dtype=weight.dtype))
         got = torch.empty(count * ROWS, w.shape[0], dtype=x2.dtype, device=x2.device)
         _full_tiles(how, a, w, got, count)
         want = torch.cat([gemm(None, t, w, None) for t in a.split(ROWS)])
