@@ -33,7 +33,7 @@ def linear_fixed_m(x, weight, bias=None):
     out = x2.new_empty((n, weight.shape[0]))
     full = n // ROWS * ROWS
     start = 0
-    if full and bias is None and x2.data_ptr() % 16 == 0:
+    if full and bias is None and x2.is_contiguous() and x2.data_ptr() % 16 == 0:  # the probe's layout
         # the full tiles in one strided-batched GEMM, or one mm per tile written in place, wherever that gives the
         # bits of vLLM's GEMM on each tile alone (probed): in training (32 tiles per 4096 tokens) the per-tile
         # launches, not the arithmetic, are what this patch costs
