@@ -1,5 +1,5 @@
 """C6: training layout invariance. The training forward must give the same logprob bits whatever its own
-layout: micro-batch size, padding side, sequence packing."""
+layout: micro-batch size, padding side, sequence packing, the order in which sequences fill micro-batches."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def measure(ctx) -> dict:
                     "compared_tokens": total, "equal_tokens": equal,
                     "equal_fraction": equal / total if total else 0.0, "first_mismatch": first},
         "details": {"reference": {k: getattr(ctx.cfg.train, k) for k in ("micro_batch_size", "padding_side",
-                                                                         "packing")},
+                                                                         "packing", "order")},
                     "layouts": rows},
     }
 
@@ -61,7 +61,7 @@ def judge(m: dict) -> Judgement:
 GATE = Gate(
     id="C6", title="Training layout invariance", step=3,
     measures="training logprobs of the rollout's sequences under each layout in layouts.train (micro-batch size, "
-             "padding side, packing) vs the configured train layout, bit for bit",
+             "padding side, packing, sequence order) vs the configured train layout, bit for bit",
     pass_condition="every layout's logprobs are bitwise equal to the reference layout's (100% equal tokens)",
     inputs=["train engine (live)", "rollout samples", "layouts.train"], artifacts=[], guide="guides/C6.md",
     measure=measure, judge=judge, locate_on_fail=True, reads=("rollout", "train", "prompts", "layouts"),

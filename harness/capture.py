@@ -614,10 +614,9 @@ class HFCaptureRunner:
     @torch.inference_mode()
     def score(self, samples, target, spec) -> Capture:
         eng = self.engine
-        mb = eng.micro_batch_size
-        start = (target // mb) * mb
-        chunk = samples[start:start + mb]
-        tb = target - start
+        group = next(g for g in eng.micro_batches(len(samples)) if target in g)  # the forward the engine ran
+        chunk = [samples[i] for i in group]
+        tb = group.index(target)
         seqs = [s.ids for s in chunk]
         with self._hooks(spec) as hooks:
             if eng.packing:  # the layout of HFEngine._score_packed

@@ -31,15 +31,15 @@ def response_logprobs(engine, samples: list[Sample], sampling: Sampling) -> list
     from tic.harness.engines.hf import padded_batch
 
     model = engine.model
-    out: list[torch.Tensor] = []
-    for i in range(0, len(samples), engine.micro_batch_size):
-        chunk = samples[i:i + engine.micro_batch_size]
+    out: list[torch.Tensor | None] = [None] * len(samples)
+    for group in engine.micro_batches(len(samples)):  # the engine's micro-batches, in its sequence order
+        chunk = [samples[i] for i in group]
         ids, mask, pos, starts = padded_batch([s.ids for s in chunk], engine.padding_side, engine.device)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
-        for b, s in enumerate(chunk):
+        for b, (i, s) in enumerate(zip(group, chunk)):
             P, R = len(s.prompt_ids), len(s.response_ids)
             lp = engine.logprobs_of(logits[b, starts[b] + P - 1: starts[b] + P - 1 + R], sampling.temperature)
-            out.append(lp[torch.arange(R), torch.tensor(s.response_ids)])
+            out[i] = lp[torch.arange(R), torch.tensor(s.response_ids)]
     return out
 
 

@@ -78,6 +78,9 @@ class EngineConfig(Strict):
     micro_batch_size: int = Field(4, ge=1, le=MAX_COUNT, description="train: sequences per forward")
     padding_side: Literal["left", "right"] = "right"
     packing: bool = False
+    order: Literal["given", "reversed", "shuffled"] = Field(
+        "given", description="hf: the order in which sequences fill micro-batches when scoring and training "
+                             "(shuffled: one fixed seeded permutation)")
     parallel: ParallelLayout = Field(default_factory=ParallelLayout, description="this side's rank layout")
     device: Literal["cpu", "cuda"] = Field("cpu", description="hf engine: where the model runs")
     dump: Path | None = Field(None, description="dump engine: JSONL file")
@@ -148,6 +151,7 @@ class TrainLayout(Strict):
     micro_batch_size: int | None = Field(None, ge=1, le=MAX_COUNT)
     padding_side: Literal["left", "right"] | None = None
     packing: bool | None = None
+    order: Literal["given", "reversed", "shuffled"] | None = None
 
     def changes(self) -> dict:
         return self.model_dump(exclude_none=True)
@@ -164,7 +168,8 @@ class LayoutsConfig(Strict):
                                                                 min_length=1)
     probes: int = Field(2, ge=1, le=MAX_COUNT, description="how many requests are checked alone vs in batch")
     train: list[TrainLayout] = Field(min_length=1, default_factory=lambda: [
-        TrainLayout(micro_batch_size=1), TrainLayout(padding_side="left"), TrainLayout(packing=True)])
+        TrainLayout(micro_batch_size=1), TrainLayout(padding_side="left"), TrainLayout(packing=True),
+        TrainLayout(order="shuffled")])
 
 
 class TrainingConfig(Strict):

@@ -7,7 +7,7 @@ import torch
 
 from tic.gates import get
 from tic.harness.engines import hf
-from tic.skill.config import load_config
+from tic.skill.config import TrainLayout, load_config
 from tic.skill.context import GateContext
 from tic.skill.runner import run_gate
 
@@ -120,6 +120,51 @@ def test_c6_fails_when_training_depends_on_its_micro_batch(consistent_ctx):
     assert res.metrics["first_mismatch"]["layout"] == {"micro_batch_size": 1}
     loc = res.details["locate"]
     assert loc["first_divergent_layer"] == "model.layers.0" and loc["culprit_module"] == "model.layers.0.mlp"
+
+
+@pytest.mark.parametrize("order", ["reversed", "shuffled"])
+def test_c6_sequence_order_catches_a_result_that_depends_on_a_sequences_row_in_its_micro_batch(consistent_ctx,
+                                                                                              order):
+    """Only the order changes: each micro-batch keeps 4 sequences, so a fault tied to the row a sequence lands in
+    (not to the batch size) is what the order layout alone must catch; the locator rebuilds that micro-batch."""
+    consistent_ctx.cfg.layouts.train = [TrainLayout(order=order)]
+    consistent_ctx.rollout_engine()
+    hf._MODELS.clear()
+    model = consistent_ctx.train_engine().model
+
+    def second_row_rounded(x, out):  # layer 0's MLP rounds through bf16 for whichever sequence is in row 1
+        if x.shape[0] > 1:
+            out = out.clone()
+            out[1] = bf16_round(out[1])
+        return out
+
+    wrap_forward(model.model.layers[0].mlp, second_row_rounded)
+    consistent_ctx.cfg.locate.enabled = True
+    res = run_gate(get("C6"), consistent_ctx)
+    assert res.verdict == "fail" and res.metrics["first_mismatch"]["layout"] == {"order": order}
+    loc = res.details["locate"]
+    assert loc["first_divergent_layer"] == "model.layers.0" and loc["culprit_module"] == "model.layers.0.mlp"
+
+
+def test_c6_sequence_order_passes_with_row_invariant_kernels(consistent_ctx):
+    consistent_ctx.cfg.layouts.train = [TrainLayout(order="shuffled"), TrainLayout(order="reversed")]
+    res = run_gate(get("C6"), consistent_ctx)
+    assert res.verdict == "pass" and res.metrics["identical_layouts"] == 2, res.reason
+
+
+def test_sequence_orders_are_fixed_permutations():
+    from tic.harness.layouts import micro_batches, sequence_order
+
+    for n in (0, 1, 5, 48):
+        for order in ("given", "reversed", "shuffled"):
+            idx = sequence_order(n, order)
+            assert sorted(idx) == list(range(n)) and idx == sequence_order(n, order)
+    for n in (2, 5, 48):  # shuffled moves every sequence
+        assert all(i != j for i, j in enumerate(sequence_order(n, "shuffled")))
+    assert sequence_order(5, "reversed") == [4, 3, 2, 1, 0]
+    assert micro_batches(5, 2, "reversed") == [[4, 3], [2, 1], [0]]
+    with pytest.raises(ValueError):
+        sequence_order(3, "sorted")
 
 
 # ---- stock kernels: the real CPU divergences -----------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Rollout: batched sampling with a KV cache (left padding), each sampled token's logprob taken from the very
 logits it was sampled from. Scoring/training: teacher-forced whole-sequence forward with micro-batch size,
-padding side and packing as options. `kernels: consistent` (tic's row-invariant CPU kernels) and
+padding side, packing and sequence order as options. `kernels: consistent` (tic's row-invariant CPU kernels) and
 `kernels: vllm` (the installed vLLM's kernels, GPU) run every operator through tic's autograd wrappers, so the
 same forward also trains (policy_gradients).
 """
@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from tic.harness.engines.base import Engine, Sample, Sampling, request_seed
+from tic.harness.layouts import micro_batches
 from tic.core.errors import TicInputError
 
 _MODELS: dict[tuple, torch.nn.Module] = {}
@@ -112,7 +113,7 @@ class HFEngine(Engine):
 
     def __init__(self, model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa",
                  batch_size: int = 8, micro_batch_size: int = 4, padding_side: str = "right",
-                 packing: bool = False, device: str = "cpu", shared_model: bool = True):
+                 packing: bool = False, device: str = "cpu", shared_model: bool = True, order: str = "given"):
         self.model_dir = Path(model_dir)
         self.kernels = kernels
         self.dtype = dtype
@@ -124,13 +125,14 @@ class HFEngine(Engine):
         self.micro_batch_size = micro_batch_size
         self.padding_side = padding_side
         self.packing = packing
+        self.order = order
         self.vocab_size = self.model.config.get_text_config().vocab_size
 
     @classmethod
     def from_config(cls, side_cfg, model_dir: Path, dtype: str, shared_model: bool = True) -> "HFEngine":
         return cls(model_dir, dtype, side_cfg.kernels, side_cfg.attn_implementation, side_cfg.batch_size,
                    side_cfg.micro_batch_size, side_cfg.padding_side, side_cfg.packing,
-                   getattr(side_cfg, "device", "cpu"), shared_model)
+                   getattr(side_cfg, "device", "cpu"), shared_model, getattr(side_cfg, "order", "given"))
 
     @classmethod
     def baseline_changes(cls, side_cfg) -> dict:
@@ -235,11 +237,15 @@ class HFEngine(Engine):
     @torch.inference_mode()
     def score(self, samples: list[Sample], sampling: Sampling) -> list[torch.Tensor]:
         self._check_ids([s.ids for s in samples])
-        out: list[torch.Tensor] = []
-        for i in range(0, len(samples), self.micro_batch_size):
-            chunk = samples[i:i + self.micro_batch_size]
-            out += self._score_chunk(chunk, sampling, self.model)
+        out: list[torch.Tensor | None] = [None] * len(samples)
+        for group in self.micro_batches(len(samples)):
+            for i, lp in zip(group, self._score_chunk([samples[i] for i in group], sampling, self.model)):
+                out[i] = lp
         return out
+
+    def micro_batches(self, n: int) -> list[list[int]]:
+        """Which of n sequences go through one forward together, in this engine's micro-batch size and order."""
+        return micro_batches(n, self.micro_batch_size, self.order)
 
     def _score_chunk(self, chunk: list[Sample], sampling: Sampling, model) -> list[torch.Tensor]:
         score = self._score_packed if self.packing else self._score_padded
@@ -262,15 +268,15 @@ class HFEngine(Engine):
                          advantages: list[float]) -> dict[str, torch.Tensor]:
         """Per-parameter gradients (float32, CPU) of the loss -(1/N) sum_i A_i sum_t logp(i, t) over the valid
         response tokens, through this engine's forward in its configured layout (micro-batches, padding side,
-        packing), on a trainable copy of the model with the same weights."""
+        packing, order), on a trainable copy of the model with the same weights."""
         self._check_ids([s.ids for s in samples])
         model = load_model(*self._load_args, trainable=True)
         model.zero_grad(set_to_none=True)
         n_tokens = sum(int(s.mask.sum()) if s.mask is not None else len(s.response_ids) for s in samples)
-        for i in range(0, len(samples), self.micro_batch_size):
-            chunk = samples[i:i + self.micro_batch_size]
+        for group in self.micro_batches(len(samples)):
+            chunk = [samples[i] for i in group]
             loss = 0.0
-            for s, a, lp in zip(chunk, advantages[i:i + len(chunk)], self._score_chunk(chunk, sampling, model)):
+            for s, a, lp in zip(chunk, [advantages[i] for i in group], self._score_chunk(chunk, sampling, model)):
                 if s.mask is not None:
                     lp = lp * s.mask.to(lp.dtype)
                 loss = loss - a * lp.sum() / max(n_tokens, 1)

@@ -128,7 +128,7 @@ class RankedHFEngine(DealtRequests, Engine):
     def __init__(self, model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa",
                  batch_size: int = 8, micro_batch_size: int = 4, padding_side: str = "right",
                  packing: bool = False, dp: int = 1, ep: int = 1, options: dict | None = None,
-                 timeout_s: float = 600.0, device: str = "cpu"):
+                 timeout_s: float = 600.0, device: str = "cpu", order: str = "given"):
         opts = check_options(options or {})
         if dp % ep:
             raise TicInputError(f"parallel.ep={ep} must divide parallel.dp={dp} (hf ranks are DP ranks)")
@@ -142,7 +142,7 @@ class RankedHFEngine(DealtRequests, Engine):
         self.layout = f"DP{dp} EP{ep}" + (f" ({self.combine} merge)" if ep > 1 else "")
         kwargs = dict(model_dir=Path(model_dir), dtype=dtype, kernels=kernels, attn=attn, batch_size=batch_size,
                       micro_batch_size=micro_batch_size, padding_side=padding_side, packing=packing,
-                      device="cuda" if device != "cpu" else "cpu")
+                      device="cuda" if device != "cpu" else "cpu", order=order)
         self.pool = RankPool(dp, _setup_rank, (kwargs, ep, self.combine), timeout_s=timeout_s,
                              threads=torch.get_num_threads())
         weakref.finalize(self, self.pool.close)
@@ -152,7 +152,8 @@ class RankedHFEngine(DealtRequests, Engine):
         p = side_cfg.parallel
         return cls(model_dir, dtype, side_cfg.kernels, side_cfg.attn_implementation, side_cfg.batch_size,
                    side_cfg.micro_batch_size, side_cfg.padding_side, side_cfg.packing, p.dp, p.ep,
-                   side_cfg.options, device=getattr(side_cfg, "device", "cpu"))
+                   side_cfg.options, device=getattr(side_cfg, "device", "cpu"),
+                   order=getattr(side_cfg, "order", "given"))
 
     def _generate(self, prompts, sampling, request_ids, together: bool) -> list[Sample]:
         shares = self._deal(prompts)
