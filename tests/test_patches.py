@@ -6,10 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from tic import patches
 from tic.core.errors import TicInputError
@@ -172,6 +175,45 @@ def test_gemm_fixed_m_batches_or_writes_full_tiles_in_place_only_where_that_give
         one = gm.linear_fixed_m(x[:128].clone(), w)  # one full tile: never batched
         assert torch.equal(one, out[:128])
 
+
+class _PeakBytes(TorchDispatchMode):
+    """Peak bytes of the storages that tensors made under this mode keep alive (each storage counted once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = {}, 0, 0
+
+    def _drop(self, key):
+        self.live[key][1] -= 1
+        if not self.live[key][1]:
+            self.now -= self.live.pop(key)[0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage().data_ptr()
+                if key not in self.live:
+                    self.live[key] = [t.untyped_storage().nbytes(), 0]
+                    self.now += self.live[key][0]
+                    self.peak = max(self.peak, self.now)
+                self.live[key][1] += 1
+                weakref.finalize(t, self._drop, key)
+        return out
+
+
+def test_gemm_fixed_m_probe_holds_one_weight_and_one_output_at_a_time(fake_vllm, monkeypatch):
+    """The probe runs once per problem inside a forward (rollout or training), on top of its activations: for an
+    lm_head it must not hold the tiles' outputs twice more (a list and its concatenation) nor a second weight."""
+    from tic.patches.vllm import gemm_fixed_m as gm
+
+    patches.apply(["gemm-fixed-m"])
+    monkeypatch.setattr(gm, "_state", dict(gm._state, same_bits={}))
+    x, w = torch.randn(4 * gm.ROWS, 16), torch.randn(2048, 16)  # the weight and each output: 128 KiB, 4 MiB
+    with _PeakBytes() as mem:
+        assert gm._same_bits("batched", lambda layer, t, weight, b: t @ weight.t(), x, w, 4)
+    probe = 4 * gm.ROWS * (16 + 2048) * 4 + w.nbytes  # operands and the batched output
+    assert mem.peak <= probe + gm.ROWS * 2048 * 4 * 2, mem.peak  # plus a tile's GEMM (and its transient)
 
 def test_rmsnorm_fixed_block_removes_the_block_shape_dependence(fake_vllm):
     _define_block_dependent_rmsnorm()
