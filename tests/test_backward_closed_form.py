@@ -197,7 +197,7 @@ def test_moe_experts_grouped_gemms_match_the_per_expert_loop_in_bf16(monkeypatch
     real = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
     grouped = ag._moe_experts_backward((bf[0], bf[1], ids, bf[2], bf[3]), (), (g,), {}, needs)
-    assert calls, "bf16 took the per-expert loop"
+    assert calls and not ag.GROUPED_MM_ERRORS, f"bf16 took the per-expert loop {ag.GROUPED_MM_ERRORS}"
     monkeypatch.setenv("TIC_GROUPED_MM", "0")
     n = len(calls)
     loop = ag._moe_experts_backward((bf[0], bf[1], ids, bf[2], bf[3]), (), (g,), {}, needs)

@@ -163,8 +163,9 @@ def kernel_checks(ops, moe: bool) -> list[tuple[str, bool, str]]:
     torch.ops._C.silu_and_mul(out, gu)
     check("silu_and_mul", ops.silu_and_mul(gu), out)
     wl = torch.randn(2048, 1024, device="cuda", dtype=bf)
-    check("linear", ops.linear(x, [wl]), torch.nn.functional.linear(x, wl))
-    if "gemm-fixed-m" in ops.provider.patches:  # its in-place full tiles vs F.linear (vLLM's GEMM) per tile
+    if "gemm-fixed-m" not in ops.provider.patches:
+        check("linear", ops.linear(x, [wl]), torch.nn.functional.linear(x, wl))
+    else:  # the patch's rule is vLLM's GEMM per 128-row tile: its full tiles vs F.linear on each tile alone
         from tic.patches.vllm.gemm_fixed_m import ROWS
 
         got = ops.linear(x, [wl])
@@ -336,8 +337,11 @@ def main() -> int:
     from tic.harness.kernels.autograd import COMPILE_ERRORS, GROUPED_MM_ERRORS
 
     if args.moe:
-        print(f"   experts' backward GEMMs: {'one by one (' + GROUPED_MM_ERRORS[0] + ')' if GROUPED_MM_ERRORS else 'grouped (torch._grouped_mm)'}"
-              f"{' [TIC_GROUPED_MM=0]' if os.environ.get('TIC_GROUPED_MM') == '0' else ''}")
+        from tic.harness.kernels.autograd import _grouped_mm_usable
+
+        grouped = _grouped_mm_usable(next(wrapped.parameters())) and not GROUPED_MM_ERRORS
+        why = GROUPED_MM_ERRORS[0] if GROUPED_MM_ERRORS else "not bf16, or TIC_GROUPED_MM=0, or no torch._grouped_mm"
+        print(f"   experts' backward GEMMs: {'grouped (torch._grouped_mm)' if grouped else 'one by one (' + why + ')'}")
 
     print(f"   closed-form backwards compiled on the GPU (TIC_FUSE_BACKWARD={os.environ.get('TIC_FUSE_BACKWARD', '1')}): "
           f"{'no compile errors' if not COMPILE_ERRORS else COMPILE_ERRORS}")

@@ -59,7 +59,9 @@ def _build_layout(mask, B: int, T: int, device, block_size: int):
 
 def _rows_as_pages(t: torch.Tensor, pages, block_size: int) -> torch.Tensor:
     """K or V [B, heads, T, D] of a batch whose rows are its pages: [B * row_pages, block_size, heads, D], each row
-    padded to whole pages (no copy when the [B, T, heads, D] layout is contiguous and T fills the pages)."""
+    padded to whole pages (no copy when the [B, T, heads, D] layout is contiguous and T fills the pages). Slots past
+    a sequence's length hold its row's padding tokens' K/V, as a real cache holds stale entries: the kernel reads
+    seqused_k keys (the scatter path leaves zeros there; a NaN in a padding token's K/V would show here alone)."""
     rows = t.transpose(1, 2)
     pad = pages.row_pages * block_size - rows.shape[1]
     if pad:
