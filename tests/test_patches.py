@@ -158,13 +158,17 @@ def test_gemm_fixed_m_batches_or_writes_full_tiles_in_place_only_where_that_give
     def wide_gemm(layer, t, weight, bias=None):  # one that is not: accumulates in float64, rounds once
         return (t.double() @ weight.double().t()).to(t.dtype)
 
-    def lying_bmm(a, b, out):  # a batched GEMM whose bits differ from the per-tile GEMM's: never used
-        return out.copy_(torch.bmm(a.double(), b.double()))
+    real_mm, real_bmm = torch.mm, torch.bmm
 
-    cases = [(mm_gemm, torch.bmm, [("bmm", 2)]), (mm_gemm, lying_bmm, [("mm", 128), ("mm", 128)]),
-             (wide_gemm, torch.bmm, [])]
+    def lying_bmm(a, b, out):  # a batched GEMM whose bits differ from the per-tile GEMM's: never used
+        return out.copy_(real_bmm(a.double(), b.double()))
+
+    cases = [(mm_gemm, real_bmm, [("bmm", 2)]), (mm_gemm, lying_bmm, [("mm", 128), ("mm", 128)]),
+             (wide_gemm, real_bmm, [])]
     for gemm, bmm, expect in cases:
-        gm._state.update(gemm=gemm, same_bits={}, mm=counting("mm", torch.mm), bmm=counting("bmm", bmm))
+        gm._state.update(gemm=gemm, same_bits={})
+        monkeypatch.setattr(torch, "mm", counting("mm", real_mm))
+        monkeypatch.setattr(torch, "bmm", counting("bmm", bmm))
         out = gm.linear_fixed_m(x, w)  # probes first (they call mm/bmm too), then runs
         calls.clear()
         out = gm.linear_fixed_m(x, w)

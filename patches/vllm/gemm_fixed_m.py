@@ -60,20 +60,15 @@ def linear_fixed_m(x, weight, bias=None):
 def _full_tiles(how: str, a, weight, out, tiles: int) -> None:
     """out[tile] = a[tile] @ weight.T for `tiles` full tiles: one bmm over [tiles, ROWS, K] (the weight broadcast,
     not copied), or one mm per tile into its rows of out."""
+    import torch
+
     k, n = a.shape[1], weight.shape[0]
     wt = weight.t()
     if how == "batched":
-        _state.get("bmm", _torch().bmm)(a.view(tiles, ROWS, k), wt.expand(tiles, k, n), out=out.view(tiles, ROWS, n))
+        torch.bmm(a.view(tiles, ROWS, k), wt.expand(tiles, k, n), out=out.view(tiles, ROWS, n))
     else:
-        mm = _state.get("mm", _torch().mm)
         for tile, rows in zip(a.split(ROWS), out.split(ROWS)):
-            mm(tile, wt, out=rows)
-
-
-def _torch():
-    import torch
-
-    return torch
+            torch.mm(tile, wt, out=rows)
 
 
 def _same_bits(how: str, gemm, x2, weight, tiles: int) -> bool:
@@ -82,7 +77,8 @@ def _same_bits(how: str, gemm, x2, weight, tiles: int) -> bool:
     dispatch may pick another kernel). Decided once per problem (and per tile count when batched) on seeded random
     operands made on the device, never on the data, so every process, rollout and training, decides alike. While a
     CUDA graph is being captured an unseen problem takes the per-tile path of vLLM's GEMM."""
-    torch = _torch()
+    import torch
+
     key = (how, tiles if how == "batched" else 1, tuple(weight.shape), weight.stride(), weight.dtype, x2.dtype,
            str(x2.device))
     seen = _state.setdefault("same_bits", {})
