@@ -94,10 +94,14 @@ def paged_layout(cu_seqlens: torch.Tensor, block_size: int) -> PagedLayout:
     seq = torch.searchsorted(cu[1:], tok, right=True)
     pos = tok - cu[seq]
     slots = (first[seq] + pos // block_size) * block_size + pos % block_size
-    width = max(widest, 1)
-    table = first[:, None] + torch.arange(width, device=device)[None]
-    table = torch.where(torch.arange(width, device=device)[None] < nblocks[:, None], table, torch.zeros_like(table))
-    return PagedLayout(slots, table.to(torch.int32), lens.to(torch.int32), max(total, 1))
+    return PagedLayout(slots, _block_table(first, nblocks, widest), lens.to(torch.int32), max(total, 1))
+
+
+def _block_table(first: torch.Tensor, nblocks: torch.Tensor, widest: int) -> torch.Tensor:
+    """int32 [S, max(widest, 1)]: sequence s's consecutive blocks first[s], first[s] + 1, ... (nblocks[s] of them),
+    unused entries 0."""
+    cols = torch.arange(max(widest, 1), device=first.device)[None]
+    return torch.where(cols < nblocks[:, None], first[:, None] + cols, 0).to(torch.int32)
 
 
 def paged_rows_layout(vl: Varlen, batch: int, length: int, block_size: int) -> PagedLayout | None:
@@ -114,10 +118,8 @@ def paged_rows_layout(vl: Varlen, batch: int, length: int, block_size: int) -> P
     if not in_rows:
         return None
     row_pages = (length + block_size - 1) // block_size
-    width = max(widest, 1)
-    cols = torch.arange(width, device=cu.device)[None]
-    table = torch.where(cols < nblocks[:, None], (starts // length * row_pages)[:, None] + cols, 0)
-    return PagedLayout(None, table.to(torch.int32), lens.to(torch.int32), batch * row_pages, row_pages)
+    table = _block_table(starts // length * row_pages, nblocks, widest)
+    return PagedLayout(None, table, lens.to(torch.int32), batch * row_pages, row_pages)
 
 
 class TensorMemo:
@@ -133,13 +135,13 @@ class TensorMemo:
         self._held = False
         self._ref = self._key = self._value = None
 
-    def get(self, mask: torch.Tensor | None, *args):
-        if mask is not None and mask.is_inference():
-            return self.build(mask, *args)
-        key = (None if mask is None else (mask._version, tuple(mask.shape)), args)
-        same_object = self._ref is None if mask is None else self._ref is not None and self._ref() is mask
+    def get(self, t: torch.Tensor | None, *args):
+        if t is not None and t.is_inference():
+            return self.build(t, *args)
+        key = (None if t is None else (t._version, tuple(t.shape)), args)
+        same_object = self._ref is None if t is None else self._ref is not None and self._ref() is t
         if not (self._held and self._key == key and same_object):
-            self._value = self.build(mask, *args)
-            self._ref = None if mask is None else weakref.ref(mask)
+            self._value = self.build(t, *args)
+            self._ref = None if t is None else weakref.ref(t)
             self._key, self._held = key, True
         return self._value
