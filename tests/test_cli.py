@@ -14,6 +14,8 @@ from tic.harness.engines import hf
     ("model: {path: .}\nsampling: {max_tokens: lots}\n", "sampling.max_tokens"),
     ("model: {path: .}\nrollout: {engine: sglang}\n", "rollout.engine"),
     ("model: {path: .}\nprompts: {min_len: 9, max_len: 3}\n", "min_len 9 > max_len 3"),
+    ("model: {path: .}\ntrain: {order: sorted}\n", "train.order"),
+    ("model: {path: .}\nlayouts: {train: [{order: upside}]}\n", "layouts.train.0.order"),
     ("- just\n- a list\n", "expected a mapping"),
     ("model: {path: .\n", "not valid YAML"),
     ("rollout: {engine: hf}\n", "this gate needs a model"),
