@@ -257,7 +257,9 @@ class OpRecorder(TorchDispatchMode):
         launch_record.attach(self)
         if self.provenance is not None:
             provenance_mod.ACTIVE.append(self.provenance)
+        self._extension_ops = _ExtensionOpRecorder(self)
         try:
+            self._extension_ops.__enter__()
             return super().__enter__()
         except BaseException:
             self._detach()
@@ -270,6 +272,9 @@ class OpRecorder(TorchDispatchMode):
             self._detach()
 
     def _detach(self):
+        ext, self._extension_ops = getattr(self, "_extension_ops", None), None
+        if ext is not None:
+            ext.__exit__(None, None, None)
         launch_record.detach(self)
         if self.provenance is not None and self.provenance in provenance_mod.ACTIVE:
             provenance_mod.ACTIVE.remove(self.provenance)
@@ -357,6 +362,43 @@ class OpRecorder(TorchDispatchMode):
         return out
 
 
+# Namespaces recorded where the dispatcher sees them: PyTorch's own operators (a Python dispatch mode sees every
+# aten op, including those that tensor methods and torch functions call).
+DISPATCH_NAMESPACES: set[str] = {"aten", "prims"}
+
+
+def _overload(func):
+    """The OpOverload a torch.ops call resolves to (a packet with one overload resolves to that one), else None."""
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        names = func.overloads()
+        return getattr(func, names[0]) if len(names) == 1 else None
+    return func if isinstance(func, torch._ops.OpOverload) else None
+
+
+class _ExtensionOpRecorder(TorchFunctionMode):
+    """Records extension operators (torch.ops of a compiled library: vLLM's `_C`, FlashAttention 3's
+    `_vllm_fa3_C`, ...) as Python calls them, then runs them with the dispatch mode off. A trip through Python
+    dispatch boxes a call's arguments and results into Python and back, and some extension kernels refuse what
+    comes back: FlashAttention 3's `fwd` in vLLM 0.26 raises "Unable to cast Python instance of type list" under
+    a dispatch mode, which broke the locator on a training side that calls it directly. Inside an opened vLLM
+    wrapper the dispatch mode is already off, so these ops were recorded the same way there."""
+
+    def __init__(self, parent: OpRecorder):
+        super().__init__()
+        self.parent = parent
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        op = _overload(func)
+        if (op is None or self.parent.busy or op.namespace in DISPATCH_NAMESPACES
+                or op.namespace in OPEN_NAMESPACES):  # opened by the dispatch mode, which sees them next
+            return func(*args, **kwargs)
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            return self.parent.record(op, args, kwargs)
+
+
 class _PythonOpRecorder(TorchFunctionMode):
     """Inside an opened wrapper: records each torch.ops operator as Python calls it, into the parent recorder.
     Tensor methods and torch functions run unrecorded (their results enter as recorded values from outside)."""
@@ -367,11 +409,8 @@ class _PythonOpRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        op = func
-        if isinstance(func, torch._ops.OpOverloadPacket):
-            names = func.overloads()
-            op = getattr(func, names[0]) if len(names) == 1 else None
-        if not isinstance(op, torch._ops.OpOverload):
+        op = _overload(func)
+        if op is None:
             return func(*args, **kwargs)
         return self.parent.record(op, args, kwargs)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from pathlib import Path
 
 import tic
 from tic.gates import REGISTRY, gate_range
@@ -28,8 +29,10 @@ def _locate(gate: Gate, ctx: GateContext, measured: dict) -> tuple[dict | None, 
         findings = locate_for_gate(ctx, gate.id, measured)
     except TicInputError:
         raise
-    except Exception as e:  # the verdict stands even if localisation breaks; say so in the record
-        return {"status": f"locator error: {type(e).__name__}: {e}"}, []
+    except Exception as e:  # the verdict stands even if localisation breaks; say so in the record, and where
+        frames = traceback.extract_tb(e.__traceback__)[-3:]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
+        return {"status": f"locator error: {type(e).__name__}: {e} (at {where})"}, []
     evidence = [v for k, v in (findings or {}).items() if k in ("report", "repro", "chart") and v]
     return findings, evidence
 

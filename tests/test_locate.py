@@ -181,6 +181,28 @@ def test_gate_without_mismatch_is_not_localised_but_does_not_raise(tmp_path, mon
     assert "no locator recipe" in got["status"]
 
 
+def test_a_broken_locator_keeps_the_verdict_and_says_where_it_broke(tmp_path, monkeypatch):
+    import tic.harness.locate as locate_mod
+    from tic.gates.base import Gate, Judgement
+    from tic.skill.runner import run_gate
+
+    def broken(ctx, gate_id, measured, strict=False):
+        raise RuntimeError("Unable to cast Python instance")
+
+    monkeypatch.setattr(locate_mod, "locate_for_gate", broken)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(DENSE / "tic.yaml")
+    cfg.state_dir = tmp_path / ".tic"
+    gate = Gate(id="C5", title="t", step=3, measures="", pass_condition="", inputs=[], artifacts=[], guide="",
+                measure=lambda ctx: {"metrics": {}}, judge=lambda m: Judgement("fail", "planted", "x"),
+                locate_on_fail=True)
+    res = run_gate(gate, GateContext(cfg), save=False)
+    assert res.verdict == "fail"
+    status = res.details["locate"]["status"]
+    assert status.startswith("locator error: RuntimeError: Unable to cast Python instance (at ")
+    assert "broken" in status  # the innermost frame: where it broke
+
+
 def _mm_side(op_name: str):
     from tic.harness.capture import OpCall
     from tic.harness.repro import OpSide

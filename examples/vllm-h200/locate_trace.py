@@ -1,0 +1,56 @@
+"""Run C5 of CONFIG, then the locator on its failure with the whole traceback on an error (a locator error is
+otherwise one line in the gate record).   python examples/vllm-h200/locate_trace.py CONFIG.yaml OUT.json"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+
+def _short(v) -> str:
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return f"Tensor{tuple(v.shape)}:{v.dtype}:{v.device}:stride{v.stride()}"
+    if isinstance(v, (list, tuple)):
+        return type(v).__name__ + "[" + ", ".join(_short(x) for x in list(v)[:8]) + ("..." if len(v) > 8 else "") + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_short(x)}" for k, x in list(v.items())[:12]) + "}"
+    return repr(v)[:200]
+
+
+def main() -> None:
+    from tic.gates import get
+    from tic.harness.locate import locate_for_gate
+    from tic.skill.config import load_config
+    from tic.skill.context import GateContext
+
+    cfg = load_config(Path(sys.argv[1]))
+    ctx = GateContext(cfg)
+    gate = get("C5")
+    measured = gate.measure(ctx)
+    print("C5", gate.judge(measured).verdict, measured["metrics"].get("first_mismatch"), flush=True)
+    try:
+        found = locate_for_gate(ctx, "C5", measured, strict=True)
+        out = {"ok": True, "found": found}
+    except Exception as e:  # noqa: BLE001  the point of this script: show where
+        tb = e.__traceback__
+        frames = []
+        while tb is not None:
+            f = tb.tb_frame
+            frames.append({"where": f"{f.f_code.co_filename}:{tb.tb_lineno} {f.f_code.co_name}",
+                           "locals": {k: _short(v) for k, v in list(f.f_locals.items())[:20]}})
+            tb = tb.tb_next
+        traceback.print_exc()
+        for fr in frames[-6:]:
+            print("FRAME", fr["where"])
+            for k, v in fr["locals"].items():
+                print("   ", k, "=", v)
+        out = {"ok": False, "error": f"{type(e).__name__}: {e}", "frames": frames}
+    Path(sys.argv[2]).write_text(json.dumps(out, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
