@@ -95,6 +95,10 @@ def token_value(t: torch.Tensor, tokens: torch.Tensor | None, B: int, T: int, f:
     if t.dim() >= 3 and t.shape[0] == B and t.shape[2] == T and bool(mask[b, :, tt].all()) \
             and mask[b, :, tt].numel() == n:
         return {"kind": "bht", "b": b, "t": tt}, t[b, :, tt], B
+    if t.dim() >= 1:  # one whole row of another row layout: a varlen kernel's packed rows, a decode batch
+        r = int(mask.reshape(mask.shape[0], -1).any(1).nonzero()[0, 0])
+        if mask[r].numel() == n and bool(mask[r].all()):
+            return {"kind": "row", "row": r}, t[r], int(t.shape[0])
     return {"kind": "mask", "mask": mask}, t[mask], 1
 
 
@@ -191,10 +195,10 @@ def _module_program(cap: Capture, module: str, pos: int) -> dict | None:
 
 
 def _step_kind(trail: Trail, outs: list, ci: int) -> tuple:
-    """What makes two sides' calls the same step of a computation: the operator and the shapes of the traced
-    token's values it produces. The k-th call of a kind on one side is the counterpart of the k-th on the other
+    """What makes two sides' calls the same step of a computation: the operator and the dtype and size of each
+    traced-token value it produces (in any shape: a row of one layout, a mask of elements of another). The k-th call of a kind on one side is the counterpart of the k-th on the other
     (a fused pre-add on one side then does not shift the pairing of a norm's eps add)."""
-    return trail.calls[ci].op, tuple(tuple(v.shape) for _, _, v, _ in outs[ci])
+    return trail.calls[ci].op, tuple((str(v.dtype), v.numel()) for _, _, v, _ in outs[ci])
 
 
 def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
@@ -229,12 +233,11 @@ def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
             found = {"b_call": ci, "b_where": where_b, "b_rows": rows_b, "a_call": None, "a_where": None,
                      "a_rows": 0, "a_value": None, "op": call.op, "b_args": _describe_args(call)}
             if a_ci is not None:
-                # the same operator at the same rank computes the same quantity only if the shapes agree (vLLM's
-                # fused qkv GEMM vs HF's q_proj GEMM do not): otherwise the implementations differ
-                match = [g for g in outs_a[a_ci] if g[0] == k and g[2].shape == value_b.shape]
-                if match and not rows_equal((match[0][2].to(torch.float64) if match[0][2].is_floating_point()
-                                             else match[0][2],),
-                                            (value_b.to(torch.float64) if value_b.is_floating_point() else value_b,)):
+                # the same operator at the same rank computes the same quantity only if the token's values agree in
+                # size (vLLM's fused qkv GEMM vs HF's q_proj GEMM do not): otherwise the implementations differ
+                match = [g for g in outs_a[a_ci] if g[0] == k and g[2].numel() == value_b.numel()]
+                flat64 = lambda v: (v.to(torch.float64) if v.is_floating_point() else v).reshape(-1)  # noqa: E731
+                if match and not rows_equal((flat64(match[0][2]),), (flat64(value_b),)):
                     found.update(a_call=a_ci, a_where=match[0][1], a_rows=match[0][3],
                                  a_args=_describe_args(trail_a.calls[a_ci]))
                     # whether the counterpart's own inputs are values side B has: if not, side A parted

@@ -143,21 +143,62 @@ class Provenance:
             if any(o is w for w in written):
                 continue
             srcs = [i for i in inputs if i is not o]
-            m = self._derive(func, srcs, tuple(o.shape), dim)
+            m = self._derive(func, srcs, tuple(o.shape), dim, args, kwargs)
             if m is not None:
                 self._set(o, m)
         for w in written:
             srcs = [i for i in inputs if i is not w]
-            m = self._derive(func, srcs, tuple(w.shape), dim)
+            m = self._derive(func, srcs, tuple(w.shape), dim, args, kwargs)
             if m is None:
                 continue
             old = self.tokens(w)
-            if old is not None and not _is_copy(func):  # accumulating writes (add_): keep agreeing tokens
+            if old is not None and not _is_copy(func) and not _overwrites(func, args, kwargs):  # accumulating writes (add_): keep agreeing tokens
                 m = torch.where(old == m, m, torch.where(old < 0, m, torch.full_like(m, -1)))
             self._set(w, m)
 
-    def _derive(self, func, sources, shape, dim):
+    def _moved(self, func, args, kwargs, shape) -> torch.Tensor | None:
+        """For an operator that only moves elements (a gather by index, a scatter, a pad): the same operator run
+        on its data arguments' token maps, +1 so that a filled or untouched element (0) comes out as -1 (none);
+        index and mask arguments go along as they are, on the CPU. This follows a varlen kernel's packed rows
+        (`x[index]`) and their scatter back (`out.index_put_(index, rows)`). None when no data argument has
+        tokens, or the maps cannot take the call."""
+        names = [a.name for a in func._schema.arguments]
+        has_map = False
+
+        def as_map(name, v):
+            nonlocal has_map
+            if not isinstance(v, torch.Tensor):
+                return [as_map(name, x) for x in v] if isinstance(v, (list, tuple)) else v
+            if name not in DATA_ARGS:
+                return v.cpu()  # an index or a mask: used as it is
+            m = self.tokens(v)
+            has_map |= m is not None and bool((m >= 0).any())
+            return torch.zeros(tuple(v.shape), dtype=torch.int64) if m is None else m.to(torch.int64) + 1
+
+        try:
+            margs = [as_map(n, v) for n, v in zip(names, args)]
+            mkw = {k: as_map(k, v) for k, v in kwargs.items()}
+            if not has_map:
+                return None
+            for i, n in enumerate(names[:len(margs)]):
+                if n == "value" and not isinstance(margs[i], torch.Tensor):
+                    margs[i] = 0  # a fill value, in map terms: no token
+            if "value" in mkw and not isinstance(mkw["value"], torch.Tensor):
+                mkw["value"] = 0
+            out = func(*margs, **mkw)
+        except Exception:  # noqa: BLE001  an argument form the maps cannot take: fall back to the shape rules
+            return None
+        out = out[0] if isinstance(out, (list, tuple)) else out
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(shape):
+            return None
+        return (out - 1).to(torch.int32)
+
+    def _derive(self, func, sources, shape, dim, args=(), kwargs=None):
         name = str(func).split(".")[1] if str(func).count(".") >= 2 else str(func)
+        if name in MOVE_OPS and getattr(func, "_schema", None) is not None:
+            moved = self._moved(func, args, kwargs or {}, shape)
+            if moved is not None:
+                return moved
         if name in ("cat", "stack", "concat", "concatenate"):
             tensors = sources
             parts = []
@@ -170,6 +211,30 @@ class Provenance:
                 return None
             return out if tuple(out.shape) == tuple(shape) else None
         return self.derived(sources, shape)
+
+
+# aten operators that move elements without arithmetic, whose token maps come from running them on the maps
+MOVE_OPS = {"index", "_unsafe_index", "index_select", "gather", "take", "index_put", "index_put_", "_index_put_impl_",
+            "scatter", "scatter_", "constant_pad_nd", "flip", "roll", "repeat", "narrow_copy", "masked_scatter",
+            "masked_scatter_", "index_copy", "index_copy_"}
+
+
+# the arguments of those operators whose elements move (the rest are indices, masks, sizes)
+DATA_ARGS = {"self", "values", "src", "source", "input"}
+
+
+def _overwrites(func, args, kwargs) -> bool:
+    """An element-moving write (index_put_, scatter_) that replaces what it writes; with `accumulate=True` it
+    adds to it instead, and an element then keeps a token only where old and new agree."""
+    name = str(func).split(".")[1] if str(func).count(".") >= 2 else ""
+    if name not in MOVE_OPS:
+        return False
+    try:
+        names = [a.name for a in func._schema.arguments]
+    except AttributeError:
+        return False
+    bound = dict(zip(names, args), **kwargs)
+    return not bound.get("accumulate", False) and "reduce" not in bound
 
 
 def _is_copy(func) -> bool:

@@ -80,12 +80,12 @@ def _subset(side: OpSide, keep: list[int]):
 # together through cu_seqlens_q / seqused_k / the page table, so rows cannot be dropped one by one. What can be
 # dropped is every other sequence: the traced token's sequence alone, with only its own KV pages. Recognised by
 # the schema's argument names, so any kernel with this calling convention is reduced the same way.
-PAGED_VARLEN = ("q", "k", "v", "out", "cu_seqlens_q", "seqused_k", "page_table")
+PAGED_VARLEN = ("q", "k", "v", "cu_seqlens_q", "seqused_k", "page_table")  # and `out`, when the caller gives one
 
 
 def one_sequence(side: OpSide, args, kwargs, where):
     """The call reduced to the traced token's sequence and its KV pages, or None if it is not a paged varlen
-    attention call (by schema) or the traced value is not a row of `out`."""
+    attention call (by schema) or the traced value is not a row of its output."""
     try:
         names = [a.name for a in side.call.func._schema.arguments]
     except AttributeError:
@@ -105,7 +105,8 @@ def one_sequence(side: OpSide, args, kwargs, where):
     n_pages = -(-n_keys // k.shape[1])
     keep = pages[seq, :n_pages].long()
     new = dict(bound)
-    new.update(q=q[a:b].clone(), out=bound["out"][a:b].clone(), k=k.index_select(0, keep),
+    out = bound.get("out")
+    new.update(q=q[a:b].clone(), out=None if out is None else out[a:b].clone(), k=k.index_select(0, keep),
                v=bound["v"].index_select(0, keep),
                cu_seqlens_q=torch.tensor([0, b - a], dtype=cu.dtype, device=cu.device),
                seqused_k=used[seq:seq + 1].clone(),

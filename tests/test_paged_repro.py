@@ -97,6 +97,47 @@ def test_decode_vs_prefill_kernel_repro_is_one_sequence_and_reproduces(open_demo
     assert "DIFFERS tic_pageddemo.fwd.default" in res["output"]
 
 
+def test_a_kernel_called_directly_on_packed_rows_is_traced_by_row_and_cut_to_its_sequence(open_demo, tmp_path):
+    """The training side's way (tic's vLLM provider): a right-padded batch packed to its valid rows by index, the
+    kernel called directly with no output buffer, its rows scattered back by index_put_. The traced token stays
+    a row through the packing, so the repro is cut to its sequence and reproduces against the decode call."""
+    from tic.harness.locate import token_value
+    from tic.harness.provenance import Provenance
+
+    _, decode, _ = _record([1, 1, 1], list(range(20)))
+    q, meta = _step(LENS, list(reversed(range(20))))
+    T = max(LENS)
+    padded = torch.zeros(len(LENS), T, H, D)  # [B, T, heads, dim], right padded
+    cuts = meta["cu_seqlens_q"].tolist()
+    for s, n in enumerate(LENS):
+        padded[s, :n] = q[cuts[s]:cuts[s + 1]]
+    valid = torch.arange(T)[None] < torch.tensor(LENS)[:, None]
+    prov = Provenance(len(LENS), T)
+    prov.seed(padded)
+    rec = capture.OpRecorder(provenance=prov)
+    with rec:
+        flat = padded.reshape(-1, H, D)
+        rows = valid.reshape(-1).nonzero().squeeze(1)
+        qf = flat[rows]
+        got = torch.ops.tic_pageddemo.fwd_new(qf, meta["k"], meta["v"], None, meta["cu_seqlens_q"], meta["seqused_k"],
+                                              meta["max_seqlen_q"], meta["max_seqlen_k"], meta["page_table"], None, 0)
+        back = torch.zeros_like(flat)
+        back.index_put_((rows,), got[0])
+    assert not rec.errors
+    call = next(c for c in rec.calls if c.op == "tic_pageddemo.fwd_new.default")
+    f = 1 * T + LENS[1] - 1  # the traced token: sequence 1's last row
+    where, value, n_rows = token_value(call.outputs[0], call.out_tokens[0], len(LENS), T, f)
+    assert where == {"kind": "row", "row": cuts[2] - 1} and n_rows == sum(LENS)  # its row of the packed layout
+    scattered = next(c for c in rec.calls if c.op == "aten.index_put_.default")
+    assert token_value(scattered.outputs[0], scattered.out_tokens[0], len(LENS), T, f)[0] == {"kind": "row", "row": f}
+    prefill = repro.OpSide(call, {**where, "output": 0}, n_rows)
+    res = repro.emit(tmp_path, "C5", decode, prefill, None, "decode", "training prefill", "split-KV decode")
+    assert res["reproduces"], res["output"]
+    assert res["rows_a"] == 1 and res["rows_b"] == LENS[1], res
+    data = torch.load(res["tensors"], weights_only=False)
+    assert data["b"]["args"][3] is None and data["b"]["args"][4].tolist() == [0, LENS[1]]
+
+
 def test_identical_layouts_emit_no_repro(open_demo, tmp_path):
     _, a, _ = _record(LENS, list(range(20)))
     _, b, _ = _record(LENS, list(reversed(range(20))))  # same rows, other pages: the same bits

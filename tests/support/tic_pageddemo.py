@@ -49,6 +49,19 @@ def _fwd(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, page
 
 _lib.impl("fwd", _fwd, "CPU")
 
+# The same kernel called as FlashAttention 3's `fwd` is by a caller that passes no output buffer (tic's training
+# provider): it allocates and returns its output.
+_lib.define("fwd_new(Tensor q, Tensor k, Tensor v, Tensor(a!)? out, Tensor cu_seqlens_q, Tensor seqused_k, "
+            "int max_seqlen_q, int max_seqlen_k, Tensor page_table, Tensor? scheduler_metadata, int num_splits) "
+            "-> Tensor[]")
+
+
+def _fwd_new(q, k, v, out, *rest):
+    return _fwd(q, k, v, torch.empty_like(q) if out is None else out, *rest)
+
+
+_lib.impl("fwd_new", _fwd_new, "CPU")
+
 # A wrapper in the style of vLLM's unified_attention_with_output: it takes a layer name and reads the step's
 # metadata from a context that exists only during a forward, so it cannot be called on its own.
 _wrap = Library("tic_wrapdemo", "DEF")
