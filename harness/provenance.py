@@ -14,6 +14,8 @@ Seeds are the module's per-token inputs. Weights and buffers carry no tokens.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # storages larger than this (a whole KV cache) get no map: they would cost more memory than the trail
@@ -135,6 +137,11 @@ class Provenance:
     def after(self, func, args, kwargs, outs: list[torch.Tensor], written: list[torch.Tensor]) -> None:
         """Update the maps for one operator call: its new outputs and the tensors it wrote in place."""
         inputs = [x for v in list(args) + list(kwargs.values()) for x in _tensors(v)]
+        if str(func) in CONSTANT_OPS:  # values that depend on no input's data: no token, whatever was there
+            for t in outs + written:
+                if self.tokens(t) is not None:
+                    self._set(t, torch.full(tuple(t.shape), -1, dtype=torch.int32))
+            return
         is_view = bool(getattr(func, "is_view", False))
         dim = _dim_of(func, args, kwargs)
         for o in outs:
@@ -163,23 +170,25 @@ class Provenance:
         (`x[index]`) and their scatter back (`out.index_put_(index, rows)`). None when no data argument has
         tokens, or the maps cannot take the call."""
         names = [a.name for a in func._schema.arguments]
-        has_map = False
+        bound = list(zip(names, args)) + list(kwargs.items())
+        data = [x for n, v in bound if n in DATA_ARGS for x in _tensors(v)]
+        maps = [self.tokens(x) for x in data]
+        if not any(m is not None and bool((m >= 0).any()) for m in maps):
+            return None  # nothing traced moves: decided before any map is built (a weight may be huge)
+        if any(x.numel() > MAX_STORAGE_ELEMENTS for x in data) or math.prod(shape) > MAX_STORAGE_ELEMENTS:
+            return None  # as for storages: a whole KV cache gets no map
 
         def as_map(name, v):
-            nonlocal has_map
             if not isinstance(v, torch.Tensor):
                 return [as_map(name, x) for x in v] if isinstance(v, (list, tuple)) else v
             if name not in DATA_ARGS:
                 return v.cpu()  # an index or a mask: used as it is
             m = self.tokens(v)
-            has_map |= m is not None and bool((m >= 0).any())
             return torch.zeros(tuple(v.shape), dtype=torch.int64) if m is None else m.to(torch.int64) + 1
 
         try:
             margs = [as_map(n, v) for n, v in zip(names, args)]
             mkw = {k: as_map(k, v) for k, v in kwargs.items()}
-            if not has_map:
-                return None
             for i, n in enumerate(names[:len(margs)]):
                 if n == "value" and not isinstance(margs[i], torch.Tensor):
                     margs[i] = 0  # a fill value, in map terms: no token
@@ -217,6 +226,17 @@ class Provenance:
 MOVE_OPS = {"index", "_unsafe_index", "index_select", "gather", "take", "index_put", "index_put_", "_index_put_impl_",
             "scatter", "scatter_", "constant_pad_nd", "flip", "roll", "repeat", "narrow_copy", "masked_scatter",
             "masked_scatter_", "index_copy", "index_copy_"}
+
+
+# operators whose results take only a shape (and dtype, device) from their tensor inputs: filled buffers
+CONSTANT_OPS = {f"aten.{n}.default" for n in ("zeros_like", "ones_like", "full_like", "empty_like", "new_zeros",
+                                              "new_ones", "new_full", "new_empty", "new_empty_strided", "zero_")}
+CONSTANT_OPS.add("aten.fill_.Scalar")
+
+
+def _op_name(func) -> str:
+    """aten.index_put_.default -> index_put_ (the operator's name without namespace and overload)."""
+    return str(func).split(".")[1] if str(func).count(".") >= 2 else str(func)
 
 
 # the arguments of those operators whose elements move (the rest are indices, masks, sizes)

@@ -1,0 +1,87 @@
+"""Token provenance through operators that only move elements (tic.harness.provenance): a varlen kernel's packed
+rows (`x[index]`), their scatter back (`index_put_`), pads, row selections and gathers keep each element's token;
+filled or untouched elements belong to no token, and an accumulating write keeps a token only where both agree."""
+
+from __future__ import annotations
+
+import torch
+
+from tic.harness import provenance
+from tic.harness.capture import OpRecorder
+from tic.harness.provenance import Provenance
+
+B, T, H, D = 2, 5, 2, 3
+VALID = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+
+
+def _rows(m: torch.Tensor) -> list[int]:
+    """A map's token per leading index (every element of a row must agree)."""
+    flat = m.reshape(m.shape[0], -1)
+    assert bool((flat == flat[:, :1]).all()), flat
+    return flat[:, 0].tolist()
+
+
+def _trail(fn):
+    prov = Provenance(B, T)
+    x = torch.randn(B, T, H, D)
+    prov.seed(x)
+    rec = OpRecorder(provenance=prov)
+    with rec:
+        fn(x)
+    assert not rec.errors
+    return {c.op: c for c in rec.calls}, prov
+
+
+def test_packed_rows_and_their_scatter_back_keep_their_tokens():
+    def fn(x):
+        flat = x.reshape(B * T, H, D)
+        idx = VALID.reshape(-1).nonzero().squeeze(1)
+        packed = flat[idx]
+        out = torch.full_like(flat, 0.5).index_put_((idx,), packed * 2)
+        torch.nn.functional.pad(packed, (0, 0, 0, 0, 1, 2))
+        packed.index_select(0, torch.tensor([4, 0]))
+        torch.gather(packed[:, 0, 0], 0, torch.tensor([7, 7, 1]))
+
+    calls, _ = _trail(fn)
+    packed_tokens = [0, 1, 2, 5, 6, 7, 8, 9]
+    assert _rows(calls["aten.index.Tensor"].out_tokens[0]) == packed_tokens
+    # full_like's values are a constant: no token; index_put_ writes the packed rows' tokens into rows 0-2, 5-9 only
+    assert calls["aten.full_like.default"].out_tokens[0] is None
+    assert _rows(calls["aten.index_put_.default"].out_tokens[0]) == [0, 1, 2, -1, -1, 5, 6, 7, 8, 9]
+    assert _rows(calls["aten.constant_pad_nd.default"].out_tokens[0]) == [-1] + packed_tokens + [-1, -1]
+    assert _rows(calls["aten.index_select.default"].out_tokens[0]) == [6, 0]
+    assert calls["aten.gather.default"].out_tokens[0].tolist() == [9, 9, 1]
+
+
+def test_an_accumulating_scatter_keeps_a_token_only_where_old_and_new_agree():
+    def fn(x):
+        flat = x.reshape(B * T, H, D).clone()
+        flat.index_put_((torch.tensor([0, 1]),), flat[5:7].clone(), accumulate=True)  # rows 0, 1 += rows 5, 6
+
+    calls, _ = _trail(fn)
+    put = next(c for c in calls.values() if c.op == "aten.index_put_.default")
+    assert _rows(put.out_tokens[0]) == [-1, -1, 2, 3, 4, 5, 6, 7, 8, 9]
+
+
+def test_nothing_traced_moving_builds_no_map(monkeypatch):
+    """A gather from an untraced tensor (a weight, a cos/sin table) is decided before any map is built, then
+    left to the shape rules (a [B, T] index -> [B, T, D] lookup)."""
+    built = []
+    real_zeros = torch.zeros
+
+    def counting_zeros(*a, **k):
+        built.append(a)
+        return real_zeros(*a, **k)
+
+    table = torch.randn(64, D)
+    prov = Provenance(B, T)
+    pos = torch.arange(T).repeat(B, 1)
+    prov.seed(pos)
+    monkeypatch.setattr(provenance.torch, "zeros", counting_zeros)
+    rec = OpRecorder(provenance=prov)
+    with rec:
+        looked = table[pos]
+    monkeypatch.setattr(provenance.torch, "zeros", real_zeros)
+    call = next(c for c in rec.calls if c.op == "aten.index.Tensor")
+    assert built == []
+    assert call.out_tokens[0][1, 3].tolist() == [8] * D and looked.shape == (B, T, D)
