@@ -196,8 +196,9 @@ def _module_program(cap: Capture, module: str, pos: int) -> dict | None:
 
 def _step_kind(trail: Trail, outs: list, ci: int) -> tuple:
     """What makes two sides' calls the same step of a computation: the operator and the dtype and size of each
-    traced-token value it produces (in any shape: a row of one layout, a mask of elements of another). The k-th call of a kind on one side is the counterpart of the k-th on the other
-    (a fused pre-add on one side then does not shift the pairing of a norm's eps add)."""
+    traced-token value it produces (in any shape: a row of one layout, a mask of elements of another). The k-th
+    call of a kind on one side is the counterpart of the k-th on the other (a fused pre-add on one side then does
+    not shift the pairing of a norm's eps add)."""
     return trail.calls[ci].op, tuple((str(v.dtype), v.numel()) for _, _, v, _ in outs[ci])
 
 
