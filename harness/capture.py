@@ -375,30 +375,6 @@ def _overload(func):
     return func if isinstance(func, torch._ops.OpOverload) else None
 
 
-class _ExtensionOpRecorder(TorchFunctionMode):
-    """Records extension operators (torch.ops of a compiled library: vLLM's `_C`, FlashAttention 3's
-    `_vllm_fa3_C`, ...) as Python calls them, then runs them with the dispatch mode off. A trip through Python
-    dispatch boxes a call's arguments and results into Python and back, and some extension kernels refuse what
-    comes back: FlashAttention 3's `fwd` in vLLM 0.26 raises "Unable to cast Python instance of type list" under
-    a dispatch mode, which broke the locator on a training side that calls it directly. Inside an opened vLLM
-    wrapper the dispatch mode is already off, so these ops were recorded the same way there."""
-
-    def __init__(self, parent: OpRecorder):
-        super().__init__()
-        self.parent = parent
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        op = _overload(func)
-        if (op is None or self.parent.busy or op.namespace in DISPATCH_NAMESPACES
-                or op.namespace in OPEN_NAMESPACES):  # opened by the dispatch mode, which sees them next
-            return func(*args, **kwargs)
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        with _disable_current_modes():
-            return self.parent.record(op, args, kwargs)
-
-
 class _PythonOpRecorder(TorchFunctionMode):
     """Inside an opened wrapper: records each torch.ops operator as Python calls it, into the parent recorder.
     Tensor methods and torch functions run unrecorded (their results enter as recorded values from outside)."""
@@ -407,12 +383,37 @@ class _PythonOpRecorder(TorchFunctionMode):
         super().__init__()
         self.parent = parent
 
+    def takes(self, op) -> bool:
+        return True
+
+    def record(self, op, args, kwargs):
+        return self.parent.record(op, args, kwargs)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         op = _overload(func)
-        if op is None:
+        if op is None or not self.takes(op):
             return func(*args, **kwargs)
-        return self.parent.record(op, args, kwargs)
+        return self.record(op, args, kwargs)
+
+
+class _ExtensionOpRecorder(_PythonOpRecorder):
+    """Records extension operators (torch.ops of a compiled library: vLLM's `_C`, FlashAttention 3's
+    `_vllm_fa3_C`, ...) as Python calls them, then runs them with the dispatch mode off. A trip through Python
+    dispatch boxes a call's arguments and results into Python and back, and some extension kernels refuse what
+    comes back: FlashAttention 3's `fwd` in vLLM 0.26 raises "Unable to cast Python instance of type list" under
+    a dispatch mode, which broke the locator on a training side that calls it directly. Inside an opened vLLM
+    wrapper the dispatch mode is already off, so these ops were recorded the same way there."""
+
+    def takes(self, op) -> bool:
+        # aten ops go to the dispatch mode, which sees them next, and so do the wrappers it opens
+        return not (self.parent.busy or op.namespace in DISPATCH_NAMESPACES or op.namespace in OPEN_NAMESPACES)
+
+    def record(self, op, args, kwargs):
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            return super().record(op, args, kwargs)
 
 
 class InputRows(tuple):
