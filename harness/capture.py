@@ -346,19 +346,24 @@ class OpRecorder(TorchDispatchMode):
             raise _OpFailed() from e
         finally:
             self.busy -= 1
-        returned = tensors_of(out)
-        written = _written(func, args, kwargs)
-        outs = returned + [w for w in written if not any(w is o for o in returned)]
+        try:  # the operator ran: from here on a failure loses its record, never reruns it
+            returned = tensors_of(out)
+            written = _written(func, args, kwargs)
+            outs = returned + [w for w in written if not any(w is o for o in returned)]
+            out_tokens = None
+            if prov is not None:
+                prov.after(func, args, kwargs, returned, written)
+                out_tokens = tuple(_snapshot(prov.tokens(t)) for t in outs)
+            call = OpCall(str(func), func, pre_args, pre_kwargs, tuple(_clone(t) for t in outs), sources,
+                          out_tokens, arg_tokens)
+        except Exception as e:  # noqa: BLE001
+            self.errors.append(f"{func}: ran, not recorded: {type(e).__name__}: {e}")
+            return out
         ci = len(self.calls)
         for k, t in enumerate(outs):
             self.produced[id(t)] = (ci, k, t)
             self.blank.pop(Provenance._storage_key(t), None)
-        out_tokens = None
-        if prov is not None:
-            prov.after(func, args, kwargs, returned, written)
-            out_tokens = tuple(_snapshot(prov.tokens(t)) for t in outs)
-        self.calls.append(OpCall(str(func), func, pre_args, pre_kwargs, tuple(_clone(t) for t in outs), sources,
-                                 out_tokens, arg_tokens))
+        self.calls.append(call)
         return out
 
 
@@ -367,11 +372,16 @@ class OpRecorder(TorchDispatchMode):
 DISPATCH_NAMESPACES: set[str] = {"aten", "prims"}
 
 
-def _overload(func):
-    """The OpOverload a torch.ops call resolves to (a packet with one overload resolves to that one), else None."""
+def _overload(func, args=(), kwargs=None):
+    """The OpOverload a torch.ops call resolves to (a packet: the overload its arguments select), else None."""
     if isinstance(func, torch._ops.OpOverloadPacket):
         names = func.overloads()
-        return getattr(func, names[0]) if len(names) == 1 else None
+        if len(names) == 1:
+            return getattr(func, names[0])
+        try:
+            return getattr(func, torch._C._jit_resolve_packet(func._qualified_op_name, *args, **(kwargs or {})))
+        except Exception:  # noqa: BLE001  no overload takes these arguments: the call itself will say so
+            return None
     return func if isinstance(func, torch._ops.OpOverload) else None
 
 
@@ -391,7 +401,7 @@ class _PythonOpRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        op = _overload(func)
+        op = _overload(func, args, kwargs)
         if op is None or not self.takes(op):
             return func(*args, **kwargs)
         return self.record(op, args, kwargs)

@@ -154,57 +154,82 @@ class Provenance:
             if m is not None:
                 self._set(o, m)
         for w in written:
+            moved = self._moved(func, args, kwargs, tuple(w.shape)) if _is_move(func) else None
+            if moved is not None:  # the written buffer's old tokens took part as the op's `self`
+                self._set(w, moved)
+                continue
             srcs = [i for i in inputs if i is not w]
             m = self._derive(func, srcs, tuple(w.shape), dim, args, kwargs)
             if m is None:
                 continue
             old = self.tokens(w)
-            if old is not None and not _is_copy(func) and not _overwrites(func, args, kwargs):  # accumulating writes (add_): keep agreeing tokens
+            if old is not None and not _is_copy(func):  # accumulating writes (add_): keep agreeing tokens
                 m = torch.where(old == m, m, torch.where(old < 0, m, torch.full_like(m, -1)))
             self._set(w, m)
 
     def _moved(self, func, args, kwargs, shape) -> torch.Tensor | None:
-        """For an operator that only moves elements (a gather by index, a scatter, a pad): the same operator run
-        on its data arguments' token maps, +1 so that a filled or untouched element (0) comes out as -1 (none);
-        index and mask arguments go along as they are, on the CPU. This follows a varlen kernel's packed rows
-        (`x[index]`) and their scatter back (`out.index_put_(index, rows)`). None when no data argument has
-        tokens, or the maps cannot take the call."""
-        names = [a.name for a in func._schema.arguments]
-        bound = list(zip(names, args)) + list(kwargs.items())
-        data = [x for n, v in bound if n in DATA_ARGS for x in _tensors(v)]
+        """For an aten operator that only moves elements (a gather by index, a scatter, a pad): the same operator
+        run on its data arguments' token maps, shifted by one so that a filled or untouched element (0) comes out
+        as -1 (none); index and mask arguments go along as copies on the CPU. This follows a varlen kernel's
+        packed rows (`x[index]`) and their scatter back (`out.index_put_(index, rows)`). An element that several
+        sources reach (`accumulate=True`, scatter_add, a scatter reduction) keeps a token only if all of them,
+        the buffer's own old value included, are that token. None when no data argument has tokens, for an
+        `out=` overload (running it would write into the real output), or when the maps cannot take the call."""
+        schema = func._schema
+        if any(a.alias_info is not None and a.alias_info.is_write and a.name not in DATA_ARGS
+               for a in schema.arguments):
+            return None
+        names = [a.name for a in schema.arguments]
+        bound = dict(zip(names, args), **kwargs)
+        data = [x for n, v in bound.items() if n in DATA_ARGS for x in _tensors(v)]
         maps = [self.tokens(x) for x in data]
         if not any(m is not None and bool((m >= 0).any()) for m in maps):
             return None  # nothing traced moves: decided before any map is built (a weight may be huge)
         if any(x.numel() > MAX_STORAGE_ELEMENTS for x in data) or math.prod(shape) > MAX_STORAGE_ELEMENTS:
             return None  # as for storages: a whole KV cache gets no map
+        reduces = _op_name(func) in SUMMING_OPS or bool(bound.get("accumulate")) or bound.get("reduce") is not None
 
-        def as_map(name, v):
-            if not isinstance(v, torch.Tensor):
-                return [as_map(name, x) for x in v] if isinstance(v, (list, tuple)) else v
-            if name not in DATA_ARGS:
-                return v.cpu()  # an index or a mask: used as it is
-            m = self.tokens(v)
-            return torch.zeros(tuple(v.shape), dtype=torch.int64) if m is None else m.to(torch.int64) + 1
+        def run(of_shifted):
+            def as_map(name, v):
+                if not isinstance(v, torch.Tensor):
+                    return [as_map(name, x) for x in v] if isinstance(v, (list, tuple)) else v
+                if name not in DATA_ARGS:
+                    return v.detach().to("cpu", copy=True)  # an index or a mask: used as it is
+                m = self.tokens(v)
+                return of_shifted(torch.zeros(tuple(v.shape), dtype=torch.int64) if m is None
+                                  else m.to(torch.int64) + 1)
 
-        try:
             margs = [as_map(n, v) for n, v in zip(names, args)]
             mkw = {k: as_map(k, v) for k, v in kwargs.items()}
             for i, n in enumerate(names[:len(margs)]):
                 if n == "value" and not isinstance(margs[i], torch.Tensor):
                     margs[i] = 0  # a fill value, in map terms: no token
+                if n == "reduce" and isinstance(margs[i], str):  # which sources meet is what counts: sum them
+                    margs[i] = "sum" if _op_name(func).startswith("scatter_reduce") else "add"
             if "value" in mkw and not isinstance(mkw["value"], torch.Tensor):
                 mkw["value"] = 0
+            if isinstance(mkw.get("reduce"), str):
+                mkw["reduce"] = "sum" if _op_name(func).startswith("scatter_reduce") else "add"
             out = func(*margs, **mkw)
+            out = out[0] if isinstance(out, (list, tuple)) else out
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(shape):
+                raise ValueError("the maps' result does not have the output's shape")
+            return out
+
+        try:
+            total = run(lambda m: m)
+            if not reduces:
+                return (total - 1).to(torch.int32)
+            count, squares = run(lambda m: (m > 0).to(torch.int64)), run(lambda m: m * m)
         except Exception:  # noqa: BLE001  an argument form the maps cannot take: fall back to the shape rules
             return None
-        out = out[0] if isinstance(out, (list, tuple)) else out
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(shape):
-            return None
-        return (out - 1).to(torch.int32)
+        # n sources with shifted ids s_i agree iff (sum s_i)^2 == n * sum s_i^2
+        agree = (count > 0) & (total * total == count * squares)
+        return torch.where(agree, total // count.clamp(min=1) - 1, torch.full_like(total, -1)).to(torch.int32)
 
     def _derive(self, func, sources, shape, dim, args=(), kwargs=None):
-        name = str(func).split(".")[1] if str(func).count(".") >= 2 else str(func)
-        if name in MOVE_OPS and getattr(func, "_schema", None) is not None:
+        name = _op_name(func)
+        if _is_move(func):
             moved = self._moved(func, args, kwargs or {}, shape)
             if moved is not None:
                 return moved
@@ -224,8 +249,15 @@ class Provenance:
 
 # aten operators that move elements without arithmetic, whose token maps come from running them on the maps
 MOVE_OPS = {"index", "_unsafe_index", "index_select", "gather", "take", "index_put", "index_put_", "_index_put_impl_",
-            "scatter", "scatter_", "constant_pad_nd", "flip", "roll", "repeat", "narrow_copy", "masked_scatter",
+            "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "index_add",
+            "index_add_", "constant_pad_nd", "flip", "roll", "repeat", "narrow_copy", "masked_scatter",
             "masked_scatter_", "index_copy", "index_copy_"}
+# those of them that combine several sources into one element whatever their arguments
+SUMMING_OPS = {"scatter_add", "scatter_add_", "index_add", "index_add_", "scatter_reduce", "scatter_reduce_"}
+
+
+def _is_move(func) -> bool:
+    return getattr(func, "namespace", None) == "aten" and _op_name(func) in MOVE_OPS and hasattr(func, "_schema")
 
 
 # operators whose results take only a shape (and dtype, device) from their tensor inputs: filled buffers
@@ -241,20 +273,6 @@ def _op_name(func) -> str:
 
 # the arguments of those operators whose elements move (the rest are indices, masks, sizes)
 DATA_ARGS = {"self", "values", "src", "source", "input"}
-
-
-def _overwrites(func, args, kwargs) -> bool:
-    """An element-moving write (index_put_, scatter_) that replaces what it writes; with `accumulate=True` it
-    adds to it instead, and an element then keeps a token only where old and new agree."""
-    name = str(func).split(".")[1] if str(func).count(".") >= 2 else ""
-    if name not in MOVE_OPS:
-        return False
-    try:
-        names = [a.name for a in func._schema.arguments]
-    except AttributeError:
-        return False
-    bound = dict(zip(names, args), **kwargs)
-    return not bound.get("accumulate", False) and "reduce" not in bound
 
 
 def _is_copy(func) -> bool:

@@ -14,6 +14,7 @@ from tic.harness.capture import OpRecorder
 _LIB = torch.library.Library("tic_test_ext", "DEF")
 _LIB.define("fragile_scale(Tensor x, float s) -> Tensor[]")
 _LIB.define("fragile_into(Tensor(a!) out, Tensor x) -> ()")
+_LIB.define("fragile_into.scaled(Tensor(a!) out, Tensor x, float s) -> ()")
 
 
 def _refuse_python_dispatch():
@@ -33,7 +34,13 @@ def _fragile_into(out, x):
 
 
 _LIB.impl("fragile_scale", _fragile_scale, "CPU")
+def _fragile_into_scaled(out, x, s):
+    _refuse_python_dispatch()
+    out.copy_(x * s)
+
+
 _LIB.impl("fragile_into", _fragile_into, "CPU")
+_LIB.impl("fragile_into.scaled", _fragile_into_scaled, "CPU")
 
 
 def test_the_stand_in_really_fails_under_a_plain_dispatch_mode():
@@ -70,3 +77,35 @@ def test_an_extension_op_called_directly_runs_and_is_recorded_once_with_its_neig
     # replay in this process: the recorded op called with the recorded inputs gives the recorded outputs
     again = scale.func(*scale.args, **scale.kwargs)
     assert all(torch.equal(u, v) for u, v in zip(again, scale.outputs))
+
+
+def test_a_packet_with_several_overloads_is_resolved_by_its_arguments():
+    x = torch.arange(3.0)
+    a, b = torch.empty(3), torch.empty(3)
+    rec = OpRecorder()
+    with rec:
+        torch.ops.tic_test_ext.fragile_into(a, x)
+        torch.ops.tic_test_ext.fragile_into(b, x, 0.5)
+    assert rec.errors == [] and torch.equal(a, x * 3) and torch.equal(b, x * 0.5)
+    assert [c.op for c in rec.calls] == ["tic_test_ext.fragile_into.default", "tic_test_ext.fragile_into.scaled"]
+
+
+def test_an_operator_whose_record_breaks_runs_once(monkeypatch):
+    """The bookkeeping after a call (token maps) failing must not run the operator a second time: an
+    accumulating in-place write would be applied twice."""
+    from tic.harness.provenance import Provenance
+
+    prov = Provenance(1, 3)
+    x = torch.ones(1, 3)
+    prov.seed(x)
+
+    def broken(*a, **k):
+        raise RuntimeError("planted bookkeeping failure")
+
+    monkeypatch.setattr(prov, "after", broken)
+    acc = torch.zeros(1, 3)
+    rec = OpRecorder(provenance=prov)
+    with rec:
+        acc.add_(x)
+    assert torch.equal(acc, torch.ones(1, 3))  # once, not twice
+    assert rec.errors and "ran, not recorded" in rec.errors[0] and rec.calls == []

@@ -238,3 +238,28 @@ def test_value_key_of_a_strided_size_one_view():
 
     t = torch.empty_strided((1,), (3,), dtype=torch.long).fill_(7)
     assert _key(t) == _key(torch.tensor([7]))
+
+
+def test_two_sides_calls_pair_by_the_size_of_the_tokens_value_not_its_shape():
+    """Side A's kernel gives the traced token one row [H, D]; side B's, on another layout, gives the same H*D
+    elements scattered through its output (a mask of elements, taken flat). They are the same step: the first
+    operator is named with side A's call as its counterpart, not as "implementations differ"."""
+    from tic.harness.capture import OpCall, Trail
+    from tic.harness.locate import first_operator
+
+    H, D, f = 2, 3, 1  # one sequence of 2 tokens (B=1, T=2); the traced token is the second
+    x = torch.randn(2, H, D, generator=torch.Generator().manual_seed(0))
+    out_a = x * 2
+    tok_a = torch.tensor([0, 1], dtype=torch.int32)[:, None, None].expand(2, H, D).clone()
+    out_b = (x * 2).permute(1, 0, 2).reshape(2 * H, D).clone()  # rows of heads: token 1 spans rows 1 and 3
+    out_b[1, 0] += 1e-3  # the plant: one element of token 1 differs on side B
+    tok_b = tok_a.permute(1, 0, 2).reshape(2 * H, D).clone()
+    op = torch.ops.aten.mul.Tensor
+    a = Trail(calls=[OpCall("aten.mul.Tensor", op, (x, 2), {}, (out_a,), None, (tok_a,), (tok_a,))],
+              batch=1, length=2, flat_index=f)
+    b = Trail(calls=[OpCall("aten.mul.Tensor", op, (x, 2), {}, (out_b,), None, (tok_b,), (tok_a,))],
+              batch=1, length=2, flat_index=f)
+    found = first_operator(a, b)["found"]
+    assert found is not None and found["op"] == "aten.mul.Tensor"
+    assert found["a_call"] == 0 and found["b_where"]["kind"] == "mask" and found["a_where"]["kind"] == "row"
+    assert not found.get("implementations_differ")

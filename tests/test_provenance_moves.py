@@ -4,6 +4,7 @@ filled or untouched elements belong to no token, and an accumulating write keeps
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tic.harness import provenance
@@ -85,3 +86,48 @@ def test_nothing_traced_moving_builds_no_map(monkeypatch):
     call = next(c for c in rec.calls if c.op == "aten.index.Tensor")
     assert built == []
     assert call.out_tokens[0][1, 3].tolist() == [8] * D and looked.shape == (B, T, D)
+
+
+def test_an_overwrite_replaces_the_old_token_and_a_fill_value_is_no_token():
+    def fn(x):
+        flat = x.reshape(B * T, H, D).clone()
+        flat.index_put_((torch.tensor([0]),), flat[5:6].clone())  # row 0 now holds token 5's values
+        torch.nn.functional.pad(flat, (0, 0, 0, 0, 0, 1), value=1.0)
+
+    calls, _ = _trail(fn)
+    assert _rows(calls["aten.index_put_.default"].out_tokens[0]) == [5, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert _rows(calls["aten.constant_pad_nd.default"].out_tokens[0]) == [5, 1, 2, 3, 4, 5, 6, 7, 8, 9, -1]
+
+
+@pytest.mark.filterwarnings("ignore:The reduce argument of torch.scatter")
+def test_several_sources_in_one_element_keep_a_token_only_when_they_agree():
+    """Duplicate indices with accumulate=True, scatter_add and a scatter reduction sum their sources: an
+    element is one token's only if every source of it, the buffer's own old value included, is that token."""
+    def fn(x):
+        flat = x.reshape(B * T, H, D)
+        fresh = torch.zeros(4, H, D)
+        fresh.index_put_((torch.tensor([1, 1, 2, 2]),), flat[torch.tensor([3, 3, 3, 4])].clone() * 1.0,
+                         accumulate=True)  # row 1: token 3 twice; row 2: tokens 3 and 4
+        flat.index_put((torch.tensor([1]),), flat[2:3].clone(), accumulate=True)  # out of place: 1 + 2
+        col = flat[:, 0, 0].clone()
+        torch.scatter_add(col, 0, torch.tensor([0, 6]), col[torch.tensor([0, 5])].clone())  # 0 += 0; 6 += 5
+        torch.scatter(col, 0, torch.tensor([7]), col[8:9].clone(), reduce="multiply")  # 7 *= 8
+        torch.scatter_reduce(col, 0, torch.tensor([2, 9]), col[torch.tensor([2, 1])].clone(), "amax")  # 9 vs 1
+
+    calls, _ = _trail(fn)
+    assert _rows(calls["aten.index_put_.default"].out_tokens[0]) == [-1, 3, -1, -1]
+    assert _rows(calls["aten.index_put.default"].out_tokens[0]) == [0, -1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert calls["aten.scatter_add.default"].out_tokens[0].tolist() == [0, 1, 2, 3, 4, 5, -1, 7, 8, 9]
+    assert calls["aten.scatter.reduce"].out_tokens[0].tolist() == [0, 1, 2, 3, 4, 5, 6, -1, 8, 9]
+    assert calls["aten.scatter_reduce.two"].out_tokens[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, -1]
+
+
+def test_recording_an_out_overload_leaves_its_result_alone():
+    prov = Provenance(B, T)
+    ids = torch.randint(-1000, 1000, (B, T))
+    prov.seed(ids)
+    want = torch.gather(ids, 1, torch.tensor([[4, 0], [2, 2]]))
+    got = torch.empty(2, 2, dtype=torch.int64)
+    with OpRecorder(provenance=prov) as rec:
+        torch.gather(ids, 1, torch.tensor([[4, 0], [2, 2]]), out=got)
+    assert not rec.errors and torch.equal(got, want)
