@@ -149,8 +149,9 @@ class Provenance:
                 continue  # shares its input's storage: its tokens are already there
             if any(o is w for w in written):
                 continue
-            srcs = [i for i in inputs if i is not o]
-            m = self._derive(func, srcs, tuple(o.shape), dim, args, kwargs)
+            m = self._moved(func, args, kwargs, tuple(o.shape)) if _is_move(func) else None
+            if m is None:
+                m = self._derive(func, [i for i in inputs if i is not o], tuple(o.shape), dim)
             if m is not None:
                 self._set(o, m)
         for w in written:
@@ -159,7 +160,7 @@ class Provenance:
                 self._set(w, moved)
                 continue
             srcs = [i for i in inputs if i is not w]
-            m = self._derive(func, srcs, tuple(w.shape), dim, args, kwargs)
+            m = self._derive(func, srcs, tuple(w.shape), dim)
             if m is None:
                 continue
             old = self.tokens(w)
@@ -188,9 +189,14 @@ class Provenance:
         if any(x.numel() > MAX_STORAGE_ELEMENTS for x in data) or math.prod(shape) > MAX_STORAGE_ELEMENTS:
             return None  # as for storages: a whole KV cache gets no map
         reduces = _op_name(func) in SUMMING_OPS or bool(bound.get("accumulate")) or bound.get("reduce") is not None
+        summed = "sum" if _op_name(func).startswith("scatter_reduce") else "add"
 
         def run(of_shifted):
             def as_map(name, v):
+                if name == "value" and not isinstance(v, torch.Tensor):
+                    return 0  # a fill value, in map terms: no token
+                if name == "reduce" and isinstance(v, str):
+                    return summed  # which sources meet is what counts: sum them
                 if not isinstance(v, torch.Tensor):
                     return [as_map(name, x) for x in v] if isinstance(v, (list, tuple)) else v
                 if name not in DATA_ARGS:
@@ -199,18 +205,7 @@ class Provenance:
                 return of_shifted(torch.zeros(tuple(v.shape), dtype=torch.int64) if m is None
                                   else m.to(torch.int64) + 1)
 
-            margs = [as_map(n, v) for n, v in zip(names, args)]
-            mkw = {k: as_map(k, v) for k, v in kwargs.items()}
-            for i, n in enumerate(names[:len(margs)]):
-                if n == "value" and not isinstance(margs[i], torch.Tensor):
-                    margs[i] = 0  # a fill value, in map terms: no token
-                if n == "reduce" and isinstance(margs[i], str):  # which sources meet is what counts: sum them
-                    margs[i] = "sum" if _op_name(func).startswith("scatter_reduce") else "add"
-            if "value" in mkw and not isinstance(mkw["value"], torch.Tensor):
-                mkw["value"] = 0
-            if isinstance(mkw.get("reduce"), str):
-                mkw["reduce"] = "sum" if _op_name(func).startswith("scatter_reduce") else "add"
-            out = func(*margs, **mkw)
+            out = func(*[as_map(n, v) for n, v in zip(names, args)], **{k: as_map(k, v) for k, v in kwargs.items()})
             out = out[0] if isinstance(out, (list, tuple)) else out
             if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(shape):
                 raise ValueError("the maps' result does not have the output's shape")
@@ -227,12 +222,8 @@ class Provenance:
         agree = (count > 0) & (total * total == count * squares)
         return torch.where(agree, total // count.clamp(min=1) - 1, torch.full_like(total, -1)).to(torch.int32)
 
-    def _derive(self, func, sources, shape, dim, args=(), kwargs=None):
+    def _derive(self, func, sources, shape, dim):
         name = _op_name(func)
-        if _is_move(func):
-            moved = self._moved(func, args, kwargs or {}, shape)
-            if moved is not None:
-                return moved
         if name in ("cat", "stack", "concat", "concatenate"):
             tensors = sources
             parts = []
