@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tic.harness.kernels.varlen import TensorMemo
+from tic.harness.kernels.memo import TensorMemo
 
 
 class StaleWeightError(RuntimeError):

@@ -27,7 +27,8 @@ import torch
 
 from tic.core.errors import TicInputError
 from tic.harness.kernels.providers import KernelProvider
-from tic.harness.kernels.varlen import TensorMemo, paged_layout, paged_rows_layout, varlen_from_mask
+from tic.harness.kernels.memo import TensorMemo
+from tic.harness.kernels.varlen import paged_layout, paged_rows_layout, varlen_from_mask
 
 
 def require_vllm(device: str = "cuda", load: bool = True) -> None:
@@ -55,6 +56,9 @@ def require_vllm(device: str = "cuda", load: bool = True) -> None:
 def _build_layout(mask, B: int, T: int, device, block_size: int):
     vl = varlen_from_mask(mask, B, T, device)
     return vl, paged_rows_layout(vl, B, T, block_size) or paged_layout(vl.cu_seqlens, block_size)
+
+
+_LAYOUTS = TensorMemo(_build_layout)  # built once per mask: every layer of one forward passes the same one
 
 
 def _rows_as_pages(t: torch.Tensor, pages, block_size: int) -> torch.Tensor:
@@ -228,11 +232,8 @@ class VLLMProvider(KernelProvider):
         return int(os.environ.get("TIC_VLLM_BLOCK_SIZE", "16"))
 
     def _layout(self, mask, B: int, T: int, device, block_size: int):
-        """(varlen, paged layout) for one mask, built once per mask (tic.harness.kernels.varlen.TensorMemo)."""
-        memo = getattr(self, "_layouts", None)
-        if memo is None:
-            memo = self._layouts = TensorMemo(_build_layout)
-        return memo.get(mask, B, T, device, block_size)
+        """(varlen, paged layout) for one mask, built once per mask (tic.harness.kernels.memo.TensorMemo)."""
+        return _LAYOUTS.get(mask, B, T, device, block_size)
 
     def attention(self, q, k, v, mask, scale):
         """Prefill attention as vLLM's FlashAttention backend runs it: the K/V written into a paged cache of
