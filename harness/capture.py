@@ -23,6 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tic.core.errors import raised_at
 from tic.harness import launch_record
 from tic.harness.engines.base import Sample
 from tic.harness.engines.hf import cache_kwargs, packed_row, padded_batch
@@ -296,11 +297,7 @@ class OpRecorder(TorchDispatchMode):
                                            *args, **kwargs)
             except Exception as e:  # noqa: BLE001  e.g. an argument type the boxed call refuses: record it whole
                 del self.calls[n:]  # (vLLM's wrappers are idempotent: KV-cache writes, attention into `out`)
-                import traceback
-
-                frames = traceback.extract_tb(e.__traceback__)[-4:]
-                where = " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(frames))
-                self.errors.append(f"{func}: not opened: {type(e).__name__}: {e} (at {where})")
+                self.errors.append(f"{func}: not opened: {type(e).__name__}: {e} (at {raised_at(e, 4)})")
         return self.record(func, args, kwargs)
 
     def record(self, func, args, kwargs):

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import time
 import traceback
-from pathlib import Path
 
 import tic
 from tic.gates import REGISTRY, gate_range
 from tic.gates.base import UNAVAILABLE, Gate
 from tic.harness.metrics import NonFiniteLogprob
 from tic.skill.context import GateContext
-from tic.core.errors import TicInputError
+from tic.core.errors import TicInputError, raised_at
 from tic.skill.fingerprint import input_hashes, reads_of
 from tic.skill.preflight import validate_run
 from tic.skill.records import GateResult, environment_fingerprint
@@ -30,9 +29,7 @@ def _locate(gate: Gate, ctx: GateContext, measured: dict) -> tuple[dict | None, 
     except TicInputError:
         raise
     except Exception as e:  # the verdict stands even if localisation breaks; say so in the record, and where
-        frames = traceback.extract_tb(e.__traceback__)[-3:]
-        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
-        return {"status": f"locator error: {type(e).__name__}: {e} (at {where})"}, []
+        return {"status": f"locator error: {type(e).__name__}: {e} (at {raised_at(e)})"}, []
     evidence = [v for k, v in (findings or {}).items() if k in ("report", "repro", "chart") and v]
     return findings, evidence
 
