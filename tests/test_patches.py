@@ -48,6 +48,49 @@ def _define_block_dependent_rmsnorm():
     _define_block_dependent_rmsnorm.lib = lib  # keep the registration alive
 
 
+def _block_sum(parts: torch.Tensor) -> torch.Tensor:
+    """cub's block reduction as vLLM's kernels use it: each warp of 32 threads folds its lanes (shuffle-down by 16,
+    8, 4, 2, 1), then the warps' totals are folded the same way. The grouping follows the thread count."""
+    def warp_fold(v):  # [rows, groups, 32] -> [rows, groups]
+        for off in (16, 8, 4, 2, 1):
+            v = v.clone()
+            v[..., :off] = v[..., :off] + v[..., off:2 * off]
+        return v[..., 0]
+
+    n, threads = parts.shape
+    warps = warp_fold(torch.nn.functional.pad(parts, (0, -threads % 32)).view(n, -1, 32))
+    return warp_fold(torch.nn.functional.pad(warps, (0, 32 - warps.shape[1])).view(n, 1, 32))[:, 0]
+
+
+def _define_row_count_dependent_rms_norm():
+    """A CPU stand-in for vLLM 0.26's `_C.rms_norm`: threads per row = min(hidden / vec, 1024 below 256 rows
+    else 256) with vec = 16 bytes of elements; thread t sums the squares of vectors t, t + threads, ... in float32,
+    then the block reduction adds the per-thread partials. The reduction order follows the launch's row count."""
+    if hasattr(torch.ops, "_C") and hasattr(torch.ops._C, "rms_norm"):
+        return
+    lib = torch.library.Library("_C", "FRAGMENT")
+    lib.define("rms_norm(Tensor(a!) out, Tensor input, Tensor? weight, float epsilon) -> ()")
+
+    def impl(out, x, weight, eps):
+        h = x.shape[-1]
+        n = x.numel() // h
+        vec = 16 // x.element_size()
+        threads = min(h // vec, 1024 if n < 256 else 256)
+        sq = x.reshape(n, h // vec, vec).float() ** 2
+        vsum = sq[:, :, 0]
+        for j in range(1, vec):
+            vsum = vsum + sq[:, :, j]
+        parts = torch.zeros(n, threads)
+        for s in range(0, h // vec, threads):
+            chunk = vsum[:, s:s + threads]
+            parts[:, :chunk.shape[1]] += chunk
+        y = x.reshape(n, h).float() * torch.rsqrt(_block_sum(parts)[:, None] / h + eps)
+        out.copy_((y.to(x.dtype) * (weight if weight is not None else 1)).view(out.shape))
+
+    lib.impl("rms_norm", impl, "CPU")
+    _define_row_count_dependent_rms_norm.lib = lib  # keep the registration alive
+
+
 def test_registry_metadata_is_complete():
     reg = patches.registry()
     assert set(reg) == {"fa3-fixed-tile", "gemm-fixed-m", "moe-slot-order-sum", "rmsnorm-fixed-block"}
@@ -268,3 +311,42 @@ def test_plugin_entry_point_applies_tic_patches_in_a_fresh_process(tmp_path):
     bad = _run(["-m", "tic.skill.cli", "patch", "status"], {"TIC_PATCHES": "gemm-fixed-m"}, old)
     assert bad.returncode == 2 and "outside >=0.26.0,<0.27" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_rmsnorm_fixed_block_gives_plain_rms_norm_one_launch_shape_for_every_row_count(fake_vllm):
+    _define_row_count_dependent_rms_norm()
+    import vllm._custom_ops as ops
+    from vllm import ir
+    import vllm.kernels.vllm_c  # noqa: F401
+
+    g = torch.Generator().manual_seed(0)
+    # float32 rows (4 per 16-byte vector): 1024 threads below 256 rows, 256 from 256 rows on. In bf16 the output's
+    # rounding hides most last-bit changes of the sum, so few rows of a small test would show them
+    h = 4096
+    x = torch.randn(300, h, generator=g)
+    w = torch.randn(h, generator=g)
+
+    def run(fn, rows):
+        out = torch.empty(rows, h, dtype=x.dtype)
+        fn(out, x[:rows].clone(), w, 1e-6)
+        return out[:8]
+
+    def run_ir(rows):
+        return ir.ops.rms_norm.impls["vllm_c"].impl_fn(x[:rows].clone(), w, 1e-6)[:8]
+
+    stock_small, stock_large = run(ops.rms_norm, 8), run(ops.rms_norm, 300)
+    assert not torch.equal(stock_small, stock_large)  # the launcher's row-count dependence shows without the patch
+    patches.apply(["rmsnorm-fixed-block"])
+    assert patches.registry()["rmsnorm-fixed-block"].is_applied()
+    for small, large in ((run(ops.rms_norm, 8), run(ops.rms_norm, 300)), (run_ir(8), run_ir(300))):
+        assert torch.equal(small, large)
+        assert torch.equal(large, stock_large)  # the values of the kernel's own large-batch launch
+    # a strided per-head view (q/k norm on a slice of the fused qkv output) keeps its values too
+    qkv = torch.randn(3, 2 * 16 * 128, generator=g)
+    q = qkv[:, : 16 * 128].view(3, 16, 128)
+    got = ir.ops.rms_norm.impls["vllm_c"].impl_fn(q, w[:128], 1e-6)
+    ref = torch.empty(3 * 16, 128, dtype=q.dtype)
+    torch.ops._C.rms_norm(ref, q.reshape(-1, 128).contiguous(), w[:128], 1e-6)
+    assert got.shape == q.shape and torch.equal(got.reshape(-1, 128), ref)
+    patches.apply([])
+    assert not patches.registry()["rmsnorm-fixed-block"].is_applied()

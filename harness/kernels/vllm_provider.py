@@ -156,7 +156,8 @@ class VLLMProvider(KernelProvider):
         return self._gemm(x, w, b)
 
     def rms_norm(self, x, w, eps):
-        """vLLM's `_C.rms_norm` (its eager IR implementation `vllm_c`) on the layout vLLM's layers give it: a
+        """vLLM's `_C.rms_norm` (its eager IR implementation `vllm_c`), through vllm._custom_ops, on the layout
+        vLLM's layers give it: a
         hidden-state norm sees [tokens, hidden]; a per-head norm (Qwen3's q_norm/k_norm) sees the strided
         [tokens, heads, head_dim] view of the fused qkv output, as Qwen3Attention passes it."""
         shape = x.shape
@@ -166,7 +167,7 @@ class VLLMProvider(KernelProvider):
             return rms_norm_batch_invariant(x.reshape(-1, shape[-1]).contiguous(), w, eps).reshape(shape)
         xv = x.flatten(0, 1) if x.dim() == 4 else x.reshape(-1, shape[-1])
         out = torch.empty(xv.shape, dtype=x.dtype, device=x.device)
-        torch.ops._C.rms_norm(out, xv, w, eps)
+        self.vops.rms_norm(out, xv, w, eps)  # vllm._custom_ops: where tic's rmsnorm patch pins the launch
         return out.reshape(shape)
 
     def add_rms_norm(self, x, residual, w, eps):

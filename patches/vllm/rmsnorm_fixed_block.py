@@ -1,15 +1,18 @@
-"""vLLM's fused residual-add RMSNorm CUDA kernel launched with one block shape and one code path for every
-token count.
+"""vLLM's RMSNorm CUDA kernels (`_C.rms_norm` and `_C.fused_add_rms_norm`) launched with one block shape and one
+code path for every token count.
 
-The launcher of `_C.fused_add_rms_norm` (vLLM 0.26) gives each token row one thread block of
-min(hidden, 1024 if tokens < 256 else 256) threads, and takes a width-8 vectorized kernel only when the three
-pointers are 16-byte aligned and hidden and the row stride are multiples of 8. Each thread sums its own slice
-of the row before the block reduction, so the per-thread slices, hence the float32 sum of squares, change
-when the block shape changes (hidden / 8 > 256 on the vectorized path: hidden > 2048; any hidden > 256 on the
-scalar path) or when the path changes (alignment). A row's result then depends on how many rows share its
-launch: decode steps (few rows) and prefill (many) disagree. This patch keeps the CUDA kernel and always
-launches it the way a large batch does: at least 256 rows (a small batch is copied into a zero-padded buffer)
-and aligned, contiguous buffers, so every row sees 256 threads and the same path.
+Both launchers of vLLM 0.26 give each token row one thread block whose size depends on how many rows share the
+launch: at most 1024 threads below 256 rows, at most 256 from 256 rows on (`rms_norm`: min(hidden / 8, that
+bound) on its width-8 path; `fused_add_rms_norm`: min(hidden, that bound), and its width-8 path only when the
+pointers are 16-byte aligned and hidden and the row stride are multiples of 8). Each thread sums its own slice of
+the row before the block reduction, so the per-thread slices, hence the float32 sum of squares, change with the
+block shape: for rms_norm once hidden / 8 > 256 (hidden > 2048), for the fused kernel once its slice count
+exceeds 256, or when the path changes with alignment. A row's result then depends on how many rows share its
+launch: decode steps (few rows) and prefill or a training forward (many) disagree.
+
+This patch keeps the CUDA kernels and always launches them the way a large batch does: at least 256 rows (a
+small batch is copied into a zero-padded buffer) in aligned, contiguous buffers, so every row sees 256 threads
+and the same path. Launches of 256 rows or more already have that shape and go to the kernel unchanged.
 """
 
 # no `from __future__ import annotations`: torch.library reads the custom ops' annotations as types
@@ -17,12 +20,32 @@ from tic.patches._swap import is_swapped, restore_everywhere, swap_everywhere
 from tic.patches.base import Patch
 
 NAME = "rmsnorm-fixed-block"
-MIN_ROWS = 256  # the launcher's large-batch block shape (256 threads) for every token count
+MIN_ROWS = 256  # the launchers' large-batch block bound (256 threads) for every token count
 _state: dict = {}
 
 
 def _aligned(t) -> bool:
     return t is None or t.data_ptr() % 16 == 0
+
+
+def _aligned_weight(weight):
+    return weight if _aligned(weight) else weight.clone()
+
+
+def rms_norm_fixed_block(out, x, weight, epsilon: float) -> None:
+    """Like `_C.rms_norm(out, x, weight, epsilon)`: out <- rmsnorm(x) * weight, launched with >= MIN_ROWS rows."""
+    import torch
+
+    h = x.shape[-1]
+    n = x.numel() // h
+    if n >= MIN_ROWS:
+        torch.ops._C.rms_norm(out, x, weight, epsilon)
+        return
+    bx = x.new_zeros((MIN_ROWS, h))
+    bx[:n].copy_(x.reshape(n, h))
+    bo = torch.empty_like(bx)
+    torch.ops._C.rms_norm(bo, bx, _aligned_weight(weight), epsilon)
+    out.copy_(bo[:n].view(out.shape))
 
 
 def fused_add_rms_norm_fixed_block(x, residual, weight, epsilon: float) -> None:
@@ -41,87 +64,127 @@ def fused_add_rms_norm_fixed_block(x, residual, weight, epsilon: float) -> None:
     br = residual.new_zeros((rows, h))
     bx[:n].copy_(x.reshape(n, h))
     br[:n].copy_(residual.reshape(n, h))
-    w = weight if _aligned(weight) else weight.clone()
-    torch.ops._C.fused_add_rms_norm(bx, br, w, epsilon)
+    torch.ops._C.fused_add_rms_norm(bx, br, _aligned_weight(weight), epsilon)
     x.copy_(bx[:n].view(x.shape))
     residual.copy_(br[:n].view(residual.shape))
 
 
-def _register_op():
-    """A torch custom op, so torch.compile and CUDA graphs see one opaque call, not the Python around it."""
-    if "op" in _state:
-        return _state["op"]
+def _register_ops():
+    """Torch custom ops, so torch.compile and CUDA graphs see one opaque call each, not the Python around it."""
+    if "ops" in _state:
+        return _state["ops"]
     import typing
 
     import torch
 
+    @torch.library.custom_op("tic::rms_norm_fixed_block", mutates_args=("out",))
+    def rms(out: torch.Tensor, x: torch.Tensor, weight: typing.Optional[torch.Tensor], epsilon: float) -> None:
+        rms_norm_fixed_block(out, x, weight, epsilon)
+
+    @rms.register_fake
+    def _(out, x, weight, epsilon):
+        return None
+
     @torch.library.custom_op("tic::fused_add_rms_norm_fixed_block", mutates_args=("x", "residual"))
-    def op(x: torch.Tensor, residual: torch.Tensor, weight: typing.Optional[torch.Tensor], epsilon: float) -> None:
+    def fused(x: torch.Tensor, residual: torch.Tensor, weight: typing.Optional[torch.Tensor], epsilon: float) -> None:
         fused_add_rms_norm_fixed_block(x, residual, weight, epsilon)
 
-    @op.register_fake
+    @fused.register_fake
     def _(x, residual, weight, epsilon):
         return None
 
-    _state["op"] = op
-    return op
+    _state["ops"] = (rms, fused)
+    return _state["ops"]
 
 
-def _ir_impl():
+def _entry(op, python_fn):
+    """The op under torch.compile (it must stay one opaque node); the Python function in eager, which skips the
+    custom op's dispatch (host time on every norm of every step)."""
+    def call(*args):
+        import torch
+
+        if torch.compiler.is_compiling():
+            return op(*args)
+        return python_fn(*args)
+    return call
+
+
+def _ir_impls():
     from vllm import ir
-    import vllm.kernels.vllm_c  # noqa: F401  (registers the vllm_c implementation)
+    import vllm.kernels.vllm_c  # noqa: F401  (registers the vllm_c implementations)
 
-    return ir.ops.fused_add_rms_norm.impls["vllm_c"]
+    return ir.ops.rms_norm.impls["vllm_c"], ir.ops.fused_add_rms_norm.impls["vllm_c"]
 
 
-_OPS = "vllm._custom_ops"  # batch-invariant mode calls its fused_add_rms_norm
+_OPS = "vllm._custom_ops"  # batch-invariant mode and other callers reach the kernels through these
 
 
 def _apply() -> None:
-    op = _register_op()
+    rms_op, fused_op = _register_ops()
+    rms_call = _entry(rms_op, rms_norm_fixed_block)
+    fused_call = _entry(fused_op, fused_add_rms_norm_fixed_block)
 
-    def make(original):
-        def custom_ops_entry(input, residual, weight, epsilon):
-            op(input, residual, weight, epsilon)
-        return custom_ops_entry
+    def rms_entry(out, input, weight, epsilon):  # vllm._custom_ops.rms_norm
+        rms_call(out, input, weight, epsilon)
 
-    swap_everywhere(_OPS, "fused_add_rms_norm", make, NAME, _OPS)
-    impl = _ir_impl()
-    if getattr(impl.impl_fn, "__tic_patch__", None) != NAME:
-        original_ir = impl.impl_fn
+    def fused_entry(input, residual, weight, epsilon):  # vllm._custom_ops.fused_add_rms_norm
+        fused_call(input, residual, weight, epsilon)
 
-        def ir_entry(x, x_residual, weight, epsilon, variance_size=None):  # vllm_ir.fused_add_rms_norm
+    swap_everywhere(_OPS, "rms_norm", lambda original: rms_entry, NAME, _OPS)
+    swap_everywhere(_OPS, "fused_add_rms_norm", lambda original: fused_entry, NAME, _OPS)
+    rms_impl, fused_impl = _ir_impls()
+
+    def rms_ir(original):
+        def ir_entry(x, weight, epsilon, variance_size=None):  # vllm_ir.rms_norm (vllm_c)
             if variance_size is not None:
-                return original_ir(x, x_residual, weight, epsilon, variance_size)
-            op(x, x_residual, weight, epsilon)
-            return x, x_residual
+                return original(x, weight, epsilon, variance_size)
+            import torch
 
-        ir_entry.__tic_patch__ = NAME
-        ir_entry.__wrapped__ = original_ir
-        impl.impl_fn = ir_entry
+            out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+            rms_call(out, x, weight, epsilon)
+            return out
+        return ir_entry
+
+    def fused_ir(original):
+        def ir_entry(x, x_residual, weight, epsilon, variance_size=None):  # vllm_ir.fused_add_rms_norm (vllm_c)
+            if variance_size is not None:
+                return original(x, x_residual, weight, epsilon, variance_size)
+            fused_call(x, x_residual, weight, epsilon)
+            return x, x_residual
+        return ir_entry
+
+    for impl, make in ((rms_impl, rms_ir), (fused_impl, fused_ir)):
+        if getattr(impl.impl_fn, "__tic_patch__", None) != NAME:
+            entry = make(impl.impl_fn)
+            entry.__tic_patch__ = NAME
+            entry.__wrapped__ = impl.impl_fn
+            impl.impl_fn = entry
 
 
 def _revert() -> None:
-    restore_everywhere(_OPS, "fused_add_rms_norm", NAME, _OPS)
-    impl = _ir_impl()
-    if getattr(impl.impl_fn, "__tic_patch__", None) == NAME:
-        impl.impl_fn = impl.impl_fn.__wrapped__
+    for attr in ("rms_norm", "fused_add_rms_norm"):
+        restore_everywhere(_OPS, attr, NAME, _OPS)
+    for impl in _ir_impls():
+        if getattr(impl.impl_fn, "__tic_patch__", None) == NAME:
+            impl.impl_fn = impl.impl_fn.__wrapped__
 
 
 def _is_applied() -> bool:
     try:
-        impl = _ir_impl()
+        impls = _ir_impls()
     except (ImportError, KeyError, AttributeError):
         return False
-    return is_swapped(_OPS, "fused_add_rms_norm", NAME) and getattr(impl.impl_fn, "__tic_patch__", None) == NAME
+    return (all(is_swapped(_OPS, attr, NAME) for attr in ("rms_norm", "fused_add_rms_norm"))
+            and all(getattr(impl.impl_fn, "__tic_patch__", None) == NAME for impl in impls))
 
 
 PATCH = Patch(
     name=NAME, target="vllm", versions=">=0.26.0,<0.27", gate="C4",
-    symptom="C4 (or C3) fails in a layer's input_layernorm / post_attention_layernorm, first operator "
-            "_C.fused_add_rms_norm: the same row differs between a launch of few rows (decode) and many (prefill)",
-    fix="every fused add+RMSNorm launch gets >= 256 rows (small batches zero-padded) and 16-byte-aligned "
-        "contiguous buffers: one block shape (256 threads) and the vectorized path for every token count",
+    symptom="C4 (or C3, C5) fails in a layer's input_layernorm / post_attention_layernorm (or the final norm), "
+            "operator _C.rms_norm or _C.fused_add_rms_norm: the same row differs between a launch of few rows "
+            "(decode) and one of many (prefill, the training forward)",
+    fix="every RMSNorm and fused add+RMSNorm launch gets >= 256 rows (small batches zero-padded) and 16-byte-"
+        "aligned contiguous buffers: one block shape (256 threads) and one code path for every token count",
     guide="guides/C4.md",
     cost="steps below 256 tokens copy their rows into a padded buffer (small copies per norm); larger steps "
          "unchanged; the three patches together ran at 118-119 % of default (docs/results/vllm-patches.md)",

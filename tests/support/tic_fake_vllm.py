@@ -37,6 +37,9 @@ FAKE = {
     "vllm/_custom_ops.py": """
         import torch
 
+        def rms_norm(out, input, weight, epsilon):
+            torch.ops._C.rms_norm(out, input, weight, epsilon)
+
         def fused_add_rms_norm(input, residual, weight, epsilon):
             torch.ops._C.fused_add_rms_norm(input, residual, weight, epsilon)
 
@@ -54,10 +57,16 @@ FAKE = {
         import torch
         from vllm import ir
 
+        def rms_norm(x, weight, epsilon, variance_size=None):
+            output = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+            torch.ops._C.rms_norm(output, x, weight, epsilon)
+            return output
+
         def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None):
             torch.ops._C.fused_add_rms_norm(x, x_residual, weight, epsilon)
             return x, x_residual
 
+        ir.ops.rms_norm.impls["vllm_c"] = ir.Impl(rms_norm)
         ir.ops.fused_add_rms_norm.impls["vllm_c"] = ir.Impl(fused_add_rms_norm)
         """,
     "vllm/ir/__init__.py": """
@@ -70,6 +79,7 @@ FAKE = {
                 self.impls = {}
 
         class ops:
+            rms_norm = _Op()
             fused_add_rms_norm = _Op()
         """,
     "vllm/plugins/__init__.py": """
