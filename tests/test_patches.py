@@ -182,6 +182,22 @@ def test_gemm_fixed_m_gives_every_row_the_same_gemm_whatever_the_batch(fake_vllm
         assert torch.equal(gemm(None, x[lo:hi].clone(), w), plain[lo:hi])
 
 
+def test_gemm_fixed_m_custom_op_runs_where_the_dispatcher_never_ran(fake_vllm):
+    """A graph vLLM compiled in an earlier process and loaded from its compile cache calls the custom op without
+    tracing the dispatcher (under vLLM's default compile mode this was a KeyError during memory profiling)."""
+    from vllm.model_executor.layers import utils
+    from tic.patches.vllm import gemm_fixed_m
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(200, 96, generator=g), torch.randn(40, 96, generator=g)
+    stock = utils.dispatch_unquantized_gemm()
+    patches.apply(["gemm-fixed-m"])
+    gemm_fixed_m._state.pop("gemm", None)  # no dispatch in this process
+    got = torch.ops.tic.linear_fixed_m(x, w, None)
+    assert torch.equal(got[:128], stock(None, x[:128].clone(), w))
+    assert torch.equal(got[128:], stock(None, torch.cat([x[128:], x.new_zeros(56, 96)]), w)[:72])
+
+
 def test_gemm_fixed_m_batches_or_writes_full_tiles_in_place_only_where_that_gives_the_gemms_bits(fake_vllm,
                                                                                                  monkeypatch):
     from tic.patches.vllm import gemm_fixed_m as gm

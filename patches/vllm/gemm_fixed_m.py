@@ -24,9 +24,21 @@ _HOME = "vllm.model_executor.layers.utils"
 _state: dict = {}
 
 
+def _vllm_gemm():
+    """The GEMM vLLM's own dispatcher picks (unpatched). Recorded when the patched dispatcher runs; looked up again
+    when it never ran in this process: a graph vLLM compiled earlier and loaded from its compile cache calls the
+    custom op without tracing the Python that dispatches."""
+    if "gemm" not in _state:
+        import importlib
+
+        dispatch = getattr(importlib.import_module(_HOME), "dispatch_unquantized_gemm")
+        _state["gemm"] = getattr(dispatch, "__wrapped__", dispatch)()
+    return _state["gemm"]
+
+
 def linear_fixed_m(x, weight, bias=None):
     """vLLM's own unquantized GEMM (the one its dispatcher chose), called only on tiles of exactly ROWS rows."""
-    gemm = _state["gemm"]
+    gemm = _vllm_gemm()
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     n = x2.shape[0]
