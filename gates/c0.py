@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from tic.gates.base import Gate, Judgement
+from tic.harness.engines.vllm import mode_refusals
 from tic.harness.inventory import build_manifest
 from tic.harness.parallel import COVERED, layout_refusals
 from tic.core.fsio import atomic_write_text
@@ -20,6 +21,8 @@ def measure(ctx) -> dict:
         options = side_cfg.options if side_cfg.engine == "hf" else None
         rejected += layout_refusals(side, side_cfg.parallel, options, side_cfg.engine,
                                     getattr(side_cfg, "patches", ()))
+    if cfg.rollout.engine == "vllm":
+        rejected += mode_refusals(cfg.rollout.options, cfg.train.kernels if cfg.train.engine == "hf" else "stock")
     if cfg.training.updates_per_step > 1:
         rejected.append(f"training.updates_per_step={cfg.training.updates_per_step}: from the second mini-batch "
                         "on, training weights differ from sampling weights, which diff = 0 does not cover")
@@ -64,7 +67,8 @@ GATE = Gate(
     pass_condition="a manifest with at least one layer is written, and nothing is rejected: no cross-rank "
                    "reduction on the compared path (TP = 1, no decode context parallel, expert outputs merged "
                    "on the owning rank in slot order; DP, EP and training CP are covered), exactly 1 update "
-                   "per step, no speculative decoding/MTP",
+                   "per step, no speculative decoding/MTP; a vLLM rollout neither in batch-invariant mode nor "
+                   "compiled with Inductor over the kernels a kernels: vllm training forward calls",
     inputs=["model.path (config.json, *.safetensors headers)", "rollout/train parallel layouts and options",
             "training"],
     artifacts=["artifacts/C0/manifest.json"], guide="guides/C0.md", reads=("model",),

@@ -57,6 +57,7 @@ def test_c0_inventory_passes(example, workdir, tic):
     ("rollout: {parallel: {dp: 2, ep: 2}, options: {expert_combine: rank_partials}}", "expert_combine"),
     ("training: {updates_per_step: 4}", "updates_per_step=4"),
     ("training: {speculative_decoding: true}", "speculative"),
+    ("rollout: {engine: vllm, options: {batch_invariant: true}}", "tic's patches replace it"),
 ])
 def test_c0_rejects_uncovered_setups(example, workdir, tic, extra, why):
     ex = example("tiny-qwen3")

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tic.harness.engines.vllm import check_options, sample_from_record, scored_from_record
+from tic.harness.engines.vllm import check_options, compiles_with_inductor, mode_refusals, sample_from_record, \
+    scored_from_record
 from tic.harness.metrics import compare_generation, compare_logprobs
 from tic.core.errors import TicInputError
 
@@ -74,6 +75,35 @@ def test_unknown_option_is_rejected():
         check_options({"enforce_eagre": True})
     with pytest.raises(TicInputError, match="logprobs_mode"):
         check_options({"logprobs_mode": "raw_logits"})
+
+
+@pytest.mark.parametrize("options, compiled", [
+    ({}, False),  # tic's default: enforce_eager
+    ({"enforce_eager": False}, True),  # vLLM's default compilation mode
+    ({"enforce_eager": False, "compilation_config": 3}, True),
+    ({"enforce_eager": False, "compilation_config": {"mode": 0}}, False),
+    ({"enforce_eager": False, "compilation_config": {"mode": "NONE"}}, False),
+    ({"enforce_eager": False, "compilation_config": {"mode": 3, "backend": "eager"}}, False),
+])
+def test_which_options_compile_with_inductor(options, compiled):
+    assert compiles_with_inductor(options) is compiled
+
+
+def test_c0_refuses_compiled_kernels_the_training_forward_does_not_run(monkeypatch):
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    keep = {"rms_norm": ["vllm_c"], "fused_add_rms_norm": "vllm_c,native"}
+    compiled = {"enforce_eager": False, "compilation_config": {"mode": 3, "custom_ops": ["all"]}}
+    assert mode_refusals({**compiled, "ir_op_priority": keep}, "vllm") == []
+    for bad in ({**compiled}, {**compiled, "ir_op_priority": {"rms_norm": ["native"]}},
+                {"enforce_eager": False, "compilation_config": {"custom_ops": ["all", "-rms_norm"]}, "ir_op_priority": keep},
+                {"enforce_eager": False, "ir_op_priority": keep}):
+        (line,) = mode_refusals(bad, "vllm")
+        assert "custom_ops: [all]" in line and "\n" not in line
+    assert mode_refusals({"enforce_eager": False}, "stock") == []  # no training forward on vLLM's kernels to match
+    assert mode_refusals({"enforce_eager": False, "compilation_config": {"mode": 0}}, "vllm") == []
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")  # the mode vLLM reads when the option is left unset
+    assert "batch-invariant" in mode_refusals({}, "stock")[0]
+    assert mode_refusals({"batch_invariant": False}, "stock") == []
 
 
 @pytest.mark.parametrize("run,name", CONFIGS)

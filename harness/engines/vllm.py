@@ -36,6 +36,8 @@ OPTIONS: dict[str, Any] = {
     "seed": 0,                        # LLM(seed=...): vLLM's global seed; requests carry their own seeds
     "compilation_config": None,       # passed to LLM(compilation_config=...) (int level or dict)
     "cudagraph_mode": None,           # shorthand for compilation_config.cudagraph_mode (NONE, PIECEWISE, FULL, ...)
+    "ir_op_priority": None,           # LLM(ir_op_priority=...): vLLM IR op implementations by priority, e.g.
+                                      # {rms_norm: [vllm_c], fused_add_rms_norm: [vllm_c]} (the CUDA kernels)
     "enable_chunked_prefill": None,
     "max_num_batched_tokens": None,   # chunked prefill: the prefill chunk size per step
     "max_num_seqs": None,
@@ -66,6 +68,54 @@ def check_options(options: dict) -> dict:
         raise TicInputError("rollout.options.batch_invariant: expected true, false or null")
     if out["engine_process"] not in ("inline", "own"):
         raise TicInputError(f"rollout.options.engine_process: {out['engine_process']!r} (expected inline or own)")
+    return out
+
+
+# -- which of vLLM's modes tic's consistent path covers (C0; no vLLM needed) --------------------------------
+# the CustomOps whose CUDA kernels the training side's vLLM provider calls, and the IR ops it calls as vllm_c
+_PROVIDER_IR_OPS = ("rms_norm", "fused_add_rms_norm")
+REPLACES_BATCH_INVARIANT = ("fa3-fixed-tile", "rmsnorm-fixed-block", "gemm-fixed-m")
+
+
+def _priority_list(value) -> list[str]:
+    """An IR op priority as vLLM reads it: a list of implementation names, or one comma-separated string."""
+    if isinstance(value, str):
+        return [v for v in value.replace(" ", "").split(",") if v]
+    return [str(v) for v in value or []]
+
+
+def compiles_with_inductor(options: dict) -> bool:
+    """Whether vLLM compiles the model with Inductor under these options: not enforce_eager and a compilation
+    mode above NONE (vLLM's default when none is given is VLLM_COMPILE) on the inductor backend."""
+    o = {**OPTIONS, **options}
+    if o["enforce_eager"]:
+        return False
+    comp = o["compilation_config"]
+    comp = {"mode": comp} if isinstance(comp, (int, str)) else dict(comp or {})
+    mode = comp.get("mode", comp.get("level", 3))
+    return str(mode).upper() not in ("0", "NONE") and str(comp.get("backend") or "inductor") == "inductor"
+
+
+def mode_refusals(options: dict, train_kernels: str) -> list[str]:
+    """Why these rollout options are outside what tic makes consistent (one line each, for C0)."""
+    o = {**OPTIONS, **options}
+    out = []
+    bi = o["batch_invariant"] if o["batch_invariant"] is not None else os.environ.get("VLLM_BATCH_INVARIANT") == "1"
+    if bi:
+        out.append("rollout.options.batch_invariant: vLLM's batch-invariant mode is not covered (its Triton norm "
+                   "and GEMMs on the rollout against the training forward did not reach diff = 0 on real layer "
+                   f"shapes); tic's patches replace it: batch_invariant: false with rollout.patches: "
+                   f"[{', '.join(REPLACES_BATCH_INVARIANT)}]")
+    if train_kernels == "vllm" and compiles_with_inductor(o):
+        comp = o["compilation_config"] if isinstance(o["compilation_config"], dict) else {}
+        custom = [str(c) for c in comp.get("custom_ops") or []]
+        prio = o["ir_op_priority"] if isinstance(o["ir_op_priority"], dict) else {}
+        pinned = all(_priority_list(prio.get(op))[:1] == ["vllm_c"] for op in _PROVIDER_IR_OPS)
+        if "all" not in custom or any(c.startswith("-") for c in custom) or not pinned:
+            out.append("rollout.options.compilation_config: under Inductor (compiled mode, vLLM's default) vLLM "
+                       "replaces its CUDA norm, SiLU*mul and rotary kernels, which the training forward (kernels: "
+                       "vllm) calls, by generated code; keep them with compilation_config.custom_ops: [all] and "
+                       "ir_op_priority: {rms_norm: [vllm_c], fused_add_rms_norm: [vllm_c]}, or set mode: 0")
     return out
 
 
@@ -245,7 +295,7 @@ class VLLMEngine(Engine):
         if dcp > 1:
             kwargs["decode_context_parallel_size"] = dcp
         for k in ("attention_backend", "kv_cache_memory_bytes", "enable_chunked_prefill",
-                  "max_num_batched_tokens", "max_num_seqs", "async_scheduling"):
+                  "max_num_batched_tokens", "max_num_seqs", "async_scheduling", "ir_op_priority"):
             if o[k] is not None:
                 kwargs[k] = o[k]
         comp = o["compilation_config"]

@@ -97,9 +97,9 @@ def _register_ops():
     return _state["ops"]
 
 
-def _entry(op, python_fn):
-    """The op under torch.compile (it must stay one opaque node); the Python function in eager, which skips the
-    custom op's dispatch (host time on every norm of every step)."""
+def _eager_entry(op, python_fn):
+    """For callers outside vLLM's model code (vllm._custom_ops: the training provider, batch-invariant mode): the
+    Python function in eager, which skips the custom op's dispatch; the op while torch.compile traces."""
     def call(*args):
         import torch
 
@@ -121,8 +121,8 @@ _OPS = "vllm._custom_ops"  # batch-invariant mode and other callers reach the ke
 
 def _apply() -> None:
     rms_op, fused_op = _register_ops()
-    rms_call = _entry(rms_op, rms_norm_fixed_block)
-    fused_call = _entry(fused_op, fused_add_rms_norm_fixed_block)
+    rms_call = _eager_entry(rms_op, rms_norm_fixed_block)
+    fused_call = _eager_entry(fused_op, fused_add_rms_norm_fixed_block)
 
     def rms_entry(out, input, weight, epsilon):  # vllm._custom_ops.rms_norm
         rms_call(out, input, weight, epsilon)
@@ -134,6 +134,8 @@ def _apply() -> None:
     swap_everywhere(_OPS, "fused_add_rms_norm", lambda original: fused_entry, NAME, _OPS)
     rms_impl, fused_impl = _ir_impls()
 
+    # vLLM's model code reaches the kernels through its IR ops, also while its compiler traces or lowers them:
+    # there the call is always the opaque custom op (the Python around the kernel branches on the row count)
     def rms_ir(original):
         def ir_entry(x, weight, epsilon, variance_size=None):  # vllm_ir.rms_norm (vllm_c)
             if variance_size is not None:
@@ -141,7 +143,7 @@ def _apply() -> None:
             import torch
 
             out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-            rms_call(out, x, weight, epsilon)
+            rms_op(out, x, weight, epsilon)
             return out
         return ir_entry
 
@@ -149,7 +151,7 @@ def _apply() -> None:
         def ir_entry(x, x_residual, weight, epsilon, variance_size=None):  # vllm_ir.fused_add_rms_norm (vllm_c)
             if variance_size is not None:
                 return original(x, x_residual, weight, epsilon, variance_size)
-            fused_call(x, x_residual, weight, epsilon)
+            fused_op(x, x_residual, weight, epsilon)
             return x, x_residual
         return ir_entry
 
