@@ -8,6 +8,8 @@ import json
 from tic.gates.base import Gate, Judgement
 from tic.harness.engines.vllm import mode_refusals
 from tic.harness.inventory import build_manifest
+from tic.harness.kernels.modules import coverage_problems
+from tic.harness.layer_structure import build_meta
 from tic.harness.parallel import COVERED, layout_refusals
 from tic.core.fsio import atomic_write_text
 
@@ -23,6 +25,9 @@ def measure(ctx) -> dict:
                                     getattr(side_cfg, "patches", ()))
     if cfg.rollout.engine == "vllm":
         rejected += mode_refusals(cfg.rollout.options, cfg.train.kernels if cfg.train.engine == "hf" else "stock")
+    if cfg.train.engine == "hf" and cfg.train.kernels in ("consistent", "vllm"):
+        rejected += [f"train.kernels: {cfg.train.kernels}: the kernel wrappers do not cover {p}"
+                     for p in coverage_problems(build_meta(ctx.model_config))]
     if cfg.training.updates_per_step > 1:
         rejected.append(f"training.updates_per_step={cfg.training.updates_per_step}: from the second mini-batch "
                         "on, training weights differ from sampling weights, which diff = 0 does not cover")

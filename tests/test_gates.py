@@ -68,6 +68,23 @@ def test_c0_rejects_uncovered_setups(example, workdir, tic, extra, why):
     assert code == 1 and rec["verdict"] == "fail" and why in rec["reason"]
 
 
+def test_c0_names_the_module_the_kernel_wrappers_do_not_cover(workdir, tic):
+    """OLMoE normalises q and k over the whole projection, not per head: C0 names the modules, their class and
+    what the wrappers lack (one entry for all layers), before any gate builds the model."""
+    cfg = {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "vocab_size": 128, "hidden_size": 64,
+           "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+           "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 256}
+    (workdir / "olmoe").mkdir()
+    (workdir / "olmoe" / "config.json").write_text(json.dumps(cfg))
+    for kernels, refused in (("consistent", True), ("stock", False)):
+        (workdir / "t.yaml").write_text(f"model: {{path: olmoe, generate: {{seed: 0}}}}\ntrain: {{kernels: {kernels}}}\n")
+        code, out, _ = tic("gate", "C0", "-c", str(workdir / "t.yaml"), "--json")
+        rec = json.loads(out)["results"][0]
+        assert (rec["verdict"] == "fail") is refused and code == (1 if refused else 0), rec["reason"]
+        if refused:
+            assert "model.layers.{0,1}.self_attn.q_norm (OlmoeRMSNorm): a norm over 64 features" in rec["reason"]
+
+
 # ---- C3/C4/C5 controls: consistent kernels pass --------------------------------------------------------------
 @pytest.mark.parametrize("gate", ["C3", "C4", "C5", "C6"])
 def test_consistent_kernels_pass(consistent_ctx, gate):

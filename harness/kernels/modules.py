@@ -16,6 +16,7 @@ reads the two addends it was computed from (see ResidualStream) rather than the 
 from __future__ import annotations
 
 import contextlib
+import re
 import types
 
 import torch
@@ -243,6 +244,59 @@ def _act_name(m) -> str:
     return type(act).__name__ if act is not None else ""
 
 
+def _norm_features(norm) -> int:
+    w = getattr(norm, "weight", None)
+    return int(w.shape[-1]) if w is not None and w.dim() else 0
+
+
+def coverage_problems(model: nn.Module) -> list[str]:
+    """What of this HF causal LM the kernel wrappers do not implement, one entry per module (name, class, what
+    is missing); empty when `apply` covers every operator. Reads structure only: a model on the meta device
+    will do."""
+    cfg = model.config.get_text_config()
+    problems = []
+    other = sorted({t for t in (getattr(cfg, "layer_types", None) or []) if t != "full_attention"})
+    if other:
+        problems.append(f"config layer_types {', '.join(other)} (the wrappers cover full attention only)")
+    rotary = [n for n, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    if len(rotary) != 1:
+        problems.append(f"rotary embeddings: {len(rotary)} modules ({', '.join(rotary) or 'none'}), the wrappers "
+                        "use one table for all layers")
+    for name, m in model.named_modules():
+        kind = type(m).__name__
+        if _is_moe_block(m):
+            if any(hasattr(m, a) for a in ("shared_expert", "shared_experts")):
+                problems.append(f"{name} ({kind}): shared experts")
+            if "SiLU" not in _act_name(m.experts):
+                problems.append(f"{name} ({kind}): activation {_act_name(m.experts) or 'unknown'}")
+        elif _is_gated_mlp(m):
+            if "SiLU" not in _act_name(m):
+                problems.append(f"{name} ({kind}): activation {_act_name(m) or 'unknown'}")
+        elif _is_attention(m):
+            for norm_name in ("q_norm", "k_norm"):
+                norm = getattr(m, norm_name, None)
+                if norm is not None and _norm_features(norm) != m.head_dim:
+                    problems.append(f"{name}.{norm_name} ({type(norm).__name__}): a norm over "
+                                    f"{_norm_features(norm)} features (the whole projection); the wrappers "
+                                    f"normalise each head of {m.head_dim}")
+    final = getattr(getattr(model, "model", model), "norm", None)
+    if final is None or not _is_rmsnorm(final):
+        problems.append("final norm (model.model.norm)")
+    return _per_layer_once(problems)
+
+
+def _per_layer_once(problems: list[str]) -> list[str]:
+    """One entry per problem, not per layer: 'model.layers.0.x ...' and 'model.layers.3.x ...' read as
+    'model.layers.{0,3}.x ...'."""
+    groups: dict[str, list[str]] = {}
+    for p in problems:
+        m = re.search(r"\.layers\.(\d+)\.", p)
+        key = p if m is None else p[:m.start()] + ".layers.{}." + p[m.end():]
+        groups.setdefault(key, []).append(m.group(1) if m else "")
+    return [k if k.count("{}") == 0 else k.replace("{}", "{" + ",".join(v) + "}" if len(v) > 1 else v[0], 1)
+            for k, v in groups.items()]
+
+
 def apply(model: nn.Module, provider) -> nn.Module:
     """Patch an HF causal LM in place so every operator runs through `provider` with a surrogate backward.
     Idempotent for one provider; raises TicInputError for what the wrappers do not cover."""
@@ -251,32 +305,24 @@ def apply(model: nn.Module, provider) -> nn.Module:
         if done is not provider:
             raise TicInputError(f"model already runs {done.name} kernels")
         return model
+    problems = coverage_problems(model)
+    if problems:
+        raise TicInputError(f"{provider.name} kernel wrappers do not cover: " + "; ".join(problems))
     register_attention()
     ops = Ops(provider)
     cfg = model.config.get_text_config()
-    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
-        raise TicInputError("the kernel wrappers cover full attention only (this model has sliding-window layers)")
     stream = ResidualStream()
     dtype = next(model.parameters()).dtype
     rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
-    if len(rotary) != 1:
-        raise TicInputError(f"expected one rotary embedding module, found {len(rotary)}")
     rope = RopeTable(rotary[0], dtype, provider, cfg)
     rotary[0]._tic_orig_forward, rotary[0]._tic_rope = rotary[0].forward, rope
     rotary[0].forward = types.MethodType(_rotary_module_forward, rotary[0])
-    problems = []
     for name, m in list(model.named_modules()):
         m._tic_ops = ops
         if _is_moe_block(m):
-            if any(hasattr(m, a) for a in ("shared_expert", "shared_experts")):
-                problems.append(f"{name} (shared experts)")
-            if "SiLU" not in _act_name(m.experts):
-                problems.append(f"{name} (activation {_act_name(m.experts)})")
             m._tic_name = name
             m.forward = types.MethodType(_moe_forward, m)
         elif _is_gated_mlp(m):
-            if "SiLU" not in _act_name(m):
-                problems.append(f"{name} (activation {_act_name(m)})")
             m.forward = types.MethodType(_mlp_forward, m)
         elif _is_attention(m):
             m._tic_rope = rope
@@ -288,14 +334,9 @@ def apply(model: nn.Module, provider) -> nn.Module:
             m.forward = types.MethodType(_linear_forward, m)
         elif _is_rmsnorm(m):
             m.forward = types.MethodType(_rmsnorm_forward, m)
-    final = getattr(getattr(model, "model", model), "norm", None)
-    if final is None or not _is_rmsnorm(final):
-        problems.append("final norm (model.model.norm)")
-    else:
-        final._tic_stream = stream
-        final.forward = types.MethodType(_final_norm_forward, final)
-    if problems:
-        raise TicInputError(f"{provider.name} kernel wrappers do not cover: " + ", ".join(problems))
+    final = getattr(model, "model", model).norm
+    final._tic_stream = stream
+    final.forward = types.MethodType(_final_norm_forward, final)
     for sub in model.modules():
         c = getattr(sub, "config", None)
         if c is not None and hasattr(c, "_attn_implementation"):
