@@ -1,0 +1,72 @@
+"""The GPU shape sweep's pieces that need no GPU: the shape registry builds each public model's cut with
+transformers, the generated tic.yaml files are valid configs that C0's mode checks accept, and the table reads
+gate records (benchmarks/gpu/shape_sweep.py; its GPU figures are docs/results/shape-sweep-h200.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "gpu"))
+import shape_sweep  # noqa: E402
+from shapes import SHAPES  # noqa: E402
+
+from tic.harness.engines.vllm import mode_refusals  # noqa: E402
+from tic.skill.config import load_config  # noqa: E402
+
+
+def test_every_shape_builds_as_its_family_with_the_counted_parameters():
+    from tic.harness.layer_structure import build_meta
+
+    for s in SHAPES:
+        model = build_meta(s.config())
+        assert type(model).__name__ == s.config()["architectures"][0]
+        assert sum(p.numel() for p in model.parameters()) == pytest.approx(s.params(), rel=1e-3), s.name
+        assert model.config.num_hidden_layers == 4
+
+
+def test_plan_writes_valid_configs_for_every_mode_and_variant(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    args = argparse.Namespace(work=str(tmp_path), shapes="Qwen3-8B,OLMoE-1B-7B", modes="eager,graph,compiled",
+                              variants="patched,stock", requests=64, max_prompt=4096, tokens=512)
+    runs, loads = shape_sweep.plan(args)
+    assert len(runs) == 12
+    assert loads["OLMoE-1B-7B"]["max_len"] == 4096 - 512  # its context holds prompt and response
+    for r in runs:
+        cfg = load_config(r.config)
+        assert cfg.prompts.count == 64 and cfg.sampling.max_tokens == 512 and cfg.train.kernels == "vllm"
+        assert mode_refusals(cfg.rollout.options, "vllm") == []  # every mode is one tic makes consistent
+        assert r.gates.split(",")[:4] == ["C0", "C3", "C4", "C5"]
+        assert ("C7" in r.gates) == (r.mode == "eager")
+        assert cfg.rollout.patches == ([] if r.variant == "stock" else shape_sweep.PATCHES)
+        assert cfg.rollout.options["max_model_len"] >= cfg.prompts.max_len + cfg.sampling.max_tokens
+
+
+def _record(gate, verdict, **metrics):
+    return {"gate": gate, "verdict": verdict, "reason": "why", "key_figure": "kf", "metrics": metrics,
+            "details": {}}
+
+
+def test_table_shows_each_gate_and_the_located_operator(tmp_path):
+    c5 = _record("C5", "fail", equal_fraction=0.936, max=0.0123)
+    c5["details"]["locate"] = {"first_divergent_layer": "model.layers.0", "culprit_module": "input_layernorm",
+                               "first_operator": "_C.rms_norm.default", "repro_check": {"reproduces": True}}
+    (tmp_path / "a.json").write_text(json.dumps({"results": [
+        _record("C0", "pass"), _record("C3", "pass", equal_fraction=1.0, max=0.0), c5]}))
+    (tmp_path / "b.json").write_text(json.dumps({"results": [
+        {**_record("C0", "fail"), "reason": "not covered: q_norm"}]}))
+    (tmp_path / "sweep.json").write_text(json.dumps({"runs": [
+        {"name": "a", "shape": "S", "mode": "graph", "variant": "patched", "exit": 0},
+        {"name": "b", "shape": "T", "mode": "eager", "variant": "patched", "exit": 0},
+        {"name": "c", "shape": "U", "mode": "eager", "variant": "stock", "exit": 137}]}))
+    rows = shape_sweep.render(tmp_path).splitlines()
+    assert rows[2].startswith("| S | graph | patched | pass | pass 100.0 % | not run | **fail 93.6 %, max")
+    assert "(eager row)" in rows[2] and "input_layernorm, _C.rms_norm.default (repro exits 1)" in rows[2]
+    assert "**refused**: not covered: q_norm" in rows[3]
+    assert "exit 137 before any gate" in rows[4]
+    assert (tmp_path / "table.md").read_text().splitlines() == rows
