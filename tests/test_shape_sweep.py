@@ -65,7 +65,7 @@ def test_table_shows_each_gate_and_the_located_operator(tmp_path):
         {"name": "b", "shape": "T", "mode": "eager", "variant": "patched", "exit": 0},
         {"name": "c", "shape": "U", "mode": "eager", "variant": "stock", "exit": 137}]}))
     rows = shape_sweep.render(tmp_path).splitlines()
-    assert rows[2].startswith("| S | graph | patched | pass | pass 100.0 % | not run | **fail 93.6 %, max")
+    assert rows[2].startswith("| S | graph | patched | pass | pass 100.0 %, max \\|Δp\\| 0 | not run | **fail 93.6 %, max")
     assert "(eager row)" in rows[2] and "input_layernorm, _C.rms_norm.default (repro exits 1)" in rows[2]
     assert "**refused**: not covered: q_norm" in rows[3]
     assert "exit 137 before any gate" in rows[4]

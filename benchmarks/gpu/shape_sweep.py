@@ -170,12 +170,22 @@ class Weights:
         self.on_disk.discard(s.name)
 
 
+def free_gib() -> float:
+    """Free memory on the GPU now (nvidia-smi), in GiB."""
+    try:
+        got = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        return float(got[0]) / 1024
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return float("inf")
+
+
 def execute(args) -> None:
     runs, loads = plan(args)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work).resolve()
-    shapes = list(dict.fromkeys(r.shape for r in runs))
+    shapes = list({r.shape.name: r.shape for r in runs}.values())
     weights = Weights(shapes, work)
     pending, running, done = list(runs), [], []
     t0 = time.time()
@@ -195,8 +205,9 @@ def execute(args) -> None:
         for r in list(pending):
             if len(running) >= args.parallel or not weights.ready(r.shape):
                 break  # runs start in order: a shape's weights come one after another
-            if running and used + r.memory > args.memory_gb:
-                break
+            if running and (used + r.memory > args.memory_gb or free_gib() < r.memory
+                            or time.time() - max(x.started for x in running) < args.stagger):
+                break  # estimates are estimates: what is free now decides too, once the last start settled
             pending.remove(r)
             env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1"}
             if r.variant == "previous":
@@ -227,11 +238,14 @@ def _cell(rec: dict | None) -> str:
     if v == "error":
         return f"**error**: {rec.get('reason', '')[:100]}"
     if rec["gate"] == "C7":
-        text = f"{v} ({rec.get('key_figure', '')})"
+        text = v
+        if isinstance(m.get("min_cosine"), (int, float)):
+            text += (f" {m.get('tensors')} tensors, min cos {m['min_cosine']:.4f}, "
+                     f"max rel {m.get('max_rel_error', float('nan')):.3f}")
         return text if v == "pass" else f"**{text}**"
     frac = m.get("equal_fraction")
     text = f"{v} {100 * frac:.1f} %" if isinstance(frac, (int, float)) else v
-    if isinstance(m.get("max"), (int, float)) and m["max"]:
+    if isinstance(m.get("max"), (int, float)):
         text += f", max \\|Δp\\| {m['max']:.3g}"
     if rec["gate"] == "C6" and "identical_layouts" in m:
         text += f" ({m['identical_layouts']}/{m['layouts']} layouts)"
@@ -248,6 +262,18 @@ def _located(rec: dict) -> str:
             f"{loc.get('first_operator')} ({repro})")
 
 
+def describe(name: str) -> dict:
+    """shape, mode and variant of a run from its name (<shape slug>-<mode>-<variant>)."""
+    from shapes import SHAPES
+
+    for sh in SHAPES:
+        for mode in MODES:
+            for variant in VARIANTS:
+                if name == f"{sh.slug}-{mode}-{variant}":
+                    return {"shape": sh.name, "mode": mode, "variant": variant}
+    return {"shape": name, "mode": "", "variant": ""}
+
+
 def render(out: Path) -> str:
     summary = json.loads((out / "sweep.json").read_text()) if (out / "sweep.json").is_file() else {"runs": []}
     names = [r["name"] for r in summary["runs"]] or sorted(p.stem for p in out.glob("*.json") if p.stem != "sweep")
@@ -257,7 +283,7 @@ def render(out: Path) -> str:
     for name in names:
         p = out / f"{name}.json"
         recs = {r["gate"]: r for r in json.loads(p.read_text())["results"]} if p.is_file() else {}
-        info = meta.get(name, {"shape": name, "mode": "", "variant": ""})
+        info = meta.get(name) or describe(name)
         cells = []
         for g in GATE_COLUMNS:
             if g in ("C6", "C7") and info.get("mode") not in ("eager", ""):
@@ -289,6 +315,7 @@ def main() -> None:
     r.add_argument("--parallel", type=int, default=6)
     r.add_argument("--memory-gb", type=float, default=125.0)
     r.add_argument("--timeout", type=float, default=3000.0)
+    r.add_argument("--stagger", type=float, default=60.0, help="seconds between run starts (memory settles)")
     r.add_argument("--previous-pythonpath", default="")
     t = sub.add_parser("table")
     t.add_argument("out")
