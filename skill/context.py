@@ -160,8 +160,8 @@ class GateContext:
         else:
             changes = self.cfg.perf.baseline
             if changes is None:
-                changes = engine_class(r).baseline_changes(r)
-            if "options" in common and "options" in changes:  # a user's options keep what both sides need
+                changes = engine_class(r).baseline_changes(r)  # from r, which holds what both sides need
+            elif "options" in common and "options" in changes:  # a user's options keep what both sides need
                 changes = {**changes, "options": {**common["options"], **changes["options"]}}
             try:
                 side_cfg = EngineConfig.model_validate({**r.model_dump(), **changes})

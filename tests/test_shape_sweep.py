@@ -70,3 +70,14 @@ def test_table_shows_each_gate_and_the_located_operator(tmp_path):
     assert "**refused**: not covered: q_norm" in rows[3]
     assert "exit 137 before any gate" in rows[4]
     assert (tmp_path / "table.md").read_text().splitlines() == rows
+
+
+def test_full_depth_parameter_counts_are_the_published_models():
+    """Each entry at its full depth has the published model's parameter count (billions, as the model cards give
+    them): a mistyped width or count would show here."""
+    published = {"Qwen3-1.7B": 1.7, "Qwen3-4B": 4.0, "Qwen3-8B": 8.2, "Qwen3-14B": 14.8, "Qwen3-32B": 32.8,
+                 "Qwen2.5-7B": 7.6, "Llama-3.1-8B": 8.0, "Mistral-7B-v0.3": 7.25, "Mistral-Nemo-12B": 12.2,
+                 "Qwen3-30B-A3B": 30.5, "Mixtral-8x7B": 46.7, "OLMoE-1B-7B": 6.9}
+    assert set(published) == {s.name for s in SHAPES}
+    for s in SHAPES:
+        assert s.params(s.layers) / 1e9 == pytest.approx(published[s.name], rel=0.02), s.name

@@ -418,3 +418,33 @@ def test_engine_process_option_and_perf_sides_in_processes_of_their_own():
         check_options({"engine_process": "subprocess"})
     side = SimpleNamespace(options={"enforce_eager": True})
     assert VLLMEngine.perf_changes(side) == {"options": {"enforce_eager": True, "engine_process": "own"}}
+
+
+def test_baseline_is_vllm_as_users_run_it_and_only_the_switch_may_differ():
+    """C1's baseline drops the consistency switch (patches, batch-invariant mode) and the mode settings the
+    consistent rollout needs, so vLLM runs its default compilation and CUDA graphs; C10 lets exactly those differ."""
+    from types import SimpleNamespace
+
+    from tic.harness.engines.vllm import VLLMEngine
+    from tic.harness.fingerprint import differences
+    from tic.harness.perf import switch_allowance
+
+    side = SimpleNamespace(options={"enforce_eager": False, "compilation_config": {"mode": 0},
+                                    "cudagraph_mode": "FULL_DECODE_ONLY", "ir_op_priority": {"rms_norm": ["vllm_c"]},
+                                    "max_num_seqs": 64, "kv_cache_memory_bytes": 1 << 30},
+                           patches=["gemm-fixed-m"])
+    assert VLLMEngine.baseline_changes(side) == {
+        "options": {"max_num_seqs": 64, "kv_cache_memory_bytes": 1 << 30, "enforce_eager": False,
+                    "batch_invariant": False}, "patches": []}
+
+    def fp(llm, effective, patches):
+        return {"engine": {"engine": "vllm", "patches": patches, "batch_invariant": False, "effective": effective,
+                           "llm": llm}}
+
+    base = fp({"enforce_eager": False, "max_num_seqs": 64}, {"compilation_mode": "3", "cudagraph_mode": "FULL_AND_PIECEWISE"}, [])
+    cons = fp({"enforce_eager": False, "max_num_seqs": 64, "compilation_config": '{"mode": 0}',
+               "ir_op_priority": "{}"}, {"compilation_mode": "0", "cudagraph_mode": "FULL_DECODE_ONLY"}, ["gemm-fixed-m"])
+    allowed = switch_allowance(SimpleNamespace(switch_keys=VLLMEngine.switch_keys, switch_env=VLLMEngine.switch_env))
+    assert differences(base, cons, allowed) == []
+    other = fp({"enforce_eager": False, "max_num_seqs": 32}, base["engine"]["effective"], [])
+    assert differences(base, other, allowed) == ["engine.llm.max_num_seqs: 64 vs 32"]  # anything else is refused

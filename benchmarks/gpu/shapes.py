@@ -27,6 +27,7 @@ class Shape:
     rope: dict                # rope_theta and any rope_scaling, as config.json spells them
     tie_embeddings: bool = False
     extra: dict = field(default_factory=dict)  # family fields: experts, top-k, MoE width, biases
+    layers: int = 0           # the full model's depth (num_hidden_layers), for full-depth runs
 
     @property
     def experts(self) -> int:
@@ -69,36 +70,36 @@ QWEN3_ROPE = {"rope_theta": 1000000.0}
 
 SHAPES: tuple[Shape, ...] = (
     Shape("Qwen3-1.7B", "qwen3", "Qwen3ForCausalLM", 2048, 6144, 16, 8, 128, 151936, 40960, 1e-6, QWEN3_ROPE,
-          tie_embeddings=True, extra={"attention_bias": False}),
+          tie_embeddings=True, extra={"attention_bias": False}, layers=28),
     Shape("Qwen3-4B", "qwen3", "Qwen3ForCausalLM", 2560, 9728, 32, 8, 128, 151936, 40960, 1e-6, QWEN3_ROPE,
-          tie_embeddings=True, extra={"attention_bias": False}),
+          tie_embeddings=True, extra={"attention_bias": False}, layers=36),
     Shape("Qwen3-8B", "qwen3", "Qwen3ForCausalLM", 4096, 12288, 32, 8, 128, 151936, 40960, 1e-6, QWEN3_ROPE,
-          extra={"attention_bias": False}),
+          extra={"attention_bias": False}, layers=36),
     Shape("Qwen3-14B", "qwen3", "Qwen3ForCausalLM", 5120, 17408, 40, 8, 128, 151936, 40960, 1e-6, QWEN3_ROPE,
-          extra={"attention_bias": False}),
+          extra={"attention_bias": False}, layers=40),
     Shape("Qwen3-32B", "qwen3", "Qwen3ForCausalLM", 5120, 25600, 64, 8, 128, 151936, 40960, 1e-6, QWEN3_ROPE,
-          extra={"attention_bias": False}),
+          extra={"attention_bias": False}, layers=64),
     Shape("Qwen2.5-7B", "qwen2", "Qwen2ForCausalLM", 3584, 18944, 28, 4, 128, 152064, 131072, 1e-6,
-          {"rope_theta": 1000000.0}, extra={"use_sliding_window": False, "sliding_window": None}),
+          {"rope_theta": 1000000.0}, extra={"use_sliding_window": False, "sliding_window": None}, layers=28),
     Shape("Llama-3.1-8B", "llama", "LlamaForCausalLM", 4096, 14336, 32, 8, 128, 128256, 131072, 1e-5,
           {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                     "high_freq_factor": 4.0,
                                                     "original_max_position_embeddings": 8192}},
-          extra={"attention_bias": False, "mlp_bias": False}),
+          extra={"attention_bias": False, "mlp_bias": False}, layers=32),
     Shape("Mistral-7B-v0.3", "mistral", "MistralForCausalLM", 4096, 14336, 32, 8, 128, 32768, 32768, 1e-5,
-          {"rope_theta": 1000000.0}, extra={"sliding_window": None}),
+          {"rope_theta": 1000000.0}, extra={"sliding_window": None}, layers=32),
     Shape("Mistral-Nemo-12B", "mistral", "MistralForCausalLM", 5120, 14336, 32, 8, 128, 131072, 1024000, 1e-5,
-          {"rope_theta": 1000000.0}, extra={"sliding_window": None}),
+          {"rope_theta": 1000000.0}, extra={"sliding_window": None}, layers=40),
     Shape("Qwen3-30B-A3B", "qwen3_moe", "Qwen3MoeForCausalLM", 2048, 6144, 32, 4, 128, 151936, 40960, 1e-6,
           QWEN3_ROPE, extra={"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                              "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                             "attention_bias": False}),
+                             "attention_bias": False}, layers=48),
     Shape("Mixtral-8x7B", "mixtral", "MixtralForCausalLM", 4096, 14336, 32, 8, 128, 32000, 32768, 1e-5,
           {"rope_theta": 1000000.0}, extra={"num_local_experts": 8, "num_experts_per_tok": 2,
-                                            "sliding_window": None}),
+                                            "sliding_window": None}, layers=32),
     Shape("OLMoE-1B-7B", "olmoe", "OlmoeForCausalLM", 2048, 1024, 16, 16, 128, 50304, 4096, 1e-5,
           {"rope_theta": 10000.0}, extra={"num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False,
-                                          "clip_qkv": None, "attention_bias": False}),
+                                          "clip_qkv": None, "attention_bias": False}, layers=16),
 )
 
 

@@ -4,7 +4,8 @@
 
 C10's own measurement (tic.harness.perf.measure_sides: alternating passes on the config's perf workload), with
 three sides, each an engine core in a process of its own (its patches and batch-invariant mode set at start):
-default (no patches), tic (rollout.patches), batch-invariant (VLLM_BATCH_INVARIANT=1, no patches). Prints the
+default (vLLM as users run it: C1's baseline), tic (the config's rollout), batch-invariant (VLLM_BATCH_INVARIANT=1,
+vLLM's default mode otherwise). Prints the
 medians and each side's ratio to default; --json writes the raw passes.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 def main() -> None:
     from tic.harness.engines import build_engine
+    from tic.harness.engines.vllm import VLLMEngine
     from tic.harness.perf import measure_sides, spread
     from tic.skill.config import EngineConfig, load_config
     from tic.skill.context import GateContext
@@ -25,11 +27,15 @@ def main() -> None:
     repeats = int(sys.argv[sys.argv.index("--repeats") + 1]) if "--repeats" in sys.argv else cfg.perf.repeats
     ctx = GateContext(cfg)
     r = cfg.rollout
-    base = {**r.options, "engine_process": "own", "record": None}
+    # default and batch-invariant mode as users run vLLM (its own compilation and graph defaults: C1's baseline);
+    # tic's side as configured
+    users = VLLMEngine.baseline_changes(r)
+    users = {**users, "options": {**users["options"], "engine_process": "own", "record": None}}
     sides_cfg = {
-        "default": {"options": {**base, "batch_invariant": False}, "patches": []},
-        "tic patches": {"options": {**base, "batch_invariant": False}, "patches": list(r.patches)},
-        "batch-invariant": {"options": {**base, "batch_invariant": True}, "patches": []},
+        "default": users,
+        "tic patches": {"options": {**r.options, "engine_process": "own", "record": None,
+                                    "batch_invariant": False}, "patches": list(r.patches)},
+        "batch-invariant": {**users, "options": {**users["options"], "batch_invariant": True}},
     }
     sides = {}
     for name, ch in sides_cfg.items():

@@ -72,8 +72,10 @@ def check_options(options: dict) -> dict:
 
 
 # -- which of vLLM's modes tic's consistent path covers (C0; no vLLM needed) --------------------------------
-# the CustomOps whose CUDA kernels the training side's vLLM provider calls, and the IR ops it calls as vllm_c
+# the IR ops the training side's vLLM provider calls as their vllm_c implementations
 _PROVIDER_IR_OPS = ("rms_norm", "fused_add_rms_norm")
+# options that choose vLLM's execution mode; the consistent rollout may set them, its baseline runs vLLM's defaults
+MODE_OPTIONS = ("enforce_eager", "compilation_config", "cudagraph_mode", "ir_op_priority")
 REPLACES_BATCH_INVARIANT = ("fa3-fixed-tile", "rmsnorm-fixed-block", "gemm-fixed-m")
 
 
@@ -252,8 +254,10 @@ def _apply_patches(names: list[str]) -> list[str]:
 
 class VLLMEngine(Engine):
     name = "vllm"
-    # the consistency switch: batch-invariant mode and tic's bundled patches (rollout.patches -> TIC_PATCHES)
-    switch_keys = ("batch_invariant", "patches")
+    # the consistency switch: batch-invariant mode, tic's bundled patches (rollout.patches -> TIC_PATCHES) and the
+    # mode settings that keep the kernels the training side calls (what the baseline leaves at vLLM's defaults)
+    switch_keys = ("batch_invariant", "patches", *(f"llm.{k}" for k in MODE_OPTIONS),
+                   "effective.compilation_mode", "effective.cudagraph_mode")
     switch_env = ("VLLM_BATCH_INVARIANT", "TIC_PATCHES")
     weight_format = "checkpoint"  # weight sync hands it checkpoint names/layouts, which its loaders map
     effective: dict = {}  # what vLLM made of the options (set once the LLM exists)
@@ -356,7 +360,10 @@ class VLLMEngine(Engine):
 
     @classmethod
     def baseline_changes(cls, side_cfg) -> dict:
-        return {"options": {**side_cfg.options, "batch_invariant": False}, "patches": []}
+        """vLLM as users run it: its own compilation and CUDA-graph defaults, no batch-invariant mode, no patches
+        (the consistency switch off); every other option as configured."""
+        options = {k: v for k, v in side_cfg.options.items() if k not in MODE_OPTIONS}
+        return {"options": {**options, "enforce_eager": False, "batch_invariant": False}, "patches": []}
 
     def process_environment(self) -> dict:
         """An engine core of its own runs with the patches and switch variables it started with, whatever this
