@@ -81,3 +81,16 @@ def test_full_depth_parameter_counts_are_the_published_models():
     assert set(published) == {s.name for s in SHAPES}
     for s in SHAPES:
         assert s.params(s.layers) / 1e9 == pytest.approx(published[s.name], rel=0.02), s.name
+
+
+def test_throughput_sides_are_the_modes_c0_accepts_and_vllms_defaults():
+    """The throughput benchmark's consistent sides run modes in which tic makes the rollout consistent; its
+    default side sets nothing (vLLM as users run it, C1's baseline)."""
+    import rollout_throughput as rt
+
+    assert rt.SIDES["default"][0] == {}
+    for name in ("consistent", "consistent_graph"):
+        options, env = rt.SIDES[name]
+        assert mode_refusals({"enforce_eager": False, **options}, "vllm") == []
+        assert env["TIC_PATCHES"].split(",") == shape_sweep.PATCHES
+    assert rt.SIDES["batch_invariant"][1]["VLLM_BATCH_INVARIANT"] == "1"
