@@ -28,7 +28,7 @@ from tic.harness import launch_record
 from tic.harness.engines.base import Sample
 from tic.harness.engines.hf import cache_kwargs, packed_row, padded_batch
 from tic.harness import provenance as provenance_mod
-from tic.harness.provenance import Provenance
+from tic.harness.provenance import Provenance, token_view
 
 RowTensors = tuple  # one tensor per row-shaped output (or input) of a module, for one token
 
@@ -94,18 +94,8 @@ class CaptureRunner(Protocol):
 
 
 # -- row extraction ---------------------------------------------------------------------------------------
-def flat_rows(x: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:
-    """View x as [B*T, ...] when it is laid out per token ([B, T, ...] or [B*T, ...]); else None."""
-    n = batch * length
-    if x.dim() >= 2 and tuple(x.shape[:2]) == (batch, length):
-        return x.reshape(n, *x.shape[2:])
-    if x.dim() >= 1 and x.shape[0] == n:
-        return x
-    return None
-
-
 def row_shaped(x, batch: int, length: int) -> bool:
-    return isinstance(x, torch.Tensor) and flat_rows(x, batch, length) is not None
+    return isinstance(x, torch.Tensor) and token_view(x, batch, length) is not None
 
 
 def tensors_of(out) -> list[torch.Tensor]:
@@ -144,7 +134,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def rows_equal(a: RowTensors, b: RowTensors) -> bool:
-    return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
+    """The same elements bit for bit, in the same order, whatever shape each side's layout gives a token's row."""
+    return len(a) == len(b) and all(same_bits(x.reshape(-1), y.reshape(-1)) for x, y in zip(a, b))
 
 
 class _RowMap:
@@ -474,15 +465,14 @@ def _set_input(args: list, kwargs: dict, key: str, value: torch.Tensor) -> None:
         holder[name] = value
 
 
-def _keep(store: dict, flats: list[torch.Tensor], targets: list[tuple[int, int]], keys: list[str] | None = None) -> None:
-    """store[pos] = the target rows of every flat tensor, as CPU copies (engines on a GPU compare with CPU ones);
-    with `keys`, as InputRows that name the argument of each row."""
+def _keep(store: dict, views: list[torch.Tensor], targets: list[tuple[int, int]], keys: list[str] | None = None) -> None:
+    """store[pos] = the target rows of every per-token tensor (its [B, T, ...] token_view), as CPU copies (engines
+    on a GPU compare with CPU ones); with `keys`, as InputRows that name the argument of each row."""
     if not targets:
         return
-    idx = torch.tensor([i for i, _ in targets], dtype=torch.long)
-    got = [f.detach().index_select(0, idx.to(f.device)).cpu() for f in flats]
-    for j, (_, pos) in enumerate(targets):
-        rows = tuple(g[j].clone() for g in got)
+    for i, pos in targets:
+        b, t = divmod(i, views[0].shape[1]) if views else (0, 0)
+        rows = tuple(v[b, t].detach().cpu().clone() for v in views)
         store[pos] = rows if keys is None else InputRows(rows, keys)
 
 
@@ -496,7 +486,7 @@ def _replaced(args: tuple, kwargs: dict, B: int, T: int, targets, repl: dict) ->
     new_args, new_kwargs = list(args), dict(kwargs)
     for k, (key, x) in enumerate(_input_tensors(args, kwargs, B, T)):
         x = x.clone()
-        flat = flat_rows(x, B, T)
+        view = token_view(x, B, T)
         changed = False
         for i, pos in targets:
             got = repl.get(pos)
@@ -511,9 +501,12 @@ def _replaced(args: tuple, kwargs: dict, B: int, T: int, targets, repl: dict) ->
                 row = got[0]
             else:
                 continue
-            if tuple(row.shape) != tuple(flat[i].shape) or row.is_floating_point() != flat.is_floating_point():
+            here = view[i // T, i % T]
+            # the same elements in the same order in another per-token layout (a decode step's [H, 1, D] head
+            # rows and a prefill's [H, D]) replace each other
+            if row.numel() != here.numel() or row.is_floating_point() != here.is_floating_point():
                 continue
-            flat[i] = row.to(flat.device, flat.dtype)
+            here.copy_(row.reshape(here.shape))
             changed = True
         if changed:
             _set_input(new_args, new_kwargs, key, x)
@@ -562,7 +555,7 @@ class HookSet:
             if name in self.spec.inputs:
                 store = self.capture.inputs.setdefault(name, {})
                 found = _input_tensors(new_args, new_kwargs, B, T)
-                _keep(store, [flat_rows(x, B, T) for _, x in found], targets, [k for k, _ in found])
+                _keep(store, [token_view(x, B, T) for _, x in found], targets, [k for k, _ in found])
             if (name == self.spec.trail_module and self._recorder is None and self.capture.trail is None
                     and any(pos == self.spec.trail_position for _, pos in targets)):
                 fi = next(i for i, pos in targets if pos == self.spec.trail_position)
@@ -585,7 +578,7 @@ class HookSet:
             if name not in self.spec.outputs:
                 return None
             B, T = self.rowmap.shape
-            outs = [f for f in (flat_rows(t, B, T) for t in self.module_rows(name, out)) if f is not None]
+            outs = [v for v in (token_view(t, B, T) for t in self.module_rows(name, out)) if v is not None]
             _keep(self.capture.outputs.setdefault(name, {}), outs, self.rowmap.targets())
             return None
         return hook

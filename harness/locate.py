@@ -30,8 +30,8 @@ from typing import Callable
 
 import torch
 
-from tic.harness.capture import (Capture, CaptureRunner, CaptureSpec, Trail, raw_bytes, rows_equal, runner_for,
-                                 same_bits)
+from tic.harness.capture import (Capture, CaptureRunner, CaptureSpec, Trail, dense, raw_bytes, rows_equal,
+                                 runner_for, same_bits)
 from tic.harness.layouts import describe_train_layout, probe_batch
 from tic.harness.metrics import _ordered_int
 from tic.core.errors import TicInputError
@@ -49,7 +49,7 @@ class Side:
 
 # -- comparing captured rows ------------------------------------------------------------------------------
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
-    if not (a.is_floating_point() and b.is_floating_point()) or a.shape != b.shape:
+    if not (a.is_floating_point() and b.is_floating_point()) or a.numel() != b.numel():
         return 0
     if a.dtype != b.dtype:  # ulps only mean something in one dtype; compare the wider of the two
         a, b = a.to(torch.float64), b.to(torch.float64)
@@ -57,18 +57,29 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(d.max()) if d.numel() else 0
 
 
+def _comparable(a: tuple, b: tuple) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The pairs of one token's rows that hold the same quantity on both sides: the same element count and dtype
+    (a tensor of another size, e.g. attention weights over another number of keys, is a layout's, not a value)."""
+    return [(x, y) for x, y in zip(a, b) if x.numel() == y.numel() and x.dtype == y.dtype]
+
+
 def compare_rows(a: dict[int, tuple], b: dict[int, tuple]) -> dict:
-    common = sorted(set(a) & set(b))
-    diff = [p for p in common if not rows_equal(a[p], b[p])]
+    """Per position of the compared sequence, one module's rows on both sides, bit for bit (positions where
+    either side recorded nothing comparable are not compared)."""
+    pairs = {p: _comparable(a[p], b[p]) for p in sorted(set(a) & set(b))}
+    common = [p for p, got in pairs.items() if got]
+    diff = [p for p in common if not all(same_bits(x.reshape(-1), y.reshape(-1)) for x, y in pairs[p])]
     elements, max_ulp = 0, 0
     for p in diff:
-        for x, y in zip(a[p], b[p]):
-            if x.shape == y.shape and x.dtype == y.dtype:
-                elements += int((x.flatten() != y.flatten()).sum()) if x.is_floating_point() else \
-                    int((x != y).sum())
-                max_ulp = max(max_ulp, _ulps(x, y))
+        for x, y in pairs[p]:
+            elements += int((dense(x).view(_bits(x)) != dense(y).view(_bits(y))).sum())
+            max_ulp = max(max_ulp, _ulps(x, y))
     return {"positions": len(common), "differing_positions": len(diff), "first_position": diff[0] if diff else None,
             "differing_elements": elements, "max_ulp": max_ulp, "equal": not diff and bool(common)}
+
+
+def _bits(t: torch.Tensor) -> torch.dtype:
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
 
 
 # -- operator trails ----------------------------------------------------------------------------------------

@@ -30,15 +30,41 @@ def _tensors(v) -> list[torch.Tensor]:
     return []
 
 
-def standard_map(shape: tuple, batch: int, length: int) -> torch.Tensor | None:
-    """Token map of a tensor laid out per token: [B, T, ...] or [B*T, ...]; None if it is not."""
-    n = batch * length
-    if len(shape) >= 2 and tuple(shape[:2]) == (batch, length):
-        lead = torch.arange(n, dtype=torch.int32).reshape(batch, length)
-        return lead.reshape(batch, length, *([1] * (len(shape) - 2))).expand(shape)
-    if len(shape) >= 1 and shape[0] == n:
-        return torch.arange(n, dtype=torch.int32).reshape(n, *([1] * (len(shape) - 1))).expand(shape)
-    return None
+def _token_layout(shape: tuple, stride: tuple, batch: int, length: int) -> str | None:
+    """How a tensor of this shape and strides holds tokens: "bt" [B, T, ...], "flat" [B*T, ...], "bht" per head
+    [B, H, T, ...] (attention's q/k/v after their transpose), or None. When H == T the two 4-d layouts look alike:
+    a transposed view (the head dimension's stride below the token dimension's) is taken per head. For T == 1 a
+    token's elements are the same, in the same order, whichever layout is taken."""
+    per_head = len(shape) >= 3 and shape[0] == batch and shape[2] == length
+    if len(shape) >= 2 and shape[:2] == (batch, length) and not (per_head and length > 1 and stride[1] < stride[2]):
+        return "bt"
+    if len(shape) >= 1 and shape[0] == batch * length:
+        return "flat"
+    return "bht" if per_head else None
+
+
+def _as_layout(x: torch.Tensor, layout: str | None, batch: int, length: int) -> torch.Tensor | None:
+    if layout == "bt":
+        return x
+    if layout == "flat":
+        return x.unflatten(0, (batch, length))
+    return x.transpose(1, 2) if layout == "bht" else None
+
+
+def token_view(x: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:
+    """x as a [B, T, ...] view when it is laid out per token (one of the layouts above); None otherwise."""
+    return _as_layout(x, _token_layout(tuple(x.shape), x.stride(), batch, length), batch, length)
+
+
+def standard_map(x: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:
+    """Token map of a tensor laid out per token (token_view); None if it is not."""
+    m = torch.full(tuple(x.shape), -1, dtype=torch.int32)
+    v = _as_layout(m, _token_layout(tuple(x.shape), x.stride(), batch, length), batch, length)
+    if v is None:
+        return None
+    v.copy_(torch.arange(batch * length, dtype=torch.int32).reshape(batch, length, *([1] * (v.dim() - 2)))
+            .expand(v.shape))
+    return m
 
 
 # the provenances of the trails being recorded now (tic.harness.capture.OpRecorder pushes and pops its own)
@@ -102,7 +128,7 @@ class Provenance:
     def seed(self, t) -> None:
         """A module input: per-token layouts get the standard map; other tensors (masks, weights) none."""
         for x in _tensors(t):
-            m = standard_map(tuple(x.shape), self.batch, self.length)
+            m = standard_map(x, self.batch, self.length)
             if m is not None and self.tokens(x) is None:
                 self._set(x, m)
 

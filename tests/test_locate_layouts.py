@@ -210,3 +210,55 @@ def test_fresh_process_claims_one_operator_for_identical_calls(tmp_path):
     # equal bits prove nothing: the script says what it checked, and claims no proof
     assert f"CHECKS: {repro.SAME_OPERATOR}" in res["output"] and "PROVES:" not in res["output"]
 
+
+# -- 5. per-head module rows ------------------------------------------------------------------------------
+def test_token_layouts_per_token_per_row_and_per_head():
+    """A [B, H, T, D] tensor (attention's q after its transpose, what Gemma-3's q_norm takes) holds tokens as
+    [B, T, ...] and [B*T, ...] do; H == T is told apart by the strides of a transposed view."""
+    from tic.harness.provenance import standard_map, token_view
+
+    B, T, H, D = 2, 3, 4, 5
+    x = torch.randn(B, T, H, D)
+    for layout in (x, x.reshape(B * T, H, D), x.transpose(1, 2)):
+        view = token_view(layout, B, T)
+        assert view is not None and torch.equal(view.reshape(B, T, -1), x.reshape(B, T, -1))
+        m = standard_map(layout, B, T)
+        tokens = token_view(m, B, T).reshape(B, T, -1)
+        assert torch.equal(tokens, torch.arange(B * T, dtype=torch.int32).reshape(B, T, 1).expand(B, T, H * D))
+    square = torch.randn(B, T, T, D)  # H == T
+    assert torch.equal(token_view(square.transpose(1, 2), B, T), square)  # taken per head: the view's strides
+    assert token_view(square, B, T) is square  # a dense [B, T, T, D]: per token
+    assert token_view(torch.randn(B, 7, D), B, T) is None
+
+
+GEMMA3 = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=128, hidden_size=32,
+              intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+              max_position_embeddings=256, tie_word_embeddings=True, dtype="float32", rms_norm_eps=1e-6,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0, sliding_window=4, sliding_window_pattern=2,
+              query_pre_attn_scalar=16)
+
+
+def test_a_per_head_norm_is_compared_by_its_rows_not_blamed_for_rows_it_did_not_show(tmp_path, monkeypatch, tic):
+    """Gemma-3's q_norm/k_norm take [B, H, T, D]: the prefill side's rows used not to be seen as token rows, so
+    the norm "differed on identical inputs" with 0 ulp and no operator pair or repro. Its rows are compared now
+    (equal), and the locator goes on to the attention's own arithmetic with a repro that exits 1."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3))
+    (tmp_path / "tic.yaml").write_text(
+        "model: {path: ., dtype: float32, generate: {seed: 0}}\n"
+        "rollout: {engine: hf, kernels: stock, batch_size: 8}\n"
+        "train: {engine: hf, kernels: stock, micro_batch_size: 4, padding_side: right}\n"
+        "prompts: {source: random, count: 8, seed: 0, min_len: 4, max_len: 24}\n"
+        "sampling: {temperature: 1.0, max_tokens: 8, seed: 0}\n")
+    code, out, _ = tic("locate", "-c", str(tmp_path / "tic.yaml"), "--gate", "C4", "--json")
+    assert code == 1
+    found = json.loads(out)
+    assert found["culprit_module"] == "model.layers.0.self_attn", found["module_trail"]
+    report = json.loads((tmp_path / ".tic" / "artifacts" / "C4" / "locate" / "locate.json").read_text())
+    siblings = {s["module"]: s for d in report["module_trail"] for s in d["siblings"]}
+    for norm in ("q_norm", "k_norm"):
+        assert not siblings[f"model.layers.0.self_attn.{norm}"]["diverges"], siblings
+    assert all(s["max_ulp"] > 0 for s in siblings.values() if s["diverges"])  # nothing "differs" by 0 ulp
+    assert found["repro_check"]["reproduces"] and found["repro_check"]["exit_code"] == 1, found["repro_check"]
