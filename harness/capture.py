@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tic.core.errors import raised_at
-from tic.harness import launch_record
+from tic.harness import launch_record, replay
 from tic.harness.engines.base import Sample
 from tic.harness.engines.hf import cache_kwargs, packed_row, padded_batch
 from tic.harness import provenance as provenance_mod
@@ -58,7 +58,10 @@ class OpCall:
     # the token map (tic.harness.provenance) of each output and of each top-level argument at call time: which
     # token of the traced forward call each element belongs to, -1 for none; None where nothing is known
     out_tokens: tuple | None = None
-    arg_tokens: tuple | None = None
+    arg_tokens: tuple | None = None  # a tuple per list argument (cat, stack: one map per tensor)
+    # where each tensor argument lay in memory when the engine called the operator (tic.harness.replay.layout_of),
+    # shaped like (args, kwargs); the recorded arguments are copies laid out the same way
+    layouts: tuple | None = None
 
 
 @dataclass
@@ -158,36 +161,43 @@ class _RowMap:
         return [(i, int(flat[i])) for i in idx]
 
 
-def _tree_map(fn, v):
-    if isinstance(v, (list, tuple)):
-        return type(v)(_tree_map(fn, x) for x in v)
-    return fn(v)
-
-
 def _clone(v):
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
 
 
-def _written(func, args, kwargs) -> list[torch.Tensor]:
-    """Tensors an operator writes in place (schema alias_info is_write): e.g. vLLM's kernels return None and
-    fill their `out`/input arguments."""
-    try:
-        schema = func._schema
-    except AttributeError:
-        return []
-    got = []
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = args[i] if i < len(args) else kwargs.get(a.name)
-        if isinstance(v, torch.Tensor):
-            got.append(v)
-    return got
+def recorded_arguments(args: tuple, kwargs: dict, blank: dict) -> tuple[tuple, dict, tuple]:
+    """(args, kwargs, layouts) as a recorder keeps a call's arguments: copies taken before the call (kernels may
+    write their inputs), each tensor laid out in memory as the engine's was (tic.harness.replay.rebuild). A
+    buffer fresh from an uninitialised-memory factory and not yet written (its storage in `blank`) is an output
+    buffer, not an input: recorded as zeros, its layout marked "blank", so that two sides' garbage never counts
+    as different inputs."""
+    def lay(v):
+        if isinstance(v, (list, tuple)):
+            return [lay(x) for x in v]
+        if not isinstance(v, torch.Tensor):
+            return None
+        got = replay.layout_of(v)
+        if Provenance._storage_key(v) in blank:
+            got["blank"] = True
+        return got
+
+    layouts = (tuple(lay(a) for a in args), {k: lay(v) for k, v in kwargs.items()})
+    return (tuple(replay.rebuild_tree(a, la) for a, la in zip(args, layouts[0])),
+            {k: replay.rebuild_tree(v, layouts[1][k]) for k, v in kwargs.items()}, layouts)
 
 
 def _snapshot(m: torch.Tensor | None) -> torch.Tensor | None:
     """A token map as it is now (later in-place writes change the storage's map); None if it names no token."""
     return None if m is None or not bool((m >= 0).any()) else m.clone()
+
+
+def argument_tokens(prov, args: tuple) -> tuple | None:
+    """The token map of each top-level argument at call time (a tuple of maps for a list of tensors: cat, stack);
+    None without a provenance."""
+    if prov is None:
+        return None
+    one = lambda a: _snapshot(prov.tokens(a)) if isinstance(a, torch.Tensor) else None  # noqa: E731
+    return tuple(tuple(one(x) for x in a) if isinstance(a, (list, tuple)) else one(a) for a in args)
 
 
 class _OpFailed(Exception):
@@ -213,13 +223,6 @@ def _first_tensor(args, kwargs) -> torch.Tensor | None:
             if isinstance(x, torch.Tensor):
                 return x
     return None
-
-
-def call_outputs(func, args, kwargs, out) -> list[torch.Tensor]:
-    """A call's outputs as the recorder counts them: returned tensors, then the arguments it writes in place
-    that it did not also return (vLLM's kernels return nothing and fill `out`/`result`)."""
-    outs = tensors_of(out)
-    return outs + [w for w in _written(func, args, kwargs) if not any(w is o for o in outs)]
 
 
 class OpRecorder(TorchDispatchMode):
@@ -320,13 +323,11 @@ class OpRecorder(TorchDispatchMode):
             return out
         if _first_tensor(args, kwargs) is None:
             return func(*args, **kwargs)
-        pre_args = tuple(_tree_map(_clone, a) for a in args)
-        pre_kwargs = {k: _tree_map(_clone, v) for k, v in kwargs.items()}
+        pre_args, pre_kwargs, layouts = recorded_arguments(args, kwargs, self.blank)
         sources = (tuple(self._source(a, p) for a, p in zip(args, pre_args)),
                    {k: self._source(v, pre_kwargs[k]) for k, v in kwargs.items()})
         prov = self.provenance
-        arg_tokens = None if prov is None else tuple(
-            _snapshot(prov.tokens(a)) if isinstance(a, torch.Tensor) else None for a in args)
+        arg_tokens = argument_tokens(prov, args)
         self.busy += 1
         try:
             out = func(*args, **kwargs)
@@ -336,14 +337,14 @@ class OpRecorder(TorchDispatchMode):
             self.busy -= 1
         try:  # the operator ran: from here on a failure loses its record, never reruns it
             returned = tensors_of(out)
-            written = _written(func, args, kwargs)
+            written = replay.written(func, args, kwargs)
             outs = returned + [w for w in written if not any(w is o for o in returned)]
             out_tokens = None
             if prov is not None:
                 prov.after(func, args, kwargs, returned, written)
                 out_tokens = tuple(_snapshot(prov.tokens(t)) for t in outs)
             call = OpCall(str(func), func, pre_args, pre_kwargs, tuple(_clone(t) for t in outs), sources,
-                          out_tokens, arg_tokens)
+                          out_tokens, arg_tokens, layouts)
         except Exception as e:  # noqa: BLE001
             self.errors.append(f"{func}: ran, not recorded: {type(e).__name__}: {e}")
             return out

@@ -394,6 +394,13 @@ def operator_named(found: str | None, expected: tuple) -> bool:
     return any(_short(e) in names for e in expected)
 
 
+def planted_side_operator(res: dict, side: str) -> str | None:
+    """The operator the locator names on the planted side: its call of the pair, or, when the two sides compute the
+    value with different operator sequences, that side's own first call whose value the other never computes."""
+    calls = (res.get("difference") or {}).get("calls") or {}
+    return (calls.get(side.upper()) or {}).get("operator") or res.get("first_operator")
+
+
 def _samples(engine, rng: random.Random, vocab: int, upto: int):
     from tic.harness.engines.base import Sampling
 
@@ -491,7 +498,7 @@ def run_trial(seed: int, out_dir: Path, mode: str = "plant", family: str | None 
         rec.update(expected_layer=plant.layer, expected_module=plant.module, expected_operators=plant.operators,
                    layer_right=res["first_divergent_layer"] == plant.layer,
                    module_right=res["culprit_module"] == plant.module,
-                   operator_right=operator_named(res["first_operator"], plant.operators))
+                   operator_right=operator_named(planted_side_operator(res, plant.side), plant.operators))
     else:
         rec["clean"] = res["first_divergent_layer"] is None and res["status"] == "no divergence" and not res["repro"]
     return rec

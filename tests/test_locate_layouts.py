@@ -148,9 +148,9 @@ def test_replay_feeds_keyword_inputs_so_a_layers_own_change_stays_in_the_layer(t
 
 
 # -- 4. a repro says what it shows ------------------------------------------------------------------------
-def test_split_k_repro_is_an_implementation_difference_not_one_operator(tmp_path, monkeypatch):
+def test_split_k_repro_names_the_argument_that_differs_not_one_operator(tmp_path, monkeypatch):
     """Split-K on one side: a partial GEMM against the full one. The repro reproduces (exit 1) but must not
-    present two calls on different inputs as one operator on identical inputs."""
+    present two calls on different inputs as one operator on the same arguments: it names the argument."""
     monkeypatch.chdir(tmp_path)
     a, b = _engines()
     down = b.model.model.layers[1].mlp.down_proj
@@ -166,39 +166,25 @@ def test_split_k_repro_is_an_implementation_difference_not_one_operator(tmp_path
     res = _run(a, b, tmp_path / "out")
     assert res["culprit_module"] == "model.layers.1.mlp.down_proj"
     assert res["repro"] and res["repro_check"]["exit_code"] == 1
-    assert res["repro_proves"].startswith("implementation difference: argument 0 has shape"), res["repro_proves"]
+    want = (f"same operator, arguments that differ: argument 0 (input): the traced token's part has {2 * h} "
+            f"elements on side A, {h} on side B")
+    assert res["repro_proves"] == want, res["repro_proves"]
+    assert res["difference"]["kind"] == "same operator, arguments that differ"
+    origins = res["difference"]["origins"]  # each side's row: views of the module's input, B's cut in half
+    assert origins["A"].endswith("of the module's input") and "aten.slice" in origins["B"], origins
     assert not res["repro_check"]["same_operator_identical_inputs"]
     script = Path(res["repro"]).read_text()
-    assert "What it shows: implementation difference" in script
+    assert "What it shows: same operator, arguments that differ" in script
     out = subprocess.run([sys.executable, res["repro"]], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1 and "PROVES: implementation difference" in out.stdout, out.stdout
-    assert "same operator, identical inputs" not in out.stdout.split("PROVES:")[1].splitlines()[0]
+    assert out.returncode == 1 and f"PROVES: {want}" in out.stdout, out.stdout
 
 
-def test_repro_claims_one_operator_only_for_identical_calls(tmp_path):
-    """The fresh process decides the claim: identical op, arguments and picked place -> one operator on
-    identical inputs; anything else -> an implementation difference naming what differs."""
-    from tic.harness import repro
-
-    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
-    w = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
-    call = {"op": "aten.mm.default", "args": (x, w), "kwargs": {}, "where": {"kind": "row", "row": 1, "output": 0}}
-    assert repro.claim(call, dict(call)) == repro.SAME_OPERATOR
-    other = dict(call, args=(x[:2], w))
-    assert repro.claim(call, other).startswith("implementation difference: argument 0 has shape")
-    nudged = x.clone()
-    nudged[0, 0] = torch.nextafter(nudged[0, 0], torch.tensor(10.0))
-    assert repro.claim(call, dict(call, args=(nudged, w))) == \
-        "implementation difference: argument 0 differs between the two calls"
-    assert repro.claim(call, dict(call, op="aten.addmm.default")).startswith("implementation difference: operator")
-    assert repro.claim(None, call).startswith("implementation difference: side A has no such operator")
-
-
-def test_fresh_process_claims_one_operator_for_identical_calls(tmp_path):
-    """The script's own check, run in the fresh process, calls identical calls one operator on identical inputs
-    (and, their bits being equal, the candidate is not emitted)."""
+def test_fresh_process_says_identical_calls_show_nothing(tmp_path):
+    """The script's own check, run in the fresh process, calls identical calls one operator on the same
+    arguments; their bits being equal, the candidate is not emitted."""
     from tic.harness import repro
     from tic.harness.capture import OpCall
+    from tic.harness.replay import SAME_ARGUMENTS
     from tic.harness.repro import OpSide
 
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
@@ -206,9 +192,9 @@ def test_fresh_process_claims_one_operator_for_identical_calls(tmp_path):
     call = OpCall("aten.mm.default", torch.ops.aten.mm.default, (x, w), {}, (x @ w,))
     side = OpSide(call, {"kind": "row", "output": 0, "row": 1}, 3)
     res = repro.emit(tmp_path, "C5", side, side, None, "a", "b", "claim check")
-    assert res["proves"] == repro.SAME_OPERATOR and res["exit_code"] == 0 and not res["reproduces"]
+    assert res["proves"].startswith(SAME_ARGUMENTS) and res["exit_code"] == 0 and not res["reproduces"]
     # equal bits prove nothing: the script says what it checked, and claims no proof
-    assert f"CHECKS: {repro.SAME_OPERATOR}" in res["output"] and "PROVES:" not in res["output"]
+    assert f"CHECKS: {SAME_ARGUMENTS}" in res["output"] and "PROVES:" not in res["output"]
 
 
 # -- 5. per-head module rows ------------------------------------------------------------------------------
