@@ -30,11 +30,15 @@ def _tensors(v) -> list[torch.Tensor]:
     return []
 
 
-def _token_layout(shape: tuple, stride: tuple, batch: int, length: int) -> str | None:
-    """How a tensor of this shape and strides holds tokens: "bt" [B, T, ...], "flat" [B*T, ...], "bht" per head
-    [B, H, T, ...] (attention's q/k/v after their transpose), or None. When H == T the two 4-d layouts look alike:
-    a transposed view (the head dimension's stride below the token dimension's) is taken per head. For T == 1 a
-    token's elements are the same, in the same order, whichever layout is taken."""
+def _token_layout(x: torch.Tensor, batch: int, length: int) -> str | None:
+    """How a tensor holds tokens: "bt" [B, T, ...], "flat" [B*T, ...], "bht" per head [B, H, T, ...] (attention's
+    q/k/v after their transpose), or None. When H == T the two 4-d layouts look alike: a transposed view (the head
+    dimension's stride below the token dimension's) is taken per head. For T == 1 a token's elements are the same,
+    in the same order, whichever layout is taken. A bool tensor is a mask over another axis (an attention mask's
+    keys, placed by the layout's padding): never a token's values."""
+    if x.dtype == torch.bool:
+        return None
+    shape, stride = tuple(x.shape), x.stride()
     per_head = len(shape) >= 3 and shape[0] == batch and shape[2] == length
     if len(shape) >= 2 and shape[:2] == (batch, length) and not (per_head and length > 1 and stride[1] < stride[2]):
         return "bt"
@@ -53,13 +57,13 @@ def _as_layout(x: torch.Tensor, layout: str | None, batch: int, length: int) -> 
 
 def token_view(x: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:
     """x as a [B, T, ...] view when it is laid out per token (one of the layouts above); None otherwise."""
-    return _as_layout(x, _token_layout(tuple(x.shape), x.stride(), batch, length), batch, length)
+    return _as_layout(x, _token_layout(x, batch, length), batch, length)
 
 
 def standard_map(x: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:
     """Token map of a tensor laid out per token (token_view); None if it is not."""
     m = torch.full(tuple(x.shape), -1, dtype=torch.int32)
-    v = _as_layout(m, _token_layout(tuple(x.shape), x.stride(), batch, length), batch, length)
+    v = _as_layout(m, _token_layout(x, batch, length), batch, length)
     if v is None:
         return None
     v.copy_(torch.arange(batch * length, dtype=torch.int32).reshape(batch, length, *([1] * (v.dim() - 2)))
@@ -163,7 +167,7 @@ class Provenance:
     def after(self, func, args, kwargs, outs: list[torch.Tensor], written: list[torch.Tensor]) -> None:
         """Update the maps for one operator call: its new outputs and the tensors it wrote in place."""
         inputs = [x for v in list(args) + list(kwargs.values()) for x in _tensors(v)]
-        if str(func) in CONSTANT_OPS:  # values that depend on no input's data: no token, whatever was there
+        if str(func) in CONSTANT_OPS or _op_name(func) in POSITION_OPS:  # no token, whatever was there
             for t in outs + written:
                 if self.tokens(t) is not None:
                     self._set(t, torch.full(tuple(t.shape), -1, dtype=torch.int32))
@@ -281,6 +285,9 @@ def _is_move(func) -> bool:
 CONSTANT_OPS = {f"aten.{n}.default" for n in ("zeros_like", "ones_like", "full_like", "empty_like", "new_zeros",
                                               "new_ones", "new_full", "new_empty", "new_empty_strided", "zero_")}
 CONSTANT_OPS.add("aten.fill_.Scalar")
+# operators whose results are coordinates in their input's layout (where a mask is set: a padded row's keys sit
+# elsewhere in another layout), not values of the token
+POSITION_OPS = {"nonzero", "nonzero_static", "argwhere"}
 
 
 def _op_name(func) -> str:

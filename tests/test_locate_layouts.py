@@ -215,6 +215,9 @@ def test_token_layouts_per_token_per_row_and_per_head():
     assert torch.equal(token_view(square.transpose(1, 2), B, T), square)  # taken per head: the view's strides
     assert token_view(square, B, T) is square  # a dense [B, T, T, D]: per token
     assert token_view(torch.randn(B, 7, D), B, T) is None
+    # an attention mask [B, 1, T, K] is laid out per query, but its row says which keys, placed by the layout's
+    # padding: not a token's values, so never compared or fed to the other side as one
+    assert token_view(torch.ones(B, 1, T, 6, dtype=torch.bool), B, T) is None
 
 
 GEMMA3 = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=128, hidden_size=32,

@@ -131,3 +131,17 @@ def test_recording_an_out_overload_leaves_its_result_alone():
     with OpRecorder(provenance=prov) as rec:
         torch.gather(ids, 1, torch.tensor([[4, 0], [2, 2]]), out=got)
     assert not rec.errors and torch.equal(got, want)
+
+
+def test_coordinates_of_a_mask_are_no_values_of_the_token():
+    """nonzero gives where a mask is set: positions in its input's layout (a padded row's keys sit elsewhere in
+    another layout), not values of the token, so they carry no token and are never compared as its values."""
+    B, T = 1, 3
+    mask = torch.tensor([[True, False, True, True]] * 3).reshape(B, T, 4).float()
+    prov = Provenance(B, T)
+    prov.seed(mask)
+    rec = OpRecorder(provenance=prov)
+    with rec:
+        mask[0, 1].nonzero()
+    call = next(c for c in rec.calls if c.op == "aten.nonzero.default")
+    assert call.arg_tokens[0] is not None and call.out_tokens[0] is None
