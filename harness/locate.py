@@ -598,23 +598,24 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
 
 
 def recheck_repro(side_a: Side, side_b: Side, found: dict, changed: str, out_dir: Path) -> dict:
-    """Re-run the repro `locate` emitted (`found` is its result) after side `changed` ("A" or "B") was changed,
-    e.g. a fix applied or a planted fault removed: that side's computation is recorded again, on the same module
-    inputs (side B is fed side A's, as in `locate`) at the same traced position, and replaces that side's entry
-    in the repro's tensors; the other side's entry stays as emitted, and the emitted script is run on them in a
-    fresh process. Exit 0: the two sides now give the same bits there; 1: they still differ.
+    """Re-run the repro `locate` emitted (`found` is its result) after side `changed` ("A", "B", or "AB" for both)
+    was changed, e.g. a fix applied or a planted fault removed: that side's computation is recorded again, on the
+    same module inputs (side B is fed side A's, as in `locate`) at the same traced position, and replaces that
+    side's entry in the repro's tensors; the other side's entry stays as emitted, and the emitted script is run on
+    them in a fresh process. Exit 0: the two sides now give the same bits there; 1: they still differ.
 
     The changed side's new entry is, for an operator repro, the counterpart of the other side's call (the same
     step: operator and traced value shapes, at the same rank, as `first_operator` pairs them); for a module
     repro, the module's recorded operator sequence. When the repro has no call for one side (its value was the
-    input of a conversion only the other side runs), or the changed side no longer runs that operator, both
-    sides' module sequences as recorded now are compared instead ("module"), by a newly rendered module repro."""
+    input of a conversion only the other side runs), the changed side no longer runs that operator, or both sides
+    changed, both sides' module sequences as recorded now are compared instead ("module"), by a newly rendered
+    module repro."""
     from tic.harness import repro as repro_mod
 
     check = found.get("repro_check") or {}
     if not found.get("repro") or not check.get("tensors"):
         raise TicInputError("no emitted repro to recheck")
-    changed = changed.upper()
+    changed = changed.upper()  # "A", "B", or "AB": both sides changed (a kernel planted on both, removed)
     culprit, pos = found["culprit_module"], found["traced_position"]
     ta = side_a.run(CaptureSpec(outputs={culprit}, inputs={culprit}, trail_module=culprit, trail_position=pos))
     repl = {culprit: ta.inputs[culprit]} if culprit in ta.inputs else {}
@@ -625,11 +626,13 @@ def recheck_repro(side_a: Side, side_b: Side, found: dict, changed: str, out_dir
     other_key = "b" if key == "a" else "a"
     other = other_key.upper()
     entry = None
-    if data[key] is not None and "calls" in data[key]:
+    if changed == "AB":  # nothing of the emitted repro stays: both sides' modules as computed now
+        pass
+    elif data[key] is not None and "calls" in data[key]:
         entry, kind = _module_program(fresh[changed], culprit, pos), "module"
     elif data[key] is not None and data[other_key] is not None and fresh[changed].trail and fresh[other].trail:
         entry, kind = _counterpart_call(fresh[other].trail, found["operator_calls"][other], data[other_key],
-                                        fresh[changed].trail), "operator"
+                                        fresh[changed].trail, data[key].get("cut")), "operator"
     if entry is None:  # compare the two sides' whole module as computed now
         progs = [_module_program(fresh[s], culprit, pos) for s in ("A", "B")]
         if not all(progs):
@@ -644,10 +647,12 @@ def recheck_repro(side_a: Side, side_b: Side, found: dict, changed: str, out_dir
     return {"kind": kind, **res}
 
 
-def _counterpart_call(trail_other: Trail, index: int, other_entry: dict, trail_new: Trail) -> dict | None:
+def _counterpart_call(trail_other: Trail, index: int, other_entry: dict, trail_new: Trail,
+                      cut: dict | None = None) -> dict | None:
     """A repro entry for trail_new's call that is the counterpart of trail_other's call `index` (the same step:
-    operator and traced value shapes, at the same rank, as `first_operator` pairs them), picking the same output;
-    None if there is none."""
+    operator and traced value shapes, at the same rank, as `first_operator` pairs them), picking the same output,
+    cut as the entry it replaces was (`cut`: its rows, so that a row-count-dependent kernel is compared on the
+    same launch); None if there is none."""
     from tic.harness import repro as repro_mod
 
     outs_other, _ = trail_rows(trail_other)
@@ -665,9 +670,10 @@ def _counterpart_call(trail_other: Trail, index: int, other_entry: dict, trail_n
     got = outs_new[ci]
     k, where, _v, rows = next((g for g in got if g[0] == other_entry["where"]["output"]), got[0])
     side = _op_side(trail_new, ci, where, rows)
+    args, kwargs, where = repro_mod.cut_call(side, cut)
     with torch.inference_mode():
-        expect = repro_mod._run(side, side.call.args, dict(side.call.kwargs), where).detach().clone()
-    return {**_entry(trail_new, ci, where), "expect": expect}  # as repro.emit keeps a call
+        expect = repro_mod._run(side, args, kwargs, where).detach().clone()
+    return {**_entry(trail_new, ci, where), "args": args, "kwargs": kwargs, "expect": expect}  # as emit keeps one
 
 
 def write_chart(path: Path, table: list[dict], gate: str) -> str:

@@ -178,21 +178,37 @@ def shrink(a: OpSide | None, b: OpSide, a_value: torch.Tensor | None, skip: dict
             state[key] = saved
         return ok
 
+    cuts: dict = {"a": None, "b": None}  # how each side's call was cut (cut_call), for a recheck to cut alike
     for key, side in (("a", a), ("b", b)):
         if side is None or skip.get(key):
             continue
         reduced = one_sequence(side, *state[key])
         if reduced is not None:
-            trial(key, reduced)
+            if trial(key, reduced):
+                cuts[key] = {"one_sequence": True}
             continue
         if side.rows <= 1 or not side.call.op.startswith("aten."):
             continue  # custom kernels (e.g. vLLM's attention) tie rows together through other arguments
         must = side.where["row" if side.where["kind"] == "row" else "b"]
         keep = _ddmin(list(range(side.rows)), must, lambda k: trial(key, _subset(side, k)))
-        if len(keep) < side.rows and not trial(key, _subset(side, keep)):  # leave the state at the minimum found
+        if len(keep) < side.rows and trial(key, _subset(side, keep)):  # the state at the minimum found
+            cuts[key] = {"rows": keep}
+        else:
             state[key] = (side.call.args, dict(side.call.kwargs), dict(side.where))
-    pack = lambda s: None if s is None else {"args": s[0], "kwargs": s[1], "where": s[2]}  # noqa: E731
-    return pack(state["a"]), pack(state["b"]), evals
+    pack = lambda s, c: None if s is None else {"args": s[0], "kwargs": s[1], "where": s[2], "cut": c}  # noqa: E731
+    return pack(state["a"], cuts["a"]), pack(state["b"], cuts["b"]), evals
+
+
+def cut_call(side: OpSide, cut: dict | None) -> tuple[tuple, dict, dict]:
+    """(args, kwargs, where) of the side's call cut as `shrink` cut a call ("cut" of its entry): to rows
+    cut["rows"], or to the traced token's sequence alone; the whole call without a cut, or where the cut does
+    not apply to it."""
+    whole = (side.call.args, dict(side.call.kwargs), dict(side.where))
+    if cut and cut.get("one_sequence"):
+        return one_sequence(side, *whole) or whole
+    if cut and cut.get("rows") and side.rows > max(cut["rows"]):
+        return _subset(side, cut["rows"])
+    return whole
 
 
 def _rows_of(call: dict | None, fallback: int) -> int:
