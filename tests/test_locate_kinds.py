@@ -18,12 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tic.harness import replay, repro
+from tic.harness import plant_kernels, replay, repro
 from tic.harness.locate import recheck_repro
 
-SUPPORT = Path(__file__).resolve().parent / "support"
-sys.path.insert(0, str(SUPPORT))
-import tic_rownorm  # noqa: E402  registers torch.ops.tic_rownorm
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 from tic_locate_pair import engines, locate_pair, sides  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "examples" / "tiny-qwen3" / "tic-consistent.yaml"
@@ -33,7 +31,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 @pytest.fixture
 def pair(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PYTHONPATH", str(SUPPORT))  # a fresh repro process imports tic_rownorm by its name
     return engines(CONFIG)
 
 
@@ -48,7 +45,7 @@ def _rows_norm(model) -> None:
     """Every RMSNorm of this model runs the row-count-dependent stand-in kernel (this model's own provider)."""
     provider = model._tic_provider
     assert model._tic_ops.provider is provider
-    provider.rms_norm = tic_rownorm.rms_norm
+    provider.rms_norm = plant_kernels.rms_norm
 
 
 def test_a_norm_whose_reduction_follows_the_row_count_is_proven_on_identical_arguments(pair, tmp_path):
@@ -60,7 +57,7 @@ def test_a_norm_whose_reduction_follows_the_row_count_is_proven_on_identical_arg
         _rows_norm(m)
     res = locate_pair(a, b, tmp_path / "out")
     assert res["culprit_module"].endswith("input_layernorm"), res["module_trail"]
-    assert res["first_operator"] == "tic_rownorm.rms_norm.default"
+    assert res["first_operator"] == "plant_kernels.rms_norm.default"
     diff = res["difference"]
     assert diff["kind"] == replay.SAME_ARGUMENTS, diff
     assert "argument 1 (input)'s shape" in diff["detail"] and "rows)" in diff["detail"], diff
