@@ -180,6 +180,8 @@ class Provenance:
             if any(o is w for w in written):
                 continue
             m = self._moved(func, args, kwargs, tuple(o.shape)) if _is_move(func) else None
+            if m is None and _op_name(func) in REDUCTIONS:
+                m = self._reduced(func, args, kwargs, tuple(o.shape))
             if m is None:
                 m = self._derive(func, [i for i in inputs if i is not o], tuple(o.shape), dim)
             if m is not None:
@@ -252,6 +254,30 @@ class Provenance:
         agree = (count > 0) & (total * total == count * squares)
         return torch.where(agree, total // count.clamp(min=1) - 1, torch.full_like(total, -1)).to(torch.int32)
 
+    def _reduced(self, func, args, kwargs, shape) -> torch.Tensor | None:
+        """For an aten reduction over some dimensions (a sum over an MoE token's top-k slots, a mean over a row
+        without keepdim): an output element is a token's when every element it reduces is that token's."""
+        try:
+            names = [a.name for a in func._schema.arguments]
+        except AttributeError:
+            return None
+        bound = dict(zip(names, args), **kwargs)
+        x = bound.get("self", bound.get("input"))
+        m = self.tokens(x) if isinstance(x, torch.Tensor) else None
+        if m is None or not bool((m >= 0).any()) or m.dim() == 0:
+            return None
+        dims = bound.get("dim")
+        dims = list(range(m.dim())) if dims is None or dims == [] else [dims] if isinstance(dims, int) else list(dims)
+        keep = bool(bound.get("keepdim", False))
+        ids = m.to(torch.int64) + 1  # 0: no token
+        total, count = ids.sum(dims, keepdim=keep), (ids > 0).sum(dims, keepdim=keep)
+        squares, n = (ids * ids).sum(dims, keepdim=keep), math.prod(m.shape[d] for d in dims)
+        if tuple(total.shape) != tuple(shape):
+            return None
+        # n ids equal iff none is 0 and (sum ids)^2 == n * sum ids^2
+        agree = (count == n) & (total * total == count * squares)
+        return torch.where(agree, total // max(n, 1) - 1, torch.full_like(total, -1)).to(torch.int32)
+
     def _derive(self, func, sources, shape, dim):
         name = _op_name(func)
         if name in ("cat", "stack", "concat", "concatenate"):
@@ -280,6 +306,10 @@ SUMMING_OPS = {"scatter_add", "scatter_add_", "index_add", "index_add_", "scatte
 def _is_move(func) -> bool:
     return getattr(func, "namespace", None) == "aten" and _op_name(func) in MOVE_OPS and hasattr(func, "_schema")
 
+
+# aten reductions over dimensions, whose results belong to a token when all they reduce does
+REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "max", "min", "var", "std", "var_mean", "std_mean", "norm",
+              "linalg_vector_norm", "logsumexp", "nansum", "nanmean", "any", "all", "argmax", "argmin"}
 
 # operators whose results take only a shape (and dtype, device) from their tensor inputs: filled buffers
 CONSTANT_OPS = {f"aten.{n}.default" for n in ("zeros_like", "ones_like", "full_like", "empty_like", "new_zeros",

@@ -145,3 +145,21 @@ def test_coordinates_of_a_mask_are_no_values_of_the_token():
         mask[0, 1].nonzero()
     call = next(c for c in rec.calls if c.op == "aten.nonzero.default")
     assert call.arg_tokens[0] is not None and call.out_tokens[0] is None
+
+
+def test_a_reduction_keeps_the_token_of_what_it_reduces():
+    """An MoE block sums a token's top-k slots ([T, k, D] -> [T, D], no keepdim): the sum is that token's; a sum
+    over the tokens mixes them and is nobody's."""
+    B, T, k, D = 1, 3, 2, 4
+    slots = torch.randn(B * T, k, D)
+    prov = Provenance(B, T)
+    prov.seed(slots)
+    rec = OpRecorder(provenance=prov)
+    with rec:
+        slots.sum(1)
+        slots.sum(0)
+        slots.amax(dim=(1, 2))
+    per_token, everyone, row_max = (c.out_tokens[0] for c in rec.calls)
+    assert per_token.tolist() == [[t] * D for t in range(B * T)]
+    assert everyone is None
+    assert row_max.tolist() == list(range(B * T))
