@@ -171,17 +171,9 @@ def recorded_arguments(args: tuple, kwargs: dict, blank: dict) -> tuple[tuple, d
     buffer fresh from an uninitialised-memory factory and not yet written (its storage in `blank`) is an output
     buffer, not an input: recorded as zeros, its layout marked "blank", so that two sides' garbage never counts
     as different inputs."""
-    def lay(v):
-        if isinstance(v, (list, tuple)):
-            return [lay(x) for x in v]
-        if not isinstance(v, torch.Tensor):
-            return None
-        got = replay.layout_of(v)
-        if Provenance._storage_key(v) in blank:
-            got["blank"] = True
-        return got
-
-    layouts = (tuple(lay(a) for a in args), {k: lay(v) for k, v in kwargs.items()})
+    unwritten = lambda t: Provenance._storage_key(t) in blank  # noqa: E731
+    layouts = (tuple(replay.layout_tree(a, unwritten) for a in args),
+               {k: replay.layout_tree(v, unwritten) for k, v in kwargs.items()})
     return (tuple(replay.rebuild_tree(a, la) for a, la in zip(args, layouts[0])),
             {k: replay.rebuild_tree(v, layouts[1][k]) for k, v in kwargs.items()}, layouts)
 
@@ -226,12 +218,12 @@ def _first_tensor(args, kwargs) -> torch.Tensor | None:
 
 
 class OpRecorder(TorchDispatchMode):
-    """Operator trail of one module call, for every engine: inputs cloned before the call (kernels may mutate
-    them), outputs = returned tensors + tensors written in place; factory ops (no tensor input: empty,
-    arange, ...) are not computations on the token and are left out. Wrapper ops (e.g. vLLM's
-    unified_attention_with_output) of OPEN_NAMESPACES are opened: the kernels they call are recorded, not the
-    wrapper. Recording never changes what runs: each operator runs once, as given; a recording failure is kept
-    in `errors`."""
+    """Operator trail of one module call, for every engine: inputs copied before the call with their memory layout
+    (kernels may mutate them; recorded_arguments), outputs = returned tensors + tensors written in place; factory
+    ops (no tensor input: empty, arange, ...) are not computations on the token and are left out. Wrapper ops
+    (e.g. vLLM's unified_attention_with_output) of OPEN_NAMESPACES are opened: the kernels they call are
+    recorded, not the wrapper. Recording never changes what runs: each operator runs once, as given; a recording
+    failure is kept in `errors`."""
 
     def __init__(self, calls: list | None = None, errors: list | None = None, produced: dict | None = None,
                  provenance=None):
@@ -557,7 +549,9 @@ class HookSet:
                 store = self.capture.inputs.setdefault(name, {})
                 found = _input_tensors(new_args, new_kwargs, B, T)
                 _keep(store, [token_view(x, B, T) for _, x in found], targets, [k for k, _ in found])
-            if (name == self.spec.trail_module and self._recorder is None and self.capture.trail is None
+            # a module called more than once in the forward (Gemma-3's rotary, once per attention kind): its last
+            # call is traced, the one whose rows the capture keeps
+            if (name == self.spec.trail_module and self._recorder is None
                     and any(pos == self.spec.trail_position for _, pos in targets)):
                 fi = next(i for i, pos in targets if pos == self.spec.trail_position)
                 self.capture.trail = Trail([], B, T, fi)

@@ -251,3 +251,30 @@ def test_a_per_head_norm_is_compared_by_its_rows_not_blamed_for_rows_it_did_not_
         assert not siblings[f"model.layers.0.self_attn.{norm}"]["diverges"], siblings
     assert all(s["max_ulp"] > 0 for s in siblings.values() if s["diverges"])  # nothing "differs" by 0 ulp
     assert found["repro_check"]["reproduces"] and found["repro_check"]["exit_code"] == 1, found["repro_check"]
+
+
+def test_a_module_called_twice_in_a_forward_is_traced_at_the_call_whose_rows_are_kept():
+    """Gemma-3's rotary module runs once per attention kind in each forward; the capture keeps its last call's
+    rows, so the trail must be that call's (the module's output was not found among the first call's operators,
+    and no repro could be made)."""
+    from tic.harness.capture import CaptureSpec, HookSet, _RowMap
+    from tic.harness.locate import module_target
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.inner(x * 2) + self.inner(x * 3)
+
+    model = Twice()
+    rowmap = _RowMap()
+    rowmap.set(torch.arange(3)[None])
+    x = torch.randn(1, 3, 4)
+    spec = CaptureSpec(outputs={"inner"}, trail_module="inner", trail_position=1)
+    with torch.inference_mode(), HookSet(dict(model.named_modules()), spec, rowmap) as hooks:
+        model(x)
+    row = hooks.capture.outputs["inner"][1][0]
+    assert torch.equal(row, model.inner(x * 3)[0, 1].detach())
+    assert module_target(hooks.capture.trail, row) is not None
