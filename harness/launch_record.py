@@ -5,8 +5,9 @@ operator is dispatched, so the dispatch-mode recorder (tic.harness.capture.OpRec
 vLLM's batch-invariant RMSNorm or GEMM. While a recorder is active, every entry point in the registry below is
 patched so that each launch becomes one recorded call:
   - inputs: every argument as it was before the launch (tensors copied with their memory layout: a kernel
-    addresses memory through pointers and explicit strides, tic.harness.replay.rebuild); a buffer fresh from an uninitialised-memory factory
-    (`empty_like`, ...) is recorded as zeros, so two sides' garbage never counts as different inputs;
+    addresses memory through pointers and explicit strides, tic.harness.replay.rebuild); a buffer fresh from an
+    uninitialised-memory factory (`empty_like`, ...) is recorded as zeros, so two sides' garbage never counts as
+    different inputs;
   - outputs: the returned tensors, then every tensor argument whose bits the launch changed (kernels write
     their outputs in place);
   - nothing dispatched inside the launch is recorded separately, and a launch inside a recorded dispatcher op
@@ -176,8 +177,8 @@ def _record(rec, entry: LaunchEntry, original, launcher, args: tuple, kwargs: di
         before = {k: rebuild(v) for k, v in keys if isinstance(v, torch.Tensor)}
         sources = (tuple(rec._source(a, before[i]) if i in before else None for i, a in enumerate(args)),
                    {k: rec._source(v, before[k]) if k in before else None for k, v in call_kwargs.items()})
-        arg_tokens = argument_tokens(rec.provenance, args)
         prov = rec.provenance
+        arg_tokens = argument_tokens(prov, args)
     except Exception as e:  # noqa: BLE001  the recording broke, not the launch: launch it plainly
         rec.errors.append(f"launch of {getattr(launcher, entry.fn_attr, launcher)!r}: {type(e).__name__}: {e}")
         return original(launcher, *args, **kwargs)

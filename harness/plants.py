@@ -300,7 +300,8 @@ def _stage_of(name: str) -> str:
     return m.group(1) if m else name
 
 
-ACTIVATIONS = ("SiLU", "SiLUActivation", "GELUTanh", "PytorchGELUTanh", "GELUActivation", "NewGELUActivation")
+SILU = ("SiLU", "SiLUActivation")
+GELU = ("GELUTanh", "PytorchGELUTanh", "GELUActivation", "NewGELUActivation")
 
 
 def _kind_of(name: str, m: nn.Module) -> str | None:
@@ -312,7 +313,7 @@ def _kind_of(name: str, m: nn.Module) -> str | None:
         return "norm"
     if isinstance(m, nn.Linear):
         return "linear"
-    if type(m).__name__ in ACTIVATIONS:
+    if type(m).__name__ in SILU + GELU:
         return "act"
     if name.endswith("self_attn"):
         return "attention"
@@ -502,8 +503,7 @@ def _named(*names: str) -> Callable[[nn.Module], bool]:
     return lambda m: type(m).__name__ in names
 
 
-_silu, _gelu = _named("SiLU", "SiLUActivation"), _named("GELUTanh", "PytorchGELUTanh", "GELUActivation",
-                                                        "NewGELUActivation")
+_silu, _gelu = _named(*SILU), _named(*GELU)
 # kind -> [(maker, when, fits)]: `when` "any" kernels; "wrapped" tic's kernel wrappers only; "stock" transformers'
 # own modules only (the wrappers never call an activation module, and their attention reads its own rotary
 # table and multiplies per query row); "layouts" wrappers, when the two sides run different layouts (a kernel

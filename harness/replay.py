@@ -101,14 +101,15 @@ def rebuild_tree(v, layouts):
     return v
 
 
-def layout_tree(v):
-    """The layout of every tensor of an argument tree, shaped like it (None for other values)."""
+def layout_tree(v, blank=None):
+    """The layout of every tensor of an argument tree, shaped like it (None for other values); a tensor for which
+    `blank(tensor)` holds (an output buffer nobody has written) is marked "blank"."""
     if isinstance(v, torch.Tensor):
-        return layout_of(v)
+        return dict(layout_of(v), blank=True) if blank is not None and blank(v) else layout_of(v)
     if isinstance(v, (list, tuple)):
-        return [layout_tree(x) for x in v]
+        return [layout_tree(x, blank) for x in v]
     if isinstance(v, dict):
-        return {k: layout_tree(x) for k, x in v.items()}
+        return {k: layout_tree(x, blank) for k, x in v.items()}
     return None
 
 
