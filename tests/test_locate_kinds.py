@@ -1,5 +1,5 @@
 """Each kind of difference the locator reports, planted on CPU, ends in its own verdict with a repro that exits 1
-in a fresh process (issues 23 and 25):
+in a fresh process:
   - the same operator, the traced token's arguments bit-identical, different bits: a norm kernel whose reduction
     order follows the launch's row count (vLLM's rms_norm on the GPU picks its block from the rows), a GEMM on a
     weight at another alignment (CPU GEMV kernels take another path);
