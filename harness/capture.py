@@ -111,29 +111,12 @@ def tensors_of(out) -> list[torch.Tensor]:
     return []
 
 
-def dense(t: torch.Tensor) -> torch.Tensor:
-    """t's elements in a fresh 1-D buffer of stride 1. `contiguous()` is not enough: a tensor with a size-1
-    dimension counts as contiguous whatever that dimension's stride, and reinterpreting its bytes then fails."""
-    flat = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
-    flat.copy_(t.reshape(-1))
-    return flat
-
-
-def raw_bytes(t: torch.Tensor) -> bytes:
-    """Every byte of t's elements in row-major order, for any shape, stride, dtype and device."""
-    if t.numel() == 0:
-        return b""
-    return dense(t.detach().cpu()).view(torch.uint8).numpy().tobytes()
+dense, raw_bytes = replay.dense, replay.bytes_of
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Exact equality of dtype, shape and every bit (so -0.0 != 0.0 and NaN payloads count), any strides."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.is_floating_point() and a.numel():
-        ib = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return bool(torch.equal(dense(a).view(ib), dense(b).view(ib)))
-    return bool(torch.equal(a, b))
+    return a.shape == b.shape and replay.same_value(a, b)
 
 
 def rows_equal(a: RowTensors, b: RowTensors) -> bool:

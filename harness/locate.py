@@ -29,8 +29,8 @@ from typing import Callable
 
 import torch
 
-from tic.harness.capture import (Capture, CaptureRunner, CaptureSpec, Trail, dense, raw_bytes, rows_equal,
-                                 runner_for, same_bits)
+from tic.harness.capture import (Capture, CaptureRunner, CaptureSpec, Trail, raw_bytes, rows_equal, runner_for,
+                                 same_bits)
 from tic.harness import replay
 from tic.harness.layouts import describe_train_layout, probe_batch
 from tic.harness.metrics import _ordered_int
@@ -72,14 +72,10 @@ def compare_rows(a: dict[int, tuple], b: dict[int, tuple]) -> dict:
     elements, max_ulp = 0, 0
     for p in diff:
         for x, y in pairs[p]:
-            elements += int((dense(x).view(_bits(x)) != dense(y).view(_bits(y))).sum())
+            elements += int((replay.as_bits(x) != replay.as_bits(y)).sum())
             max_ulp = max(max_ulp, _ulps(x, y))
     return {"positions": len(common), "differing_positions": len(diff), "first_position": diff[0] if diff else None,
             "differing_elements": elements, "max_ulp": max_ulp, "equal": not diff and bool(common)}
-
-
-def _bits(t: torch.Tensor) -> torch.dtype:
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
 
 
 # -- operator trails ----------------------------------------------------------------------------------------

@@ -186,28 +186,34 @@ def pick(out, where):
     return t[where["row"]]
 
 
-def bytes_of(t) -> bytes:
-    return _dense(t.detach().cpu()).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
-def _dense(t):
+def dense(t):
+    """t's elements in a fresh 1-D buffer of stride 1. `contiguous()` is not enough: a tensor with a size-1
+    dimension counts as contiguous whatever that dimension's stride, and reinterpreting its bytes then fails."""
     flat = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
-    flat.copy_(t.reshape(-1))  # a fresh stride-1 buffer: any strides of t
+    flat.copy_(t.reshape(-1))
     return flat
 
 
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_bits(t):
+    """t's elements (dense) as integers of their size: equal integers are equal bits (-0.0 is not 0.0, NaN
+    payloads count)."""
+    ints = _INTS.get(t.element_size())
+    return dense(t).view(ints) if ints is not None else dense(t)
+
+
+def bytes_of(t) -> bytes:
+    """Every byte of t's elements in row-major order, for any shape, strides, dtype and device."""
+    return dense(t.detach().cpu()).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
 def same_value(x, y) -> bool:
-    """The same elements bit for bit, in the same order, of one dtype (in any shape; -0.0 is not 0.0, NaN payloads
-    count), compared where x lives."""
+    """The same elements bit for bit, in the same order, of one dtype (in any shape), compared where x lives."""
     if x.dtype != y.dtype or x.numel() != y.numel():
         return False
-    if x.numel() == 0:
-        return True
-    fx, fy = _dense(x), _dense(y.to(x.device))
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(x.element_size())
-    if bits is not None:
-        fx, fy = fx.view(bits), fy.view(bits)
-    return bool(torch.equal(fx, fy))
+    return x.numel() == 0 or bool(torch.equal(as_bits(x), as_bits(y.to(x.device))))
 
 
 def check_replay(got, want, name: str, args=None, layouts=None) -> None:

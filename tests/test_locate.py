@@ -283,7 +283,7 @@ def test_two_sides_calls_pair_by_the_size_of_the_tokens_value_not_its_shape():
     found = first_operator(a, b)["found"]
     assert found is not None and found["op"] == "aten.mul.Tensor"
     assert found["a_call"] == 0 and found["b_where"]["kind"] == "mask" and found["a_where"]["kind"] == "row"
-    assert not found.get("implementations_differ")
+    assert not found.get("sequences_differ")
 
 
 def test_identical_operator_sequences_never_end_in_different_operators():
