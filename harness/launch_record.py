@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from tic.harness.provenance import Provenance
-from tic.harness.replay import rebuild
+from tic.harness.replay import launch_outputs, rebuild
 
 
 @dataclass(frozen=True)
@@ -112,20 +112,7 @@ class KernelLaunch:
 
 
 def _tensors_of(ret) -> list[torch.Tensor]:
-    if isinstance(ret, torch.Tensor):
-        return [ret]
-    if isinstance(ret, (list, tuple)):
-        return [t for t in ret if isinstance(t, torch.Tensor)]
-    return []  # Triton returns its compiled kernel
-
-
-def launch_outputs(ret, args, kwargs, written) -> list[torch.Tensor]:
-    outs = _tensors_of(ret)
-    for key in written:
-        t = args[key] if isinstance(key, int) else kwargs[key]
-        if not any(t is o for o in outs):
-            outs.append(t)
-    return outs
+    return launch_outputs(ret, (), {}, ())  # Triton returns its compiled kernel: no tensor
 
 
 def _kernel_path(entry: LaunchEntry, launcher) -> tuple[str, int | None]:

@@ -157,9 +157,15 @@ def launch(spec, args, kwargs):
         obj = getattr(obj, spec["fn_attr"])
     ret = getattr(obj, spec["method"])(*args, **{spec["grid_kwarg"]: tuple(spec["grid"]), spec["warmup_kwarg"]: False},
                                        **kwargs)
+    return launch_outputs(ret, args, kwargs, spec["written"])
+
+
+def launch_outputs(ret, args, kwargs, written) -> list:
+    """A launch's outputs: the tensors it returned (Triton returns its compiled kernel: none), then the arguments
+    it wrote (`written`: their indices or keywords)."""
     out = [ret] if isinstance(ret, torch.Tensor) else \
         [x for x in ret if isinstance(x, torch.Tensor)] if isinstance(ret, (list, tuple)) else []
-    for key in spec["written"]:
+    for key in written:
         x = args[key] if isinstance(key, int) else kwargs[key]
         if not any(x is o for o in out):
             out.append(x)
