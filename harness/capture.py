@@ -24,11 +24,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tic.core.errors import raised_at
-from tic.harness import launch_record
+from tic.harness import launch_record, replay
 from tic.harness.engines.base import Sample
 from tic.harness.engines.hf import cache_kwargs, packed_row, padded_batch
 from tic.harness import provenance as provenance_mod
-from tic.harness.provenance import Provenance
+from tic.harness.provenance import Provenance, token_view
 
 RowTensors = tuple  # one tensor per row-shaped output (or input) of a module, for one token
 
@@ -58,7 +58,10 @@ class OpCall:
     # the token map (tic.harness.provenance) of each output and of each top-level argument at call time: which
     # token of the traced forward call each element belongs to, -1 for none; None where nothing is known
     out_tokens: tuple | None = None
-    arg_tokens: tuple | None = None
+    arg_tokens: tuple | None = None  # a tuple per list argument (cat, stack: one map per tensor)
+    # where each tensor argument lay in memory when the engine called the operator (tic.harness.replay.layout_of),
+    # shaped like (args, kwargs); the recorded arguments are copies laid out the same way
+    layouts: tuple | None = None
 
 
 @dataclass
@@ -94,18 +97,8 @@ class CaptureRunner(Protocol):
 
 
 # -- row extraction ---------------------------------------------------------------------------------------
-def flat_rows(x: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:
-    """View x as [B*T, ...] when it is laid out per token ([B, T, ...] or [B*T, ...]); else None."""
-    n = batch * length
-    if x.dim() >= 2 and tuple(x.shape[:2]) == (batch, length):
-        return x.reshape(n, *x.shape[2:])
-    if x.dim() >= 1 and x.shape[0] == n:
-        return x
-    return None
-
-
 def row_shaped(x, batch: int, length: int) -> bool:
-    return isinstance(x, torch.Tensor) and flat_rows(x, batch, length) is not None
+    return isinstance(x, torch.Tensor) and token_view(x, batch, length) is not None
 
 
 def tensors_of(out) -> list[torch.Tensor]:
@@ -118,33 +111,17 @@ def tensors_of(out) -> list[torch.Tensor]:
     return []
 
 
-def dense(t: torch.Tensor) -> torch.Tensor:
-    """t's elements in a fresh 1-D buffer of stride 1. `contiguous()` is not enough: a tensor with a size-1
-    dimension counts as contiguous whatever that dimension's stride, and reinterpreting its bytes then fails."""
-    flat = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
-    flat.copy_(t.reshape(-1))
-    return flat
-
-
-def raw_bytes(t: torch.Tensor) -> bytes:
-    """Every byte of t's elements in row-major order, for any shape, stride, dtype and device."""
-    if t.numel() == 0:
-        return b""
-    return dense(t.detach().cpu()).view(torch.uint8).numpy().tobytes()
+dense, raw_bytes = replay.dense, replay.bytes_of
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Exact equality of dtype, shape and every bit (so -0.0 != 0.0 and NaN payloads count), any strides."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.is_floating_point() and a.numel():
-        ib = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return bool(torch.equal(dense(a).view(ib), dense(b).view(ib)))
-    return bool(torch.equal(a, b))
+    return a.shape == b.shape and replay.same_value(a, b)
 
 
 def rows_equal(a: RowTensors, b: RowTensors) -> bool:
-    return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
+    """The same elements bit for bit, in the same order, whatever shape each side's layout gives a token's row."""
+    return len(a) == len(b) and all(same_bits(x.reshape(-1), y.reshape(-1)) for x, y in zip(a, b))
 
 
 class _RowMap:
@@ -167,36 +144,35 @@ class _RowMap:
         return [(i, int(flat[i])) for i in idx]
 
 
-def _tree_map(fn, v):
-    if isinstance(v, (list, tuple)):
-        return type(v)(_tree_map(fn, x) for x in v)
-    return fn(v)
-
-
 def _clone(v):
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
 
 
-def _written(func, args, kwargs) -> list[torch.Tensor]:
-    """Tensors an operator writes in place (schema alias_info is_write): e.g. vLLM's kernels return None and
-    fill their `out`/input arguments."""
-    try:
-        schema = func._schema
-    except AttributeError:
-        return []
-    got = []
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = args[i] if i < len(args) else kwargs.get(a.name)
-        if isinstance(v, torch.Tensor):
-            got.append(v)
-    return got
+def recorded_arguments(args: tuple, kwargs: dict, blank: dict) -> tuple[tuple, dict, tuple]:
+    """(args, kwargs, layouts) as a recorder keeps a call's arguments: copies taken before the call (kernels may
+    write their inputs), each tensor laid out in memory as the engine's was (tic.harness.replay.rebuild). A
+    buffer fresh from an uninitialised-memory factory and not yet written (its storage in `blank`) is an output
+    buffer, not an input: recorded as zeros, its layout marked "blank", so that two sides' garbage never counts
+    as different inputs."""
+    unwritten = lambda t: Provenance._storage_key(t) in blank  # noqa: E731
+    layouts = (tuple(replay.layout_tree(a, unwritten) for a in args),
+               {k: replay.layout_tree(v, unwritten) for k, v in kwargs.items()})
+    return (tuple(replay.rebuild_tree(a, la) for a, la in zip(args, layouts[0])),
+            {k: replay.rebuild_tree(v, layouts[1][k]) for k, v in kwargs.items()}, layouts)
 
 
 def _snapshot(m: torch.Tensor | None) -> torch.Tensor | None:
     """A token map as it is now (later in-place writes change the storage's map); None if it names no token."""
     return None if m is None or not bool((m >= 0).any()) else m.clone()
+
+
+def argument_tokens(prov, args: tuple) -> tuple | None:
+    """The token map of each top-level argument at call time (a tuple of maps for a list of tensors: cat, stack);
+    None without a provenance."""
+    if prov is None:
+        return None
+    one = lambda a: _snapshot(prov.tokens(a)) if isinstance(a, torch.Tensor) else None  # noqa: E731
+    return tuple(tuple(one(x) for x in a) if isinstance(a, (list, tuple)) else one(a) for a in args)
 
 
 class _OpFailed(Exception):
@@ -224,20 +200,13 @@ def _first_tensor(args, kwargs) -> torch.Tensor | None:
     return None
 
 
-def call_outputs(func, args, kwargs, out) -> list[torch.Tensor]:
-    """A call's outputs as the recorder counts them: returned tensors, then the arguments it writes in place
-    that it did not also return (vLLM's kernels return nothing and fill `out`/`result`)."""
-    outs = tensors_of(out)
-    return outs + [w for w in _written(func, args, kwargs) if not any(w is o for o in outs)]
-
-
 class OpRecorder(TorchDispatchMode):
-    """Operator trail of one module call, for every engine: inputs cloned before the call (kernels may mutate
-    them), outputs = returned tensors + tensors written in place; factory ops (no tensor input: empty,
-    arange, ...) are not computations on the token and are left out. Wrapper ops (e.g. vLLM's
-    unified_attention_with_output) of OPEN_NAMESPACES are opened: the kernels they call are recorded, not the
-    wrapper. Recording never changes what runs: each operator runs once, as given; a recording failure is kept
-    in `errors`."""
+    """Operator trail of one module call, for every engine: inputs copied before the call with their memory layout
+    (kernels may mutate them; recorded_arguments), outputs = returned tensors + tensors written in place; factory
+    ops (no tensor input: empty, arange, ...) are not computations on the token and are left out. Wrapper ops
+    (e.g. vLLM's unified_attention_with_output) of OPEN_NAMESPACES are opened: the kernels they call are
+    recorded, not the wrapper. Recording never changes what runs: each operator runs once, as given; a recording
+    failure is kept in `errors`."""
 
     def __init__(self, calls: list | None = None, errors: list | None = None, produced: dict | None = None,
                  provenance=None):
@@ -329,13 +298,11 @@ class OpRecorder(TorchDispatchMode):
             return out
         if _first_tensor(args, kwargs) is None:
             return func(*args, **kwargs)
-        pre_args = tuple(_tree_map(_clone, a) for a in args)
-        pre_kwargs = {k: _tree_map(_clone, v) for k, v in kwargs.items()}
+        pre_args, pre_kwargs, layouts = recorded_arguments(args, kwargs, self.blank)
         sources = (tuple(self._source(a, p) for a, p in zip(args, pre_args)),
                    {k: self._source(v, pre_kwargs[k]) for k, v in kwargs.items()})
         prov = self.provenance
-        arg_tokens = None if prov is None else tuple(
-            _snapshot(prov.tokens(a)) if isinstance(a, torch.Tensor) else None for a in args)
+        arg_tokens = argument_tokens(prov, args)
         self.busy += 1
         try:
             out = func(*args, **kwargs)
@@ -345,14 +312,14 @@ class OpRecorder(TorchDispatchMode):
             self.busy -= 1
         try:  # the operator ran: from here on a failure loses its record, never reruns it
             returned = tensors_of(out)
-            written = _written(func, args, kwargs)
+            written = replay.written(func, args, kwargs)
             outs = returned + [w for w in written if not any(w is o for o in returned)]
             out_tokens = None
             if prov is not None:
                 prov.after(func, args, kwargs, returned, written)
                 out_tokens = tuple(_snapshot(prov.tokens(t)) for t in outs)
             call = OpCall(str(func), func, pre_args, pre_kwargs, tuple(_clone(t) for t in outs), sources,
-                          out_tokens, arg_tokens)
+                          out_tokens, arg_tokens, layouts)
         except Exception as e:  # noqa: BLE001
             self.errors.append(f"{func}: ran, not recorded: {type(e).__name__}: {e}")
             return out
@@ -474,15 +441,14 @@ def _set_input(args: list, kwargs: dict, key: str, value: torch.Tensor) -> None:
         holder[name] = value
 
 
-def _keep(store: dict, flats: list[torch.Tensor], targets: list[tuple[int, int]], keys: list[str] | None = None) -> None:
-    """store[pos] = the target rows of every flat tensor, as CPU copies (engines on a GPU compare with CPU ones);
-    with `keys`, as InputRows that name the argument of each row."""
+def _keep(store: dict, views: list[torch.Tensor], targets: list[tuple[int, int]], keys: list[str] | None = None) -> None:
+    """store[pos] = the target rows of every per-token tensor (its [B, T, ...] token_view), as CPU copies (engines
+    on a GPU compare with CPU ones); with `keys`, as InputRows that name the argument of each row."""
     if not targets:
         return
-    idx = torch.tensor([i for i, _ in targets], dtype=torch.long)
-    got = [f.detach().index_select(0, idx.to(f.device)).cpu() for f in flats]
-    for j, (_, pos) in enumerate(targets):
-        rows = tuple(g[j].clone() for g in got)
+    for i, pos in targets:
+        b, t = divmod(i, views[0].shape[1]) if views else (0, 0)
+        rows = tuple(v[b, t].detach().cpu().clone() for v in views)
         store[pos] = rows if keys is None else InputRows(rows, keys)
 
 
@@ -496,7 +462,7 @@ def _replaced(args: tuple, kwargs: dict, B: int, T: int, targets, repl: dict) ->
     new_args, new_kwargs = list(args), dict(kwargs)
     for k, (key, x) in enumerate(_input_tensors(args, kwargs, B, T)):
         x = x.clone()
-        flat = flat_rows(x, B, T)
+        view = token_view(x, B, T)
         changed = False
         for i, pos in targets:
             got = repl.get(pos)
@@ -511,9 +477,12 @@ def _replaced(args: tuple, kwargs: dict, B: int, T: int, targets, repl: dict) ->
                 row = got[0]
             else:
                 continue
-            if tuple(row.shape) != tuple(flat[i].shape) or row.is_floating_point() != flat.is_floating_point():
+            here = view[i // T, i % T]
+            # the same elements in the same order in another per-token layout (a decode step's [H, 1, D] head
+            # rows and a prefill's [H, D]) replace each other
+            if row.numel() != here.numel() or row.is_floating_point() != here.is_floating_point():
                 continue
-            flat[i] = row.to(flat.device, flat.dtype)
+            here.copy_(row.reshape(here.shape))
             changed = True
         if changed:
             _set_input(new_args, new_kwargs, key, x)
@@ -562,8 +531,10 @@ class HookSet:
             if name in self.spec.inputs:
                 store = self.capture.inputs.setdefault(name, {})
                 found = _input_tensors(new_args, new_kwargs, B, T)
-                _keep(store, [flat_rows(x, B, T) for _, x in found], targets, [k for k, _ in found])
-            if (name == self.spec.trail_module and self._recorder is None and self.capture.trail is None
+                _keep(store, [token_view(x, B, T) for _, x in found], targets, [k for k, _ in found])
+            # a module called more than once in the forward (Gemma-3's rotary, once per attention kind): its last
+            # call is traced, the one whose rows the capture keeps
+            if (name == self.spec.trail_module and self._recorder is None
                     and any(pos == self.spec.trail_position for _, pos in targets)):
                 fi = next(i for i, pos in targets if pos == self.spec.trail_position)
                 self.capture.trail = Trail([], B, T, fi)
@@ -585,7 +556,7 @@ class HookSet:
             if name not in self.spec.outputs:
                 return None
             B, T = self.rowmap.shape
-            outs = [f for f in (flat_rows(t, B, T) for t in self.module_rows(name, out)) if f is not None]
+            outs = [v for v in (token_view(t, B, T) for t in self.module_rows(name, out)) if v is not None]
             _keep(self.capture.outputs.setdefault(name, {}), outs, self.rowmap.targets())
             return None
         return hook

@@ -4,9 +4,10 @@ A `@triton.jit` kernel is launched by `JITFunction.run(*args, grid=..., warmup=.
 operator is dispatched, so the dispatch-mode recorder (tic.harness.capture.OpRecorder) sees nothing of e.g.
 vLLM's batch-invariant RMSNorm or GEMM. While a recorder is active, every entry point in the registry below is
 patched so that each launch becomes one recorded call:
-  - inputs: every argument as it was before the launch (tensors cloned with their strides: a kernel addresses
-    memory through pointers and explicit strides); a buffer fresh from an uninitialised-memory factory
-    (`empty_like`, ...) is recorded as zeros, so two sides' garbage never counts as different inputs;
+  - inputs: every argument as it was before the launch (tensors copied with their memory layout: a kernel
+    addresses memory through pointers and explicit strides, tic.harness.replay.rebuild); a buffer fresh from an
+    uninitialised-memory factory (`empty_like`, ...) is recorded as zeros, so two sides' garbage never counts as
+    different inputs;
   - outputs: the returned tensors, then every tensor argument whose bits the launch changed (kernels write
     their outputs in place);
   - nothing dispatched inside the launch is recorded separately, and a launch inside a recorded dispatcher op
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from tic.harness.provenance import Provenance
+from tic.harness.replay import launch_outputs, rebuild
 
 
 @dataclass(frozen=True)
@@ -60,26 +62,6 @@ def unregister(entry: LaunchEntry) -> None:
 
 def entries() -> list[LaunchEntry]:
     return list(_entries)
-
-
-# -- cloning with the layout a kernel addresses ---------------------------------------------------------------
-def _span(t: torch.Tensor) -> int:
-    """Elements from t's first to its last addressed element (gaps and overlaps included)."""
-    if t.numel() == 0:
-        return 0
-    return 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
-
-
-def clone_layout(t: torch.Tensor, zero: bool = False) -> torch.Tensor:
-    """A copy of t with t's shape and strides over a fresh buffer holding t's whole addressed span (a sliced
-    row's gaps, an expanded dimension's overlap); all zeros with `zero`. `clone()` would make a non-dense view
-    contiguous, and a kernel given the original strides would then read other elements."""
-    t = t.detach()
-    n = _span(t)
-    buf = torch.zeros(n, dtype=t.dtype, device=t.device)
-    if n and not zero:
-        buf.copy_(torch.as_strided(t, (n,), (1,), t.storage_offset()))
-    return torch.as_strided(buf, tuple(t.shape), tuple(t.stride()), 0)
 
 
 # -- the recorded call ------------------------------------------------------------------------------------
@@ -130,20 +112,7 @@ class KernelLaunch:
 
 
 def _tensors_of(ret) -> list[torch.Tensor]:
-    if isinstance(ret, torch.Tensor):
-        return [ret]
-    if isinstance(ret, (list, tuple)):
-        return [t for t in ret if isinstance(t, torch.Tensor)]
-    return []  # Triton returns its compiled kernel
-
-
-def launch_outputs(ret, args, kwargs, written) -> list[torch.Tensor]:
-    outs = _tensors_of(ret)
-    for key in written:
-        t = args[key] if isinstance(key, int) else kwargs[key]
-        if not any(t is o for o in outs):
-            outs.append(t)
-    return outs
+    return launch_outputs(ret, (), {}, ())  # Triton returns its compiled kernel: no tensor
 
 
 def _kernel_path(entry: LaunchEntry, launcher) -> tuple[str, int | None]:
@@ -179,7 +148,7 @@ _patched: list[tuple] = []  # (class, method name, the class's own attribute or 
 
 
 def _record(rec, entry: LaunchEntry, original, launcher, args: tuple, kwargs: dict):
-    from tic.harness.capture import OpCall, _snapshot, same_bits
+    from tic.harness.capture import OpCall, _snapshot, argument_tokens, recorded_arguments, same_bits
 
     grid = kwargs.get(entry.grid_kwarg)
     call_kwargs = {k: v for k, v in kwargs.items() if k not in (entry.grid_kwarg, entry.warmup_kwarg)}
@@ -191,16 +160,12 @@ def _record(rec, entry: LaunchEntry, original, launcher, args: tuple, kwargs: di
         for _, v in keys:
             if isinstance(v, torch.Tensor) and Provenance._storage_key(v) in blank:
                 _poison(v)
-        before = {k: clone_layout(v) for k, v in keys if isinstance(v, torch.Tensor)}
-        recorded = {k: clone_layout(v, zero=True) if Provenance._storage_key(v) in blank else before[k]
-                    for k, v in keys if isinstance(v, torch.Tensor)}
-        pre_args = tuple(recorded.get(i, a) for i, a in enumerate(args))
-        pre_kwargs = {k: recorded.get(k, v) for k, v in call_kwargs.items()}
+        pre_args, pre_kwargs, layouts = recorded_arguments(args, call_kwargs, blank)
+        before = {k: rebuild(v) for k, v in keys if isinstance(v, torch.Tensor)}
         sources = (tuple(rec._source(a, before[i]) if i in before else None for i, a in enumerate(args)),
                    {k: rec._source(v, before[k]) if k in before else None for k, v in call_kwargs.items()})
         prov = rec.provenance
-        arg_tokens = None if prov is None else tuple(
-            _snapshot(prov.tokens(a)) if isinstance(a, torch.Tensor) else None for a in args)
+        arg_tokens = argument_tokens(prov, args)
     except Exception as e:  # noqa: BLE001  the recording broke, not the launch: launch it plainly
         rec.errors.append(f"launch of {getattr(launcher, entry.fn_attr, launcher)!r}: {type(e).__name__}: {e}")
         return original(launcher, *args, **kwargs)
@@ -216,7 +181,7 @@ def _record(rec, entry: LaunchEntry, original, launcher, args: tuple, kwargs: di
             prov.after(func, args, call_kwargs, returned, written_t)
             out_tokens = tuple(_snapshot(prov.tokens(t)) for t in outs)
         rec.calls.append(OpCall(path, func, pre_args, pre_kwargs, tuple(t.detach().clone() for t in outs), sources,
-                                out_tokens, arg_tokens))
+                                out_tokens, arg_tokens, layouts))
         for k, t in enumerate(outs):
             rec.produced[id(t)] = (len(rec.calls) - 1, k, t)
             blank.pop(Provenance._storage_key(t), None)

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +31,7 @@ import torch
 
 from tic.harness.capture import (Capture, CaptureRunner, CaptureSpec, Trail, raw_bytes, rows_equal, runner_for,
                                  same_bits)
+from tic.harness import replay
 from tic.harness.layouts import describe_train_layout, probe_batch
 from tic.harness.metrics import _ordered_int
 from tic.core.errors import TicInputError
@@ -49,7 +49,7 @@ class Side:
 
 # -- comparing captured rows ------------------------------------------------------------------------------
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
-    if not (a.is_floating_point() and b.is_floating_point()) or a.shape != b.shape:
+    if not (a.is_floating_point() and b.is_floating_point()) or a.numel() != b.numel():
         return 0
     if a.dtype != b.dtype:  # ulps only mean something in one dtype; compare the wider of the two
         a, b = a.to(torch.float64), b.to(torch.float64)
@@ -57,16 +57,23 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(d.max()) if d.numel() else 0
 
 
+def _comparable(a: tuple, b: tuple) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The pairs of one token's rows that hold the same quantity on both sides: the same element count and dtype
+    (a tensor of another size, e.g. attention weights over another number of keys, is a layout's, not a value)."""
+    return [(x, y) for x, y in zip(a, b) if x.numel() == y.numel() and x.dtype == y.dtype]
+
+
 def compare_rows(a: dict[int, tuple], b: dict[int, tuple]) -> dict:
-    common = sorted(set(a) & set(b))
-    diff = [p for p in common if not rows_equal(a[p], b[p])]
+    """Per position of the compared sequence, one module's rows on both sides, bit for bit (positions where
+    either side recorded nothing comparable are not compared)."""
+    pairs = {p: _comparable(a[p], b[p]) for p in sorted(set(a) & set(b))}
+    common = [p for p, got in pairs.items() if got]
+    diff = [p for p in common if not all(same_bits(x.reshape(-1), y.reshape(-1)) for x, y in pairs[p])]
     elements, max_ulp = 0, 0
     for p in diff:
-        for x, y in zip(a[p], b[p]):
-            if x.shape == y.shape and x.dtype == y.dtype:
-                elements += int((x.flatten() != y.flatten()).sum()) if x.is_floating_point() else \
-                    int((x != y).sum())
-                max_ulp = max(max_ulp, _ulps(x, y))
+        for x, y in pairs[p]:
+            elements += int((replay.as_bits(x) != replay.as_bits(y)).sum())
+            max_ulp = max(max_ulp, _ulps(x, y))
     return {"positions": len(common), "differing_positions": len(diff), "first_position": diff[0] if diff else None,
             "differing_elements": elements, "max_ulp": max_ulp, "equal": not diff and bool(common)}
 
@@ -110,8 +117,31 @@ def _is_view(call) -> bool:
     return src is None or all(o.dtype == src.dtype for o in call.outputs)
 
 
+def token_parts(trail: Trail, call) -> tuple[tuple, dict]:
+    """The traced token's elements of each of a call's arguments, shaped like (args, kwargs): a tensor where the
+    argument holds any of them (one per tensor of a list argument: cat, stack), None elsewhere (weights,
+    constants, other tokens' rows)."""
+    B, T, f = trail.batch, trail.length, trail.flat_index
+
+    def part(a, m):
+        if isinstance(a, (list, tuple)):
+            return tuple(part(x, mx) for x, mx in zip(a, m if isinstance(m, (list, tuple)) else (None,) * len(a)))
+        r = token_value(a, m, B, T, f) if isinstance(a, torch.Tensor) else None
+        return None if r is None else r[1]
+
+    arg_tokens = tuple(call.arg_tokens or ()) + (None,) * len(call.args)
+    return tuple(part(a, m) for a, m in zip(call.args, arg_tokens)), {k: None for k in call.kwargs}
+
+
+def _flat(parts) -> list[torch.Tensor]:
+    if isinstance(parts, torch.Tensor):
+        return [parts]
+    return [t for p in (parts or ()) for t in _flat(p)] if isinstance(parts, (list, tuple)) else []
+
+
 def trail_rows(trail: Trail) -> tuple[list[list[tuple]], list[list[torch.Tensor]]]:
-    """Per op call: the traced token's output values [(output k, where, value, rows)], and its input values.
+    """Per op call: the traced token's output values [(output k, where, value, rows)] (none for a view), and its
+    input values.
 
     Which elements of a call belong to the traced token comes from the recorder's token maps: by data (views
     share their storage's tokens, computed values inherit their inputs'), whatever the order in which an
@@ -120,21 +150,15 @@ def trail_rows(trail: Trail) -> tuple[list[list[tuple]], list[list[torch.Tensor]
     outs: list[list[tuple]] = []
     ins: list[list[torch.Tensor]] = []
     for call in trail.calls:
-        got, got_in = [], []
+        got = []
         if not _is_view(call):
             out_tokens = call.out_tokens or (None,) * len(call.outputs)
             for k, (o, m) in enumerate(zip(call.outputs, out_tokens)):
                 r = token_value(o, m, B, T, f)
                 if r is not None:
                     got.append((k, {**r[0], "output": k}, r[1], r[2]))
-            arg_tokens = call.arg_tokens or (None,) * len(call.args)
-            for a, m in zip(call.args, arg_tokens):
-                if isinstance(a, torch.Tensor):
-                    r = token_value(a, m, B, T, f)
-                    if r is not None:
-                        got_in.append(r[1])
         outs.append(got)
-        ins.append(got_in)
+        ins.append(_flat(token_parts(trail, call)[0]))  # a view's input too: a value this side has
     return outs, ins
 
 
@@ -194,75 +218,108 @@ def _module_program(cap: Capture, module: str, pos: int) -> dict | None:
     return None if target is None else repro_mod.module_program(cap.trail, *target)
 
 
-def _step_kind(trail: Trail, outs: list, ci: int) -> tuple:
+def _step_kind(trail: Trail, outs: list, ci: int, dtypes: bool = True) -> tuple:
     """What makes two sides' calls the same step of a computation: the operator and the dtype and size of each
     traced-token value it produces (in any shape: a row of one layout, a mask of elements of another). The k-th
     call of a kind on one side is the counterpart of the k-th on the other (a fused pre-add on one side then does
-    not shift the pairing of a norm's eps add)."""
-    return trail.calls[ci].op, tuple((str(v.dtype), v.numel()) for _, _, v, _ in outs[ci])
+    not shift the pairing of a norm's eps add). Without `dtypes`, sizes only (a GEMM run in another dtype)."""
+    return trail.calls[ci].op, tuple((str(v.dtype) if dtypes else "", v.numel()) for _, _, v, _ in outs[ci])
+
+
+def _rank(trail: Trail, outs: list, ci: int, dtypes: bool) -> int:
+    kind = _step_kind(trail, outs, ci, dtypes)
+    return sum(1 for cj in range(ci) if outs[cj] and _step_kind(trail, outs, cj, dtypes) == kind)
+
+
+def _same_arguments(trail_a: Trail, ca: int, trail_b: Trail, cb: int) -> bool:
+    """Two calls of one operator whose arguments hold the same bits for the traced token (its elements of each
+    traced argument; every other argument whole), by replay.difference's rule."""
+    return replay.difference(_entry(trail_a, ca, {}), _entry(trail_b, cb, {}))["kind"] == replay.SAME_ARGUMENTS
+
+
+def counterpart(trail_a: Trail, outs_a: list, trail_b: Trail, outs_b: list, cb: int, k: int) -> tuple | None:
+    """(side A's call, how it was paired) that computes what side B's call `cb` computes for the traced token
+    (its output k), or None:
+      "same arguments": the same operator on arguments with the same bits for the traced token;
+      "same step": else the call of the same step kind (_step_kind) at the same rank;
+      "same sizes": else the same operator whose traced values have the same sizes in another dtype, at the same
+        rank among such calls (a GEMM run in float64 on one side);
+      "same sequence": else, when both sides run the very same sequence of operators, the call at the same place.
+    Except in the last case, side A's value for output k must have as many elements as side B's and other bits
+    (vLLM's fused qkv GEMM and HF's q_proj GEMM are not one step)."""
+    value_b = next(v for kk, _, v, _ in outs_b[cb] if kk == k)
+    flat64 = lambda v: (v.to(torch.float64) if v.is_floating_point() else v).reshape(-1)  # noqa: E731
+
+    def usable(ca):
+        match = [g for g in outs_a[ca] if g[0] == k and g[2].numel() == value_b.numel()]
+        return bool(match) and not rows_equal((flat64(match[0][2]),), (flat64(value_b),))
+
+    op = trail_b.calls[cb].op
+    same_op = [ca for ca, got in enumerate(outs_a) if got and trail_a.calls[ca].op == op and usable(ca)]
+    ops_a, ops_b = ([ci for ci, c in enumerate(t.calls) if not _is_view(c)] for t in (trail_a, trail_b))
+
+    def at_rank(dtypes: bool) -> int | None:
+        kind, r = _step_kind(trail_b, outs_b, cb, dtypes), _rank(trail_b, outs_b, cb, dtypes)
+        ranked = [ca for ca, got in enumerate(outs_a) if got and _step_kind(trail_a, outs_a, ca, dtypes) == kind]
+        return ranked[r] if r < len(ranked) and ranked[r] in same_op else None
+
+    exact = [ca for ca in same_op if _same_arguments(trail_a, ca, trail_b, cb)]
+    if exact:  # several calls on the same arguments: the one at the same rank, if it is one of them
+        step = at_rank(True)
+        return (step if step in exact else exact[0]), "same arguments"
+    for how, dtypes in (("same step", True), ("same sizes", False)):
+        ca = at_rank(dtypes)
+        if ca is not None:
+            return ca, how
+    if [trail_a.calls[ci].op for ci in ops_a] == [trail_b.calls[ci].op for ci in ops_b]:
+        ca = ops_a[ops_b.index(cb)]
+        if any(g[0] == k for g in outs_a[ca]):
+            return ca, "same sequence"
+    return None
 
 
 def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
-    """The first op on side B whose value for the traced token is none of side A's values (inputs equal)."""
+    """The first op on side B whose value for the traced token is none of side A's values (inputs equal), and its
+    counterpart on side A (`counterpart`); without one, side B computes that value with a step side A does not
+    take ("sequences_differ")."""
     outs_a, ins_a = trail_rows(trail_a)
     outs_b, ins_b = trail_rows(trail_b)
     seen_values = [v for got in outs_a for (_, _, v, _) in got] + [v for got in ins_a for v in got]
     seen = {_key(v) for v in seen_values}
     # a lossless dtype change of a value side A has (e.g. bf16 -> fp32 before a norm) is not a new value
     seen |= {_key(v.to(torch.float64)) for v in seen_values if v.is_floating_point()}
-    rank = defaultdict(int)
-    a_by_op = defaultdict(list)
-    for ci, got in enumerate(outs_a):
-        if got:
-            a_by_op[_step_kind(trail_a, outs_a, ci)].append(ci)
     steps = []
     found = None
     for ci, got in enumerate(outs_b):
         if not got:
             continue
         call = trail_b.calls[ci]
-        kind = _step_kind(trail_b, outs_b, ci)
-        r = rank[kind]
-        rank[kind] += 1
         bad = [g for g in got if _key(g[2]) not in seen
                and not (g[2].is_floating_point() and _key(g[2].to(torch.float64)) in seen)
                and not (call.op in CAST_OPS and _lossless(g[2], ins_b[ci]))]
         steps.append({"op": call.op, "args": _describe_args(call), "equal": not bad})
         if bad and found is None:
-            k, where_b, value_b, rows_b = bad[0]
-            a_ci = a_by_op[kind][r] if r < len(a_by_op[kind]) else None
+            k, where_b, _value_b, rows_b = bad[0]
             found = {"b_call": ci, "b_where": where_b, "b_rows": rows_b, "a_call": None, "a_where": None,
                      "a_rows": 0, "a_value": None, "op": call.op, "b_args": _describe_args(call)}
-            if a_ci is not None:
-                # the same operator at the same rank computes the same quantity only if the token's values agree in
-                # size (vLLM's fused qkv GEMM vs HF's q_proj GEMM do not): otherwise the implementations differ
-                match = [g for g in outs_a[a_ci] if g[0] == k and g[2].numel() == value_b.numel()]
-                flat64 = lambda v: (v.to(torch.float64) if v.is_floating_point() else v).reshape(-1)  # noqa: E731
-                if match and not rows_equal((flat64(match[0][2]),), (flat64(value_b),)):
-                    found.update(a_call=a_ci, a_where=match[0][1], a_rows=match[0][3],
-                                 a_args=_describe_args(trail_a.calls[a_ci]))
-                    # whether the counterpart's own inputs are values side B has: if not, side A parted
-                    # earlier, through a step of its own (a rounding, a scale) that the reverse search names
-                    b_values = {_key(v) for got_b in outs_b for (_, _, v, _) in got_b} | \
-                        {_key(v) for got_b in ins_b for v in got_b}
-                    found["counterpart_inputs_shared"] = all(_key(v) in b_values for v in ins_a[a_ci])
-            if found["a_call"] is None and ins_b[ci] and call.op in CAST_OPS:
+            paired = counterpart(trail_a, outs_a, trail_b, outs_b, ci, k)
+            if paired is not None:
+                a_ci, how = paired
+                match = next(g for g in outs_a[a_ci] if g[0] == k)
+                found.update(a_call=a_ci, a_where=match[1], a_rows=match[3], paired_by=how,
+                             a_args=_describe_args(trail_a.calls[a_ci]))
+                # whether the counterpart's own inputs are values side B has: if not, side A parted
+                # earlier, through a step of its own (a rounding, a scale) that the reverse search names
+                b_values = {_key(v) for got_b in outs_b for (_, _, v, _) in got_b} | \
+                    {_key(v) for got_b in ins_b for v in got_b}
+                found["counterpart_inputs_shared"] = all(_key(v) in b_values for v in ins_a[a_ci])
+            elif ins_b[ci] and call.op in CAST_OPS:
                 found["a_value"] = ins_b[ci][0].clone()  # side A skips this conversion: its value is the input
-            elif found["a_call"] is None:
-                found["implementations_differ"] = True  # no counterpart: the module is computed another way
+            else:
+                found["sequences_differ"] = True  # no counterpart: side B takes a step side A does not
     return {"found": found, "steps": steps,
             "a_ops": [c.op for c in trail_a.calls if not _is_view(c)],
             "b_ops": [c.op for c in trail_b.calls if not _is_view(c)]}
-
-
-def _only(ops: list[str], other: list[str], most: int = 8) -> list[str]:
-    """Operators of one side that the other side never runs, in order, once each (short names)."""
-    seen, out = set(other), []
-    for op in ops:
-        short = op.removesuffix(".default")
-        if op not in seen and short not in out:
-            out.append(short)
-    return out[:most] + (["..."] if len(out) > most else [])
 
 
 def _setup(*sides: Side) -> list[str]:
@@ -274,6 +331,103 @@ def _setup(*sides: Side) -> list[str]:
             if line not in lines:
                 lines.append(line)
     return lines
+
+
+# -- the kind of difference at the first divergent operator ---------------------------------------------------
+@dataclass
+class OperatorDifference:
+    """What the search found at the first divergent operator, on the recorded calls (tic.harness.replay's kinds):
+    the operator whose value for the traced token the other side never computes, the engine side that runs it,
+    what differs, and for an argument that differs, where each side's value of it came from."""
+
+    kind: str  # replay.SAME_ARGUMENTS | replay.ARGUMENTS_DIFFER | replay.SEQUENCES_DIFFER
+    operator: str
+    side: str  # the engine side ("A" or "B") whose call computes the new value
+    detail: str  # sides named as the engine sides
+    argument: int | str | None = None  # the first differing argument (ARGUMENTS_DIFFER): index or keyword
+    origins: dict | None = None  # engine side -> where its value of that argument came from
+    paired_by: str | None = None  # how the other side's call was paired with this one (`counterpart`)
+    # engine side -> {"operator", "call" (1-based, in its trail), "args"}: the paired calls, or for different
+    # operator sequences each side's own first call whose value the other side never computes
+    calls: dict | None = None
+
+
+def _op_side(trail: Trail, ci: int, where: dict, rows: int):
+    from tic.harness.repro import OpSide
+
+    return OpSide(trail.calls[ci], where, rows, token_parts(trail, trail.calls[ci]))
+
+
+def _entry(trail: Trail, ci: int, where: dict) -> dict:
+    """A call as tic.harness.replay compares calls."""
+    call = trail.calls[ci]
+    return {"op": call.op, "args": call.args, "kwargs": call.kwargs, "where": where, "layouts": call.layouts,
+            "launch": getattr(call.func, "launch_spec", None), "token_args": token_parts(trail, call)}
+
+
+def _origin(trail: Trail, ci: int, key) -> str:
+    """Where argument `key` (index or keyword) of call ci came from: an earlier call of the trail, the module's
+    input, or outside the recorded calls (a weight, a buffer, a constant)."""
+    call = trail.calls[ci]
+    src_args, src_kwargs = call.sources if call.sources is not None else ((None,) * len(call.args), {})
+    src = src_args[key] if isinstance(key, int) else src_kwargs.get(key)
+    one = lambda x: isinstance(x, tuple) and len(x) == 2 and all(isinstance(i, int) for i in x)  # noqa: E731
+    if src is not None and not one(src):  # a list argument: the first of its tensors that a call produced
+        src = next((x for x in src if x is not None and one(x)), None)
+    if src is not None:
+        producer = trail.calls[src[0]]
+        base = next((i for i, a in enumerate(producer.args) if isinstance(a, torch.Tensor)), None)
+        if _is_view(producer) and base is not None:
+            return f"a view ({producer.op}, call {src[0] + 1}) of {_origin(trail, src[0], base)}"
+        return f"output {src[1]} of call {src[0] + 1} ({producer.op})"
+    part = token_parts(trail, call)[0][key] if isinstance(key, int) else None
+    return "the module's input" if _flat(part) else "outside the module's recorded calls (a weight, buffer or constant)"
+
+
+def _only(ops: list[str], other: list[str], most: int = 8) -> list[str]:
+    """Operators of one side that the other side never runs, in order, once each."""
+    seen, out = set(other), []
+    for op in ops:
+        if op not in seen and op not in out:
+            out.append(op)
+    return out[:most] + (["..."] if len(out) > most else [])
+
+
+def operator_difference(found: dict, trail_ref: Trail, trail_new: Trail, ref_side: str,
+                        new_side: str) -> OperatorDifference:
+    """The kind of difference between the first divergent call (on `new_side`) and its counterpart; without a
+    counterpart, also the other side's own first call whose value `new_side` never computes."""
+    op = found["op"]
+    calls = {new_side: {"operator": op, "call": found["b_call"] + 1, "args": found["b_args"]}}
+    if found["a_call"] is None:
+        if found["a_value"] is not None:
+            detail = f"side {ref_side} has no such conversion: its value is the operator's input"
+        else:
+            other = first_operator(trail_new, trail_ref)["found"]
+            count = lambda t: sum(1 for c in t.calls if c.op == op)  # noqa: E731
+            detail = (f"side {ref_side} has no call to pair with it: no {op} on the same arguments for the traced "
+                      f"token, and no call of this step at the same rank (side {ref_side} runs {op} "
+                      f"{count(trail_ref)} times, side {new_side} {count(trail_new)})")
+            if other is not None:
+                calls[ref_side] = {"operator": other["op"], "call": other["b_call"] + 1, "args": other["b_args"]}
+                detail += (f"; side {ref_side}'s own first value that side {new_side} never computes comes from "
+                           f"{other['op']} (its call {other['b_call'] + 1})")
+            ops = {side: [c.op for c in t.calls if not _is_view(c)]
+                   for side, t in ((ref_side, trail_ref), (new_side, trail_new))}
+            only = {side: _only(ops[side], ops[o]) for side, o in ((ref_side, new_side), (new_side, ref_side))}
+            detail += "".join(f"; operators only side {side} runs: {', '.join(names)}"
+                              for side, names in sorted(only.items()) if names)
+        return OperatorDifference(replay.SEQUENCES_DIFFER, op, new_side, detail, calls=calls)
+    calls[ref_side] = {"operator": op, "call": found["a_call"] + 1, "args": found["a_args"]}
+    entries = {ref_side: _entry(trail_ref, found["a_call"], found["a_where"]),
+               new_side: _entry(trail_new, found["b_call"], found["b_where"])}
+    d = replay.difference(entries["A"], entries["B"])  # replay names the two calls by their engine sides
+    origins = None
+    if d["kind"] == replay.ARGUMENTS_DIFFER and d["argument"] is not None:
+        origins = {ref_side: _origin(trail_ref, found["a_call"], d["argument"]),
+                   new_side: _origin(trail_new, found["b_call"], d["argument"])}
+    return OperatorDifference(d["kind"], op, new_side, d["detail"], d["argument"], origins, found.get("paired_by"),
+                              calls)
 
 
 # -- the locator ------------------------------------------------------------------------------------------
@@ -325,7 +479,7 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
         # arithmetic (e.g. attention between q_proj and o_proj), while siblings cannot mask each other.
         iso: dict[str, dict] = {}
 
-        def replay(level: list[str]) -> None:
+        def replay_level(level: list[str]) -> None:
             nonlocal forwards
             spec = CaptureSpec(outputs=set(level), replace={n: cap_a.inputs[n] for n in level if n in cap_a.inputs})
             cap_r = side_b.run(spec)
@@ -334,7 +488,7 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
                 iso[n] = compare_rows(cap_a.outputs.get(n, {}), cap_r.outputs.get(n, {}))
 
         diverges = lambda n: iso[n]["positions"] > 0 and not iso[n]["equal"]  # noqa: E731
-        replay([first])
+        replay_level([first])
         if not diverges(first):
             out["status"] = (f"upstream: {first} agrees when fed side A's per-token inputs, so the difference "
                              "comes from its other inputs (mask, cache)")
@@ -355,7 +509,7 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
                 near = called_kids(node)
                 kids = [c for c in cap_a.order if c in near]
                 if kids:
-                    replay(kids)
+                    replay_level(kids)
                 checked = [{"module": c, "diverges": diverges(c), "max_ulp": iso[c]["max_ulp"]} for c in kids]
                 nxt = next((c for c in kids if diverges(c)), None)
                 descent[-1]["siblings"] = checked
@@ -383,8 +537,8 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
                     rev["a_ops"], rev["b_ops"] = rev["b_ops"], rev["a_ops"]
                     trail_info, new_on_a = rev, True
             # the side whose operator computes the value the other side never has, and the other one
-            (t_ref, lab_ref), (t_new, lab_new) = ((tb, side_b.label), (ta, side_a.label)) if new_on_a else \
-                ((ta, side_a.label), (tb, side_b.label))
+            t_ref, t_new = (tb, ta) if new_on_a else (ta, tb)
+            ref_side, new_side = ("B", "A") if new_on_a else ("A", "B")
             errs = [e for t in (ta.trail, tb.trail) if t for e in t.errors]
             if errs:
                 out["recording_errors"] = errs[:10]
@@ -393,40 +547,33 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
             args_ref, args_new = (found.get("a_args"), found["b_args"]) if found else (None, None)
             out["operator_args"] = ({"a": args_new, "b": args_ref} if new_on_a else {"a": args_ref, "b": args_new}) \
                 if found else None
-            out["operator_side"] = ("A" if new_on_a else "B") if found else None
+            out["operator_side"] = new_side if found else None
             # each engine side's call index in its trail (None: that side has no such call), for recheck_repro
-            ref_side, new_side = ("B", "A") if new_on_a else ("A", "B")
             out["operator_calls"] = {ref_side: found["a_call"], new_side: found["b_call"]} if found else None
             out["status"] = "localized" if found else "localized to a module; operator not resolved"
-            if found and found.get("implementations_differ"):
-                ops_a, ops_b = trail_info["a_ops"], trail_info["b_ops"]
-                only_a, only_b = _only(ops_a, ops_b), _only(ops_b, ops_a)
-                out["first_operator"] = f"side A: {', '.join(only_a) or '-'} | side B: {', '.join(only_b) or '-'}"
-                out["status"] = (f"localized: the two sides compute {culprit} with different operators (only side A "
-                                 f"runs {', '.join(only_a) or 'nothing else'}; only side B runs {', '.join(only_b)})")
-                out["implementations"] = {"a": ops_a[:40], "b": ops_b[:40]}
+            diff = operator_difference(found, t_ref.trail, t_new.trail, ref_side, new_side) if found else None
+            out["difference"] = asdict(diff) if diff else None
+            if diff and diff.kind == replay.SEQUENCES_DIFFER and found["a_value"] is None:
+                out["status"] = f"localized: {diff.kind} in {culprit}: {diff.detail}"
+                out["implementations"] = {"a": trail_info["a_ops"][:40], "b": trail_info["b_ops"][:40]}
                 if emit_repro:
                     progs = [_module_program(t, culprit, pos) for t in (ta, tb)]
                     if all(progs):
                         repro_info = repro_mod.emit_module(
                             out_dir, gate, culprit, progs[0], progs[1], side_a.label, side_b.label,
-                            f"{culprit} differs between the two sides' implementations on identical inputs",
-                            setup=_setup(side_a, side_b))
-                        repro_info["sides"] = {"a": "A", "b": "B"}
+                            f"{found['op']} in {culprit}: {diff.kind}", setup=_setup(side_a, side_b))
                     else:
                         out["status"] += ("; no repro: the module's output is not produced by a recorded "
                                           "operator (a kernel launched through an entry point that "
                                           "tic.harness.launch_record does not register)")
             elif found and emit_repro:
-                # the repro's side B is the side with the new value (side A's run when new_on_a: labels say so)
-                a_side = None if found["a_call"] is None else repro_mod.OpSide(
-                    t_ref.trail.calls[found["a_call"]], found["a_where"], found["a_rows"])
-                b_side = repro_mod.OpSide(t_new.trail.calls[found["b_call"]], found["b_where"], found["b_rows"])
-                if a_side is not None or found["a_value"] is not None:
-                    headline = f"{found['op']} in {culprit}: the two sides' calls give different bits"
-                    repro_info = repro_mod.emit(out_dir, gate, a_side, b_side, found["a_value"],
-                                                lab_ref, lab_new, headline, setup=_setup(side_a, side_b))
-                    repro_info["sides"] = {"a": ref_side, "b": new_side}  # the repro's entries' engine sides
+                # the repro names its entries by engine side, whichever side has the new value
+                ref = None if found["a_call"] is None else _op_side(t_ref.trail, found["a_call"], found["a_where"],
+                                                                    found["a_rows"])
+                new = _op_side(t_new.trail, found["b_call"], found["b_where"], found["b_rows"])
+                headline = f"{found['op']} in {culprit}: {diff.kind}"
+                repro_info = repro_mod.emit(out_dir, gate, ref, new, found["a_value"], side_a.label,
+                                            side_b.label, headline, setup=_setup(side_a, side_b), new_side=new_side)
     out["module_trail"] = descent
     out["operator_trail"] = trail_info["steps"][:80] if trail_info else []
     out["operators_a"] = trail_info["a_ops"][:80] if trail_info else []
@@ -446,38 +593,41 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
 
 
 def recheck_repro(side_a: Side, side_b: Side, found: dict, changed: str, out_dir: Path) -> dict:
-    """Re-run the repro `locate` emitted (`found` is its result) after side `changed` ("A" or "B") was changed,
-    e.g. a fix applied or a planted fault removed: that side's computation is recorded again, on the same module
-    inputs (side B is fed side A's, as in `locate`) at the same traced position, and replaces that side's entry
-    in the repro's tensors; the other side's entry stays as emitted, and the emitted script is run on them in a
-    fresh process. Exit 0: the two sides now give the same bits there; 1: they still differ.
+    """Re-run the repro `locate` emitted (`found` is its result) after side `changed` ("A", "B", or "AB" for both)
+    was changed, e.g. a fix applied or a planted fault removed: that side's computation is recorded again, on the
+    same module inputs (side B is fed side A's, as in `locate`) at the same traced position, and replaces that
+    side's entry in the repro's tensors; the other side's entry stays as emitted, and the emitted script is run on
+    them in a fresh process. Exit 0: the two sides now give the same bits there; 1: they still differ.
 
     The changed side's new entry is, for an operator repro, the counterpart of the other side's call (the same
     step: operator and traced value shapes, at the same rank, as `first_operator` pairs them); for a module
     repro, the module's recorded operator sequence. When the repro has no call for one side (its value was the
-    input of a conversion only the other side runs), or the changed side no longer runs that operator, both
-    sides' module sequences as recorded now are compared instead ("module"), by a newly rendered module repro."""
+    input of a conversion only the other side runs), the changed side no longer runs that operator, or both sides
+    changed, both sides' module sequences as recorded now are compared instead ("module"), by a newly rendered
+    module repro."""
     from tic.harness import repro as repro_mod
 
     check = found.get("repro_check") or {}
     if not found.get("repro") or not check.get("tensors"):
         raise TicInputError("no emitted repro to recheck")
-    changed = changed.upper()
+    changed = changed.upper()  # "A", "B", or "AB": both sides changed (a kernel planted on both, removed)
     culprit, pos = found["culprit_module"], found["traced_position"]
     ta = side_a.run(CaptureSpec(outputs={culprit}, inputs={culprit}, trail_module=culprit, trail_position=pos))
     repl = {culprit: ta.inputs[culprit]} if culprit in ta.inputs else {}
     tb = side_b.run(CaptureSpec(outputs={culprit}, replace=repl, trail_module=culprit, trail_position=pos))
     fresh = {"A": ta, "B": tb}
     data = torch.load(check["tensors"], weights_only=False)
-    key = next(k for k, s in check["sides"].items() if s == changed)
+    key = changed.lower()  # the repro's entries are named by engine side
     other_key = "b" if key == "a" else "a"
-    other = check["sides"][other_key]
+    other = other_key.upper()
     entry = None
-    if data[key] is not None and "calls" in data[key]:
+    if changed == "AB":  # nothing of the emitted repro stays: both sides' modules as computed now
+        pass
+    elif data[key] is not None and "calls" in data[key]:
         entry, kind = _module_program(fresh[changed], culprit, pos), "module"
     elif data[key] is not None and data[other_key] is not None and fresh[changed].trail and fresh[other].trail:
         entry, kind = _counterpart_call(fresh[other].trail, found["operator_calls"][other], data[other_key],
-                                        fresh[changed].trail), "operator"
+                                        fresh[changed].trail, data[key].get("cut")), "operator"
     if entry is None:  # compare the two sides' whole module as computed now
         progs = [_module_program(fresh[s], culprit, pos) for s in ("A", "B")]
         if not all(progs):
@@ -492,10 +642,12 @@ def recheck_repro(side_a: Side, side_b: Side, found: dict, changed: str, out_dir
     return {"kind": kind, **res}
 
 
-def _counterpart_call(trail_other: Trail, index: int, other_entry: dict, trail_new: Trail) -> dict | None:
+def _counterpart_call(trail_other: Trail, index: int, other_entry: dict, trail_new: Trail,
+                      cut: dict | None = None) -> dict | None:
     """A repro entry for trail_new's call that is the counterpart of trail_other's call `index` (the same step:
-    operator and traced value shapes, at the same rank, as `first_operator` pairs them), picking the same output;
-    None if there is none."""
+    operator and traced value shapes, at the same rank, as `first_operator` pairs them), picking the same output,
+    cut as the entry it replaces was (`cut`: its rows, so that a row-count-dependent kernel is compared on the
+    same launch); None if there is none."""
     from tic.harness import repro as repro_mod
 
     outs_other, _ = trail_rows(trail_other)
@@ -512,12 +664,11 @@ def _counterpart_call(trail_other: Trail, index: int, other_entry: dict, trail_n
     ci = same_op[rank]
     got = outs_new[ci]
     k, where, _v, rows = next((g for g in got if g[0] == other_entry["where"]["output"]), got[0])
-    call = trail_new.calls[ci]
-    side = repro_mod.OpSide(call, where, rows)
+    side = _op_side(trail_new, ci, where, rows)
+    args, kwargs, where = repro_mod.cut_call(side, cut)
     with torch.inference_mode():
-        expect = repro_mod._run(side, call.args, dict(call.kwargs), where).detach().clone()
-    return {"op": op, "args": call.args, "kwargs": dict(call.kwargs), "where": where, "expect": expect,
-            "launch": getattr(call.func, "launch_spec", None)}  # as repro.emit keeps it (a kernel launched from Python)
+        expect = repro_mod._run(side, args, kwargs, where).detach().clone()
+    return {**_entry(trail_new, ci, where), "args": args, "kwargs": kwargs, "expect": expect}  # as emit keeps one
 
 
 def write_chart(path: Path, table: list[dict], gate: str) -> str:
@@ -616,7 +767,7 @@ def locate_for_gate(ctx, gate_id: str, measured: dict, strict: bool = False) -> 
     found = locate(side_a, side_b, out_dir, gate_id, upto, expected)
     keep = ("status", "first_divergent_layer", "culprit_module", "first_operator", "operator_args",
             "traced_position", "reproduced_gate_values", "forward_passes", "seconds", "report", "repro", "chart",
-            "repro_check", "repro_proves", "implementations", "recording_errors")
+            "repro_check", "repro_proves", "difference", "implementations", "recording_errors")
     res = {k: found.get(k) for k in keep}
     res["layers"] = [{k: r[k] for k in ("stage", "equal", "differing_positions", "max_ulp", "first_divergent")}
                      for r in found["layers"]]

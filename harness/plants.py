@@ -1,20 +1,26 @@
 """Single-point divergences planted on one engine's model, and the check of what the locator says about them.
 
-A plant changes one module's own arithmetic on one side, by wrapping that module's forward on that engine's
-copy of the model: an attribute (a norm's eps), a torch function called inside the module (swapped for
-another implementation, split into partial sums, scaled elsewhere, rounded through bfloat16, a tie broken the
-other way), the module's output or one of its keyword inputs rounded. Calls inside child modules are left
-alone, so the plant sits in exactly one module. A condition can make it a batch- or length-dependent branch.
-Nothing here knows how the locator works: a trial runs `tic.harness.locate.locate` on the two sides and
-compares its answer with the plant's module, its layer and the operators the plant introduces or changes.
+A plant changes one module's own arithmetic, by wrapping that module's forward on an engine's copy of the model:
+an attribute (a norm's eps), a torch function called inside the module (swapped for another implementation,
+split into partial sums, scaled elsewhere, rounded through bfloat16, run in float64, a tie broken the other way),
+the module's output or one of its keyword inputs rounded or scaled, a weight's memory layout (the same values at
+another alignment, or column-major), or, on tic's kernel wrappers, one of that module's kernels (a kernel whose
+arithmetic follows the launch's row count, as GPU kernels' block sizes do). Calls inside child modules are left
+alone, so the plant sits in exactly one module. A condition can make it a batch- or length-dependent branch. A
+plant is installed on one side, or, when the divergence it stands for comes from the two sides' layouts (the same
+kernel launched on few rows and on many), on both. Nothing here knows how the locator works: a trial runs
+`tic.harness.locate.locate` on the two sides and compares its answer with the plant's module, its layer and the
+operators the plant introduces or changes.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import re
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -37,12 +43,14 @@ class Plant:
     module: str  # the module it sits in: the culprit the locator must name
     layer: str  # the stage holding that module: the first divergent layer
     operators: tuple  # the operators the plant introduces or changes (the first divergent operator is one)
-    side: str  # "a" or "b"
+    side: str  # "a" or "b" (with `both`, the side the check without the plant records again)
     install: Callable[[nn.Module], Callable[[], None]] = field(repr=False)  # returns the uninstaller
     prepare: Callable[[nn.Module], None] | None = field(default=None, repr=False)  # both sides (e.g. tied router)
+    op_class: str = ""  # the operator class it changes: norm, rotary, attention core, GEMM, routing, ...
+    both: bool = False  # installed on both sides: the divergence is the two layouts' (a launch's row count)
 
     def describe(self) -> str:
-        return f"{self.kind} in {self.module} (side {self.side.upper()})"
+        return f"{self.kind} in {self.module} ({'both sides' if self.both else f'side {self.side.upper()}'})"
 
 
 # -- the mechanism: a module's forward wrapped, torch functions swapped inside it, children untouched ---------
@@ -151,14 +159,57 @@ def set_attribute(module_name: str, attr: str, value) -> Callable:
     return install
 
 
+def kernel_swap(module_name: str, **kernels: Callable) -> Callable:
+    """An installer for a model on tic's kernel wrappers: the module's own operators run `kernels` (by provider
+    method name, e.g. rms_norm; each called as kernel(provider, *args)) in place of its provider's; every other
+    module keeps the provider's."""
+    def install(model: nn.Module):
+        m = model.get_submodule(module_name)
+        from tic.harness.kernels.autograd import Ops
+
+        old = m._tic_ops
+        provider = copy.copy(old.provider)  # its other methods call the replaced kernels through self
+        for name, fn in kernels.items():
+            setattr(provider, name, functools.partial(fn, provider))
+        m._tic_ops = Ops(provider)
+        return lambda: setattr(m, "_tic_ops", old)
+    return install
+
+
+def weight_layout(module_name: str, relayout: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """An installer: the module's weight holds the same values in memory laid out by `relayout` (another address,
+    column-major strides)."""
+    def install(model: nn.Module):
+        m = model.get_submodule(module_name)
+        old = m.weight
+        m.weight = nn.Parameter(relayout(old.detach()), requires_grad=old.requires_grad)
+        return lambda: setattr(m, "weight", old)
+    return install
+
+
+def _misaligned(floats: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def relayout(w):
+        moved = torch.empty(w.numel() + floats, dtype=w.dtype, device=w.device)[floats:].view_as(w)
+        return moved.copy_(w)
+    return relayout
+
+
+def _column_major(w: torch.Tensor) -> torch.Tensor:
+    return w.t().contiguous().t()
+
+
 def _round(x):
     return x.to(torch.bfloat16).to(x.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
-def _round_first(out):
-    if isinstance(out, tuple):
-        return (_round(out[0]),) + out[1:]
-    return _round(out)
+def _first(fn):
+    """fn applied to a module output's first tensor (a tuple's first element)."""
+    def apply(out):
+        return (fn(out[0]),) + out[1:] if isinstance(out, tuple) else fn(out)
+    return apply
+
+
+_round_first = _first(_round)
 
 
 # -- the swapped functions -------------------------------------------------------------------------------
@@ -175,6 +226,29 @@ def _scaled_linear(orig, x, w, b=None):  # the same product with a scale moved i
 
 def _scaled_matmul(orig, a, b, **kw):
     return orig(a * 3.0, b, **kw) / 3.0
+
+
+def _cat_first_rounded(orig, tensors, *a, **kw):  # a cat of several traced tensors, its first piece rounded
+    return orig([_round(tensors[0])] + list(tensors[1:]), *a, **kw)
+
+
+def _float64_linear(orig, x, w, b=None):  # the GEMM in float64, its result cast back
+    return orig(x.double(), w.double(), None if b is None else b.double()).to(x.dtype)
+
+
+def _mean_in_halves(orig, x, dim=None, keepdim=False, **kw):  # a mean over the last dimension as two partial sums
+    if dim not in (-1, [-1], (-1,), x.dim() - 1) or x.shape[-1] < 2:
+        return orig(x, dim, keepdim, **kw) if dim is not None else orig(x, **kw)
+    h = x.shape[-1] // 2
+    return (x[..., :h].sum(-1, keepdim=keepdim) + x[..., h:].sum(-1, keepdim=keepdim)) / x.shape[-1]
+
+
+def _scaled_operands(orig, a, b, *rest, **kw):  # a scale moved across an add or a product, and back
+    return orig(a * 3.0, b * 3.0 if isinstance(b, torch.Tensor) else b, *rest, **kw) / (9.0 if _is_mul(orig) else 3.0)
+
+
+def _is_mul(fn) -> bool:
+    return getattr(fn, "__name__", "") in ("mul", "__mul__")
 
 
 def _key_split(min_keys: int):
@@ -201,6 +275,10 @@ def _silu_manual(orig, x, *a, **kw):
     return x * torch.sigmoid(x)
 
 
+def _gelu_manual(orig, x, approximate="none", **kw):  # GELU's tanh form written out
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
 def _round_result(orig, *a, **kw):
     return _round(orig(*a, **kw))
 
@@ -222,16 +300,20 @@ def _stage_of(name: str) -> str:
     return m.group(1) if m else name
 
 
+SILU = ("SiLU", "SiLUActivation")
+GELU = ("GELUTanh", "PytorchGELUTanh", "GELUActivation", "NewGELUActivation")
+
+
 def _kind_of(name: str, m: nn.Module) -> str | None:
     if name.endswith("embed_tokens"):
         return "embed"
     if name.endswith("rotary_emb"):
         return "rotary"
-    if hasattr(m, "variance_epsilon"):
+    if type(m).__name__.endswith("RMSNorm"):
         return "norm"
     if isinstance(m, nn.Linear):
         return "linear"
-    if type(m).__name__ in ("SiLU", "SiLUActivation"):
+    if type(m).__name__ in SILU + GELU:
         return "act"
     if name.endswith("self_attn"):
         return "attention"
@@ -265,65 +347,85 @@ def _tie_router(layer_mlp: str):
     return prepare
 
 
-def draw_plant(model: nn.Module, rng: random.Random, side: str, branches: bool = True) -> Plant:
-    """One random plant over the modules this model calls (norms, projections, activations, attention, MLP or
-    MoE block, decoder layer, embeddings, rotary, final norm, head). Without `branches`, no batch- or
-    length-dependent branch (a branch taken on one layout and not the other is a divergence even when both
-    sides carry the plant)."""
-    mods = [(n, _kind_of(n, m)) for n, m in model.named_modules()]
-    mods = [(n, k) for n, k in mods if k]
-    options: list[tuple[str, str, Callable]] = []
-    for name, kind in mods:
-        for plant in _PLANTS[kind]:
-            options.append((name, kind, plant))
-    name, kind, make = rng.choice(options)
-    return make(name, rng, side, model, branches)
+def draw_plant(model: nn.Module, rng: random.Random, side: str, branches: bool = True,
+               layouts: bool = True) -> Plant:
+    """One random plant over the modules this model calls (norms, projections incl. the head, activations,
+    attention, MLP or MoE block, decoder layer, embeddings, rotary, final norm) and the plants that apply to its
+    kernels (tic's wrappers or stock transformers). Without `branches`, no batch- or length-dependent branch;
+    without `layouts` (the two sides run one layout, or both carry the plant), no plant whose divergence is the
+    two layouts' (a kernel following the launch's rows)."""
+    wrapped = getattr(model, "_tic_provider", None) is not None
+    allowed = {"any", "wrapped" if wrapped else "stock"} | ({"layouts"} if wrapped and layouts else set())
+    options = defaultdict(list)  # maker -> the modules it can plant in: a kind is drawn first, then its module
+    for name, m in model.named_modules():
+        for make, when, fits in _PLANTS.get(_kind_of(name, m), []):
+            if when in allowed and fits(m):
+                options[make].append(name)
+    make = rng.choice(list(options))
+    return make(rng.choice(options[make]), rng, side, model, branches)
 
 
-def _p(kind, name, ops, side, install, prepare=None):
-    return Plant(kind, name, _stage_of(name), tuple(ops), side, install, prepare)
+def _p(kind, name, ops, side, install, prepare=None, op_class="", both=False):
+    return Plant(kind, name, _stage_of(name), tuple(ops), side, install, prepare, op_class, both)
+
+
+def _eps_attr(m: nn.Module) -> str:
+    return "variance_epsilon" if hasattr(m, "variance_epsilon") else "eps"
 
 
 def _eps(name, rng, side, model, branches=True):
-    new = model.get_submodule(name).variance_epsilon * rng.choice([10.0, 0.1, 3.0])
-    return _p("eps", name, ["aten.add.Tensor"], side, set_attribute(name, "variance_epsilon", new))
+    attr = _eps_attr(model.get_submodule(name))
+    new = getattr(model.get_submodule(name), attr) * rng.choice([10.0, 0.1, 3.0])
+    return _p("eps", name, ["aten.add.Tensor"], side, set_attribute(name, attr, new), op_class="norm")
 
 
 def _eps_branch(name, rng, side, model, branches=True):
     m = model.get_submodule(name)
-    new = m.variance_epsilon * rng.choice([10.0, 0.1])
+    attr = _eps_attr(m)
+    new = getattr(m, attr) * rng.choice([10.0, 0.1])
     cond, tag = _branch(rng)
     if not branches:
-        return _p("eps", name, ["aten.add.Tensor"], side, set_attribute(name, "variance_epsilon", new))
+        return _p("eps", name, ["aten.add.Tensor"], side, set_attribute(name, attr, new), op_class="norm")
     cond = cond or ("rows", 2)
     tag = tag or " (batch-dependent branch)"
 
     def install(model):
         mod = model.get_submodule(name)
-        old = mod.variance_epsilon
+        old = getattr(mod, attr)
 
         def outer(fwd):
             def planted(*args, **kwargs):
-                mod.variance_epsilon = new if _condition_holds(cond, args, kwargs) else old
+                setattr(mod, attr, new if _condition_holds(cond, args, kwargs) else old)
                 try:
                     return fwd(*args, **kwargs)
                 finally:
-                    mod.variance_epsilon = old
+                    setattr(mod, attr, old)
             return planted
         return _wrap_forward(mod, outer)
-    return _p("eps" + tag, name, ["aten.add.Tensor"], side, install)
+    return _p("eps" + tag, name, ["aten.add.Tensor"], side, install, op_class="norm")
 
 
-def _swap_plant(kind, table, ops, with_branch=True):
+def _swap_plant(kind, table, ops, op_class, with_branch=True):
     def make(name, rng, side, model, branches=True):
         cond, tag = _branch(rng, branches) if with_branch else (None, "")
-        return _p(kind + tag, name, ops, side, swap_in(name, table, cond))
+        return _p(kind + tag, name, ops, side, swap_in(name, table, cond), op_class=op_class)
     return make
 
 
-def _output_round(name, rng, side, model, branches=True):
-    cond, tag = _branch(rng, branches)
-    return _p("bf16 round trip of the output" + tag, name, ROUND, side, around(name, after=_round_first, cond=cond))
+def _output_round(op_class):
+    def make(name, rng, side, model, branches=True):
+        cond, tag = _branch(rng, branches)
+        return _p("bf16 round trip of the output" + tag, name, ROUND, side, around(name, after=_round_first, cond=cond),
+                  op_class=op_class)
+    return make
+
+
+def _output_scaled(op_class):
+    def make(name, rng, side, model, branches=True):
+        c = rng.choice([1.0001, 0.9999, 1.001])
+        return _p("output multiplied by a constant", name, ("aten.mul.Tensor",), side,
+                  around(name, after=_first(lambda t: t * c if t.is_floating_point() else t)), op_class=op_class)
+    return make
 
 
 def _position_round(name, rng, side, model, branches=True):
@@ -332,13 +434,15 @@ def _position_round(name, rng, side, model, branches=True):
         if isinstance(pe, tuple):
             kwargs = dict(kwargs, position_embeddings=(_round(pe[0]),) + tuple(pe[1:]))
         return args, kwargs
-    return _p("bf16 round trip of the position embeddings passed on", name, ROUND, side, around(name, before=before))
+    return _p("bf16 round trip of the position embeddings passed on", name, ROUND, side, around(name, before=before),
+              op_class="rotary")
 
 
 def _key_split_plant(name, rng, side, model, branches=True):
     n = rng.choice([3, 4, 5, 6, 8])
     return _p(f"attention reduction over keys split in two (rows of >= {n} keys: length-dependent branch)", name,
-              LINEAR_OPS + ("aten.add.Tensor",), side, swap_in(name, {"matmul": _key_split(n)}))
+              LINEAR_OPS + ("aten.add.Tensor",), side, swap_in(name, {"matmul": _key_split(n)}),
+              op_class="attention core")
 
 
 def _tie_break(name, rng, side, model, branches=True):
@@ -347,36 +451,132 @@ def _tie_break(name, rng, side, model, branches=True):
               ("aten.flip.default", "aten.rsub.Scalar", "aten.topk.default", "aten.sort.stable",
                "aten.sort.default"), side,
               swap_in(name, {"topk": _topk_high_index_first, "sort": _sort_high_index_first}),
-              prepare=_tie_router(name))
+              prepare=_tie_router(name), op_class="routing")
 
 
-_PLANTS: dict[str, list[Callable]] = {
-    "embed": [_output_round],
-    "rotary": [_output_round],
-    "norm": [_eps, _eps_branch, _swap_plant("rsqrt as reciprocal of sqrt", {"rsqrt": _rsqrt_as_sqrt},
-                                            ("aten.sqrt.default", "aten.reciprocal.default")), _output_round],
-    "linear": [_swap_plant("split-k reduction", {"linear": _split_k}, LINEAR_OPS + ("aten.add.Tensor",)),
-               _swap_plant("scale placement", {"linear": _scaled_linear}, SCALE),
-               _swap_plant("bf16 round trip of the GEMM result", {"linear": _round_result}, ROUND)],
-    "act": [_swap_plant("silu as x * sigmoid(x)", {"silu": _silu_manual},
-                        ("aten.sigmoid.default", "aten.mul.Tensor")), _output_round],
-    "attention": [_swap_plant("scale placement", {"matmul": _scaled_matmul}, SCALE),
-                  _swap_plant("softmax as exp / sum", {"softmax": _manual_softmax},
-                              ("aten.amax.default", "aten.sub.Tensor", "aten.exp.default")),
-                  _key_split_plant,
-                  _swap_plant("bf16 round trip of the rotary products", {"__mul__": _round_result, "mul": _round_result},
-                              ROUND)],
-    "mlp": [_swap_plant("bf16 round trip of the gated product", {"__mul__": _round_result, "mul": _round_result},
-                        ROUND)],
-    "moe": [_tie_break,
-            _swap_plant("split-k reduction", {"linear": _split_k}, LINEAR_OPS + ("aten.add.Tensor",)),
-            _swap_plant("router softmax as exp / sum", {"softmax": _manual_softmax},
-                        ("aten.amax.default", "aten.sub.Tensor", "aten.exp.default")),
-            _swap_plant("bf16 round trip of the weighted expert outputs",
-                        {"__mul__": _round_result, "mul": _round_result}, ROUND)],
-    "layer": [_swap_plant("bf16 round trip of the residual sums", {"__add__": _round_result, "add": _round_result},
-                          ROUND, with_branch=False),
-              _position_round],
+def _weight_layout(kind, relayouts):
+    def make(name, rng, side, model, branches=True):
+        return _p(kind, name, LINEAR_OPS, side, weight_layout(name, rng.choice(relayouts)), op_class="memory layout")
+    return make
+
+
+# kernels of tic's wrappers for one module, by provider method: (provider, *args) -> value
+def _norm_by_rows(provider, x, w, eps):
+    from tic.harness import plant_kernels
+
+    return plant_kernels.rms_norm(x, w, eps)
+
+
+def _linear_over_the_launch(provider, x, w, b=None):
+    return F.linear(x, w, b)
+
+
+def _attention_over_the_launch(provider, q, k, v, mask, scale):
+    from tic.harness.kernels.autograd import attention_ref
+
+    return attention_ref(q, k, v, mask, scale).to(q.dtype)
+
+
+def _experts_with_rounded_weights(provider, x, weights, ids, gate_up, down):
+    return type(provider).moe_experts(provider, x, _round(weights.to(torch.bfloat16)).to(weights.dtype), ids,
+                                      gate_up, down)
+
+
+def _kernel_plant(kind, method, kernel, ops, op_class, both):
+    def make(name, rng, side, model, branches=True):
+        return _p(kind, name, ops, side, kernel_swap(name, **{method: kernel}), op_class=op_class, both=both)
+    return make
+
+
+NORM_KERNEL = ("plant_kernels.rms_norm.default",)
+ATTENTION_OPS = ("aten.scaled_dot_product_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default",
+                 "aten.repeat_interleave.self_int", "aten.where.self", "aten.transpose.int", "aten._to_copy.default")
+LAUNCH = "kernel following the launch's row count"
+RESIDUAL_OPS = ("aten.add.Tensor", "aten.mul.Tensor", "aten.div.Tensor")
+
+
+def _any(m: nn.Module) -> bool:
+    return True
+
+
+def _named(*names: str) -> Callable[[nn.Module], bool]:
+    return lambda m: type(m).__name__ in names
+
+
+_silu, _gelu = _named(*SILU), _named(*GELU)
+# kind -> [(maker, when, fits)]: `when` "any" kernels; "wrapped" tic's kernel wrappers only; "stock" transformers'
+# own modules only (the wrappers never call an activation module, and their attention reads its own rotary
+# table and multiplies per query row); "layouts" wrappers, when the two sides run different layouts (a kernel
+# whose arithmetic follows the launch, on both sides or on one). `fits(module)`: the modules it applies to.
+_PLANTS: dict[str, list[tuple[Callable, str, Callable]]] = {
+    "embed": [(_output_round("embedding"), "any", _any), (_output_scaled("embedding"), "any", _any)],
+    "rotary": [(_output_round("rotary"), "stock", _any)],
+    "norm": [(_eps, "any", _any), (_eps_branch, "any", _any),
+             (_swap_plant("rsqrt as reciprocal of sqrt", {"rsqrt": _rsqrt_as_sqrt},
+                          ("aten.sqrt.default", "aten.reciprocal.default"), "norm"), "any", _any),
+             (_swap_plant("mean of squares as two partial sums", {"mean": _mean_in_halves},
+                          ("aten.sum.dim_IntList", "aten.add.Tensor", "aten.div.Tensor"), "norm"), "any", _any),
+             (_output_round("norm"), "any", _any), (_output_scaled("norm"), "any", _any),
+             (_swap_plant("scale placement in the residual add", {"__add__": _scaled_operands, "add": _scaled_operands},
+                          RESIDUAL_OPS, "residual add", with_branch=False), "wrapped", _any),
+             (_kernel_plant(f"norm {LAUNCH}", "rms_norm", _norm_by_rows, NORM_KERNEL, "norm", True), "layouts", _any),
+             (_kernel_plant(f"norm {LAUNCH}", "rms_norm", _norm_by_rows, NORM_KERNEL, "norm", False), "layouts",
+              _any)],
+    "linear": [(_swap_plant("split-k reduction", {"linear": _split_k}, LINEAR_OPS + ("aten.add.Tensor",), "GEMM"),
+                "any", _any),
+               (_swap_plant("scale placement", {"linear": _scaled_linear}, SCALE, "GEMM"), "any", _any),
+               (_swap_plant("bf16 round trip of the GEMM result", {"linear": _round_result}, ROUND, "GEMM"), "any",
+                _any),
+               (_swap_plant("GEMM in float64", {"linear": _float64_linear}, LINEAR_OPS, "GEMM"), "any", _any),
+               (_weight_layout("weight at another alignment", [_misaligned(1), _misaligned(2), _misaligned(3)]),
+                "any", _any),
+               (_weight_layout("weight column-major", [_column_major]), "any", _any),
+               (_kernel_plant(f"GEMM {LAUNCH}", "linear", _linear_over_the_launch, LINEAR_OPS, "GEMM", True),
+                "layouts", _any)],
+    "act": [(_swap_plant("silu as x * sigmoid(x)", {"silu": _silu_manual}, ("aten.sigmoid.default", "aten.mul.Tensor"),
+                         "activation"), "stock", _silu),
+            (_swap_plant("gelu written out", {"gelu": _gelu_manual}, ("aten.mul.Tensor", "aten.add.Tensor",
+                                                                      "aten.tanh.default", "aten.pow.Tensor_Scalar"),
+                         "activation"), "stock", _gelu),
+            (_output_round("activation"), "stock", _any)],
+    "attention": [(_swap_plant("scale placement", {"matmul": _scaled_matmul}, SCALE, "attention core"), "wrapped",
+                   _any),
+                  (_swap_plant("softmax as exp / sum", {"softmax": _manual_softmax},
+                               ("aten.amax.default", "aten.sub.Tensor", "aten.exp.default"), "attention core"), "any",
+                   _any),
+                  (_key_split_plant, "wrapped", _any),
+                  (_swap_plant("bf16 round trip of the rotary products", {"__mul__": _round_result,
+                                                                          "mul": _round_result}, ROUND, "rotary"),
+                   "any", _any),
+                  (_output_scaled("attention core"), "any", _any),
+                  (_swap_plant("bf16 round trip of the first piece of rotate-half's cat", {"cat": _cat_first_rounded},
+                               ROUND, "rotary"), "any", _any),
+                  (_kernel_plant(f"attention {LAUNCH}", "attention", _attention_over_the_launch, ATTENTION_OPS,
+                                 "attention core", True), "layouts", _any)],
+    "mlp": [(_swap_plant("bf16 round trip of the gated product", {"__mul__": _round_result, "mul": _round_result},
+                         ROUND, "activation"), "any", _any),
+            (_swap_plant("silu as x * sigmoid(x) in the gated product", {"silu": _silu_manual},
+                         ("aten.sigmoid.default", "aten.mul.Tensor"), "activation"), "wrapped", _any),
+            (_output_scaled("activation"), "any", _any),
+            (_swap_plant("bf16 round trip of the gate projection before its cat with the up projection",
+                         {"cat": _cat_first_rounded}, ROUND, "activation"), "wrapped", _any)],
+    "moe": [(_tie_break, "wrapped", _any),  # transformers' own MoE blocks select experts in a child module
+            (_swap_plant("split-k reduction", {"linear": _split_k}, LINEAR_OPS + ("aten.add.Tensor",), "GEMM"),
+             "wrapped", _any),
+            (_swap_plant("router softmax as exp / sum", {"softmax": _manual_softmax},
+                         ("aten.amax.default", "aten.sub.Tensor", "aten.exp.default"), "routing"), "wrapped", _any),
+            (_swap_plant("bf16 round trip of the weighted expert outputs",
+                         {"__mul__": _round_result, "mul": _round_result}, ROUND, "expert combine"), "wrapped", _any),
+            (_swap_plant("scale placement in the expert weighting", {"__mul__": _scaled_operands, "mul": _scaled_operands},
+                         SCALE, "expert combine"), "wrapped", _any),
+            (_kernel_plant("expert combine kernel rounding the routing weights through bf16", "moe_experts",
+                           _experts_with_rounded_weights, ROUND, "expert combine", False), "wrapped", _any),
+            (_output_scaled("expert combine"), "any", _any)],
+    "layer": [(_swap_plant("bf16 round trip of the residual sums", {"__add__": _round_result, "add": _round_result},
+                           ROUND, "residual add", with_branch=False), "any", _any),
+              (_swap_plant("scale placement in the residual sums", {"__add__": _scaled_operands, "add": _scaled_operands},
+                           RESIDUAL_OPS, "residual add", with_branch=False), "any", _any),
+              (_position_round, "stock", _any)],
 }
 
 
@@ -394,6 +594,13 @@ def operator_named(found: str | None, expected: tuple) -> bool:
     return any(_short(e) in names for e in expected)
 
 
+def planted_side_operator(res: dict, side: str) -> str | None:
+    """The operator the locator names on the planted side: its call of the pair, or, when the two sides compute the
+    value with different operator sequences, that side's own first call whose value the other never computes."""
+    calls = (res.get("difference") or {}).get("calls") or {}
+    return (calls.get(side.upper()) or {}).get("operator") or res.get("first_operator")
+
+
 def _samples(engine, rng: random.Random, vocab: int, upto: int):
     from tic.harness.engines.base import Sampling
 
@@ -403,56 +610,91 @@ def _samples(engine, rng: random.Random, vocab: int, upto: int):
                            list(range(n)))
 
 
-def run_trial(seed: int, out_dir: Path, mode: str = "plant", family: str | None = None,
-              models_per_family_seed: int = 4, remove_plant_for_recheck: bool = True) -> dict:
-    """One trial: a random tiny model, a random compared sequence and layouts, and
-      mode "plant": one random plant on one random side -> what the locator says, judged against the plant;
-        then the plant is removed and the emitted repro is run again with the planted side's entry recorded
-        anew (tic.harness.locate.recheck_repro): it must exit 0 (`repro_exit_without_plant`). With
-        `remove_plant_for_recheck=False` the plant stays for that rerun, which must then exit 1: a self-check
-        that the recheck can fail;
-      mode "clean": nothing planted -> must report no divergence and emit no repro;
-      mode "symmetric": the same random plant on both sides -> must report no divergence and emit no repro.
-    A plant that changes nothing on the compared sequence (e.g. a branch never taken) is reported "ineffective"."""
-    from tic.harness.capture import CaptureSpec, HFCaptureRunner, rows_equal
+def _engines(model_dir: Path, kernels: str, rng: random.Random, same_layout: bool) -> dict:
+    """Side A's and side B's engines over private copies of one model: side A's decode batch and side B's scoring
+    micro-batch drawn apart, or, with `same_layout`, one batch size and micro-batch for both."""
     from tic.harness.engines.hf import HFEngine
-    from tic.harness.locate import Side, locate, recheck_repro
-    from tic.harness.tinymodels import tiny_model
 
-    rng = random.Random(seed)
-    model_dir, cfg = tiny_model(seed // models_per_family_seed, family)
-    upto = rng.randint(1, 3)
-    base = HFEngine(model_dir, "float32", kernels="consistent", batch_size=rng.randint(1, 4),
+    base = HFEngine(model_dir, "float32", kernels=kernels, batch_size=rng.randint(1, 4),
                     micro_batch_size=rng.randint(1, 3))
     engines = {}
     for s in ("a", "b"):
         e = copy.copy(base)
         e.model = copy.deepcopy(base.model)
         engines[s] = e
-    engines["a"].batch_size = rng.randint(1, 4)
-    engines["b"].micro_batch_size = rng.randint(1, 3)
+    if not same_layout:
+        engines["a"].batch_size = rng.randint(1, 4)
+        engines["b"].micro_batch_size = rng.randint(1, 3)
+    return engines
+
+
+def run_trial(seed: int, out_dir: Path, mode: str = "plant", family: str | None = None, kernels: str | None = None,
+              models_per_family_seed: int = 4, remove_plant_for_recheck: bool = True) -> dict:
+    """One trial: a random tiny model, random kernels, a random compared sequence and layouts, and
+      mode "plant": one random plant on one random side (or, for a kernel following the launch's rows, on both)
+        -> what the locator says, judged against the plant; then the plant is removed and the emitted repro is run
+        again with the planted side's entry recorded anew (tic.harness.locate.recheck_repro; both sides' modules
+        for a plant on both): it must exit 0 (`repro_exit_without_plant`). With `remove_plant_for_recheck=False`
+        the plant stays for that rerun, which must then exit 1: a self-check that the recheck can fail;
+      mode "clean": nothing planted -> must report no divergence and emit no repro;
+      mode "symmetric": the same random plant on both sides -> must report no divergence and emit no repro.
+    Kernels ("consistent": tic's CPU kernel wrappers, side A decoding and side B scoring in layouts of their own;
+    "stock": transformers' own modules, both sides in one layout, decoding or scoring, since stock CPU kernels
+    differ between layouts by themselves) are drawn from the seed unless given; stock for a family the wrappers
+    do not cover. A plant that changes nothing on the compared sequence (e.g. a branch never taken) is reported
+    "ineffective", one whose change is rounded away before any compared stage "absorbed"."""
+    from tic.core.errors import TicInputError
+    from tic.harness.capture import CaptureSpec, HFCaptureRunner, rows_equal
+    from tic.harness.locate import Side, locate, recheck_repro
+    from tic.harness.tinymodels import tiny_model
+
+    rng = random.Random(seed)
+    model_dir, cfg = tiny_model(seed // models_per_family_seed, family)
+    upto = rng.randint(1, 3)
+    kernels = kernels or ("stock" if rng.random() < 1 / 3 else "consistent")
+    try:
+        engines = _engines(model_dir, kernels, rng, same_layout=kernels == "stock")
+    except TicInputError:  # e.g. sliding-window layers, which the wrappers do not cover
+        kernels = "stock"
+        engines = _engines(model_dir, kernels, rng, same_layout=True)
+    layouts_differ = kernels != "stock"
     side = rng.choice("ab")
-    plant = draw_plant(engines[side].model, rng, side, branches=mode == "plant") if mode != "clean" else None
+    plant = None if mode == "clean" else draw_plant(engines[side].model, rng, side,
+                                                    branches=mode == "plant" and layouts_differ,
+                                                    layouts=mode == "plant" and layouts_differ)
     if plant is not None and plant.prepare is not None:
         for e in engines.values():
             plant.prepare(e.model)
     samples = _samples(engines["a"], rng, cfg["vocab_size"], upto)
     target = rng.randrange(len(samples))
     ra, rb = HFCaptureRunner(engines["a"]), HFCaptureRunner(engines["b"])
-    side_a = Side("decode", ra, lambda spec: ra.decode(samples, target, upto, spec))
-    side_b = Side("score", rb, lambda spec: rb.score(samples, target, spec))
-    rec = {"seed": seed, "mode": mode, "family": cfg["model_type"], "plant": plant.describe() if plant else None,
-           "kind": plant.kind if plant else None, "side": side if plant else None}
+    def run(runner, how):
+        if how == "score":
+            return lambda spec: runner.score(samples, target, spec)
+        return lambda spec: runner.decode(samples, target, upto, spec)
+
+    # the wrappers: side A decodes, side B scores; stock: both sides decode, or both score
+    how_a, how_b = ("decode", "score") if layouts_differ else 2 * (rng.choice(["decode", "score"]),)
+    side_a, side_b = Side(how_a, ra, run(ra, how_a)), Side(how_b, rb, run(rb, how_b))
+    rec = {"seed": seed, "mode": mode, "family": cfg["model_type"], "kernels": kernels,
+           "layouts": f"{side_a.label} / {side_b.label}", "plant": plant.describe() if plant else None,
+           "kind": plant.kind if plant else None, "op_class": plant.op_class if plant else None,
+           "both": plant.both if plant else None, "side": side if plant else None}
     if plant is not None:
         # ground truth before locating: the plant must change its module's output on the compared sequence
         # ("ineffective" otherwise) and reach a compared stage or the logprob ("absorbed" otherwise: a change
-        # rounded away downstream is no divergence to locate)
+        # rounded away downstream is no divergence to locate). A plant on both sides is seen as the difference it
+        # makes between the two sides' layouts.
         run_planted = side_a.run if side == "a" else side_b.run
         watched = set(ra.stages()) | {plant.module}
-        before = run_planted(CaptureSpec(outputs=watched))
-        targets = [engines[side]] if mode == "plant" else list(engines.values())
-        undo = [plant.install(e.model) for e in targets]
-        after = run_planted(CaptureSpec(outputs=watched))
+        targets = [engines[side]] if mode == "plant" and not plant.both else list(engines.values())
+        if plant.both:
+            undo = [plant.install(e.model) for e in targets]
+            before, after = side_a.run(CaptureSpec(outputs=watched)), side_b.run(CaptureSpec(outputs=watched))
+        else:
+            before = run_planted(CaptureSpec(outputs=watched))
+            undo = [plant.install(e.model) for e in targets]
+            after = run_planted(CaptureSpec(outputs=watched))
 
         def changed(name):
             x, y = before.outputs.get(name, {}), after.outputs.get(name, {})
@@ -469,8 +711,10 @@ def run_trial(seed: int, out_dir: Path, mode: str = "plant", family: str | None 
         res = locate(side_a, side_b, Path(out_dir), "plant", upto)
     except Exception as e:  # noqa: BLE001  a crash is a result to count, not the end of the benchmark
         return {**rec, "status": "crash", "error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0}
-    rec.update(report=res.get("report"), logprob_a=res.get("logprob_a"), logprob_b=res.get("logprob_b"), status=res["status"], seconds=time.perf_counter() - t0, layer=res["first_divergent_layer"],
+    rec.update(report=res.get("report"), logprob_a=res.get("logprob_a"), logprob_b=res.get("logprob_b"),
+               status=res["status"], seconds=time.perf_counter() - t0, layer=res["first_divergent_layer"],
                module=res["culprit_module"], operator=res["first_operator"],
+               difference=(res.get("difference") or {}).get("kind"),
                repro_exit=(res.get("repro_check") or {}).get("exit_code") if res.get("repro") else None,
                repro_proves=res.get("repro_proves"))
     if plant is not None and mode == "plant" and res.get("repro"):
@@ -480,7 +724,8 @@ def run_trial(seed: int, out_dir: Path, mode: str = "plant", family: str | None 
                 u()
         t1 = time.perf_counter()
         try:
-            again = recheck_repro(side_a, side_b, res, plant.side, Path(out_dir) / "without-plant")
+            again = recheck_repro(side_a, side_b, res, "AB" if plant.both else plant.side,
+                                  Path(out_dir) / "without-plant")
             rec.update(repro_exit_without_plant=again["exit_code"], repro_without_plant_kind=again["kind"],
                        repro_without_plant_output=(again.get("output") or "")[-300:])
         except Exception as e:  # noqa: BLE001  counted, not fatal to the benchmark
@@ -491,7 +736,7 @@ def run_trial(seed: int, out_dir: Path, mode: str = "plant", family: str | None 
         rec.update(expected_layer=plant.layer, expected_module=plant.module, expected_operators=plant.operators,
                    layer_right=res["first_divergent_layer"] == plant.layer,
                    module_right=res["culprit_module"] == plant.module,
-                   operator_right=operator_named(res["first_operator"], plant.operators))
+                   operator_right=operator_named(planted_side_operator(res, plant.side), plant.operators))
     else:
         rec["clean"] = res["first_divergent_layer"] is None and res["status"] == "no divergence" and not res["repro"]
     return rec

@@ -30,15 +30,45 @@ def _tensors(v) -> list[torch.Tensor]:
     return []
 
 
-def standard_map(shape: tuple, batch: int, length: int) -> torch.Tensor | None:
-    """Token map of a tensor laid out per token: [B, T, ...] or [B*T, ...]; None if it is not."""
-    n = batch * length
-    if len(shape) >= 2 and tuple(shape[:2]) == (batch, length):
-        lead = torch.arange(n, dtype=torch.int32).reshape(batch, length)
-        return lead.reshape(batch, length, *([1] * (len(shape) - 2))).expand(shape)
-    if len(shape) >= 1 and shape[0] == n:
-        return torch.arange(n, dtype=torch.int32).reshape(n, *([1] * (len(shape) - 1))).expand(shape)
-    return None
+def _token_layout(x: torch.Tensor, batch: int, length: int) -> str | None:
+    """How a tensor holds tokens: "bt" [B, T, ...], "flat" [B*T, ...], "bht" per head [B, H, T, ...] (attention's
+    q/k/v after their transpose), or None. When H == T the two 4-d layouts look alike: a transposed view (the head
+    dimension's stride below the token dimension's) is taken per head. For T == 1 a token's elements are the same,
+    in the same order, whichever layout is taken. A bool tensor is a mask over another axis (an attention mask's
+    keys, placed by the layout's padding): never a token's values."""
+    if x.dtype == torch.bool:
+        return None
+    shape, stride = tuple(x.shape), x.stride()
+    per_head = len(shape) >= 3 and shape[0] == batch and shape[2] == length
+    if len(shape) >= 2 and shape[:2] == (batch, length) and not (per_head and length > 1 and stride[1] < stride[2]):
+        return "bt"
+    if len(shape) >= 1 and shape[0] == batch * length:
+        return "flat"
+    return "bht" if per_head else None
+
+
+def _as_layout(x: torch.Tensor, layout: str | None, batch: int, length: int) -> torch.Tensor | None:
+    if layout == "bt":
+        return x
+    if layout == "flat":
+        return x.unflatten(0, (batch, length))
+    return x.transpose(1, 2) if layout == "bht" else None
+
+
+def token_view(x: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:
+    """x as a [B, T, ...] view when it is laid out per token (one of the layouts above); None otherwise."""
+    return _as_layout(x, _token_layout(x, batch, length), batch, length)
+
+
+def standard_map(x: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:
+    """Token map of a tensor laid out per token (token_view); None if it is not."""
+    m = torch.full(tuple(x.shape), -1, dtype=torch.int32)
+    v = _as_layout(m, _token_layout(x, batch, length), batch, length)
+    if v is None:
+        return None
+    v.copy_(torch.arange(batch * length, dtype=torch.int32).reshape(batch, length, *([1] * (v.dim() - 2)))
+            .expand(v.shape))
+    return m
 
 
 # the provenances of the trails being recorded now (tic.harness.capture.OpRecorder pushes and pops its own)
@@ -102,7 +132,7 @@ class Provenance:
     def seed(self, t) -> None:
         """A module input: per-token layouts get the standard map; other tensors (masks, weights) none."""
         for x in _tensors(t):
-            m = standard_map(tuple(x.shape), self.batch, self.length)
+            m = standard_map(x, self.batch, self.length)
             if m is not None and self.tokens(x) is None:
                 self._set(x, m)
 
@@ -137,7 +167,7 @@ class Provenance:
     def after(self, func, args, kwargs, outs: list[torch.Tensor], written: list[torch.Tensor]) -> None:
         """Update the maps for one operator call: its new outputs and the tensors it wrote in place."""
         inputs = [x for v in list(args) + list(kwargs.values()) for x in _tensors(v)]
-        if str(func) in CONSTANT_OPS:  # values that depend on no input's data: no token, whatever was there
+        if str(func) in CONSTANT_OPS or _op_name(func) in POSITION_OPS:  # no token, whatever was there
             for t in outs + written:
                 if self.tokens(t) is not None:
                     self._set(t, torch.full(tuple(t.shape), -1, dtype=torch.int32))
@@ -150,6 +180,8 @@ class Provenance:
             if any(o is w for w in written):
                 continue
             m = self._moved(func, args, kwargs, tuple(o.shape)) if _is_move(func) else None
+            if m is None and _op_name(func) in REDUCTIONS:
+                m = self._reduced(func, args, kwargs, tuple(o.shape))
             if m is None:
                 m = self._derive(func, [i for i in inputs if i is not o], tuple(o.shape), dim)
             if m is not None:
@@ -222,6 +254,30 @@ class Provenance:
         agree = (count > 0) & (total * total == count * squares)
         return torch.where(agree, total // count.clamp(min=1) - 1, torch.full_like(total, -1)).to(torch.int32)
 
+    def _reduced(self, func, args, kwargs, shape) -> torch.Tensor | None:
+        """For an aten reduction over some dimensions (a sum over an MoE token's top-k slots, a mean over a row
+        without keepdim): an output element is a token's when every element it reduces is that token's."""
+        try:
+            names = [a.name for a in func._schema.arguments]
+        except AttributeError:
+            return None
+        bound = dict(zip(names, args), **kwargs)
+        x = bound.get("self", bound.get("input"))
+        m = self.tokens(x) if isinstance(x, torch.Tensor) else None
+        if m is None or not bool((m >= 0).any()) or m.dim() == 0:
+            return None
+        dims = bound.get("dim")
+        dims = list(range(m.dim())) if dims is None or dims == [] else [dims] if isinstance(dims, int) else list(dims)
+        keep = bool(bound.get("keepdim", False))
+        ids = m.to(torch.int64) + 1  # 0: no token
+        total, count = ids.sum(dims, keepdim=keep), (ids > 0).sum(dims, keepdim=keep)
+        squares, n = (ids * ids).sum(dims, keepdim=keep), math.prod(m.shape[d] for d in dims)
+        if tuple(total.shape) != tuple(shape):
+            return None
+        # n ids equal iff none is 0 and (sum ids)^2 == n * sum ids^2
+        agree = (count == n) & (total * total == count * squares)
+        return torch.where(agree, total // max(n, 1) - 1, torch.full_like(total, -1)).to(torch.int32)
+
     def _derive(self, func, sources, shape, dim):
         name = _op_name(func)
         if name in ("cat", "stack", "concat", "concatenate"):
@@ -251,10 +307,17 @@ def _is_move(func) -> bool:
     return getattr(func, "namespace", None) == "aten" and _op_name(func) in MOVE_OPS and hasattr(func, "_schema")
 
 
+# aten reductions over dimensions, whose results belong to a token when all they reduce does
+REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "max", "min", "var", "std", "var_mean", "std_mean", "norm",
+              "linalg_vector_norm", "logsumexp", "nansum", "nanmean", "any", "all", "argmax", "argmin"}
+
 # operators whose results take only a shape (and dtype, device) from their tensor inputs: filled buffers
 CONSTANT_OPS = {f"aten.{n}.default" for n in ("zeros_like", "ones_like", "full_like", "empty_like", "new_zeros",
                                               "new_ones", "new_full", "new_empty", "new_empty_strided", "zero_")}
 CONSTANT_OPS.add("aten.fill_.Scalar")
+# operators whose results are coordinates in their input's layout (where a mask is set: a padded row's keys sit
+# elsewhere in another layout), not values of the token
+POSITION_OPS = {"nonzero", "nonzero_static", "argwhere"}
 
 
 def _op_name(func) -> str:

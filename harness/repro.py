@@ -1,9 +1,10 @@
 """Minimal, self-verifying repro of the first divergent operator.
 
-The two computations are the culprit operator as each side ran it, on its real recorded inputs. Rows that
-do not change the outcome are dropped by delta debugging (the difference at the traced token must survive
-every removal). The script is rendered from a jinja2 template, run in a fresh process, and kept only if it
-exits 1 there, i.e. it really reproduces.
+The two computations are the culprit operator as each side ran it, on its real recorded inputs laid out in memory
+as the engine's were (tic.harness.replay). Rows that do not change the outcome are dropped by delta debugging
+(the difference at the traced token must survive every removal). The script is rendered from a jinja2 template
+that carries tic.harness.replay verbatim, run in a fresh process, and kept only if it exits 1 there, i.e. it
+really reproduces; it says itself which kind of difference it shows (replay.difference).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from tic.harness.capture import OpCall, _clone, _tree_map, call_outputs, same_bits
-from tic.harness.launch_record import clone_layout
+from tic.harness import replay
+from tic.harness.capture import OpCall
 from tic.core.fsio import atomic_write_bytes, atomic_write_text
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -25,45 +26,51 @@ TEMPLATES = Path(__file__).parent / "templates"
 
 @dataclass
 class OpSide:
-    """One side's operator call: the call, where the traced token's value sits in its output, its row count."""
+    """One side's operator call: the call, where the traced token's value sits in its output, its row count,
+    and the traced token's elements of each argument (shaped like (args, kwargs); None where it has none)."""
 
     call: OpCall
     where: dict  # {"kind": "row"|"bt"|"bht"|"whole"|"mask", "output": k, ...}
     rows: int  # leading-dim rows of the call: tokens (kind "row") or sequences (kinds "bt", "bht")
-
-
-def outputs_of(func, args, kwargs) -> list[torch.Tensor]:
-    """Run the operator; its outputs as the recorder counts them (capture.call_outputs)."""
-    return call_outputs(func, args, kwargs, func(*args, **kwargs))
-
-
-def pick(ts: list[torch.Tensor], where: dict) -> torch.Tensor:
-    t = ts[where["output"]]
-    if where["kind"] == "whole":
-        return t
-    if where["kind"] == "mask":  # the traced token's elements, found by data (tic.harness.provenance)
-        return t[where["mask"].to(t.device)]
-    if where["kind"] == "bt":
-        return t[where["b"], where["t"]]
-    if where["kind"] == "bht":
-        return t[where["b"], :, where["t"]]
-    return t[where["row"]]
+    token_args: tuple | None = None
 
 
 def _values_differ(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two traced values differ in any bit (in any shape: one layout's row [D], another's [1, D])."""
     if a.dtype != b.dtype:
         a, b = a.to(torch.float64), b.to(torch.float64)
-    return not same_bits(a, b)
+    return not replay.same_value(a, b)
+
+
+def _layouts(side: OpSide) -> tuple:
+    call = side.call
+    return call.layouts or (tuple(replay.layout_tree(a) for a in call.args),
+                            {k: replay.layout_tree(v) for k, v in call.kwargs.items()})
+
+
+def _copies(side: OpSide, args, kwargs) -> tuple[tuple, dict]:
+    """Copies of a call's arguments laid out as the engine's were: in-place kernels (vLLM's fused_add_rms_norm
+    writes its input and residual) must not change the values a later evaluation or the saved repro starts from,
+    and kernels take other paths for other strides or alignments."""
+    lay_args, lay_kwargs = _layouts(side)
+    return (tuple(replay.rebuild_tree(a, lay) for a, lay in zip(args, lay_args)),
+            {k: replay.rebuild_tree(v, lay_kwargs.get(k)) for k, v in kwargs.items()})
 
 
 def _run(side: OpSide, args, kwargs, where) -> torch.Tensor:
-    """The operator on copies of the arguments: in-place kernels (vLLM's fused_add_rms_norm writes its input
-    and residual) must not change the values a later evaluation or the saved repro starts from. A kernel
-    launched from Python addresses memory by explicit strides: its copies keep the recorded layout."""
-    launched = getattr(side.call.func, "launch_spec", None) is not None
-    copy = (lambda v: clone_layout(v) if isinstance(v, torch.Tensor) else v) if launched else _clone  # noqa: E731
-    copies = _tree_map(copy, args), {k: _tree_map(copy, v) for k, v in kwargs.items()}
-    return pick(outputs_of(side.call.func, *copies), where)
+    return replay.pick(replay.outputs_of(side.call.func, *_copies(side, args, kwargs)), where)
+
+
+def replay_mismatch(side: OpSide, name: str) -> str | None:
+    """Why replaying the recorded call here does not give the value the engine computed (the message calls the
+    call side `name`), or None if it does."""
+    args, kwargs = _copies(side, side.call.args, side.call.kwargs)
+    got = replay.pick(replay.outputs_of(side.call.func, args, kwargs), side.where)
+    try:
+        replay.check_replay(got, replay.pick(list(side.call.outputs), side.where), name, args, _layouts(side)[0])
+    except RuntimeError as e:
+        return str(e)
+    return None
 
 
 def _subset(side: OpSide, keep: list[int]):
@@ -140,8 +147,11 @@ def _ddmin(rows: list[int], must: int, differs) -> list[int]:
     return sorted(others + [must])
 
 
-def shrink(a: OpSide | None, b: OpSide, a_value: torch.Tensor | None) -> tuple[dict | None, dict, int]:
-    """Shrink each side's rows while the difference persists. Returns the two calls and the evaluations."""
+def shrink(a: OpSide | None, b: OpSide, a_value: torch.Tensor | None, skip: dict | None = None) \
+        -> tuple[dict | None, dict, int]:
+    """Shrink each side's rows while the difference persists (not the sides in `skip`). Returns the two calls and
+    the evaluations."""
+    skip = skip or {}
     evals = 0
     state = {
         "a": None if a is None else (a.call.args, dict(a.call.kwargs), dict(a.where)),
@@ -168,21 +178,37 @@ def shrink(a: OpSide | None, b: OpSide, a_value: torch.Tensor | None) -> tuple[d
             state[key] = saved
         return ok
 
+    cuts: dict = {"a": None, "b": None}  # how each side's call was cut (cut_call), for a recheck to cut alike
     for key, side in (("a", a), ("b", b)):
-        if side is None:
+        if side is None or skip.get(key):
             continue
         reduced = one_sequence(side, *state[key])
         if reduced is not None:
-            trial(key, reduced)
+            if trial(key, reduced):
+                cuts[key] = {"one_sequence": True}
             continue
         if side.rows <= 1 or not side.call.op.startswith("aten."):
             continue  # custom kernels (e.g. vLLM's attention) tie rows together through other arguments
         must = side.where["row" if side.where["kind"] == "row" else "b"]
         keep = _ddmin(list(range(side.rows)), must, lambda k: trial(key, _subset(side, k)))
-        if len(keep) < side.rows and not trial(key, _subset(side, keep)):  # leave the state at the minimum found
+        if len(keep) < side.rows and trial(key, _subset(side, keep)):  # the state at the minimum found
+            cuts[key] = {"rows": keep}
+        else:
             state[key] = (side.call.args, dict(side.call.kwargs), dict(side.where))
-    pack = lambda s: None if s is None else {"args": s[0], "kwargs": s[1], "where": s[2]}  # noqa: E731
-    return pack(state["a"]), pack(state["b"]), evals
+    pack = lambda s, c: None if s is None else {"args": s[0], "kwargs": s[1], "where": s[2], "cut": c}  # noqa: E731
+    return pack(state["a"], cuts["a"]), pack(state["b"], cuts["b"]), evals
+
+
+def cut_call(side: OpSide, cut: dict | None) -> tuple[tuple, dict, dict]:
+    """(args, kwargs, where) of the side's call cut as `shrink` cut a call ("cut" of its entry): to rows
+    cut["rows"], or to the traced token's sequence alone; the whole call without a cut, or where the cut does
+    not apply to it."""
+    whole = (side.call.args, dict(side.call.kwargs), dict(side.where))
+    if cut and cut.get("one_sequence"):
+        return one_sequence(side, *whole) or whole
+    if cut and cut.get("rows") and side.rows > max(cut["rows"]):
+        return _subset(side, cut["rows"])
+    return whole
 
 
 def _rows_of(call: dict | None, fallback: int) -> int:
@@ -222,47 +248,9 @@ def op_imports(*ops: str | None) -> list[str]:
     return out
 
 
-SAME_OPERATOR = "same operator, identical inputs, different bits"
-
-
-def _identical(x, y) -> bool:
-    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-        return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.device == y.device
-                and same_bits(x, y))
-    if isinstance(x, (list, tuple)) or isinstance(y, (list, tuple)):
-        return isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)) and len(x) == len(y) \
-            and all(_identical(a, b) for a, b in zip(x, y))
-    if isinstance(x, dict) or isinstance(y, dict):
-        return isinstance(x, dict) and isinstance(y, dict) and x.keys() == y.keys() \
-            and all(_identical(x[k], y[k]) for k in x)
-    return type(x) is type(y) and x == y
-
-
-def claim(a: dict | None, b: dict) -> str:
-    """What a repro of calls a and b shows, as the script itself decides it in the fresh process (the template's
-    `claim`): "same operator, identical inputs, different bits" only for one operator on bit-identical
-    arguments; otherwise an implementation difference, naming what differs."""
-    if a is None:
-        return "implementation difference: side A has no such operator (its value is side B's input)"
-    if "calls" in a or "calls" in b:
-        return "implementation difference: the two sides compute the module with different operator sequences"
-    if a["op"] != b["op"]:
-        return f"implementation difference: operator {a['op']} vs {b['op']}"
-    if not _identical(a.get("launch"), b.get("launch")):
-        return "implementation difference: the kernel is launched on another grid or writes other arguments"
-    for what, x, y in (("arguments", a["args"], b["args"]), ("keyword arguments", a["kwargs"], b["kwargs"])):
-        if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)) and len(x) == len(y):
-            for i, (u, v) in enumerate(zip(x, y)):
-                if not _identical(u, v):
-                    if isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor) and u.shape != v.shape:
-                        return (f"implementation difference: argument {i} has shape {list(u.shape)} on side A, "
-                                f"{list(v.shape)} on side B")
-                    return f"implementation difference: argument {i} differs between the two calls"
-        elif not _identical(x, y):
-            return f"implementation difference: the {what} differ"
-    if not _identical(a["where"], b["where"]):
-        return "implementation difference: the compared value sits at different places of the two outputs"
-    return SAME_OPERATOR
+def proves_same_arguments(proves: str | None) -> bool:
+    """Whether a repro's verdict is one operator on the traced token's bit-identical arguments."""
+    return bool(proves) and proves.startswith(replay.SAME_ARGUMENTS)
 
 
 def _imports_and_check(out_dir: Path, data: dict, ops: list[str], setup: list[str] | None = None,
@@ -277,12 +265,14 @@ def _imports_and_check(out_dir: Path, data: dict, ops: list[str], setup: list[st
     env = Environment(loader=FileSystemLoader(str(TEMPLATES)), undefined=StrictUndefined, keep_trailing_newline=True)
     template = env.get_template("repro.py.j2")
 
+    runtime = Path(replay.__file__).read_text()
+
     def script(proves: str) -> str:
         return template.render(threads=torch.get_num_threads(), tensor_file=tensor_file, imports=op_imports(*ops),
                                kernels=sorted({op.partition(":")[0] for op in ops if op and ":" in op}),
-                               setup=list(setup or []), proves=proves, **render)
+                               setup=list(setup or []), proves=proves, runtime=runtime, **render)
 
-    claimed = claim(data["a"], data["b"])
+    claimed = replay.claim(data["a"], data["b"])
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / tensor_file, buf.getvalue())
     path = out_dir / "repro.py"
@@ -298,7 +288,7 @@ def _imports_and_check(out_dir: Path, data: dict, ops: list[str], setup: list[st
     result = {"script": str(path), "tensors": str(out_dir / tensor_file), "exit_code": proc.returncode,
               "output": proc.stdout.strip()[-2000:], "stderr": proc.stderr.strip()[-1000:], "rows_a": render["rows_a"],
               "rows_b": render["rows_b"], "proves": proven,
-              "same_operator_identical_inputs": proven == SAME_OPERATOR,
+              "same_operator_identical_inputs": proves_same_arguments(proven),
               # exit 1 *and* the script's own verdict line: an uncaught error elsewhere cannot pass as a repro
               "reproduces": proc.returncode == 1 and any(
                   line.startswith("DIFFERS") for line in proc.stdout.splitlines())}
@@ -326,25 +316,38 @@ def rerun(script: Path, data: dict, out_dir: Path) -> dict:
             "stderr": proc.stderr.strip()[-1000:]}
 
 
-def emit(out_dir: Path, gate: str, a: OpSide | None, b: OpSide, a_value: torch.Tensor | None,
-         side_a: str, side_b: str, headline: str, setup: list[str] | None = None) -> dict:
-    """One operator, shrunk, as both sides ran it on the same inputs. Each side's value as computed here is
-    kept: the fresh process must give the same bits (else its kernels are not the ones that ran here)."""
+def emit(out_dir: Path, gate: str, ref: OpSide | None, new: OpSide, ref_value: torch.Tensor | None,
+         side_a: str, side_b: str, headline: str, setup: list[str] | None = None, new_side: str = "B") -> dict:
+    """One operator, shrunk, as both sides ran it on the same inputs: `new` is the call of engine side `new_side`
+    whose value the other side never computes, `ref` the other side's counterpart (None: the other side's value
+    is `ref_value`, the input of a conversion only `new_side` runs). The repro names the sides as the engines'
+    (side_a, side_b). Each side's value as computed here is kept: the fresh process must give the same bits (else
+    its kernels are not the ones that ran here). A side whose replay here does not give the engine's value is not
+    shrunk, and keeps the engine's value: its fresh replay then fails (exit 3) saying which recorded property it
+    could not rebuild."""
     with torch.inference_mode():  # the recorded tensors come from engines' inference-mode forwards; kernels
-        call_a, call_b, evals = shrink(a, b, a_value)  # that write their `out` argument need the same mode
-        for call, side in ((call_a, a), (call_b, b)):
-            if call is not None:
-                call["op"] = side.call.op
-                call["launch"] = getattr(side.call.func, "launch_spec", None)  # a kernel launched from Python
-                call["expect"] = _run(side, call["args"], call["kwargs"], call["where"]).detach().clone()
-    data = {"a": call_a, "b": call_b, "a_value": None if a_value is None else a_value.clone()}
-    rows_a = "1 (its input value)" if a is None else _rows_of(call_a, a.rows)
+        ref_side = "A" if new_side == "B" else "B"
+        mismatch = {k: replay_mismatch(s, name) for k, s, name in (("a", ref, ref_side), ("b", new, new_side))
+                    if s is not None}  # shrink's "a" is the counterpart, "b" the first divergent call
+        call_ref, call_new, evals = shrink(ref, new, ref_value, skip=mismatch)  # that write `out` need the mode
+        for key, call, side in (("a", call_ref, ref), ("b", call_new, new)):
+            if call is None:
+                continue
+            call.update(op=side.call.op, launch=getattr(side.call.func, "launch_spec", None),  # launched kernels
+                        layouts=_layouts(side), token_args=side.token_args)
+            call["expect"] = replay.pick(list(side.call.outputs), side.where).detach().clone() if mismatch[key] \
+                else _run(side, call["args"], call["kwargs"], call["where"]).detach().clone()
+    rows = {new_side: _rows_of(call_new, new.rows),
+            ref_side: "1 (its input value)" if ref is None else _rows_of(call_ref, ref.rows)}
+    data = {new_side.lower(): call_new, ref_side.lower(): call_ref,
+            f"{ref_side.lower()}_value": None if ref_value is None else ref_value.clone()}
     res = _imports_and_check(
-        out_dir, data, [b.call.op] + ([a.call.op] if a else []), gate=gate, headline=headline, side_a=side_a,
-        side_b=side_b, op=b.call.op, what=b.call.op, has_a=a is not None, module=None, calls_a=0, calls_b=0,
-        rows_a=rows_a, rows_b=_rows_of(call_b, b.rows), setup=setup,
-        unit="tokens" if b.where["kind"] == "row" else "sequences of the batch")
+        out_dir, data, [new.call.op] + ([ref.call.op] if ref else []), gate=gate, headline=headline,
+        side_a=side_a, side_b=side_b, op=new.call.op, what=new.call.op, missing=None if ref else ref_side,
+        module=None, calls_a=0, calls_b=0, rows_a=rows["A"], rows_b=rows["B"], setup=setup,
+        unit="tokens" if new.where["kind"] == "row" else "sequences of the batch")
     res["shrink_evaluations"] = evals
+    res["replay_mismatch"] = {(new_side if k == "b" else ref_side): v for k, v in mismatch.items() if v}
     return res
 
 
@@ -361,7 +364,7 @@ def module_program(trail, target: int, where: dict, recorded: torch.Tensor) -> d
     calls = []
     for call in trail.calls[:target + 1]:
         src_args, src_kwargs = call.sources if call.sources is not None else ((None,) * len(call.args), {})
-        calls.append({"op": call.op, "launch": getattr(call.func, "launch_spec", None),
+        calls.append({"op": call.op, "launch": getattr(call.func, "launch_spec", None), "layouts": call.layouts,
                       "args": tuple(_with_refs(a, s) for a, s in zip(call.args, src_args)),
                       "kwargs": {k: _with_refs(v, src_kwargs.get(k)) for k, v in call.kwargs.items()}})
     return {"calls": calls, "target": target, "where": where, "recorded": recorded.clone(),
@@ -373,8 +376,8 @@ def emit_module(out_dir: Path, gate: str, module: str, prog_a: dict, prog_b: dic
     """Both sides' operator sequences for one module, replayed on their recorded module inputs."""
     ops = sorted({c["op"] for p in (prog_a, prog_b) for c in p["calls"]})
     res = _imports_and_check(
-        out_dir, {"a": prog_a, "b": prog_b, "a_value": None}, ops, gate=gate, headline=headline, side_a=side_a,
-        side_b=side_b, op=module, what=module, has_a=True, module=module, calls_a=len(prog_a["calls"]),
+        out_dir, {"a": prog_a, "b": prog_b}, ops, gate=gate, headline=headline, side_a=side_a,
+        side_b=side_b, op=module, what=module, missing=None, module=module, calls_a=len(prog_a["calls"]),
         calls_b=len(prog_b["calls"]), rows_a=prog_a["rows"], rows_b=prog_b["rows"], unit="token rows of the call",
         setup=setup)
     res["shrink_evaluations"] = 0

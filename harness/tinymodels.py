@@ -12,9 +12,9 @@ from pathlib import Path
 
 from tic.harness.modelgen import cache_root, generate_model
 
-FAMILIES = ("qwen3", "qwen3_moe", "llama", "mistral", "mixtral")
+FAMILIES = ("qwen3", "qwen3_moe", "llama", "mistral", "mixtral", "gemma3_text")
 _ARCH = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM",
-         "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
+         "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def random_config(family: str, rng: random.Random) -> dict:
@@ -39,6 +39,9 @@ def random_config(family: str, rng: random.Random) -> dict:
         cfg.update(num_local_experts=rng.choice([4, 8]), num_experts_per_tok=2)
     if family == "mistral":
         cfg["sliding_window"] = None
+    if family == "gemma3_text":  # per-head q/k norms on [B, H, T, D], GELU, sliding-window layers
+        cfg.update(sliding_window=rng.choice([4, 8]), sliding_window_pattern=rng.choice([2, 3]),
+                   query_pre_attn_scalar=head_dim, hidden_activation="gelu_pytorch_tanh", pad_token_id=0)
     return cfg
 
 

@@ -60,6 +60,9 @@ def command(config_path, gate_id, as_json):
     con.print(f"status:    {found['status']}")
     con.print(f"module:    {' > '.join(found['module_trail']) or '-'}")
     con.print(f"operator:  {found['first_operator'] or '-'}")
+    diff = found.get("difference")
+    if diff:
+        con.print(f"kind:      {diff['kind']}: {diff['detail']}")
     check = found.get("repro_check") or {}
     con.print(f"repro:     {found['repro'] or 'not emitted'}"
               + (f" (rows A {check.get('rows_a')}, B {check.get('rows_b')}; fresh run: {check.get('output')})"

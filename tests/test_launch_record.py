@@ -19,6 +19,7 @@ from tic.harness import launch_record
 from tic.harness.capture import HFCaptureRunner, OpRecorder
 from tic.harness.engines.base import Sampling
 from tic.harness.locate import Side, locate
+from tic.harness.replay import rebuild
 
 ROOT = Path(__file__).resolve().parent.parent
 SUPPORT = Path(__file__).resolve().parent / "support"
@@ -69,7 +70,9 @@ def test_planted_block_size_in_a_launched_kernel_is_located_and_reproduced(tmp_p
     assert "BLOCK=16" in res["operator_args"]["b"] and "BLOCK=64" in res["operator_args"]["a"]
     check = res["repro_check"]
     assert check["reproduces"] and check["exit_code"] == 1, check
-    assert check["proves"].startswith("implementation difference"), check["proves"]  # BLOCK differs: not "same"
+    # BLOCK differs: an argument that differs, named, not one operator on the same arguments
+    assert check["proves"] == "same operator, arguments that differ: argument BLOCK: 64 on side A, 16 on side B", \
+        check["proves"]
     script = Path(res["repro"]).read_text()
     assert "tic_fakejit" in script and "Needs torch and tic_fakejit" in script
     proc = _rerun(res["repro"])
@@ -80,7 +83,7 @@ def test_planted_block_size_in_a_launched_kernel_is_located_and_reproduced(tmp_p
     assert spec["kernel"] == KERNEL and isinstance(spec["grid"], tuple) and spec["written"] == (2,)
     data["b"]["kwargs"]["BLOCK"] = data["a"]["kwargs"]["BLOCK"]
     relaunch = launch_record.KernelLaunch(FAKE, spec["kernel"], spec["hops"], spec["grid"], spec["written"])
-    args = tuple(launch_record.clone_layout(x) if isinstance(x, torch.Tensor) else x for x in data["b"]["args"])
+    args = tuple(rebuild(x) if isinstance(x, torch.Tensor) else x for x in data["b"]["args"])
     got = relaunch(*args, **data["b"]["kwargs"])[data["b"]["where"]["output"]]
     data["b"]["expect"] = got[data["b"]["where"]["row"]].clone()
     torch.save(data, check["tensors"])
@@ -95,9 +98,12 @@ def test_another_launched_kernel_on_one_side_is_named_and_its_module_replayed(tm
     launch_norms(b.model, kernel=tic_fakejit.rms_norm_kernel_pairs)
     res = _locate(a, b, tmp_path / "out")
     assert res["culprit_module"] == "model.layers.0.input_layernorm"
-    assert res["first_operator"] == f"side A: {KERNEL} | side B: tic_fakejit:rms_norm_kernel_pairs", res
+    # each side's own launch is named: there is no call of one operator to compare
+    assert res["first_operator"] == "tic_fakejit:rms_norm_kernel_pairs", res
+    calls = res["difference"]["calls"]
+    assert calls["A"]["operator"] == KERNEL and calls["B"]["operator"] == "tic_fakejit:rms_norm_kernel_pairs", calls
     assert res["repro_check"]["reproduces"], res["repro_check"]  # both sides' module programs relaunched
-    assert res["repro_proves"].startswith("implementation difference")
+    assert res["repro_proves"].startswith("different operator sequences")
     assert _rerun(res["repro"]).returncode == 1
 
 
@@ -156,23 +162,26 @@ def test_launch_recording_unit(registered):
     assert tic_fakejit.FakeJIT.run is original
 
 
-def test_a_launch_on_another_grid_is_not_the_same_operator():
-    from tic.harness.repro import SAME_OPERATOR, claim
+def test_a_launch_on_another_grid_is_not_an_identical_call():
+    from tic.harness.replay import SAME_ARGUMENTS, difference
 
     x = torch.ones(2, 4)
     spec = {"kernel": KERNEL, "hops": 0, "fn_attr": "fn", "method": "run", "grid_kwarg": "grid",
             "warmup_kwarg": "warmup", "grid": (2,), "written": (2,)}
     a = {"op": KERNEL, "launch": spec, "args": (x, 4), "kwargs": {}, "where": {"kind": "row", "output": 0, "row": 0}}
-    assert claim(a, dict(a)) == SAME_OPERATOR
-    assert claim(a, dict(a, launch=dict(spec, grid=(1,)))).startswith("implementation difference: the kernel is")
+    same = difference(a, dict(a))
+    assert same["kind"] == SAME_ARGUMENTS and same["differs_in"] == [], same
+    assert "identical in every recorded property" in same["detail"]
+    other = difference(a, dict(a, launch=dict(spec, grid=(1,))))
+    assert other["kind"] == SAME_ARGUMENTS and other["differs_in"] == ["the launch grid (2,) vs (1,)"], other
 
 
-def test_layout_clone_keeps_the_strides_a_kernel_addresses():
+def test_layout_copy_keeps_the_strides_a_kernel_addresses():
     base = torch.arange(24.0).reshape(3, 8)
     view = base[:, 2:5]  # rows 8 apart: not dense, clone() would make it contiguous
-    got = launch_record.clone_layout(view)
+    got = rebuild(view)
     assert got.stride() == view.stride() and torch.equal(got, view)
-    assert torch.equal(launch_record.clone_layout(view, zero=True), torch.zeros(3, 3))
+    assert torch.equal(rebuild(view, zero=True), torch.zeros(3, 3))
 
 
 def test_a_kernel_not_importable_by_its_path_is_recorded_and_said_so(registered):

@@ -112,10 +112,12 @@ def test_planted_moe_tie_break(tmp_path, monkeypatch):
     res = _run(a, b, tmp_path / "out", upto=1)
     assert res["first_divergent_layer"] == "model.layers.2"
     assert res["culprit_module"] == "model.layers.2.mlp"
-    assert res["first_operator"] == "side A: - | side B: aten.flip, aten.rsub.Scalar", res["first_operator"]
+    # side B's extra flip is its first value side A never computes: named, with its kind of difference
+    assert res["first_operator"] == "aten.flip.default", res["first_operator"]
+    assert res["difference"]["kind"] == "different operator sequences", res["difference"]
     _check_repro(res)
-    # side B's extra flip has no counterpart on side A: the repro replays both sides' whole mlp, not flip alone
-    assert res["status"].startswith("localized: the two sides compute model.layers.2.mlp"), res["status"]
+    # the flip has no counterpart on side A: the repro replays both sides' whole mlp, not flip alone
+    assert res["status"].startswith("localized: different operator sequences in model.layers.2.mlp"), res["status"]
     script = Path(res["repro"]).read_text()
     assert "Module: model.layers.2.mlp, replayed as each side's recorded operator sequence" in script
     # the replay must give each side's recorded value: a program that does not is a broken repro (exit 3)
@@ -156,6 +158,25 @@ def test_embedded_default_c4_c5_localised(tmp_path, monkeypatch):
     # and once more, by hand, in a fresh process with only torch needed
     out = subprocess.run([sys.executable, "-I", loc["repro"]], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stdout + out.stderr
+
+
+def test_readme_example_c3_is_located_with_a_repro_that_exits_1(example, monkeypatch, tic):
+    """`tic locate --gate C3` on the README's embedded example: the probe alone and inside a batch of 2 run q_proj's
+    GEMM on 1 and 2 rows. The traced token's row is the same on both sides; the repro replays both GEMMs (it used
+    to compare a [1, D] pick with a [D] pick while shrinking, cut side B to one row, and then found no
+    difference), says the row count is what differs, and exits 1 in a fresh process."""
+    import json
+
+    cfg = example("tiny-qwen3") / "tic.yaml"
+    monkeypatch.chdir(cfg.parent)
+    code, out, _ = tic("locate", "-c", str(cfg), "--gate", "C3", "--json")
+    found = json.loads(out)
+    assert code == 1 and found["culprit_module"] and found["first_operator"] == "aten.linear.default", found
+    assert found["difference"]["kind"] == "same operator, the traced token's arguments bit-identical, different bits"
+    assert "rows)" in found["difference"]["detail"], found["difference"]
+    assert found["repro"], found["repro_check"]
+    proc = subprocess.run([sys.executable, "-I", found["repro"]], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "PROVES: same operator" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_locate_command_bad_gate(tmp_path, monkeypatch, capsys):
@@ -262,4 +283,24 @@ def test_two_sides_calls_pair_by_the_size_of_the_tokens_value_not_its_shape():
     found = first_operator(a, b)["found"]
     assert found is not None and found["op"] == "aten.mul.Tensor"
     assert found["a_call"] == 0 and found["b_where"]["kind"] == "mask" and found["a_where"]["kind"] == "row"
-    assert not found.get("implementations_differ")
+    assert not found.get("sequences_differ")
+
+
+def test_identical_operator_sequences_never_end_in_different_operators():
+    """Both sides run one mul; side B's trail knows the traced token for part of its row only (a value of another
+    size), so no step pairs by size. The two sides' operator sequences are the same: the calls at the same place
+    are the pair, and the verdict is about their arguments, never "different operator sequences"."""
+    from tic.harness.capture import OpCall, Trail
+    from tic.harness.locate import first_operator, operator_difference
+
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    op = torch.ops.aten.mul.Tensor
+    tok = torch.tensor([0, 1], dtype=torch.int32)[:, None].expand(2, 4).clone()
+    part = tok.clone()
+    part[1, 2:] = -1  # side B: the traced token's last two elements not known as its own
+    a = Trail([OpCall("aten.mul.Tensor", op, (x, 2.0), {}, (x * 2,), None, (tok,), (tok,))], 1, 2, 1)
+    b = Trail([OpCall("aten.mul.Tensor", op, (x, 2.5), {}, (x * 2.5,), None, (part,), (tok,))], 1, 2, 1)
+    found = first_operator(a, b)["found"]
+    assert found["a_call"] == 0 and found["paired_by"] == "same sequence", found
+    diff = operator_difference(found, a, b, "A", "B")
+    assert diff.kind == "same operator, arguments that differ" and diff.argument == 1, diff

@@ -148,9 +148,9 @@ def test_replay_feeds_keyword_inputs_so_a_layers_own_change_stays_in_the_layer(t
 
 
 # -- 4. a repro says what it shows ------------------------------------------------------------------------
-def test_split_k_repro_is_an_implementation_difference_not_one_operator(tmp_path, monkeypatch):
+def test_split_k_repro_names_the_argument_that_differs_not_one_operator(tmp_path, monkeypatch):
     """Split-K on one side: a partial GEMM against the full one. The repro reproduces (exit 1) but must not
-    present two calls on different inputs as one operator on identical inputs."""
+    present two calls on different inputs as one operator on the same arguments: it names the argument."""
     monkeypatch.chdir(tmp_path)
     a, b = _engines()
     down = b.model.model.layers[1].mlp.down_proj
@@ -166,39 +166,25 @@ def test_split_k_repro_is_an_implementation_difference_not_one_operator(tmp_path
     res = _run(a, b, tmp_path / "out")
     assert res["culprit_module"] == "model.layers.1.mlp.down_proj"
     assert res["repro"] and res["repro_check"]["exit_code"] == 1
-    assert res["repro_proves"].startswith("implementation difference: argument 0 has shape"), res["repro_proves"]
+    want = (f"same operator, arguments that differ: argument 0 (input): the traced token's part has {2 * h} "
+            f"elements on side A, {h} on side B")
+    assert res["repro_proves"] == want, res["repro_proves"]
+    assert res["difference"]["kind"] == "same operator, arguments that differ"
+    origins = res["difference"]["origins"]  # each side's row: views of the module's input, B's cut in half
+    assert origins["A"].endswith("of the module's input") and "aten.slice" in origins["B"], origins
     assert not res["repro_check"]["same_operator_identical_inputs"]
     script = Path(res["repro"]).read_text()
-    assert "What it shows: implementation difference" in script
+    assert "What it shows: same operator, arguments that differ" in script
     out = subprocess.run([sys.executable, res["repro"]], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1 and "PROVES: implementation difference" in out.stdout, out.stdout
-    assert "same operator, identical inputs" not in out.stdout.split("PROVES:")[1].splitlines()[0]
+    assert out.returncode == 1 and f"PROVES: {want}" in out.stdout, out.stdout
 
 
-def test_repro_claims_one_operator_only_for_identical_calls(tmp_path):
-    """The fresh process decides the claim: identical op, arguments and picked place -> one operator on
-    identical inputs; anything else -> an implementation difference naming what differs."""
-    from tic.harness import repro
-
-    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
-    w = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
-    call = {"op": "aten.mm.default", "args": (x, w), "kwargs": {}, "where": {"kind": "row", "row": 1, "output": 0}}
-    assert repro.claim(call, dict(call)) == repro.SAME_OPERATOR
-    other = dict(call, args=(x[:2], w))
-    assert repro.claim(call, other).startswith("implementation difference: argument 0 has shape")
-    nudged = x.clone()
-    nudged[0, 0] = torch.nextafter(nudged[0, 0], torch.tensor(10.0))
-    assert repro.claim(call, dict(call, args=(nudged, w))) == \
-        "implementation difference: argument 0 differs between the two calls"
-    assert repro.claim(call, dict(call, op="aten.addmm.default")).startswith("implementation difference: operator")
-    assert repro.claim(None, call).startswith("implementation difference: side A has no such operator")
-
-
-def test_fresh_process_claims_one_operator_for_identical_calls(tmp_path):
-    """The script's own check, run in the fresh process, calls identical calls one operator on identical inputs
-    (and, their bits being equal, the candidate is not emitted)."""
+def test_fresh_process_says_identical_calls_show_nothing(tmp_path):
+    """The script's own check, run in the fresh process, calls identical calls one operator on the same
+    arguments; their bits being equal, the candidate is not emitted."""
     from tic.harness import repro
     from tic.harness.capture import OpCall
+    from tic.harness.replay import SAME_ARGUMENTS
     from tic.harness.repro import OpSide
 
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
@@ -206,7 +192,89 @@ def test_fresh_process_claims_one_operator_for_identical_calls(tmp_path):
     call = OpCall("aten.mm.default", torch.ops.aten.mm.default, (x, w), {}, (x @ w,))
     side = OpSide(call, {"kind": "row", "output": 0, "row": 1}, 3)
     res = repro.emit(tmp_path, "C5", side, side, None, "a", "b", "claim check")
-    assert res["proves"] == repro.SAME_OPERATOR and res["exit_code"] == 0 and not res["reproduces"]
+    assert res["proves"].startswith(SAME_ARGUMENTS) and res["exit_code"] == 0 and not res["reproduces"]
     # equal bits prove nothing: the script says what it checked, and claims no proof
-    assert f"CHECKS: {repro.SAME_OPERATOR}" in res["output"] and "PROVES:" not in res["output"]
+    assert f"CHECKS: {SAME_ARGUMENTS}" in res["output"] and "PROVES:" not in res["output"]
 
+
+# -- 5. per-head module rows ------------------------------------------------------------------------------
+def test_token_layouts_per_token_per_row_and_per_head():
+    """A [B, H, T, D] tensor (attention's q after its transpose, what Gemma-3's q_norm takes) holds tokens as
+    [B, T, ...] and [B*T, ...] do; H == T is told apart by the strides of a transposed view."""
+    from tic.harness.provenance import standard_map, token_view
+
+    B, T, H, D = 2, 3, 4, 5
+    x = torch.randn(B, T, H, D)
+    for layout in (x, x.reshape(B * T, H, D), x.transpose(1, 2)):
+        view = token_view(layout, B, T)
+        assert view is not None and torch.equal(view.reshape(B, T, -1), x.reshape(B, T, -1))
+        m = standard_map(layout, B, T)
+        tokens = token_view(m, B, T).reshape(B, T, -1)
+        assert torch.equal(tokens, torch.arange(B * T, dtype=torch.int32).reshape(B, T, 1).expand(B, T, H * D))
+    square = torch.randn(B, T, T, D)  # H == T
+    assert torch.equal(token_view(square.transpose(1, 2), B, T), square)  # taken per head: the view's strides
+    assert token_view(square, B, T) is square  # a dense [B, T, T, D]: per token
+    assert token_view(torch.randn(B, 7, D), B, T) is None
+    # an attention mask [B, 1, T, K] is laid out per query, but its row says which keys, placed by the layout's
+    # padding: not a token's values, so never compared or fed to the other side as one
+    assert token_view(torch.ones(B, 1, T, 6, dtype=torch.bool), B, T) is None
+
+
+GEMMA3 = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=128, hidden_size=32,
+              intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+              max_position_embeddings=256, tie_word_embeddings=True, dtype="float32", rms_norm_eps=1e-6,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0, sliding_window=4, sliding_window_pattern=2,
+              query_pre_attn_scalar=16)
+
+
+def test_a_per_head_norm_is_compared_by_its_rows_not_blamed_for_rows_it_did_not_show(tmp_path, monkeypatch, tic):
+    """Gemma-3's q_norm/k_norm take [B, H, T, D]: the prefill side's rows used not to be seen as token rows, so
+    the norm "differed on identical inputs" with 0 ulp and no operator pair or repro. Its rows are compared now
+    (equal), and the locator goes on to the attention's own arithmetic with a repro that exits 1."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3))
+    (tmp_path / "tic.yaml").write_text(
+        "model: {path: ., dtype: float32, generate: {seed: 0}}\n"
+        "rollout: {engine: hf, kernels: stock, batch_size: 8}\n"
+        "train: {engine: hf, kernels: stock, micro_batch_size: 4, padding_side: right}\n"
+        "prompts: {source: random, count: 8, seed: 0, min_len: 4, max_len: 24}\n"
+        "sampling: {temperature: 1.0, max_tokens: 8, seed: 0}\n")
+    code, out, _ = tic("locate", "-c", str(tmp_path / "tic.yaml"), "--gate", "C4", "--json")
+    assert code == 1
+    found = json.loads(out)
+    assert found["culprit_module"] == "model.layers.0.self_attn", found["module_trail"]
+    report = json.loads((tmp_path / ".tic" / "artifacts" / "C4" / "locate" / "locate.json").read_text())
+    siblings = {s["module"]: s for d in report["module_trail"] for s in d["siblings"]}
+    for norm in ("q_norm", "k_norm"):
+        assert not siblings[f"model.layers.0.self_attn.{norm}"]["diverges"], siblings
+    assert all(s["max_ulp"] > 0 for s in siblings.values() if s["diverges"])  # nothing "differs" by 0 ulp
+    assert found["repro_check"]["reproduces"] and found["repro_check"]["exit_code"] == 1, found["repro_check"]
+
+
+def test_a_module_called_twice_in_a_forward_is_traced_at_the_call_whose_rows_are_kept():
+    """Gemma-3's rotary module runs once per attention kind in each forward; the capture keeps its last call's
+    rows, so the trail must be that call's (the module's output was not found among the first call's operators,
+    and no repro could be made)."""
+    from tic.harness.capture import CaptureSpec, HookSet, _RowMap
+    from tic.harness.locate import module_target
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.inner(x * 2) + self.inner(x * 3)
+
+    model = Twice()
+    rowmap = _RowMap()
+    rowmap.set(torch.arange(3)[None])
+    x = torch.randn(1, 3, 4)
+    spec = CaptureSpec(outputs={"inner"}, trail_module="inner", trail_position=1)
+    with torch.inference_mode(), HookSet(dict(model.named_modules()), spec, rowmap) as hooks:
+        model(x)
+    row = hooks.capture.outputs["inner"][1][0]
+    assert torch.equal(row, model.inner(x * 3)[0, 1].detach())
+    assert module_target(hooks.capture.trail, row) is not None

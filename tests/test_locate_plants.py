@@ -1,8 +1,10 @@
 """Generative check of the locator, seeded subset (the full set: benchmarks/bench_locate_plants.py).
 
-Each seed draws a tiny model of some family, a compared sequence and layouts, and one plant on one side at a
-random module; the locator must name the plant's layer, module and operator, with a repro that exits 1, and
-that same repro, rerun with the plant removed (the planted side's entry recorded anew), must exit 0. Controls (nothing planted; the same plant on both sides) must report no divergence and emit no repro."""
+Each seed draws a tiny model of some family, its kernels (tic's wrappers or stock), a compared sequence and
+layouts, and one plant at a random module (on one side, or on both for a kernel that follows its launch's rows);
+the locator must name the plant's layer, module and operator, with a repro that exits 1, and that same repro,
+rerun with the plant removed (the planted side's entry recorded anew), must exit 0. Controls (nothing planted;
+the same plant on both sides) must report no divergence and emit no repro."""
 
 from __future__ import annotations
 
@@ -11,13 +13,15 @@ import torch
 
 from tic.harness.plants import draw_plant, operator_named, run_trial
 
-# plant seeds covering qwen3_moe, llama, mixtral; side A; a norm's operator, a scale moved across a GEMM, an eps;
-# seed 41 (qwen3, side B): the final norm, which on the decode side reads the two addends the last layer kept
-# aside instead of its input (the trail follows the input's tokens into them: provenance.stands_for); seed 75
-# (mistral, side B): the final norm's eps, where the decode side's fused pre-add must not shift the pairing of
-# the two sides' eps adds (steps pair by operator and value shape); seed 105 (qwen3_moe, side B): expert ties
-# broken the other way in a router that selects by a stable sort, not top-k
-PLANT_SEEDS = [5, 10, 16, 41, 75, 105]
+# plant seeds, each a kind of difference on a family and kernels: 1004 a per-head norm (gemma3_text q/k norms on
+# [B, H, T, D]) on stock kernels; 1011 lm_head's GEMM in float64 (stock: an argument that differs); 1021 a rounding
+# before a cat of two traced tensors (wrappers); 1034 a scale moved across the residual add inside an add+RMSNorm;
+# 1039 a norm kernel whose reduction follows its launch's row count, on both sides (the same operator on the traced
+# token's bit-identical arguments); 1049 a GEMM weight made column-major (the same values, other strides); 1000 an
+# attention kernel over the whole launch on both sides; 5 lm_head's weight column-major on stock kernels, whose
+# repro is cut to fewer rows: the rerun without the plant must cut the new call alike (a stock GEMM's bits follow
+# its row count)
+PLANT_SEEDS = [1004, 1011, 1021, 1034, 1039, 1049, 1000, 5]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -34,8 +38,9 @@ def test_plant_is_located_with_a_repro(tmp_path, monkeypatch, seed):
     assert r["repro_exit_without_plant"] == 0, r
 
 
-# seed 16: an operator repro (eps: aten.add on another scalar); seed 5: a module repro (rsqrt as 1/sqrt)
-@pytest.mark.parametrize("seed,kind", [(16, "operator"), (5, "module")])
+# seed 1003: an operator repro (eps: aten.add on another scalar); seed 1002: a module repro (a multiply by a
+# constant at the end of attention)
+@pytest.mark.parametrize("seed,kind", [(1003, "operator"), (1002, "module")])
 def test_recheck_without_plant_can_fail(tmp_path, monkeypatch, seed, kind):
     """The rerun that must exit 0 without the plant exits 1 when the plant is left in: it is no formality."""
     monkeypatch.chdir(tmp_path)
@@ -45,7 +50,7 @@ def test_recheck_without_plant_can_fail(tmp_path, monkeypatch, seed, kind):
     assert r["repro_exit_without_plant"] == 1, r
 
 
-@pytest.mark.parametrize("seed,mode", [(20, "clean"), (25, "symmetric")])
+@pytest.mark.parametrize("seed,mode", [(1020, "clean"), (1010, "symmetric")])
 def test_controls_stay_clean(tmp_path, monkeypatch, seed, mode):
     monkeypatch.chdir(tmp_path)
     r = run_trial(seed, tmp_path / "out", mode=mode)
@@ -96,7 +101,8 @@ def test_benchmark_table_counts_honestly():
     spec.loader.exec_module(bench)
     base = {"mode": "plant", "family": "llama", "kind": "eps", "plant": "p", "status": "localized", "seconds": 2.0,
             "layer_right": True, "module_right": True, "operator_right": True, "operator": "aten.add.Tensor",
-            "repro_exit": 1, "repro_proves": "implementation difference: x", "seed": 0}
+            "repro_exit": 1, "repro_proves": "same operator, arguments that differ: x", "seed": 0, "kernels": "stock",
+            "op_class": "norm"}
     rows = [base, dict(base, operator=None, operator_right=False, repro_exit=None, seed=1),
             dict(base, status="absorbed", seed=2),
             {"mode": "clean", "family": "llama", "status": "no divergence", "clean": True, "repro_exit": None},
@@ -106,6 +112,8 @@ def test_benchmark_table_counts_honestly():
     assert "| operator unresolved | 1 | 1 |" in text
     assert "controls clean: 1/2" in text and "repros exiting 1 without a one-sided plant (controls): 1" in text
     assert "1 rounded away before any compared stage" in text
+    # every kind drawn is counted, the redrawn plant too
+    assert "| norm | eps | stock | 3 | 0 | 1 | 2 | 1 | 1 | 0 |" in text, text
     # a repro without its rerun counts as not shown to exit 0, and is listed
     assert "| repro exits 0 without the plant | 0.0 % (0/1) | 0.0 % (0/1) |" in text
     assert "repros that do not exit 0 without the plant:" in text

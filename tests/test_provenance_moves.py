@@ -131,3 +131,35 @@ def test_recording_an_out_overload_leaves_its_result_alone():
     with OpRecorder(provenance=prov) as rec:
         torch.gather(ids, 1, torch.tensor([[4, 0], [2, 2]]), out=got)
     assert not rec.errors and torch.equal(got, want)
+
+
+def test_coordinates_of_a_mask_are_no_values_of_the_token():
+    """nonzero gives where a mask is set: positions in its input's layout (a padded row's keys sit elsewhere in
+    another layout), not values of the token, so they carry no token and are never compared as its values."""
+    B, T = 1, 3
+    mask = torch.tensor([[True, False, True, True]] * 3).reshape(B, T, 4).float()
+    prov = Provenance(B, T)
+    prov.seed(mask)
+    rec = OpRecorder(provenance=prov)
+    with rec:
+        mask[0, 1].nonzero()
+    call = next(c for c in rec.calls if c.op == "aten.nonzero.default")
+    assert call.arg_tokens[0] is not None and call.out_tokens[0] is None
+
+
+def test_a_reduction_keeps_the_token_of_what_it_reduces():
+    """An MoE block sums a token's top-k slots ([T, k, D] -> [T, D], no keepdim): the sum is that token's; a sum
+    over the tokens mixes them and is nobody's."""
+    B, T, k, D = 1, 3, 2, 4
+    slots = torch.randn(B * T, k, D)
+    prov = Provenance(B, T)
+    prov.seed(slots)
+    rec = OpRecorder(provenance=prov)
+    with rec:
+        slots.sum(1)
+        slots.sum(0)
+        slots.amax(dim=(1, 2))
+    per_token, everyone, row_max = (c.out_tokens[0] for c in rec.calls)
+    assert per_token.tolist() == [[t] * D for t in range(B * T)]
+    assert everyone is None
+    assert row_max.tolist() == list(range(B * T))

@@ -24,11 +24,15 @@ def engines(config: Path) -> tuple[HFEngine, HFEngine]:
     return a, b
 
 
-def locate_pair(a: HFEngine, b: HFEngine, out: Path, upto: int = 2) -> dict:
+def sides(a: HFEngine, b: HFEngine, upto: int = 2) -> tuple[Side, Side]:
+    """Side A decodes the first of three seeded prompts' samples (a batch of them), side B scores it."""
     sp = Sampling(temperature=1.0, max_tokens=upto + 1, seed=0)
     prompts = [[5, 17, 99, 3, 250, 31], [7, 8, 9], [400, 2, 77, 13, 14]]
     samples = a.generate(prompts, sp, [0, 1, 2])
     ra, rb = HFCaptureRunner(a), HFCaptureRunner(b)
-    side_a = Side("decode", ra, lambda spec: ra.decode(samples, 0, upto, spec))
-    side_b = Side("score", rb, lambda spec: rb.score(samples, 0, spec))
-    return locate(side_a, side_b, out, "plant", upto)
+    return (Side("decode", ra, lambda spec: ra.decode(samples, 0, upto, spec)),
+            Side("score", rb, lambda spec: rb.score(samples, 0, spec)))
+
+
+def locate_pair(a: HFEngine, b: HFEngine, out: Path, upto: int = 2) -> dict:
+    return locate(*sides(a, b, upto), out, "plant", upto)

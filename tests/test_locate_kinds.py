@@ -1,0 +1,160 @@
+"""Each kind of difference the locator reports, planted on CPU, ends in its own verdict with a repro that exits 1
+in a fresh process:
+  - the same operator, the traced token's arguments bit-identical, different bits: a norm kernel whose reduction
+    order follows the launch's row count (vLLM's rms_norm on the GPU picks its block from the rows), a GEMM on a
+    weight at another alignment (CPU GEMV kernels take another path);
+  - the same operator on arguments that differ: a GEMM in float64 on one side, the argument and where it came
+    from named;
+  - different operator sequences: a multiply by a constant inside attention, a rounding before a cat of two
+    traced tensors; the operator found is named, never replaced by a list of names."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tic.harness import plant_kernels, replay, repro
+from tic.harness.locate import recheck_repro
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+from tic_locate_pair import engines, locate_pair, sides  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parent.parent / "examples" / "tiny-qwen3" / "tic-consistent.yaml"
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+
+@pytest.fixture
+def pair(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return engines(CONFIG)
+
+
+def _fresh_run_exits_1(res: dict) -> None:
+    assert res["repro"], res.get("repro_check")
+    check = res["repro_check"]
+    assert check["reproduces"] and check["exit_code"] == 1, check
+    assert check["proves"] == res["repro_proves"] and f"PROVES: {res['repro_proves']}" in check["output"]
+
+
+def _rows_norm(model) -> None:
+    """Every RMSNorm of this model runs the row-count-dependent stand-in kernel (this model's own provider)."""
+    provider = model._tic_provider
+    assert model._tic_ops.provider is provider
+    provider.rms_norm = plant_kernels.rms_norm
+
+
+def test_a_norm_whose_reduction_follows_the_row_count_is_proven_on_identical_arguments(pair, tmp_path):
+    """Both sides run the same norm kernel; the decode step launches it on a few rows, the scoring forward on many.
+    The traced token's row is bit-identical on both sides: the verdict is one operator on the same arguments, the
+    repro replays both launches with all their rows and names the row counts."""
+    a, b = pair
+    for m in (a.model, b.model):
+        _rows_norm(m)
+    res = locate_pair(a, b, tmp_path / "out")
+    assert res["culprit_module"].endswith("input_layernorm"), res["module_trail"]
+    assert res["first_operator"] == "plant_kernels.rms_norm.default"
+    diff = res["difference"]
+    assert diff["kind"] == replay.SAME_ARGUMENTS, diff
+    assert "argument 1 (input)'s shape" in diff["detail"] and "rows)" in diff["detail"], diff
+    _fresh_run_exits_1(res)
+    assert res["repro_proves"].startswith(replay.SAME_ARGUMENTS)
+    assert res["repro_check"]["rows_a"] != res["repro_check"]["rows_b"]  # each launch with all its rows
+    # the control: side B's row launched with as many rows as side A's launch had gives side A's bits, and the
+    # same script says so (exit 0): the row count is what differs
+    data = torch.load(res["repro_check"]["tensors"], weights_only=False)
+    call_a, call_b = data["a"], data["b"]
+    rows_a, row_b = call_a["args"][1].shape[0], call_b["where"]["row"]
+    keep = [row_b] + [r for r in range(call_b["args"][1].shape[0]) if r != row_b][:rows_a - 1]
+    x = call_b["args"][1][keep]
+    call_b.update(args=(torch.zeros_like(x), x) + tuple(call_b["args"][2:]), where=dict(call_b["where"], row=0),
+                  layouts=None)
+    call_b["expect"] = replay.pick(replay.run_call(call_b, call_b["args"], {}), call_b["where"]).clone()
+    again = repro.rerun(Path(res["repro"]), data, tmp_path / "as-many-rows")
+    assert again["exit_code"] == 0 and "identical" in again["output"], again
+
+
+def _move_weight(linear: torch.nn.Linear, floats: int) -> None:
+    """The same weight values at another address: `floats` elements into a fresh buffer."""
+    w = linear.weight.detach()
+    buf = torch.empty(w.numel() + floats)
+    moved = buf[floats:].view_as(w)
+    moved.copy_(w)
+    linear.weight = torch.nn.Parameter(moved, requires_grad=False)
+
+
+def test_a_gemm_on_a_misaligned_weight_is_reproduced_with_its_alignment(pair, tmp_path):
+    """Side B's o_proj weight holds the same bits 4 bytes further on: CPU GEMV kernels take another path. The
+    repro rebuilds each argument's alignment in the fresh process, so it reproduces, and names the alignment."""
+    a, b = pair
+    o_proj = b.model.model.layers[1].self_attn.o_proj
+    _move_weight(o_proj, 1)
+    res = locate_pair(a, b, tmp_path / "out")
+    assert res["culprit_module"] == "model.layers.1.self_attn.o_proj", res["module_trail"]
+    assert res["first_operator"] == "aten.linear.default"
+    diff = res["difference"]
+    assert diff["kind"] == replay.SAME_ARGUMENTS, diff
+    assert "argument 1 (weight)'s address mod 64 bytes" in diff["detail"], diff
+    _fresh_run_exits_1(res)
+    _move_weight(o_proj, 0)  # the plant removed: side B's weight aligned as side A's
+    again = recheck_repro(*sides(a, b), res, "B", tmp_path / "aligned")
+    assert again["kind"] == "operator" and again["exit_code"] == 0, again
+
+
+def test_a_float64_gemm_is_named_with_the_argument_that_differs(pair, tmp_path):
+    """Side B's o_proj runs its GEMM in float64 (both sides run aten.linear): the operator is the linear, the
+    verdict an argument that differs (its dtype), with where each side's argument came from."""
+    a, b = pair
+    o_proj = b.model.model.layers[1].self_attn.o_proj
+    o_proj.forward = lambda x, w=o_proj.weight: F.linear(x.double(), w.double()).to(x.dtype)
+    res = locate_pair(a, b, tmp_path / "out")
+    assert res["culprit_module"] == "model.layers.1.self_attn.o_proj"
+    assert res["first_operator"] == "aten.linear.default"
+    diff = res["difference"]
+    assert diff["kind"] == replay.ARGUMENTS_DIFFER and diff["argument"] == 0, diff
+    assert diff["detail"] == "argument 0 (input): the traced token's part is float32 on side A, float64 on side B"
+    assert diff["origins"]["B"].endswith("(aten.to.dtype)") and diff["origins"]["A"].endswith("the module's input")
+    _fresh_run_exits_1(res)
+
+
+def test_a_multiply_by_a_constant_inside_attention_stays_the_named_operator(pair, tmp_path):
+    """Side B's attention scales its output by a constant; side A runs aten.mul too (rotary), so a summary of the
+    operators only one side runs would name none of it: the operator found is the multiply."""
+    a, b = pair
+    attn = b.model.model.layers[1].self_attn
+    inner = attn.forward
+
+    def scaled(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        return (out[0] * 1.0001,) + tuple(out[1:])
+
+    attn.forward = scaled
+    res = locate_pair(a, b, tmp_path / "out")
+    assert res["culprit_module"] == "model.layers.1.self_attn", res["module_trail"]
+    assert res["first_operator"] == "aten.mul.Tensor"
+    diff = res["difference"]
+    assert diff["kind"] == replay.SEQUENCES_DIFFER and diff["calls"]["B"]["operator"] == "aten.mul.Tensor", diff
+    assert "1.0001" in diff["calls"]["B"]["args"]
+    _fresh_run_exits_1(res)  # both sides' module replayed from the same input
+
+
+def test_a_rounding_before_a_cat_of_two_traced_tensors_is_found_on_its_side(pair, tmp_path):
+    """Side A rounds the gate projection through bfloat16 before concatenating it with the up projection. Side B's
+    first new value is its cat, whose counterpart (side A's cat) has inputs side B never has: that is seen only if
+    the cat's list of inputs is traced, and the search goes on from side A to its rounding."""
+    a, b = pair
+    mlp = a.model.model.layers[1].mlp
+
+    def forward(self, x):
+        g, u = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self._tic_ops.silu_and_mul(torch.cat([g.to(torch.bfloat16).to(g.dtype), u], dim=-1)))
+
+    mlp.forward = types.MethodType(forward, mlp)
+    res = locate_pair(a, b, tmp_path / "out")
+    assert res["culprit_module"] == "model.layers.1.mlp", res["module_trail"]
+    assert res["operator_side"] == "A" and res["first_operator"] in ("aten.to.dtype", "aten._to_copy.default"), res
+    _fresh_run_exits_1(res)
