@@ -69,7 +69,7 @@ PLAN_CHILD = """
 import json, resource, sys, time
 from pathlib import Path
 t = time.perf_counter()
-from tic.harness.cut import plan_cut
+from tic.harness.model.cut import plan_cut
 plan = plan_cut(Path(sys.argv[1]), layers=sys.argv[3])
 Path(sys.argv[2]).write_text(json.dumps(plan))
 print(json.dumps({"plan_s": time.perf_counter() - t, "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
@@ -77,7 +77,7 @@ print(json.dumps({"plan_s": time.perf_counter() - t, "maxrss_kib": resource.getr
 CHILD = """
 import json, resource, sys, time
 from pathlib import Path
-from tic.harness.cut import write_cut
+from tic.harness.model.cut import write_cut
 plan = json.loads(Path(sys.argv[3]).read_text())
 t = time.perf_counter()
 rec = write_cut(Path(sys.argv[1]), Path(sys.argv[2]), plan, fsync=sys.argv[4] == "1")
@@ -89,7 +89,7 @@ print(json.dumps({"cut_s": time.perf_counter() - t, "layers": rec["layers"], "by
 
 def read_kept(model_dir: Path, cut_dir: Path) -> float:
     """Seconds to read the kept tensors' byte ranges from the source shards (1 MiB-chunk readinto)."""
-    from tic.harness.inventory import tensor_locations
+    from tic.harness.model.inventory import tensor_locations
 
     rec = json.loads((cut_dir / "cut.json").read_text())
     kept = set(rec["layers"])

@@ -1,12 +1,12 @@
 """Benchmark: the locator on random single-point plants in random tiny models of several families and kernels.
 
-Each trial draws a model (tic.harness.tinymodels: qwen3, qwen3_moe, llama, mistral, mixtral, gemma3_text; seeded
+Each trial draws a model (tic.harness.testing.tinymodels: qwen3, qwen3_moe, llama, mistral, mixtral, gemma3_text; seeded
 random sizes and weights), its kernels (tic's consistent CPU kernel wrappers, side A decoding and side B scoring
 in layouts of their own; or stock transformers modules, both sides in one layout), a compared sequence and both
-sides' batch layouts, and one plant at a random module (tic.harness.plants): on one side, or, for a kernel whose
+sides' batch layouts, and one plant at a random module (tic.harness.testing.plants): on one side, or, for a kernel whose
 arithmetic follows the launch's row count, on both. The locator must name the plant's layer, module and
 operator, and its repro must exit 1; with the plant removed, the same repro script, its planted side's entry
-recorded anew (tic.harness.locate.recheck_repro; both sides' modules for a plant on both), must exit 0.
+recorded anew (tic.harness.locate.search.recheck_repro; both sides' modules for a plant on both), must exit 0.
 Controls: nothing planted, or the same plant on both sides; both must report no divergence and emit no repro.
 Plants whose change does not reach a compared stage (rounded away downstream, or a branch never taken) are
 redrawn, and counted per kind: every kind's draws, and how many reached a compared stage, are in the table.
@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
 
-from tic.harness.plants import run_trial  # noqa: E402
+from tic.harness.testing.plants import run_trial  # noqa: E402
 
 TARGET_S = 30.0
 

@@ -90,7 +90,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)  # a shared machine: one thread keeps the two columns comparable
 
-    from tic.harness.gradcheck import RoutingPin, compare
+    from tic.harness.measure.gradcheck import RoutingPin, compare
     from tic.harness.kernels.modules import apply, capture_routes
     from tic.harness.kernels.providers import get_provider
 

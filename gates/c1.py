@@ -5,7 +5,7 @@ still the bytes that were frozen and approved."""
 from __future__ import annotations
 
 from tic.gates.base import Gate, Judgement
-from tic.harness.baseline import DATA_FILES, verify
+from tic.harness.measure.baseline import DATA_FILES, verify
 
 
 def measure(ctx) -> dict:

@@ -9,12 +9,12 @@ import json
 
 from tic.gates.base import Gate, Judgement
 from tic.core.fsio import atomic_write_text
-from tic.harness.baseline import verify
-from tic.harness.fingerprint import differences
-from tic.harness.metrics import is_exact_match, summary
-from tic.harness.perf import (Workload, measure_sides, pass_summary, side_fingerprint, spread,
-                              switch_allowance)
-from tic.harness.rl import rollout_and_recompute
+from tic.harness.measure.baseline import verify
+from tic.harness.measure.fingerprint import differences
+from tic.harness.measure.metrics import is_exact_match, summary
+from tic.harness.measure.perf import (Workload, measure_sides, pass_summary, side_fingerprint, spread,
+                                      switch_allowance)
+from tic.harness.measure.rl import rollout_and_recompute
 
 
 def measure(ctx) -> dict:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 from tic.gates.base import Gate, Judgement
-from tic.harness.cut import CUT_RECORD
-from tic.harness.cut_check import check_cut, cut_dir_for
+from tic.harness.model.cut import CUT_RECORD
+from tic.harness.model.cut_check import check_cut, cut_dir_for
 from tic.core.fsio import atomic_write_text
 
 def measure(ctx) -> dict:

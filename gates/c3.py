@@ -4,8 +4,8 @@ batches of several sizes and at several positions."""
 from __future__ import annotations
 
 from tic.gates.base import Gate, Judgement
-from tic.harness.layouts import probe_batch
-from tic.harness.metrics import compare_generation
+from tic.harness.measure.layouts import probe_batch
+from tic.harness.measure.metrics import compare_generation
 from tic.core.errors import TicInputError
 
 

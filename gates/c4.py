@@ -4,7 +4,7 @@ whole sequence in one prefill, in the same engine."""
 from __future__ import annotations
 
 from tic.gates.base import Gate, Judgement
-from tic.harness.metrics import compare_logprobs, is_exact_match, summary
+from tic.harness.measure.metrics import compare_logprobs, is_exact_match, summary
 
 
 def measure(ctx) -> dict:

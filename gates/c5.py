@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tic.gates.base import Gate, Judgement
 from tic.harness.engines.dump import compare_dump_files
-from tic.harness.metrics import compare_logprobs, is_exact_match, summary
+from tic.harness.measure.metrics import compare_logprobs, is_exact_match, summary
 
 
 def measure(ctx) -> dict:

@@ -4,8 +4,8 @@ layout: micro-batch size, padding side, sequence packing, the order in which seq
 from __future__ import annotations
 
 from tic.gates.base import Gate, Judgement
-from tic.harness.layouts import describe_train_layout
-from tic.harness.metrics import compare_logprobs, is_exact_match
+from tic.harness.measure.layouts import describe_train_layout
+from tic.harness.measure.metrics import compare_logprobs, is_exact_match
 from tic.core.errors import TicInputError
 
 

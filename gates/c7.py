@@ -10,7 +10,7 @@ import math
 from tic.core.errors import TicInputError
 from tic.core.fsio import atomic_write_text
 from tic.gates.base import Gate, Judgement
-from tic.harness.gradcheck import advantages, compare, reference_gradients
+from tic.harness.measure.gradcheck import advantages, compare, reference_gradients
 from tic.harness.kernels.autograd import StaleWeightError
 
 # (min cosine, max relative error) by the training model's dtype, unless tic.yaml's gradients: sets them

@@ -8,8 +8,8 @@ import json
 
 from tic.gates.base import Gate, Judgement
 from tic.core.fsio import atomic_write_text
-from tic.harness.metrics import is_exact_match, summary
-from tic.harness.rl import PolicyGradientTrainer, rollout_and_recompute, sync_weights, with_rl_engines
+from tic.harness.measure.metrics import is_exact_match, summary
+from tic.harness.measure.rl import PolicyGradientTrainer, rollout_and_recompute, sync_weights, with_rl_engines
 
 
 def _row(version: int, samples, m: dict) -> dict:

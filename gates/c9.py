@@ -11,9 +11,9 @@ import shutil
 from tic.gates import c5
 from tic.gates.base import Gate, Judgement
 from tic.core.fsio import atomic_write_text
-from tic.harness.metrics import is_exact_match, summary
-from tic.harness.rl import (PolicyGradientTrainer, equal_tensors, rollout_and_recompute, samples_as_tensors,
-                            sync_weights, with_rl_engines)
+from tic.harness.measure.metrics import is_exact_match, summary
+from tic.harness.measure.rl import (PolicyGradientTrainer, equal_tensors, rollout_and_recompute, samples_as_tensors,
+                                    sync_weights, with_rl_engines)
 
 
 def _restore(ctx) -> dict:

@@ -23,7 +23,7 @@ def _ctx(config_path: Path):
 def measure_baseline(ctx) -> tuple[dict, list[dict]]:
     """The baseline side on the configured workload: (baseline.json record, per-request raw records)."""
     import tic
-    from tic.harness.perf import measure_sides, pass_summary, side_fingerprint, spread
+    from tic.harness.measure.perf import measure_sides, pass_summary, side_fingerprint, spread
 
     engine, env = ctx.perf_side("baseline")
     wl, p = ctx.workload, ctx.cfg.perf
@@ -50,7 +50,7 @@ def command():
 @click.option("--replace", is_flag=True, help="discard a frozen baseline (and its approval) and measure anew")
 def run_cmd(config_path, replace):
     """Measure the ordinary (non-consistent) rollout: per-request raw data and the environment fingerprint."""
-    from tic.harness.baseline import FREEZE, write_baseline
+    from tic.harness.measure.baseline import FREEZE, write_baseline
     from tic.core.errors import TicInputError
     from tic.skill import report
 
@@ -71,7 +71,7 @@ def run_cmd(config_path, replace):
 @CONFIG_OPT
 def freeze_cmd(config_path):
     """Record the content hash of the baseline files; any later edit fails C1 and C10."""
-    from tic.harness.baseline import freeze
+    from tic.harness.measure.baseline import freeze
 
     rec = freeze(_ctx(config_path).baseline_dir)
     click.echo(f"baseline frozen: {rec['hash'][:16]}; next: a person reviews it and runs "
@@ -83,7 +83,7 @@ def freeze_cmd(config_path):
 @click.option("--by", "by", required=True, help="who reviewed and approves the frozen baseline")
 def approve_cmd(config_path, by):
     """Human sign-off on the frozen baseline (its hash is recorded with the name)."""
-    from tic.harness.baseline import approve
+    from tic.harness.measure.baseline import approve
 
     rec = approve(_ctx(config_path).baseline_dir, by)
     click.echo(f"baseline {rec['hash'][:16]} approved by {rec['by']}")
@@ -94,7 +94,7 @@ def approve_cmd(config_path, by):
 @click.option("--json", "as_json", is_flag=True, help="print the status as JSON on stdout")
 def show_cmd(config_path, as_json):
     """Where the baseline stands: measured, frozen, approved, files unchanged."""
-    from tic.harness.baseline import verify
+    from tic.harness.measure.baseline import verify
 
     st = verify(_ctx(config_path).baseline_dir)
     if as_json:

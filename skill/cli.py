@@ -144,7 +144,7 @@ def status(config_path, as_json):
     """Show the recorded ladder: verdict, key figure, age, and whether the config, the model or another input
     (prompts file, dumps, the cut: by content) changed since. Reads only; writes nothing."""
     from tic.gates import REGISTRY
-    from tic.harness.modelgen import has_weights, model_hash
+    from tic.harness.model.generate import has_weights, model_hash
     from tic.skill import report
     from tic.skill.config import load_config
     from tic.skill.fingerprint import input_hashes, reads_of
@@ -156,7 +156,7 @@ def status(config_path, as_json):
     chash = cfg.config_hash()
     mhash = None
     try:
-        from tic.harness.modelgen import resolve_model_dir
+        from tic.harness.model.generate import resolve_model_dir
 
         src = cfg.resolve(cfg.model.path) if cfg.model is not None else None
         if src is not None and src.is_dir() and (has_weights(src) or cfg.model.generate is not None):

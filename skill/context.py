@@ -51,20 +51,20 @@ class GateContext:
 
     @cached_property
     def model_config(self) -> dict:
-        from tic.harness.modelgen import read_model_config
+        from tic.harness.model.generate import read_model_config
 
         return read_model_config(self.model_source_dir)
 
     @cached_property
     def model_dir(self) -> Path:
-        from tic.harness.modelgen import resolve_model_dir
+        from tic.harness.model.generate import resolve_model_dir
 
         self.model_source_dir  # noqa: B018 - the clear error when tic.yaml has no model
         return resolve_model_dir(self.cfg)
 
     @cached_property
     def model_hash(self) -> str:
-        from tic.harness.modelgen import model_hash
+        from tic.harness.model.generate import model_hash
 
         return model_hash(self.model_dir)
 
@@ -89,7 +89,7 @@ class GateContext:
 
     @cached_property
     def prompts(self) -> list[list[int]]:
-        from tic.harness.prompts import file_prompts, random_prompts
+        from tic.harness.measure.prompts import file_prompts, random_prompts
 
         p = self.cfg.prompts
         if p.source == "file":
@@ -137,7 +137,7 @@ class GateContext:
 
     @property
     def workload(self):
-        from tic.harness.perf import Workload
+        from tic.harness.measure.perf import Workload
 
         p = self.cfg.perf
         return Workload(p.requests, p.input_len, p.output_len, p.concurrency, p.seed, self.cfg.sampling.temperature)
@@ -146,7 +146,7 @@ class GateContext:
         """('baseline' | 'consistent') -> (rollout engine, env vars it runs under). The baseline is the
         configured rollout with perf.baseline's changes (default: the engine's consistency switch off)."""
         from tic.harness.engines import build_engine, engine_class
-        from tic.harness.perf import env_overlay
+        from tic.harness.measure.perf import env_overlay
         from tic.skill.config import EngineConfig
 
         r = self.cfg.rollout
@@ -203,7 +203,7 @@ class GateContext:
         import json
 
         from tic.core.fsio import atomic_write_text
-        from tic.harness.modelgen import has_weights, read_model_config
+        from tic.harness.model.generate import has_weights, read_model_config
 
         cfg = self.cfg.model_copy(deep=True)
         cfg.base_dir = self.cfg.base_dir

@@ -14,7 +14,7 @@ from tic.core.errors import EXIT_FAIL, TicInputError
 def _generated_weights(model_dir: Path, cfg) -> Path:
     """A config-only MODEL_DIR whose weights tic.yaml generates from a seed (model.generate): the generated
     checkpoint (built now if not cached) is what gets cut."""
-    from tic.harness.modelgen import resolve_model_dir
+    from tic.harness.model.generate import resolve_model_dir
     from tic.skill.config import CONFIG_NAME, load_config
 
     if cfg is None and Path(CONFIG_NAME).is_file():  # the tic.yaml of the working directory
@@ -48,8 +48,8 @@ def command(model_dir, out_dir, layers, max_layers, config_path, fsync, no_check
     \b
     Without MODEL_DIR/OUT_DIR, both come from tic.yaml (model.path, cut.out). A MODEL_DIR holding only
     config.json is cut from the weights tic.yaml generates for it (model.generate), generated first if needed."""
-    from tic.harness.cut import cut_model
-    from tic.harness.modelgen import has_weights, resolve_model_dir
+    from tic.harness.model.cut import cut_model
+    from tic.harness.model.generate import has_weights, resolve_model_dir
     from tic.skill.config import load_config
 
     cfg = None
@@ -75,7 +75,7 @@ def command(model_dir, out_dir, layers, max_layers, config_path, fsync, no_check
     rec = cut_model(Path(model_dir), Path(out_dir), layers=layers, max_layers=max_layers, fsync=fsync)
     problems = None
     if not no_check:
-        from tic.harness.cut_check import check_cut
+        from tic.harness.model.cut_check import check_cut
 
         check = check_cut(Path(model_dir), Path(out_dir))
         problems = check["problems"]

@@ -27,7 +27,7 @@ Exit codes:
 def command(config_path, gate_id, as_json):
     """Find the first divergent layer and operator of a failing C3/C4/C5/C6 and write a minimal repro."""
     from tic.gates import get
-    from tic.harness.locate import locate_for_gate
+    from tic.harness.locate.search import locate_for_gate
     from tic.skill import report
     from tic.skill.config import load_config
     from tic.skill.context import GateContext

@@ -96,7 +96,7 @@ def check_dumps(ctx, reads: set[str]) -> None:
 
 
 def check_cut(ctx) -> None:
-    from tic.harness.cut_check import cut_target
+    from tic.harness.model.cut_check import cut_target
 
     cut_target(ctx)
 
@@ -111,10 +111,10 @@ def validate_run(ctx, gates) -> None:
     if "model" in reads or "cut" in reads or live:
         ctx.model_config  # noqa: B018 - config.json checked (UTF-8, model_type, sizes)
         ctx.vocab_size  # noqa: B018
-        from tic.harness.modelgen import check_loadable_config
+        from tic.harness.model.generate import check_loadable_config
 
         check_loadable_config(ctx.model_source_dir)
-        from tic.harness.inventory import tensor_locations
+        from tic.harness.model.inventory import tensor_locations
 
         tensor_locations(ctx.model_dir)  # every weight header (the weights themselves are not read)
     for side in live:

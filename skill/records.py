@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from tic.harness.fingerprint import environment_fingerprint  # noqa: F401 - every record carries it
+from tic.harness.measure.fingerprint import environment_fingerprint  # noqa: F401 - every record carries it
 
 Verdict = Literal["pass", "fail", "unavailable", "error", "skipped"]
 

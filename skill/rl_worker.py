@@ -19,7 +19,7 @@ def main(job_path: str) -> int:
         importlib.import_module(name.strip())
     from tic.core.errors import TicInputError
     from tic.core.fsio import atomic_write_text
-    from tic.harness.rl import restored_step
+    from tic.harness.measure.rl import restored_step
     from tic.skill.config import parse_config
     from tic.skill.context import GateContext
 

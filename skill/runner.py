@@ -8,7 +8,7 @@ import traceback
 import tic
 from tic.gates import REGISTRY, gate_range
 from tic.gates.base import UNAVAILABLE, Gate
-from tic.harness.metrics import NonFiniteLogprob
+from tic.harness.measure.metrics import NonFiniteLogprob
 from tic.skill.context import GateContext
 from tic.core.errors import TicInputError, raised_at
 from tic.skill.fingerprint import input_hashes, reads_of
@@ -21,7 +21,7 @@ def _locate(gate: Gate, ctx: GateContext, measured: dict) -> tuple[dict | None, 
     if not (gate.locate_on_fail and ctx.cfg.locate.enabled):
         return None, []
     try:
-        from tic.harness.locate import locate_for_gate
+        from tic.harness.locate.search import locate_for_gate
     except ImportError:
         return {"status": "locator not available in this release"}, []
     try:

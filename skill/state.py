@@ -28,7 +28,7 @@ class LadderState:
         return self.results_dir / f"{gate}.json"
 
     def locate_dir(self, gate: str) -> Path:
-        """The locator's report, chart and repro for a gate's last failure (harness/locate.py writes there)."""
+        """The locator's report, chart and repro for a gate's last failure (harness/locate/search.py writes there)."""
         return self.artifacts_dir(gate) / "locate"
 
     def clear_locate(self, gate: str) -> bool:

@@ -31,7 +31,7 @@ def tic_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def model_with_weights(tmp_path_factory):
     """examples/tiny-qwen3 with its seeded weights inside the directory (generated once per session)."""
-    from tic.harness.modelgen import generate_model
+    from tic.harness.model.generate import generate_model
 
     d = tmp_path_factory.mktemp("model") / "tiny"
     shutil.copytree(EXAMPLES / "tiny-qwen3", d)

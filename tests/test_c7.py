@@ -91,7 +91,7 @@ def test_c7_fails_on_a_planted_wrong_moe_backward(moe_ctx, op, fault):
 def test_routing_pin_gives_the_pinned_experts_their_float32_weights_and_counts_flips():
     from torch import nn
 
-    from tic.harness.gradcheck import RoutingPin
+    from tic.harness.measure.gradcheck import RoutingPin
 
     class Gate(nn.Module):  # transformers' top-k router interface: (logits, top-k weights, top-k ids)
         top_k, norm_topk_prob = 2, True

@@ -9,7 +9,7 @@ import inspect
 import pytest
 import torch
 
-from tic.harness.capture import OpRecorder
+from tic.harness.locate.capture import OpRecorder
 
 _LIB = torch.library.Library("tic_test_ext", "DEF")
 _LIB.define("fragile_scale(Tensor x, float s) -> Tensor[]")
@@ -93,7 +93,7 @@ def test_a_packet_with_several_overloads_is_resolved_by_its_arguments():
 def test_an_operator_whose_record_breaks_runs_once(monkeypatch):
     """The bookkeeping after a call (token maps) failing must not run the operator a second time: an
     accumulating in-place write would be applied twice."""
-    from tic.harness.provenance import Provenance
+    from tic.harness.locate.provenance import Provenance
 
     prov = Provenance(1, 3)
     x = torch.ones(1, 3)

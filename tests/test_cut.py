@@ -16,11 +16,11 @@ import pytest
 torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from tic.harness.cut_check import check_cut  # noqa: E402
-from tic.harness.cut import choose_layers, cut_model  # noqa: E402
-from tic.harness.cut_config import rewrite_config  # noqa: E402
-from tic.harness.families import layer_kinds  # noqa: E402
-from tic.harness.inventory import tensor_locations  # noqa: E402
+from tic.harness.model.cut_check import check_cut  # noqa: E402
+from tic.harness.model.cut import choose_layers, cut_model  # noqa: E402
+from tic.harness.model.cut_config import rewrite_config  # noqa: E402
+from tic.harness.model.families import layer_kinds  # noqa: E402
+from tic.harness.model.inventory import tensor_locations  # noqa: E402
 from tic.core.errors import TicInputError  # noqa: E402
 
 BASE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
@@ -66,7 +66,7 @@ def _plant_scales(model_dir: Path) -> None:
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
     """family -> (full model dir, auto cut dir, cut record)."""
-    from tic.harness.modelgen import generate_model
+    from tic.harness.model.generate import generate_model
 
     root = tmp_path_factory.mktemp("cut")
     out = {}
@@ -207,7 +207,7 @@ def test_copy_paths_write_the_same_bytes(models, tmp_path, monkeypatch):
     copy_file_range all write byte-identical shards (each tensor lands in its own byte range)."""
     import os
 
-    from tic.harness import cut as cut_mod
+    from tic.harness.model import cut as cut_mod
 
     full, cut, rec = models["qwen3_moe"]
     ref = {p.name: p.read_bytes() for p in cut.glob("*.safetensors")}

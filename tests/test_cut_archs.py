@@ -17,11 +17,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tic.core.errors import TicInputError  # noqa: E402
-from tic.harness.cut import cut_model  # noqa: E402
-from tic.harness.cut_check import check_cut  # noqa: E402
-from tic.harness.cut_config import check_rewrite, rewrite_config  # noqa: E402
-from tic.harness.inventory import tensor_locations  # noqa: E402
-from tic.harness.layer_structure import text_config, with_text_config  # noqa: E402
+from tic.harness.model.cut import cut_model  # noqa: E402
+from tic.harness.model.cut_check import check_cut  # noqa: E402
+from tic.harness.model.cut_config import check_rewrite, rewrite_config  # noqa: E402
+from tic.harness.model.inventory import tensor_locations  # noqa: E402
+from tic.harness.model.layer_structure import text_config, with_text_config  # noqa: E402
 
 B = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=2,
          num_key_value_heads=1, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
@@ -89,7 +89,7 @@ IDS = list(ARCHS)
 @pytest.fixture(scope="module")
 def cuts(tmp_path_factory):
     """name -> (full model dir, cut dir, cut record); the block-FP8 model is quantized after generation."""
-    from tic.harness.modelgen import generate_model, quantize_block_fp8
+    from tic.harness.model.generate import generate_model, quantize_block_fp8
 
     root = tmp_path_factory.mktemp("archs")
     out = {}
@@ -205,7 +205,7 @@ def test_cli_cut_runs_c2_and_exits_1_on_a_wrong_cut(cuts, tmp_path, tic, monkeyp
     code, out, err = tic("cut", str(full), str(tmp_path / "ok"), "--layers", "3,4,5,6")
     assert code == 0, err
     assert "C2's checks pass" in out and "attn_layer_offset: 2 -> 3" in out
-    from tic.harness import cut as cut_mod
+    from tic.harness.model import cut as cut_mod
 
     real = cut_mod.map_tensor_names
 
@@ -227,7 +227,7 @@ def test_cli_cut_refuses_unreproducible_layers_exit_2(cuts, tmp_path, tic):
 
 def test_vllm_load_recorded_when_available(cuts, monkeypatch):
     """Where vLLM and a GPU are there, C2 also loads the cut in vLLM; a failure there fails the cut."""
-    from tic.harness import cut_check
+    from tic.harness.model import cut_check
 
     full, cut, _ = cuts["llama_dense"]
     monkeypatch.setattr(cut_check, "vllm_available", lambda: True)

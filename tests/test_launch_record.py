@@ -1,5 +1,5 @@
 """Kernels launched from Python outside torch's dispatcher (Triton-style `kernel[grid](...)`) are recorded as
-operator calls through the launch registry (tic.harness.launch_record): the locator names such a kernel as the
+operator calls through the launch registry (tic.harness.locate.launch_record): the locator names such a kernel as the
 first divergent operator, and its repro relaunches it by import path in a fresh process. A stand-in launcher
 (tests/support/tic_fakejit.py, NumPy on the tensors' memory) replaces Triton, which CI does not have; the
 training side's kernels run through tic's autograd wrappers (`Ops`) of each engine's own provider."""
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tic.harness import launch_record
-from tic.harness.capture import HFCaptureRunner, OpRecorder
+from tic.harness.locate import launch_record
+from tic.harness.locate.capture import HFCaptureRunner, OpRecorder
 from tic.harness.engines.base import Sampling
-from tic.harness.locate import Side, locate
-from tic.harness.replay import rebuild
+from tic.harness.locate.search import Side, locate
+from tic.harness.locate.replay import rebuild
 
 ROOT = Path(__file__).resolve().parent.parent
 SUPPORT = Path(__file__).resolve().parent / "support"
@@ -163,7 +163,7 @@ def test_launch_recording_unit(registered):
 
 
 def test_a_launch_on_another_grid_is_not_an_identical_call():
-    from tic.harness.replay import SAME_ARGUMENTS, difference
+    from tic.harness.locate.replay import SAME_ARGUMENTS, difference
 
     x = torch.ones(2, 4)
     spec = {"kernel": KERNEL, "hops": 0, "fn_attr": "fn", "method": "run", "grid_kwarg": "grid",
@@ -200,7 +200,7 @@ def test_a_kernel_not_importable_by_its_path_is_recorded_and_said_so(registered)
 def test_recheck_after_the_plant_is_removed_relaunches_the_unplanted_kernel(tmp_path, monkeypatch, registered):
     """locate.recheck_repro on a launched kernel: side B launched again without the plant, the emitted repro
     exits 0; with the plant still in, 1."""
-    from tic.harness.locate import recheck_repro
+    from tic.harness.locate.search import recheck_repro
 
     monkeypatch.chdir(tmp_path)
     a, b = _engines()

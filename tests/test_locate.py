@@ -190,7 +190,7 @@ def test_locate_command_bad_gate(tmp_path, monkeypatch, capsys):
 
 
 def test_gate_without_mismatch_is_not_localised_but_does_not_raise(tmp_path, monkeypatch):
-    from tic.harness.locate import locate_for_gate
+    from tic.harness.locate.search import locate_for_gate
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config(DENSE / "tic.yaml")
@@ -203,7 +203,7 @@ def test_gate_without_mismatch_is_not_localised_but_does_not_raise(tmp_path, mon
 
 
 def test_a_broken_locator_keeps_the_verdict_and_says_where_it_broke(tmp_path, monkeypatch):
-    import tic.harness.locate as locate_mod
+    import tic.harness.locate.search as locate_mod
     from tic.gates.base import Gate, Judgement
     from tic.skill.runner import run_gate
 
@@ -225,8 +225,8 @@ def test_a_broken_locator_keeps_the_verdict_and_says_where_it_broke(tmp_path, mo
 
 
 def _mm_side(op_name: str):
-    from tic.harness.capture import OpCall
-    from tic.harness.repro import OpSide
+    from tic.harness.locate.capture import OpCall
+    from tic.harness.locate.repro import OpSide
 
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
     w = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
@@ -236,7 +236,7 @@ def _mm_side(op_name: str):
 
 
 def test_repro_is_emitted_only_when_the_script_itself_says_it_differs(tmp_path):
-    from tic.harness.repro import emit
+    from tic.harness.locate.repro import emit
 
     side, value = _mm_side("aten.mm.default")
     planted = value.clone()
@@ -255,7 +255,7 @@ def test_repro_is_emitted_only_when_the_script_itself_says_it_differs(tmp_path):
 
 def test_value_key_of_a_strided_size_one_view():
     """An int64 row cut from [N, k] routing ids is a size-1 view with stride k; its bytes are still its key."""
-    from tic.harness.locate import _key
+    from tic.harness.locate.search import _key
 
     t = torch.empty_strided((1,), (3,), dtype=torch.long).fill_(7)
     assert _key(t) == _key(torch.tensor([7]))
@@ -265,8 +265,8 @@ def test_two_sides_calls_pair_by_the_size_of_the_tokens_value_not_its_shape():
     """Side A's kernel gives the traced token one row [H, D]; side B's, on another layout, gives the same H*D
     elements scattered through its output (a mask of elements, taken flat). They are the same step: the first
     operator is named with side A's call as its counterpart, not as "implementations differ"."""
-    from tic.harness.capture import OpCall, Trail
-    from tic.harness.locate import first_operator
+    from tic.harness.locate.capture import OpCall, Trail
+    from tic.harness.locate.search import first_operator
 
     H, D, f = 2, 3, 1  # one sequence of 2 tokens (B=1, T=2); the traced token is the second
     x = torch.randn(2, H, D, generator=torch.Generator().manual_seed(0))
@@ -290,8 +290,8 @@ def test_identical_operator_sequences_never_end_in_different_operators():
     """Both sides run one mul; side B's trail knows the traced token for part of its row only (a value of another
     size), so no step pairs by size. The two sides' operator sequences are the same: the calls at the same place
     are the pair, and the verdict is about their arguments, never "different operator sequences"."""
-    from tic.harness.capture import OpCall, Trail
-    from tic.harness.locate import first_operator, operator_difference
+    from tic.harness.locate.capture import OpCall, Trail
+    from tic.harness.locate.search import first_operator, operator_difference
 
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
     op = torch.ops.aten.mul.Tensor

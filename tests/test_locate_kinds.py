@@ -18,8 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tic.harness import plant_kernels, replay, repro
-from tic.harness.locate import recheck_repro
+from tic.harness.testing import plant_kernels
+
+from tic.harness.locate import replay, repro
+from tic.harness.locate.search import recheck_repro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 from tic_locate_pair import engines, locate_pair, sides  # noqa: E402

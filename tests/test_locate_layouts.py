@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tic.harness.capture import HFCaptureRunner, OpRecorder, Trail, raw_bytes, same_bits
+from tic.harness.locate.capture import HFCaptureRunner, OpRecorder, Trail, raw_bytes, same_bits
 from tic.harness.engines.base import Sampling
 from tic.harness.engines.hf import HFEngine
-from tic.harness.locate import Side, _key, locate, trail_rows
-from tic.harness.provenance import Provenance
+from tic.harness.locate.search import Side, _key, locate, trail_rows
+from tic.harness.locate.provenance import Provenance
 from tic.skill.config import load_config
 from tic.skill.context import GateContext
 
@@ -182,10 +182,10 @@ def test_split_k_repro_names_the_argument_that_differs_not_one_operator(tmp_path
 def test_fresh_process_says_identical_calls_show_nothing(tmp_path):
     """The script's own check, run in the fresh process, calls identical calls one operator on the same
     arguments; their bits being equal, the candidate is not emitted."""
-    from tic.harness import repro
-    from tic.harness.capture import OpCall
-    from tic.harness.replay import SAME_ARGUMENTS
-    from tic.harness.repro import OpSide
+    from tic.harness.locate import repro
+    from tic.harness.locate.capture import OpCall
+    from tic.harness.locate.replay import SAME_ARGUMENTS
+    from tic.harness.locate.repro import OpSide
 
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
     w = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
@@ -201,7 +201,7 @@ def test_fresh_process_says_identical_calls_show_nothing(tmp_path):
 def test_token_layouts_per_token_per_row_and_per_head():
     """A [B, H, T, D] tensor (attention's q after its transpose, what Gemma-3's q_norm takes) holds tokens as
     [B, T, ...] and [B*T, ...] do; H == T is told apart by the strides of a transposed view."""
-    from tic.harness.provenance import standard_map, token_view
+    from tic.harness.locate.provenance import standard_map, token_view
 
     B, T, H, D = 2, 3, 4, 5
     x = torch.randn(B, T, H, D)
@@ -257,8 +257,8 @@ def test_a_module_called_twice_in_a_forward_is_traced_at_the_call_whose_rows_are
     """Gemma-3's rotary module runs once per attention kind in each forward; the capture keeps its last call's
     rows, so the trail must be that call's (the module's output was not found among the first call's operators,
     and no repro could be made)."""
-    from tic.harness.capture import CaptureSpec, HookSet, _RowMap
-    from tic.harness.locate import module_target
+    from tic.harness.locate.capture import CaptureSpec, HookSet, _RowMap
+    from tic.harness.locate.search import module_target
 
     class Twice(torch.nn.Module):
         def __init__(self):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tic.harness.plants import draw_plant, operator_named, run_trial
+from tic.harness.testing.plants import draw_plant, operator_named, run_trial
 
 # plant seeds, each a kind of difference on a family and kernels: 1004 a per-head norm (gemma3_text q/k norms on
 # [B, H, T, D]) on stock kernels; 1011 lm_head's GEMM in float64 (stock: an argument that differs); 1021 a rounding
@@ -62,7 +62,7 @@ def test_plant_changes_only_its_side_and_uninstalls():
     """A plant wraps one module of one model; removing it gives the model's own bits back."""
     import random
 
-    from tic.harness.tinymodels import tiny_model
+    from tic.harness.testing.tinymodels import tiny_model
     from tic.harness.engines.hf import load_model
     import copy
 

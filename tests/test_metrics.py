@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tic.harness.metrics import NonFiniteLogprob, compare_logprobs, is_exact_match, ulp_distance
+from tic.harness.measure.metrics import NonFiniteLogprob, compare_logprobs, is_exact_match, ulp_distance
 
 
 def independent(r, t):

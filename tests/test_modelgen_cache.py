@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from tic.harness import modelgen
+from tic.harness.model import generate as modelgen
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tic.harness import capture, repro
+from tic.harness.locate import capture, repro
 
 SUPPORT = Path(__file__).resolve().parent / "support"
 sys.path.insert(0, str(SUPPORT))
@@ -101,8 +101,8 @@ def test_a_kernel_called_directly_on_packed_rows_is_traced_by_row_and_cut_to_its
     """The training side's way (tic's vLLM provider): a right-padded batch packed to its valid rows by index, the
     kernel called directly with no output buffer, its rows scattered back by index_put_. The traced token stays
     a row through the packing, so the repro is cut to its sequence and reproduces against the decode call."""
-    from tic.harness.locate import token_value
-    from tic.harness.provenance import Provenance
+    from tic.harness.locate.search import token_value
+    from tic.harness.locate.provenance import Provenance
 
     _, decode, _ = _record([1, 1, 1], list(range(20)))
     q, meta = _step(LENS, list(reversed(range(20))))
@@ -173,7 +173,7 @@ def _attention_module(q: torch.Tensor, scale: float):
 
 
 def test_module_program_replays_values_written_through_another_view(open_demo, tmp_path):
-    from tic.harness.capture import Trail
+    from tic.harness.locate.capture import Trail
 
     q, meta = _step([1, 1, 1], list(range(20)))
     tic_pageddemo.STEP["l0"] = meta

@@ -1,4 +1,4 @@
-"""Token provenance through operators that only move elements (tic.harness.provenance): a varlen kernel's packed
+"""Token provenance through operators that only move elements (tic.harness.locate.provenance): a varlen kernel's packed
 rows (`x[index]`), their scatter back (`index_put_`), pads, row selections and gathers keep each element's token;
 filled or untouched elements belong to no token, and an accumulating write keeps a token only where both agree."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tic.harness import provenance
-from tic.harness.capture import OpRecorder
-from tic.harness.provenance import Provenance
+from tic.harness.locate import provenance
+from tic.harness.locate.capture import OpRecorder
+from tic.harness.locate.provenance import Provenance
 
 B, T, H, D = 2, 5, 2, 3
 VALID = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)

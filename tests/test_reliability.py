@@ -184,7 +184,7 @@ def test_out_of_vocabulary_prompt(refused, setup, workdir, tic):
 
 def test_bad_cut_layers_read_even_while_a_cut_exists(refused, setup, workdir, tic):
     """A cut already in .tic/artifacts/C2/cut does not stop the settings from being checked."""
-    from tic.harness.cut import cut_model
+    from tic.harness.model.cut import cut_model
 
     model, write_config = setup
     cut_model(model, workdir / ".tic" / "artifacts" / "C2" / "cut", layers=[0, 1])
@@ -294,7 +294,7 @@ def _ctx(cfg_path):
 
 def test_stale_cut_is_rebuilt(setup, workdir):
     """The C2 cut is reused only for the same model content and the same cut settings."""
-    from tic.harness.cut_check import cut_dir_for, cut_target
+    from tic.harness.model.cut_check import cut_dir_for, cut_target
 
     model, write_config = setup
     cfg = write_config("cut: {layers: [0, 1]}\n")
@@ -359,7 +359,7 @@ def test_status_marks_changed_dumps_and_prompts_stale(setup, workdir, tic):
 
 def test_large_shard_edit_with_mtime_restored_is_detected(tmp_path):
     """A >= 1 GiB shard (sparse here) changed in a byte no sampled block covers, its mtime set back."""
-    from tic.harness.modelgen import model_hash
+    from tic.harness.model.generate import model_hash
 
     d = tmp_path / "m"
     d.mkdir()
@@ -389,8 +389,8 @@ def test_c2_check_fails_a_cut_of_another_model_version(setup, tmp_path):
     """A cut whose source changed afterwards (lm_head here) no longer matches its source byte for byte."""
     from safetensors.torch import load_file, save_file
 
-    from tic.harness.cut import cut_model
-    from tic.harness.cut_check import check_cut
+    from tic.harness.model.cut import cut_model
+    from tic.harness.model.cut_check import check_cut
 
     model, _ = setup
     cut = tmp_path / "cut"

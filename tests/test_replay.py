@@ -1,14 +1,14 @@
-"""tic.harness.replay: a recorded call replayed as the engine ran it (memory layout included), what a replay that
+"""tic.harness.locate.replay: a recorded call replayed as the engine ran it (memory layout included), what a replay that
 cannot give the recorded bits says, and the kind of difference between two sides' calls."""
 
 from __future__ import annotations
 
 import torch
 
-from tic.harness import replay, repro
-from tic.harness.capture import OpCall, OpRecorder, Trail
-from tic.harness.locate import token_parts, trail_rows
-from tic.harness.provenance import Provenance
+from tic.harness.locate import replay, repro
+from tic.harness.locate.capture import OpCall, OpRecorder, Trail
+from tic.harness.locate.search import token_parts, trail_rows
+from tic.harness.locate.provenance import Provenance
 
 
 def test_a_copy_keeps_strides_storage_offset_and_alignment():
@@ -88,7 +88,7 @@ def test_the_kind_of_difference_is_decided_from_the_two_calls():
     """Identical calls -> one operator on the same arguments, identical in every property; the traced token's row
     the same but more rows beside it -> the same arguments, the launch's shape named; a differing element, an
     operator of its own, no call at all -> an argument that differs, or other operator sequences."""
-    from tic.harness import replay
+    from tic.harness.locate import replay
 
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
     w = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tic.gates import get
-from tic.harness import baseline as bl
+from tic.harness.measure import baseline as bl
 from tic.harness.engines import hf
 from tic.harness.engines.hf import HFEngine
-from tic.harness.rl import PolicyGradientTrainer
+from tic.harness.measure.rl import PolicyGradientTrainer
 from tic.skill.baseline_cmd import measure_baseline
 from tic.skill.config import PerfConfig, load_config
 from tic.skill.context import GateContext
@@ -127,7 +127,7 @@ class TokenClock:
 
 @pytest.mark.parametrize("cost, verdict", [(1.0, "pass"), (1.25, "pass"), (2.0, "fail")])
 def test_c10_judges_the_throughput_ratio_at_the_floor(small, monkeypatch, cost, verdict):
-    from tic.harness import perf
+    from tic.harness.measure import perf
 
     clock = TokenClock()
     monkeypatch.setattr(perf, "CLOCK", clock)
@@ -349,7 +349,7 @@ def test_checkpoint_weights_are_the_saved_checkpoints_names_and_values(example):
     """vLLM gets the trainer's weights as a checkpoint has them (per-expert tensors for a MoE model)."""
     from safetensors.torch import load_file
 
-    from tic.harness.modelgen import generate_model
+    from tic.harness.model.generate import generate_model
 
     ex = example("tiny-qwen3-moe")
     hf._MODELS.clear()

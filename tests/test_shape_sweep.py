@@ -21,7 +21,7 @@ from tic.skill.config import load_config  # noqa: E402
 
 
 def test_every_shape_builds_as_its_family_with_the_counted_parameters():
-    from tic.harness.layer_structure import build_meta
+    from tic.harness.model.layer_structure import build_meta
 
     for s in SHAPES:
         model = build_meta(s.config())

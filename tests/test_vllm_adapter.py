@@ -18,7 +18,7 @@ import torch
 
 from tic.harness.engines.vllm import check_options, compiles_with_inductor, mode_refusals, sample_from_record, \
     scored_from_record
-from tic.harness.metrics import compare_generation, compare_logprobs
+from tic.harness.measure.metrics import compare_generation, compare_logprobs
 from tic.core.errors import TicInputError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -375,10 +375,10 @@ def _synthetic_vllm():
 
 
 def test_capture_runner_maps_flat_rows_and_replays_exactly():
-    from tic.harness.capture import CaptureSpec
+    from tic.harness.locate.capture import CaptureSpec
     from tic.harness.engines.base import Sample
     from tic.harness.engines.vllm import VLLMCaptureRunner
-    from tic.harness.locate import compare_rows
+    from tic.harness.locate.search import compare_rows
 
     eng, _ = _synthetic_vllm()
     r = VLLMCaptureRunner(eng)
@@ -426,8 +426,8 @@ def test_baseline_is_vllm_as_users_run_it_and_only_the_switch_may_differ():
     from types import SimpleNamespace
 
     from tic.harness.engines.vllm import VLLMEngine
-    from tic.harness.fingerprint import differences
-    from tic.harness.perf import switch_allowance
+    from tic.harness.measure.fingerprint import differences
+    from tic.harness.measure.perf import switch_allowance
 
     side = SimpleNamespace(options={"enforce_eager": False, "compilation_config": {"mode": 0},
                                     "cudagraph_mode": "FULL_DECODE_ONLY", "ir_op_priority": {"rms_norm": ["vllm_c"]},

@@ -84,7 +84,7 @@ def test_bad_input_inside_a_rank_is_an_input_error():
 @pytest.mark.parametrize("ep", [1, 2])
 def test_the_locator_reruns_a_request_on_its_owner_rank(ep):
     """The owner rank captures on its own share; under DP x EP the other rank takes turns until released."""
-    from tic.harness.capture import Capture
+    from tic.harness.locate.capture import Capture
 
     eng = RankedVLLMEngine(KW, dp=2, ep=ep, timeout_s=30, engine_path=STANDIN)
     try:
@@ -159,7 +159,7 @@ def test_ranked_sides_differ_only_by_vllms_consistency_switch():
     """C10 compares a baseline and a consistent rollout's fingerprints; on ranks, as on one vLLM engine, the
     batch-invariant mode and the patches are the switch, not a difference that refuses the comparison."""
     from tic.harness.engines.vllm import VLLMEngine
-    from tic.harness.perf import switch_allowance
+    from tic.harness.measure.perf import switch_allowance
 
     assert switch_allowance(RankedVLLMEngine.__new__(RankedVLLMEngine)) == \
         switch_allowance(VLLMEngine.__new__(VLLMEngine))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tic.harness.capture import InputRows
+from tic.harness.locate.capture import InputRows
 from tic.harness.engines.vllm import flat_inputs, replace_rows, stable_inputs
 
 N = 4  # token rows of the step

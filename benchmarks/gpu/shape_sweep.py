@@ -149,7 +149,7 @@ class Weights:
         self.thread.start()
 
     def _generate(self, shapes):
-        from tic.harness.modelgen import generate_model
+        from tic.harness.model.generate import generate_model
 
         for s in shapes:
             while len(self.on_disk) >= self.keep:

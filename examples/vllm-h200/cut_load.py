@@ -41,7 +41,7 @@ ARCHS = {
 
 def generate(name: str, out: Path):
     """The source model (in this thread: transformers' lazy imports are not thread-safe)."""
-    from tic.harness.modelgen import generate_model
+    from tic.harness.model.generate import generate_model
 
     src = out / "src" / name
     src.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@
 Writes OUTDIR/<name>-ladder.json (the ladder's JSON record, as `tic ladder --json` prints it),
 OUTDIR/<name>-train.jsonl (every HF train-side score: ids and logprobs), the vLLM engine's own raw records
 (rollout.options.record) and OUTDIR/<name>-locate.json: the shared locator's findings for each failing
-C3/C4/C5 (tic.harness.locate.locate_for_gate, run by the ladder runner; reports and repros in the state dir).
+C3/C4/C5 (tic.harness.locate.search.locate_for_gate, run by the ladder runner; reports and repros in the state dir).
 --baseline-by NAME first measures the C1 baseline (tic baseline run), freezes it and approves it as NAME.
 The body runs under a main guard: vLLM engine cores of their own (C1/C10 sides) start by spawn, which
 re-imports this file.
@@ -50,7 +50,7 @@ def main() -> None:
 
     cfg = load_config(cfg_path)
     if "--baseline-by" in sys.argv:
-        from tic.harness import baseline as bl
+        from tic.harness.measure import baseline as bl
         from tic.skill.baseline_cmd import measure_baseline
 
         bctx = GateContext(cfg)

@@ -23,7 +23,7 @@ def _short(v) -> str:
 
 def main() -> None:
     from tic.gates import get
-    from tic.harness.locate import locate_for_gate
+    from tic.harness.locate.search import locate_for_gate
     from tic.skill.config import load_config
     from tic.skill.context import GateContext
 

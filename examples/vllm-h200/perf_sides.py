@@ -2,7 +2,7 @@
 
   python examples/vllm-h200/perf_sides.py CONFIG.yaml [--repeats 3]
 
-C10's own measurement (tic.harness.perf.measure_sides: alternating passes on the config's perf workload), with
+C10's own measurement (tic.harness.measure.perf.measure_sides: alternating passes on the config's perf workload), with
 three sides, each an engine core in a process of its own (its patches and batch-invariant mode set at start):
 default (vLLM as users run it: C1's baseline), tic (the config's rollout), batch-invariant (VLLM_BATCH_INVARIANT=1,
 vLLM's default mode otherwise). Prints the
@@ -19,7 +19,7 @@ from pathlib import Path
 def main() -> None:
     from tic.harness.engines import build_engine
     from tic.harness.engines.vllm import VLLMEngine
-    from tic.harness.perf import measure_sides, spread
+    from tic.harness.measure.perf import measure_sides, spread
     from tic.skill.config import EngineConfig, load_config
     from tic.skill.context import GateContext
 

@@ -11,7 +11,7 @@ python3 -c "import vllm, torch, transformers, tic; print('vllm', vllm.__version_
 names=${*:-dense-default dense-bi moe-default moe-bi dense-chunk64 big-default big-bi big-graph}
 # generate the two models' weights once, before the parallel runs
 python3 -c "
-from tic.skill.config import load_config; from tic.harness.modelgen import resolve_model_dir
+from tic.skill.config import load_config; from tic.harness.model.generate import resolve_model_dir
 for n in ['dense-default','moe-default','big-default']: print(resolve_model_dir(load_config(n+'.yaml')))"
 for n in $names; do
   timeout ${TIC_RUN_TIMEOUT:-430} python3 drive.py "$n.yaml" "$W/res" > "$W/res-$n.log" 2>&1 &

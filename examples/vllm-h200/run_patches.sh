@@ -16,7 +16,7 @@ if [ -z "${SKIP_REPROS:-}" ]; then
 fi
 names=${*:-}
 python3 -c "
-from tic.skill.config import load_config; from tic.harness.modelgen import resolve_model_dir
+from tic.skill.config import load_config; from tic.harness.model.generate import resolve_model_dir
 for n in ['p-dense-eager-off','p-moe-eager-off','p-big-eager-off']: print(resolve_model_dir(load_config(n+'.yaml')))"
 for n in $names; do
   loc=0; case "$n" in *-eager-on|*-chunk-on|a-*) loc=1;; esac

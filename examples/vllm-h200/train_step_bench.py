@@ -254,7 +254,7 @@ def main() -> int:
         return 1
 
     from tic.gates.c7 import DEFAULT_THRESHOLDS
-    from tic.harness.gradcheck import RoutingPin, compare
+    from tic.harness.measure.gradcheck import RoutingPin, compare
     from tic.harness.kernels.modules import apply, capture_routes
     from tic.harness.kernels.providers import get_provider
 

@@ -248,7 +248,7 @@ def align(rollout: list[Sample], train_path: Path, train_name: str = "train") ->
 
 def compare_dump_files(rollout_path: Path, train_path: Path) -> dict:
     """C5's metric record from two dump files, both read one line at a time."""
-    from tic.harness.metrics import LogprobComparison
+    from tic.harness.measure.metrics import LogprobComparison
 
     rollout_path, train_path = Path(rollout_path), Path(train_path)
     if rollout_path.is_file() and train_path.is_file() and rollout_path.samefile(train_path):

@@ -2,7 +2,7 @@
 
 Data parallel: requests are dealt to DP ranks round-robin; each rank samples or scores its own requests with
 its own batches. Expert parallel: every MoE layer's experts are split over an EP group of consecutive ranks
-and tokens travel to their experts and back (tic.harness.parallel). A request's rows live on one rank, its
+and tokens travel to their experts and back (tic.harness.measure.parallel). A request's rows live on one rank, its
 owner, so every number the gates compare comes from that rank.
 
 Ranks run forward passes in lockstep: MoE layers exchange tokens inside each forward, so a rank with fewer
@@ -20,8 +20,8 @@ import torch.distributed as dist
 from tic.core.errors import TicInputError
 from tic.harness.engines.base import Engine, Sample, Sampling
 from tic.harness.engines.ranks import DealtRequests, OwnerRankCaptureRunner, portable, runner_names
-from tic.harness.parallel import (COMBINES, ExpertParallelMoE, RankPool, ep_group, moe_blocks, rank_gpu,
-                                  require_gpus)
+from tic.harness.measure.parallel import (COMBINES, ExpertParallelMoE, RankPool, ep_group, moe_blocks, rank_gpu,
+                                          require_gpus)
 
 OPTIONS = {"expert_combine": "slot_order"}
 
@@ -90,14 +90,14 @@ def _score_rank(state: dict, samples: list, sampling: Sampling) -> list[torch.Te
 
 
 def _module_names(state: dict, temperature: float) -> dict:
-    from tic.harness.capture import HFCaptureRunner
+    from tic.harness.locate.capture import HFCaptureRunner
 
     return runner_names(HFCaptureRunner(state["engine"]))
 
 
 def _capture_rank(state: dict, job: tuple | None):
     """The owner rank records the compared request; the others serve their experts meanwhile."""
-    from tic.harness.capture import HFCaptureRunner
+    from tic.harness.locate.capture import HFCaptureRunner
 
     own = 0 if job is None else (job[3] + 1 if job[0] == "decode" else 1)
     owed = _lockstep(state, own)

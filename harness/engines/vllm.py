@@ -220,7 +220,7 @@ def _own_process_env(patches: list[str], batch_invariant: bool):
     its patches and its batch-invariant mode; vLLM's env cache (enabled once an in-process engine started) off,
     so vLLM reads them."""
     from tic import patches as tic_patches
-    from tic.harness.perf import env_overlay
+    from tic.harness.measure.perf import env_overlay
     import vllm.envs as envs
 
     want = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
@@ -550,7 +550,7 @@ class VLLMEngine(Engine):
         self.turns += 1
 
     def capture_runner(self, temperature: float):
-        """The locator's CaptureRunner for this engine (tic.harness.capture); see VLLMCaptureRunner."""
+        """The locator's CaptureRunner for this engine (tic.harness.locate.capture); see VLLMCaptureRunner."""
         return VLLMCaptureRunner(self, temperature)
 
     # -- in-process model access (locator capture) -----------------------------------------------------------
@@ -576,7 +576,7 @@ class VLLMEngine(Engine):
         return self.llm.collective_rpc(lambda w: getattr(w, "worker", w).model_runner)[0]
 
 
-# -- the locator's capture runner (tic.harness.capture.CaptureRunner) ------------------------------------------
+# -- the locator's capture runner (tic.harness.locate.capture.CaptureRunner) ------------------------------------------
 # vLLM runs every step as one flat batch of token rows [num_tokens, ...] with a positions tensor; the V1 GPU model
 # runner's input batch says which rows belong to which request (query_start_loc). A step's rows of the compared
 # request are mapped to (request, position) when the step starts (a pre-hook on the embedding), and every hooked
@@ -797,8 +797,8 @@ class VLLMCaptureRunner:
         return [(a + j, int(p)) for j, p in enumerate(pos)]
 
     def _run(self, prompts, params, kind, rids, probe: int, spec):
-        from tic.harness.capture import Capture, OpRecorder, Trail
-        from tic.harness.provenance import Provenance
+        from tic.harness.locate.capture import Capture, OpRecorder, Trail
+        from tic.harness.locate.provenance import Provenance
 
         prompt = tuple(int(t) for t in prompts[probe])
         cap = Capture()

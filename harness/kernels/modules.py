@@ -25,7 +25,7 @@ from torch import nn
 from tic.core.errors import TicInputError
 from tic.harness.kernels.autograd import Ops
 from tic.harness.kernels.memo import TensorMemo
-from tic.harness.provenance import stands_for
+from tic.harness.locate.provenance import stands_for
 
 ATTN_NAME = "tic_rowwise"
 

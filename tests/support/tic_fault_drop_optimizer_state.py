@@ -3,7 +3,7 @@ weights but drops the optimizer state (AdamW starts again from zero moments and 
 
 from collections import defaultdict
 
-from tic.harness import rl
+from tic.harness.measure import rl
 
 _restore = rl.PolicyGradientTrainer.restore
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from tic.harness.capture import HFCaptureRunner
+from tic.harness.locate.capture import HFCaptureRunner
 from tic.harness.engines.base import Sampling
 from tic.harness.engines.hf import HFEngine
-from tic.harness.locate import Side, locate
+from tic.harness.locate.search import Side, locate
 from tic.skill.config import load_config
 from tic.skill.context import GateContext
 

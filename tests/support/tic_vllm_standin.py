@@ -89,7 +89,7 @@ class StandInCaptureRunner:
         return []
 
     def decode(self, samples, target, upto, spec, together=False):
-        from tic.harness.capture import Capture
+        from tic.harness.locate.capture import Capture
 
         if spec == "fail":
             raise RuntimeError("capture hook failed: planted")

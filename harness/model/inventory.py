@@ -12,7 +12,7 @@ import struct
 from collections import defaultdict
 from pathlib import Path
 
-from tic.harness.families import family, int_field, layer_kinds
+from tic.harness.model.families import family, int_field, layer_kinds
 from tic.core.errors import TicInputError
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")

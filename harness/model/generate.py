@@ -94,7 +94,7 @@ def generate_model(config_dir: Path, seed: int, init_std: float | None = None, o
     import torch
     from transformers import AutoConfig
 
-    from tic.harness.layer_structure import auto_class_for
+    from tic.harness.model.layer_structure import auto_class_for
 
     raw = (config_dir / "config.json").read_bytes()
     key = hashlib.sha256(raw + f"|seed={seed}|std={init_std}|torch={torch.__version__}".encode()).hexdigest()[:16]
@@ -140,7 +140,7 @@ def quantize_block_fp8(model_dir: Path, out_dir: Path, block: tuple[int, int] = 
     import torch
     from safetensors.torch import load_file, save_file
 
-    from tic.harness.layer_structure import build_meta
+    from tic.harness.model.layer_structure import build_meta
 
     cfg = read_model_config(model_dir)
     meta = build_meta(cfg)

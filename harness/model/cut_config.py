@@ -1,10 +1,10 @@
 """The cut's config.json: rewritten for the kept layers by whichever rule reproduces their structure, and proven.
 
 A cut config is right when transformers builds every cut layer exactly as it builds the source layer it came
-from (tic.harness.layer_structure records, compared on the meta device) and everything outside the decoder
+from (tic.harness.model.layer_structure records, compared on the meta device) and everything outside the decoder
 layers (embeddings, head, vision tower) unchanged. Candidate rewrites are tried in order, the first proven one
 wins:
-  1. the family hint (tic.harness.families), where the family is known;
+  1. the family hint (tic.harness.model.families), where the family is known;
   2. generic: the layer count set; every per-layer list (and one-letter-per-layer pattern string) sliced to
      the kept layers; lists of layer indices renumbered;
   3. the same, with the per-layer lists transformers derives from scalar rules (e.g. layer_types from a
@@ -22,10 +22,10 @@ import re
 from dataclasses import dataclass, field
 
 from tic.core.errors import TicInputError
-from tic.harness.families import (NOT_PER_LAYER, PER_LAYER_FIELDS, QUANT_NAME_LISTS, family, first_k_dense_is_moe,
-                                  layer_kinds)
-from tic.harness.layer_structure import (ModelStructure, first_difference, model_structure, parse_config,
-                                         text_config, with_text_config)
+from tic.harness.model.families import (NOT_PER_LAYER, PER_LAYER_FIELDS, QUANT_NAME_LISTS, family, first_k_dense_is_moe,
+                                        layer_kinds)
+from tic.harness.model.layer_structure import (ModelStructure, first_difference, model_structure, parse_config,
+                                               text_config, with_text_config)
 
 # scalar fields that may encode which layer is which kind (searched when slicing lists is not enough)
 _RULE_NAME = re.compile(r"layer|period|offset|step|freq|interval|every|first_k|sparse|dense|pattern|idx|indices|ids$", re.I)
@@ -122,7 +122,7 @@ def _moe_rule_for(kinds: list[bool]) -> tuple[int, int] | None:
 
 
 def hint_rewrite(text_cfg: dict, kept: list[int], n: int) -> dict | None:
-    """The family table's rules (tic.harness.families.PER_LAYER_FIELDS); None when they give nothing new."""
+    """The family table's rules (tic.harness.model.families.PER_LAYER_FIELDS); None when they give nothing new."""
     out = generic_rewrite(text_cfg, kept, n)
     changed = False
     if text_cfg.get("max_window_layers") is not None:
@@ -218,7 +218,7 @@ def rewrite_config(cfg: dict, kept: list[int], source: ModelStructure | None = N
                      if new_text.get(k) != tcfg.get(k) and not isinstance(new_text.get(k), (list, str)))
     notes = [f"config rewrite: {name}; proven on meta ({len(kept)} layers built as their sources)"]
     if not _family_agrees(tcfg, new_text, kept):
-        notes.append("the family table (tic.harness.families) reads other layer kinds from this config; engines "
+        notes.append("the family table (tic.harness.model.families) reads other layer kinds from this config; engines "
                      "that follow it (vLLM) may build the cut differently")
     notes += [f"{k}: {tcfg.get(k)} -> {new_text.get(k)}" for k in changed]
     return out, notes

@@ -16,7 +16,7 @@ import torch
 from tic.core.errors import TicInputError
 from tic.core.fsio import atomic_write_text
 from tic.harness.engines.base import Engine, Sample, Sampling
-from tic.harness.metrics import compare_logprobs
+from tic.harness.measure.metrics import compare_logprobs
 
 
 def synthetic_reward(samples: list[Sample]) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """Cut a small model (4-6 layers) out of a full checkpoint: choose layers, rewrite config.json, stream tensors.
 
-Each layer's kind is read from the model itself (tic.harness.layer_structure: the config built on the meta
+Each layer's kind is read from the model itself (tic.harness.model.layer_structure: the config built on the meta
 device) together with the tensors the checkpoint holds for it (dtypes, quantization scales). The choice keeps
 every distinct kind and, for each transition between kinds that occurs, one adjacent pair showing it. The
 config is rewritten by whichever rule reproduces the kept layers' structure, proven on meta
-(tic.harness.cut_config). Tensors are copied byte range by byte range from the source shards (never a whole
+(tic.harness.model.cut_config). Tensors are copied byte range by byte range from the source shards (never a whole
 tensor in memory), so dtypes, quantization scales and bytes are carried exactly.
 """
 
@@ -20,10 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tic.harness.cut_config import rewrite_config
-from tic.harness.families import Family, family
-from tic.harness.inventory import LAYER_RE, QUANT_SUFFIXES, tensor_locations, weight_files
-from tic.harness.layer_structure import ModelStructure, digest, label, model_structure, text_config
+from tic.harness.model.cut_config import rewrite_config
+from tic.harness.model.families import Family, family
+from tic.harness.model.inventory import LAYER_RE, QUANT_SUFFIXES, tensor_locations, weight_files
+from tic.harness.model.layer_structure import ModelStructure, digest, label, model_structure, text_config
 from tic.core.errors import TicInputError
 from tic.core.fsio import atomic_write_text
 
@@ -312,7 +312,7 @@ def write_shards(out_dir: Path, renamed: list[tuple[str, dict]], max_shard: int,
 
 # --- the cut ---------------------------------------------------------------------------------------------
 def _read_config(model_dir: Path) -> dict:
-    from tic.harness.modelgen import read_model_config
+    from tic.harness.model.generate import read_model_config
 
     return read_model_config(Path(model_dir))
 

@@ -24,11 +24,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tic.core.errors import raised_at
-from tic.harness import launch_record, replay
+from tic.harness.locate import launch_record, replay
 from tic.harness.engines.base import Sample
 from tic.harness.engines.hf import cache_kwargs, packed_row, padded_batch
-from tic.harness import provenance as provenance_mod
-from tic.harness.provenance import Provenance, token_view
+from tic.harness.locate import provenance as provenance_mod
+from tic.harness.locate.provenance import Provenance, token_view
 
 RowTensors = tuple  # one tensor per row-shaped output (or input) of a module, for one token
 
@@ -55,11 +55,11 @@ class OpCall:
     # call of the same trail, or None for a value from outside (weights, module inputs, buffers). Lets a repro
     # replay a whole module's operator sequence as a program.
     sources: tuple | None = None
-    # the token map (tic.harness.provenance) of each output and of each top-level argument at call time: which
+    # the token map (tic.harness.locate.provenance) of each output and of each top-level argument at call time: which
     # token of the traced forward call each element belongs to, -1 for none; None where nothing is known
     out_tokens: tuple | None = None
     arg_tokens: tuple | None = None  # a tuple per list argument (cat, stack: one map per tensor)
-    # where each tensor argument lay in memory when the engine called the operator (tic.harness.replay.layout_of),
+    # where each tensor argument lay in memory when the engine called the operator (tic.harness.locate.replay.layout_of),
     # shaped like (args, kwargs); the recorded arguments are copies laid out the same way
     layouts: tuple | None = None
 
@@ -150,7 +150,7 @@ def _clone(v):
 
 def recorded_arguments(args: tuple, kwargs: dict, blank: dict) -> tuple[tuple, dict, tuple]:
     """(args, kwargs, layouts) as a recorder keeps a call's arguments: copies taken before the call (kernels may
-    write their inputs), each tensor laid out in memory as the engine's was (tic.harness.replay.rebuild). A
+    write their inputs), each tensor laid out in memory as the engine's was (tic.harness.locate.replay.rebuild). A
     buffer fresh from an uninitialised-memory factory and not yet written (its storage in `blank`) is an output
     buffer, not an input: recorded as zeros, its layout marked "blank", so that two sides' garbage never counts
     as different inputs."""
@@ -211,7 +211,7 @@ class OpRecorder(TorchDispatchMode):
     def __init__(self, calls: list | None = None, errors: list | None = None, produced: dict | None = None,
                  provenance=None):
         super().__init__()
-        self.provenance = provenance  # tic.harness.provenance.Provenance: tokens of each value, by data
+        self.provenance = provenance  # tic.harness.locate.provenance.Provenance: tokens of each value, by data
         self.calls: list[OpCall] = calls if calls is not None else []
         self.errors: list[str] = errors if errors is not None else []
         # id(tensor) -> (call index, output index, the tensor): which recorded call last produced or wrote it;

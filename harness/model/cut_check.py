@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tic.harness.cut import (CUT_RECORD, cut_model, cut_settings, decoder_prefix, decoder_tensors, is_tic_cut,
-                             layer_keys, layer_signatures)
-from tic.harness.inventory import build_manifest, tensor_locations, tensor_table
-from tic.harness.layer_structure import (auto_class_for, first_difference, layer_structure,
-                                         loaded_layers, text_config)
-from tic.harness.vllm_load import vllm_available, vllm_generates
+from tic.harness.model.cut import (CUT_RECORD, cut_model, cut_settings, decoder_prefix, decoder_tensors, is_tic_cut,
+                                   layer_keys, layer_signatures)
+from tic.harness.model.inventory import build_manifest, tensor_locations, tensor_table
+from tic.harness.model.layer_structure import (auto_class_for, first_difference, layer_structure,
+                                               loaded_layers, text_config)
+from tic.harness.model.vllm_load import vllm_available, vllm_generates
 from tic.core.errors import TicInputError
 
 FIDELITY_BATCH = 2
@@ -44,7 +44,7 @@ def decoder_layers(model, n: int):
 
 
 def _relative_keys(keys) -> set[str]:
-    from tic.harness.inventory import LAYER_RE
+    from tic.harness.model.inventory import LAYER_RE
 
     out = set()
     for k in keys:
@@ -54,7 +54,7 @@ def _relative_keys(keys) -> set[str]:
 
 
 def module_signature(layer) -> tuple:
-    """How a layer is built (tic.harness.layer_structure): a layer built from a stale config (e.g. full
+    """How a layer is built (tic.harness.model.layer_structure): a layer built from a stale config (e.g. full
     attention where the source slides a window) differs here even when outputs agree."""
     return layer_structure(layer)
 
@@ -117,7 +117,7 @@ def layer_fidelity(full, cut, kept: list[int], n_full: int, vocab: int, seq_len:
 # --- the check -------------------------------------------------------------------------------------------
 def check_cut(full_dir: Path, cut_dir: Path) -> dict:
     """Every C2 measurement on a full model and its cut; problems is empty only when the cut is faithful."""
-    from tic.harness.modelgen import read_model_config
+    from tic.harness.model.generate import read_model_config
 
     full_dir, cut_dir = Path(full_dir), Path(cut_dir)
     full_cfg, cut_cfg = read_model_config(full_dir), read_model_config(cut_dir)
@@ -129,7 +129,7 @@ def check_cut(full_dir: Path, cut_dir: Path) -> dict:
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
         return {"problems": [f"{rec_path}: missing or malformed cut record; the source of each layer is unknown"],
                 "layers": [], "fidelity": [], "full_classes": [], "missing_classes": []}
-    from tic.harness.layer_structure import model_structure
+    from tic.harness.model.layer_structure import model_structure
 
     full_struct = model_structure(full_cfg)
     n_full = full_struct.n

@@ -1,11 +1,11 @@
 """Record kernels launched from Python outside torch's dispatcher (Triton's `kernel[grid](*args)`) as operator calls.
 
 A `@triton.jit` kernel is launched by `JITFunction.run(*args, grid=..., warmup=..., **kwargs)`: no torch
-operator is dispatched, so the dispatch-mode recorder (tic.harness.capture.OpRecorder) sees nothing of e.g.
+operator is dispatched, so the dispatch-mode recorder (tic.harness.locate.capture.OpRecorder) sees nothing of e.g.
 vLLM's batch-invariant RMSNorm or GEMM. While a recorder is active, every entry point in the registry below is
 patched so that each launch becomes one recorded call:
   - inputs: every argument as it was before the launch (tensors copied with their memory layout: a kernel
-    addresses memory through pointers and explicit strides, tic.harness.replay.rebuild); a buffer fresh from an
+    addresses memory through pointers and explicit strides, tic.harness.locate.replay.rebuild); a buffer fresh from an
     uninitialised-memory factory (`empty_like`, ...) is recorded as zeros, so two sides' garbage never counts as
     different inputs;
   - outputs: the returned tensors, then every tensor argument whose bits the launch changed (kernels write
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tic.harness.provenance import Provenance
-from tic.harness.replay import launch_outputs, rebuild
+from tic.harness.locate.provenance import Provenance
+from tic.harness.locate.replay import launch_outputs, rebuild
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ _patched: list[tuple] = []  # (class, method name, the class's own attribute or 
 
 
 def _record(rec, entry: LaunchEntry, original, launcher, args: tuple, kwargs: dict):
-    from tic.harness.capture import OpCall, _snapshot, argument_tokens, recorded_arguments, same_bits
+    from tic.harness.locate.capture import OpCall, _snapshot, argument_tokens, recorded_arguments, same_bits
 
     grid = kwargs.get(entry.grid_kwarg)
     call_kwargs = {k: v for k, v in kwargs.items() if k not in (entry.grid_kwarg, entry.warmup_kwarg)}

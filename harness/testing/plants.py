@@ -9,7 +9,7 @@ arithmetic follows the launch's row count, as GPU kernels' block sizes do). Call
 alone, so the plant sits in exactly one module. A condition can make it a batch- or length-dependent branch. A
 plant is installed on one side, or, when the divergence it stands for comes from the two sides' layouts (the same
 kernel launched on few rows and on many), on both. Nothing here knows how the locator works: a trial runs
-`tic.harness.locate.locate` on the two sides and compares its answer with the plant's module, its layer and the
+`tic.harness.locate.search.locate` on the two sides and compares its answer with the plant's module, its layer and the
 operators the plant introduces or changes.
 """
 
@@ -462,7 +462,7 @@ def _weight_layout(kind, relayouts):
 
 # kernels of tic's wrappers for one module, by provider method: (provider, *args) -> value
 def _norm_by_rows(provider, x, w, eps):
-    from tic.harness import plant_kernels
+    from tic.harness.testing import plant_kernels
 
     return plant_kernels.rms_norm(x, w, eps)
 
@@ -633,7 +633,7 @@ def run_trial(seed: int, out_dir: Path, mode: str = "plant", family: str | None 
     """One trial: a random tiny model, random kernels, a random compared sequence and layouts, and
       mode "plant": one random plant on one random side (or, for a kernel following the launch's rows, on both)
         -> what the locator says, judged against the plant; then the plant is removed and the emitted repro is run
-        again with the planted side's entry recorded anew (tic.harness.locate.recheck_repro; both sides' modules
+        again with the planted side's entry recorded anew (tic.harness.locate.search.recheck_repro; both sides' modules
         for a plant on both): it must exit 0 (`repro_exit_without_plant`). With `remove_plant_for_recheck=False`
         the plant stays for that rerun, which must then exit 1: a self-check that the recheck can fail;
       mode "clean": nothing planted -> must report no divergence and emit no repro;
@@ -644,9 +644,9 @@ def run_trial(seed: int, out_dir: Path, mode: str = "plant", family: str | None 
     do not cover. A plant that changes nothing on the compared sequence (e.g. a branch never taken) is reported
     "ineffective", one whose change is rounded away before any compared stage "absorbed"."""
     from tic.core.errors import TicInputError
-    from tic.harness.capture import CaptureSpec, HFCaptureRunner, rows_equal
-    from tic.harness.locate import Side, locate, recheck_repro
-    from tic.harness.tinymodels import tiny_model
+    from tic.harness.locate.capture import CaptureSpec, HFCaptureRunner, rows_equal
+    from tic.harness.locate.search import Side, locate, recheck_repro
+    from tic.harness.testing.tinymodels import tiny_model
 
     rng = random.Random(seed)
     model_dir, cfg = tiny_model(seed // models_per_family_seed, family)

@@ -1,9 +1,9 @@
 """Minimal, self-verifying repro of the first divergent operator.
 
 The two computations are the culprit operator as each side ran it, on its real recorded inputs laid out in memory
-as the engine's were (tic.harness.replay). Rows that do not change the outcome are dropped by delta debugging
+as the engine's were (tic.harness.locate.replay). Rows that do not change the outcome are dropped by delta debugging
 (the difference at the traced token must survive every removal). The script is rendered from a jinja2 template
-that carries tic.harness.replay verbatim, run in a fresh process, and kept only if it exits 1 there, i.e. it
+that carries tic.harness.locate.replay verbatim, run in a fresh process, and kept only if it exits 1 there, i.e. it
 really reproduces; it says itself which kind of difference it shows (replay.difference).
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from tic.harness import replay
-from tic.harness.capture import OpCall
+from tic.harness.locate import replay
+from tic.harness.locate.capture import OpCall
 from tic.core.fsio import atomic_write_bytes, atomic_write_text
 
 TEMPLATES = Path(__file__).parent / "templates"

@@ -93,7 +93,7 @@ def spread(values: list[float]) -> dict:
 def side_fingerprint(engine: Engine, env: dict[str, str], workload: Workload, model_hash: str) -> dict:
     """Everything a rollout's speed and numerics depend on: environment (with this side's env vars), engine
     settings, model and workload."""
-    from tic.harness.fingerprint import environment_fingerprint
+    from tic.harness.measure.fingerprint import environment_fingerprint
 
     own = engine.process_environment()
     environment = environment_fingerprint({**own.get("env", {}), **env})

@@ -4,9 +4,9 @@ vLLM's CUDA `rms_norm` picks its threads per row from the launch's row count, an
 strided slice of the row before the partial sums are added in a tree; a decode step (few rows) and a prefill
 (many rows) thus reduce one row's squares in different orders. `plant_kernels::rms_norm` does that on CPU, with
 vLLM's `_C.rms_norm(Tensor! result, Tensor input, Tensor weight, float epsilon)` calling convention, so that
-tests and the plant benchmark (tic.harness.plants) reach the locator's "same operator, the traced token's
+tests and the plant benchmark (tic.harness.testing.plants) reach the locator's "same operator, the traced token's
 arguments bit-identical, different bits" path the way the GPU does. Importing this module registers the op (a
-fresh repro process imports it by the namespace's name, tic.harness.repro.op_imports).
+fresh repro process imports it by the namespace's name, tic.harness.locate.repro.op_imports).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Seeded random tiny causal LMs of several families, for generative tests of the locator (no downloads).
 
 A draw picks a family and its sizes from the seed, writes config.json, and builds the weights through
-tic.harness.modelgen (cached by content hash under TIC_CACHE).
+tic.harness.model.generate (cached by content hash under TIC_CACHE).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-from tic.harness.modelgen import cache_root, generate_model
+from tic.harness.model.generate import cache_root, generate_model
 
 FAMILIES = ("qwen3", "qwen3_moe", "llama", "mistral", "mixtral", "gemma3_text")
 _ARCH = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM",

@@ -1,7 +1,7 @@
 """Localise a bitwise divergence: first divergent layer, then module, then operator, then a minimal repro.
 
 Side A and side B run the same compared sequence (same weights, same tokens) in their own layouts, with
-capture hooks (tic.harness.capture). The loop:
+capture hooks (tic.harness.locate.capture). The loop:
   1. stages (embeddings, rotary, decoder layers, final norm, head) compared bitwise in order: the first that
      differs is the first divergent layer;
   2. replay: side B reruns with side A's recorded inputs (every token-row tensor argument: hidden states,
@@ -11,11 +11,11 @@ capture hooks (tic.harness.capture). The loop:
      execution order that still differs, until no child does: that module is the culprit;
   3. inside the culprit, both sides' operator sequences are recorded (TorchDispatchMode) for the forward call
      that computes the first differing token; which elements of each call belong to that token is followed by
-     data (tic.harness.provenance), whatever order the kernels visit rows in. The first operator on side B
+     data (tic.harness.locate.provenance), whatever order the kernels visit rows in. The first operator on side B
      whose value for that token is not a value side A computed is the first divergent operator; when side B
      has none, or its counterpart on side A already had other inputs, side A took a step of its own first and
      the search runs from side A;
-  4. that operator is reduced to a minimal repro (tic.harness.repro), verified in a fresh process, which also
+  4. that operator is reduced to a minimal repro (tic.harness.locate.repro), verified in a fresh process, which also
      says what it shows: one operator on identical inputs, or an implementation difference.
 """
 
@@ -29,11 +29,11 @@ from typing import Callable
 
 import torch
 
-from tic.harness.capture import (Capture, CaptureRunner, CaptureSpec, Trail, raw_bytes, rows_equal, runner_for,
-                                 same_bits)
-from tic.harness import replay
-from tic.harness.layouts import describe_train_layout, probe_batch
-from tic.harness.metrics import _ordered_int
+from tic.harness.locate.capture import (Capture, CaptureRunner, CaptureSpec, Trail, raw_bytes, rows_equal, runner_for,
+                                        same_bits)
+from tic.harness.locate import replay
+from tic.harness.measure.layouts import describe_train_layout, probe_batch
+from tic.harness.measure.metrics import _ordered_int
 from tic.core.errors import TicInputError
 from tic.core.fsio import atomic_write_bytes, atomic_write_text
 
@@ -80,7 +80,7 @@ def compare_rows(a: dict[int, tuple], b: dict[int, tuple]) -> dict:
 
 # -- operator trails ----------------------------------------------------------------------------------------
 def token_value(t: torch.Tensor, tokens: torch.Tensor | None, B: int, T: int, f: int):
-    """(where, value, rows) of token f's elements of t, by t's token map (tic.harness.provenance); None if t
+    """(where, value, rows) of token f's elements of t, by t's token map (tic.harness.locate.provenance); None if t
     holds none of them. `where` says how a repro picks the same elements from the call's output: a row of a
     per-token layout ("row", "bt", "bht"), the whole tensor, or a mask of elements; `rows` is how many rows
     (tokens, or sequences for "bt"/"bht") the call's leading dimension holds."""
@@ -209,8 +209,8 @@ def module_target(trail: Trail, value: torch.Tensor) -> tuple[int, dict, torch.T
 
 def _module_program(cap: Capture, module: str, pos: int) -> dict | None:
     """The module's operator sequence up to the call that produced its recorded output for position `pos`, as
-    a replayable program (tic.harness.repro.module_program); None if no recorded operator produced it."""
-    from tic.harness import repro as repro_mod
+    a replayable program (tic.harness.locate.repro.module_program); None if no recorded operator produced it."""
+    from tic.harness.locate import repro as repro_mod
 
     row = cap.outputs.get(module, {}).get(pos)
     target = module_target(cap.trail, row[0]) if row else None
@@ -336,7 +336,7 @@ def _setup(*sides: Side) -> list[str]:
 # -- the kind of difference at the first divergent operator ---------------------------------------------------
 @dataclass
 class OperatorDifference:
-    """What the search found at the first divergent operator, on the recorded calls (tic.harness.replay's kinds):
+    """What the search found at the first divergent operator, on the recorded calls (tic.harness.locate.replay's kinds):
     the operator whose value for the traced token the other side never computes, the engine side that runs it,
     what differs, and for an argument that differs, where each side's value of it came from."""
 
@@ -353,13 +353,13 @@ class OperatorDifference:
 
 
 def _op_side(trail: Trail, ci: int, where: dict, rows: int):
-    from tic.harness.repro import OpSide
+    from tic.harness.locate.repro import OpSide
 
     return OpSide(trail.calls[ci], where, rows, token_parts(trail, trail.calls[ci]))
 
 
 def _entry(trail: Trail, ci: int, where: dict) -> dict:
-    """A call as tic.harness.replay compares calls."""
+    """A call as tic.harness.locate.replay compares calls."""
     call = trail.calls[ci]
     return {"op": call.op, "args": call.args, "kwargs": call.kwargs, "where": where, "layouts": call.layouts,
             "launch": getattr(call.func, "launch_spec", None), "token_args": token_parts(trail, call)}
@@ -438,7 +438,7 @@ def _short(name: str) -> str:
 def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expected: dict | None = None,
            emit_repro: bool = True) -> dict:
     """Run the whole loop for one compared sequence, through response position `upto`. Writes the report."""
-    from tic.harness import repro as repro_mod
+    from tic.harness.locate import repro as repro_mod
 
     t0 = time.perf_counter()
     runner = side_a.runner
@@ -565,7 +565,7 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
                     else:
                         out["status"] += ("; no repro: the module's output is not produced by a recorded "
                                           "operator (a kernel launched through an entry point that "
-                                          "tic.harness.launch_record does not register)")
+                                          "tic.harness.locate.launch_record does not register)")
             elif found and emit_repro:
                 # the repro names its entries by engine side, whichever side has the new value
                 ref = None if found["a_call"] is None else _op_side(t_ref.trail, found["a_call"], found["a_where"],
@@ -605,7 +605,7 @@ def recheck_repro(side_a: Side, side_b: Side, found: dict, changed: str, out_dir
     input of a conversion only the other side runs), the changed side no longer runs that operator, or both sides
     changed, both sides' module sequences as recorded now are compared instead ("module"), by a newly rendered
     module repro."""
-    from tic.harness import repro as repro_mod
+    from tic.harness.locate import repro as repro_mod
 
     check = found.get("repro_check") or {}
     if not found.get("repro") or not check.get("tensors"):
@@ -648,7 +648,7 @@ def _counterpart_call(trail_other: Trail, index: int, other_entry: dict, trail_n
     operator and traced value shapes, at the same rank, as `first_operator` pairs them), picking the same output,
     cut as the entry it replaces was (`cut`: its rows, so that a row-count-dependent kernel is compared on the
     same launch); None if there is none."""
-    from tic.harness import repro as repro_mod
+    from tic.harness.locate import repro as repro_mod
 
     outs_other, _ = trail_rows(trail_other)
     outs_new, _ = trail_rows(trail_new)

@@ -1,7 +1,7 @@
 """Model families as data: how to read each layer's operator classes from config.json (C0's inventory), and
 which config fields are indexed by layer.
 
-For a cut these are hints, not the truth: tic.harness.cut_config tries the family's rewrite first and prefers
+For a cut these are hints, not the truth: tic.harness.model.cut_config tries the family's rewrite first and prefers
 it when transformers proves it, but the proof (each cut layer built on meta as its source layer) decides, and an
 architecture with no entry here is cut all the same. Tensor names, where weights exist, override the config
 rules (a layer holding `mlp.experts.*` is MoE whatever the config says).
@@ -63,7 +63,7 @@ FAMILIES: dict[str, Family] = {
                          one_block_per_layer=True, extra_classes=()),
 }
 
-# --- config fields indexed by layer, and how a cut rewrites each (see tic.harness.cut) ---------------------
+# --- config fields indexed by layer, and how a cut rewrites each (see tic.harness.model.cut) ---------------------
 # "count": number of layers; "list": one entry per layer; "index_list": a list of layer indices;
 # "threshold": layers below it are one kind, the rest another; "pattern": a string, one letter per layer;
 # "moe_rule": first_k_dense_replace/moe_layer_freq (rewritten together); "mtp": MTP layer count (set to 0)

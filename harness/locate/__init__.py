@@ -1,0 +1,1 @@
+"""Localisation: capture, provenance, launch records, the search, replay, repro emission, report."""

@@ -1,0 +1,2 @@
+"""The model: inventory, families and layer structure, the small-model cut and its checks, generated weights,
+vLLM loading."""
