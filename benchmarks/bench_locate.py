@@ -23,7 +23,7 @@ from tic.gates import get  # noqa: E402
 from tic.harness.locate.capture import HFCaptureRunner
 from tic.harness.engines.hf import HFEngine
 from tic.harness.locate.search import Side, locate, locate_for_gate
-from tic.skill.config import load_config
+from tic.config.schema import load_config
 from tic.skill.context import GateContext
 
 ROOT = Path(__file__).resolve().parent.parent

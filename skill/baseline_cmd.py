@@ -14,7 +14,7 @@ CONFIG_OPT = click.option("-c", "--config", "config_path", default="tic.yaml", s
 
 
 def _ctx(config_path: Path):
-    from tic.skill.config import load_config
+    from tic.config.schema import load_config
     from tic.skill.context import GateContext
 
     return GateContext(load_config(config_path))

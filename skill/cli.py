@@ -30,7 +30,7 @@ JUNIT_OPT = click.option("--junit", "junit", type=click.Path(dir_okay=False, pat
 
 
 def _context(config_path: Path):
-    from tic.skill.config import load_config
+    from tic.config.schema import load_config
     from tic.skill.context import GateContext
 
     return GateContext(load_config(config_path))
@@ -146,7 +146,7 @@ def status(config_path, as_json):
     from tic.gates import REGISTRY
     from tic.harness.model.generate import has_weights, model_hash
     from tic.skill import report
-    from tic.skill.config import load_config
+    from tic.config.schema import load_config
     from tic.skill.fingerprint import input_hashes, reads_of
     from tic.skill.state import UNREADABLE, LadderState
 
@@ -227,7 +227,7 @@ def compare(rollout, train, as_json):
     C5's metric and pass condition. Nothing is written to .tic/."""
     from tic.gates import get
     from tic.skill import report
-    from tic.skill.config import parse_config
+    from tic.config.schema import parse_config
     from tic.skill.context import GateContext
     from tic.skill.runner import exit_code, run_gate
 

@@ -9,7 +9,7 @@ from functools import cached_property
 from pathlib import Path
 
 from tic.harness.engines.base import Engine, Sample, Sampling
-from tic.skill.config import TicConfig
+from tic.config.schema import TicConfig
 from tic.core.errors import TicInputError
 from tic.skill.state import LadderState
 
@@ -147,7 +147,7 @@ class GateContext:
         configured rollout with perf.baseline's changes (default: the engine's consistency switch off)."""
         from tic.harness.engines import build_engine, engine_class
         from tic.harness.measure.perf import env_overlay
-        from tic.skill.config import EngineConfig
+        from tic.config.schema import EngineConfig
 
         r = self.cfg.rollout
         if r.engine == "dump":

@@ -15,7 +15,7 @@ def _generated_weights(model_dir: Path, cfg) -> Path:
     """A config-only MODEL_DIR whose weights tic.yaml generates from a seed (model.generate): the generated
     checkpoint (built now if not cached) is what gets cut."""
     from tic.harness.model.generate import resolve_model_dir
-    from tic.skill.config import CONFIG_NAME, load_config
+    from tic.config.schema import CONFIG_NAME, load_config
 
     if cfg is None and Path(CONFIG_NAME).is_file():  # the tic.yaml of the working directory
         cfg = load_config(Path(CONFIG_NAME))
@@ -50,7 +50,7 @@ def command(model_dir, out_dir, layers, max_layers, config_path, fsync, no_check
     config.json is cut from the weights tic.yaml generates for it (model.generate), generated first if needed."""
     from tic.harness.model.cut import cut_model
     from tic.harness.model.generate import has_weights, resolve_model_dir
-    from tic.skill.config import load_config
+    from tic.config.schema import load_config
 
     cfg = None
     if config_path is not None or model_dir is None or out_dir is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tic.core.content_hash import file_hash, files_hash
-from tic.skill.config import TicConfig
+from tic.config.schema import TicConfig
 
 ALL_READS = ("model", "rollout", "train", "prompts", "layouts", "cut")
 

@@ -29,7 +29,7 @@ def command(config_path, gate_id, as_json):
     from tic.gates import get
     from tic.harness.locate.search import locate_for_gate
     from tic.skill import report
-    from tic.skill.config import load_config
+    from tic.config.schema import load_config
     from tic.skill.context import GateContext
 
     gate_id = gate_id.upper()

@@ -20,7 +20,7 @@ def main(job_path: str) -> int:
     from tic.core.errors import TicInputError
     from tic.core.fsio import atomic_write_text
     from tic.harness.measure.rl import restored_step
-    from tic.skill.config import parse_config
+    from tic.config.schema import parse_config
     from tic.skill.context import GateContext
 
     job = json.loads(Path(job_path).read_text())

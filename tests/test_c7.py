@@ -13,7 +13,7 @@ from tic.harness.kernels import autograd as ag
 from tic.harness.kernels.providers import CPUProvider
 from tic.harness.kernels.varlen import paged_layout, varlen_from_mask
 from tic.core.errors import TicInputError
-from tic.skill.config import load_config
+from tic.config.schema import load_config
 from tic.skill.context import GateContext
 from tic.skill.runner import run_gate
 
@@ -445,7 +445,7 @@ def test_the_kernels_check_looks_vllm_up_without_importing_it(example, tmp_path,
     `kernels: vllm` training was refused because the check had imported vLLM in default mode)."""
     import sys
 
-    from tic.skill.config import load_config
+    from tic.config.schema import load_config
     from tic.skill.context import GateContext
 
     fake = tmp_path / "site" / "vllm"

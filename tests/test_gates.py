@@ -7,7 +7,7 @@ import torch
 
 from tic.gates import get
 from tic.harness.engines import hf
-from tic.skill.config import TrainLayout, load_config
+from tic.config.schema import TrainLayout, load_config
 from tic.skill.context import GateContext
 from tic.skill.runner import run_gate
 

@@ -115,7 +115,7 @@ def _mutate_bytes(draw, text: bytes) -> bytes:
 def _validate(cfg_path: Path) -> int:
     """What `tic ladder` does before its first write: load tic.yaml, check every input of C0..C10."""
     from tic.gates import gate_range
-    from tic.skill.config import load_config
+    from tic.config.schema import load_config
     from tic.skill.context import GateContext
     from tic.skill.preflight import validate_run
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tic.harness.kernels.consistent_cpu import rowwise
-from tic.skill.config import load_config
+from tic.config.schema import load_config
 from tic.skill.context import GateContext
 
 ROOT = Path(__file__).resolve().parent.parent

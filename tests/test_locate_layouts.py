@@ -19,7 +19,7 @@ from tic.harness.engines.base import Sampling
 from tic.harness.engines.hf import HFEngine
 from tic.harness.locate.search import Side, _key, locate, trail_rows
 from tic.harness.locate.provenance import Provenance
-from tic.skill.config import load_config
+from tic.config.schema import load_config
 from tic.skill.context import GateContext
 
 ROOT = Path(__file__).resolve().parent.parent

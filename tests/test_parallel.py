@@ -134,7 +134,7 @@ locate: {{enabled: {str(locate).lower()}}}
 
 def run_c5(path):
     from tic.gates import get
-    from tic.skill.config import load_config
+    from tic.config.schema import load_config
     from tic.skill.context import GateContext
     from tic.skill.runner import run_gate
 

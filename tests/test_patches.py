@@ -105,7 +105,7 @@ def test_registry_metadata_is_complete():
 def test_unknown_patch_and_bad_target_are_input_errors(tmp_path):
     with pytest.raises(TicInputError, match="unknown patch 'nope'"):
         patches.parse_names("fa3-fixed-tile,nope")
-    from tic.skill.config import parse_config
+    from tic.config.schema import parse_config
 
     with pytest.raises(TicInputError, match="unknown patch"):
         parse_config({"rollout": {"engine": "vllm", "patches": ["nope"]}}, tmp_path)

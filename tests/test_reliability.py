@@ -286,7 +286,7 @@ def test_cut_without_weights_says_so(tmp_path, tic):
 
 # ---- staleness ------------------------------------------------------------------------------------------------------
 def _ctx(cfg_path):
-    from tic.skill.config import load_config
+    from tic.config.schema import load_config
     from tic.skill.context import GateContext
 
     return GateContext(load_config(cfg_path))
@@ -350,7 +350,7 @@ def test_status_marks_changed_dumps_and_prompts_stale(setup, workdir, tic):
     cfg = write_config(f"prompts: {{source: file, file: {workdir / 'p.jsonl'}}}\n", "p.yaml")
     assert tic("gate", "C0", "-c", str(cfg))[0] == 0  # C0 does not read prompts: never stale for them
     from tic.skill.fingerprint import input_hashes
-    from tic.skill.config import load_config
+    from tic.config.schema import load_config
 
     before = input_hashes(load_config(cfg), ("prompts",))
     (workdir / "p.jsonl").write_text("[5, 6, 8]\n")

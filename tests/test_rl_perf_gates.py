@@ -15,7 +15,7 @@ from tic.harness.engines import hf
 from tic.harness.engines.hf import HFEngine
 from tic.harness.measure.rl import PolicyGradientTrainer
 from tic.skill.baseline_cmd import measure_baseline
-from tic.skill.config import PerfConfig, load_config
+from tic.config.schema import PerfConfig, load_config
 from tic.skill.context import GateContext
 from tic.skill.runner import run_gate
 

@@ -17,7 +17,7 @@ import shape_sweep  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 from tic.harness.engines.vllm import mode_refusals  # noqa: E402
-from tic.skill.config import load_config  # noqa: E402
+from tic.config.schema import load_config  # noqa: E402
 
 
 def test_every_shape_builds_as_its_family_with_the_counted_parameters():

@@ -379,6 +379,6 @@ def test_cut_on_a_generated_model(example, monkeypatch, tic):
 
 
 def test_check_script_without_arguments_prints_usage():
-    r = subprocess.run([sys.executable, str(REPO / "examples" / "vllm-h200" / "check.py")], capture_output=True,
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "check.py")], capture_output=True,
                        text=True)
     assert r.returncode == 2 and "usage" in r.stderr and "Traceback" not in r.stderr

@@ -1,6 +1,6 @@
 """The vLLM adapter on the CPU: conversions checked on records saved from real H200 runs (vLLM 0.26.0).
 
-tests/fixtures/vllm/h200-records.tar.xz holds what examples/vllm-h200/run.sh brought back: the raw vLLM
+tests/fixtures/vllm/h200-records.tar.xz holds what benchmarks/gpu/run.sh brought back: the raw vLLM
 outputs (records/<name>-vllm.jsonl), the HF train-side logprobs (<name>-train.jsonl), the ladder JSON and the
 capture localisation, for a small run (run-small) and a long-context run (run-long).
 """
@@ -61,7 +61,7 @@ def test_vllm_engine_without_gpu_is_a_clear_input_error(tmp_path, monkeypatch):
         pytest.skip("this machine has a GPU")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tic.yaml").write_text(
-        f"model: {{path: {REPO / 'examples' / 'vllm-h200' / 'dense'}, dtype: bfloat16, generate: {{seed: 0}}}}\n"
+        f"model: {{path: {REPO / 'benchmarks' / 'gpu' / 'dense'}, dtype: bfloat16, generate: {{seed: 0}}}}\n"
         "rollout: {engine: vllm}\n")
     r = subprocess.run([sys.executable, "-c", "from tic.skill.cli import main; main(['ladder', '--from', "
                         "'C3', '--to', 'C3'])"], capture_output=True, text=True)
@@ -150,7 +150,7 @@ def test_conversions_reproduce_the_ladder_figures(records, run, name):
 
 def test_independent_check_script_agrees(records):
     for run in ("run-small", "run-long"):
-        r = subprocess.run([sys.executable, str(REPO / "examples" / "vllm-h200" / "check.py"),
+        r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "check.py"),
                             str(records / run)], capture_output=True, text=True)
         assert r.returncode == 0, r.stdout + r.stderr
         assert r.stdout.count("| yes |") == len([c for c in CONFIGS if c[0] == run])
@@ -235,7 +235,7 @@ def test_run3_figures_recomputed_from_raw_records(records3, run, name):
 
 @pytest.mark.parametrize("run", ["run-3a", "run-3b", "run-5"])
 def test_run3_check_script_agrees(records3, run):
-    r = subprocess.run([sys.executable, str(REPO / "examples" / "vllm-h200" / "check.py"), str(records3 / run)],
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "check.py"), str(records3 / run)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "| NO |" not in r.stdout

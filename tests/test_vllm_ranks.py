@@ -138,7 +138,7 @@ def test_perf_sides_on_ranks_run_each_rank_engine_inline(monkeypatch):
     from types import SimpleNamespace
 
     from tic.harness.engines.vllm import VLLMEngine
-    from tic.skill.config import EngineConfig
+    from tic.config.schema import EngineConfig
 
     side = EngineConfig.model_validate({"engine": "vllm", "parallel": {"dp": 2, "ep": 2}, "patches": [],
                                         "options": {}})

@@ -27,7 +27,7 @@ def main() -> None:
     import tic
     from tic.core.fsio import atomic_write_text
     from tic.gates import get
-    from tic.skill.config import load_config
+    from tic.config.schema import load_config
     from tic.skill.context import GateContext
     from tic.skill.preflight import validate_run
     from tic.skill.runner import run_gate

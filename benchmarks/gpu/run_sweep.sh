@@ -8,7 +8,7 @@
 # With .carry/prev/rmsnorm_fixed_block.py present (the patch module of an earlier release), the variant
 # `previous` runs on a copy of this tree holding that module instead: the with/without run of a patch change.
 set -uo pipefail
-source "$(dirname "$0")/../../examples/vllm-h200/device_env.sh"
+source "$(dirname "$0")/device_env.sh"
 W=/tmp/sweep; R=$W/out; mkdir -p "$W" "$R"
 cmd=${1:-}; shift || true
 case "$cmd" in

@@ -10,7 +10,7 @@ from tic.harness.locate.capture import HFCaptureRunner
 from tic.harness.engines.base import Sampling
 from tic.harness.engines.hf import HFEngine
 from tic.harness.locate.search import Side, locate
-from tic.skill.config import load_config
+from tic.config.schema import load_config
 from tic.skill.context import GateContext
 
 

@@ -2,7 +2,7 @@
 forward (issue 16). `tic gate C5` refuses TP > 1 before running (preflight); this script calls the gate's
 measure and judge directly so the failure the refusal prevents is measured, not assumed.
 
-  (two GPUs, after the vllm-bundle install)  python3 examples/vllm-h200/tp_c5.py x-moe-tp2.yaml OUT.json
+  (two GPUs, after the vllm-bundle install)  python3 benchmarks/gpu/tp_c5.py x-moe-tp2.yaml OUT.json
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 
 def main() -> int:
     from tic.gates import c5
-    from tic.skill.config import load_config
+    from tic.config.schema import load_config
     from tic.skill.context import GateContext
 
     cfg_path, out = sys.argv[1], sys.argv[2]

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Measure tic's bundled vLLM patches on the H200, each config with and without them in the same run.
-#   (device, after the vllm-bundle install)  bash examples/vllm-h200/run_patches.sh [CONFIG_NAME ...]
+#   (device, after the vllm-bundle install)  bash benchmarks/gpu/run_patches.sh [CONFIG_NAME ...]
 # 1. the patches' minimal repros, stock then patched (exit 1 = differs, 0 = equal);
 # 2. `tic patch status` with TIC_PATCHES set: the patches as vLLM's plugin entry point applies them;
 # 3. C3 and C4 of the given configs (patch_matrix.py), all in parallel on the GPU; locator on for patched
 #    eager configs only (a patched config that still fails is located); a table of the verdicts.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-W=/tmp/tic-work; mkdir -p "$W"; cp -r "$REPO/examples/vllm-h200/." "$W/"; cd "$W"; mkdir -p records res
+W=/tmp/tic-work; mkdir -p "$W"; cp -r "$REPO/benchmarks/gpu/." "$W/"; cd "$W"; mkdir -p records res
 python3 -c "import vllm, torch, transformers, triton; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tail -1 | tee "$OUT/versions.txt"
 if [ -z "${SKIP_REPROS:-}" ]; then
   python3 patch_repros.py --json "$W/res/repros-stock.json" 2>&1 | grep -v Warning | tee "$W/res/repros.txt"; echo "rc=${PIPESTATUS[0]} stock" | tee -a "$W/res/repros.txt"
@@ -16,7 +16,7 @@ if [ -z "${SKIP_REPROS:-}" ]; then
 fi
 names=${*:-}
 python3 -c "
-from tic.skill.config import load_config; from tic.harness.model.generate import resolve_model_dir
+from tic.config.schema import load_config; from tic.harness.model.generate import resolve_model_dir
 for n in ['p-dense-eager-off','p-moe-eager-off','p-big-eager-off']: print(resolve_model_dir(load_config(n+'.yaml')))"
 for n in $names; do
   loc=0; case "$n" in *-eager-on|*-chunk-on|a-*) loc=1;; esac

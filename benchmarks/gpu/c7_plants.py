@@ -1,6 +1,6 @@
 """C7 on the GPU: the control, then planted wrong backwards that must fail it (issue 10).
 
-  python examples/vllm-h200/c7_plants.py CONFIG.yaml [OUT.json]
+  python benchmarks/gpu/c7_plants.py CONFIG.yaml [OUT.json]
 
 Each plant changes one autograd surrogate's gradients (tic.harness.kernels.autograd.planted_fault) or the
 weights between forward and backward; the forward values (vLLM's kernels) are untouched. Prints one row per run.
@@ -18,7 +18,7 @@ import torch
 def main() -> None:
     from tic.gates import get
     from tic.harness.kernels import autograd as ag
-    from tic.skill.config import load_config
+    from tic.config.schema import load_config
     from tic.skill.context import GateContext
     from tic.skill.runner import run_gate
 

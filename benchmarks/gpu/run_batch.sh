@@ -3,7 +3,7 @@
 #   run_train.sh on the dense/MoE configs and the batch-invariant pair (C5..C7, locator on),
 #   C7 planted backwards on dense and MoE (c7_plants.py),
 #   run_parallel.sh on the rank-locator and GPU-training-DP configs (needs two GPUs).
-#   (device nvidia-h200-x2, after the vllm-bundle install)  bash examples/vllm-h200/run_batch.sh
+#   (device nvidia-h200-x2, after the vllm-bundle install)  bash benchmarks/gpu/run_batch.sh
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/device_env.sh"

@@ -1,6 +1,6 @@
 """Cut models of several families and check that each cut loads and generates in vLLM (issue 14, H200).
 
-  python examples/vllm-h200/cut_load.py OUTDIR [NAME ...]
+  python benchmarks/gpu/cut_load.py OUTDIR [NAME ...]
 
 For each architecture: a source model of 8 layers built from its config with seeded random weights (bf16),
 `tic cut` (auto layers) into OUTDIR/cut/NAME, which runs C2's checks itself and, with vLLM and a GPU here, loads

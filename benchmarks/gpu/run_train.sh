@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Training side on vLLM's kernels against the patched vLLM rollout (issue 10), and cuts loading in vLLM (issue 14).
-#   (device, after the vllm-bundle install)  bash examples/vllm-h200/run_train.sh [CONFIG_NAME ...]
+#   (device, after the vllm-bundle install)  bash benchmarks/gpu/run_train.sh [CONFIG_NAME ...]
 # 1. C5..C7 of each t-* config (patch_matrix.py), all in parallel on the GPU, locator on: a failing C5/C6 is
 #    located to layer, module and operator with a repro;
 # 2. with CUT_LOAD=1, cut_load.py: tic cut of dense, MoE and hybrid models, each cut loaded in vLLM;
 # then a table of verdicts. Results (no tensors) in $OUT/train-results.tgz.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-W=/tmp/tic-work; mkdir -p "$W"; cp -r "$REPO/examples/vllm-h200/." "$W/"; cd "$W"; mkdir -p records res
+W=/tmp/tic-work; mkdir -p "$W"; cp -r "$REPO/benchmarks/gpu/." "$W/"; cd "$W"; mkdir -p records res
 python3 -c "import vllm, torch, transformers, triton; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tail -1 | tee "$OUT/versions.txt"
 names=${*:-t-dense-eager t-moe-eager t-big-eager}
 FROM=${FROM:-C5}; TO=${TO:-C7}

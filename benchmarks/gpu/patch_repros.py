@@ -1,6 +1,6 @@
 """Minimal repros of the three bundled vLLM patches, each run without and with its patch (H200, vLLM 0.26).
 
-  python examples/vllm-h200/patch_repros.py [--patched] [--json FILE]
+  python benchmarks/gpu/patch_repros.py [--patched] [--json FILE]
 
 Each case builds one kernel's inputs, computes the same rows in a small launch and inside a large one, and
 counts rows whose bits differ. Without --patched the kernels run as vLLM 0.26 calls them; with --patched they

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The whole ladder on the H200 (issue 15) and the training-side GPU checks (issue 10), in one device call.
-#   (device, after the vllm-bundle install)  bash examples/vllm-h200/run_ladder.sh [LADDER_CONFIG ...]
+#   (device, after the vllm-bundle install)  bash benchmarks/gpu/run_ladder.sh [LADDER_CONFIG ...]
 # 1. each l-* config (patch_matrix.py): C1 baseline measured, frozen and approved, then C0..C10, in parallel;
 # 2. C7 with planted wrong backwards on the dense and MoE models (c7_plants.py);
 # 3. default vs tic patches vs batch-invariant throughput, side by side (perf_sides.py), after the ladders;
 # 4. the training-step benchmark on the MoE model. Results (no tensors) in $OUT/ladder-results.tgz.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-W=/tmp/tic-work; mkdir -p "$W"; cp -r "$REPO/examples/vllm-h200/." "$W/"; cd "$W"; mkdir -p records res
+W=/tmp/tic-work; mkdir -p "$W"; cp -r "$REPO/benchmarks/gpu/." "$W/"; cd "$W"; mkdir -p records res
 python3 -c "import vllm, torch, transformers, triton; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tail -1 | tee "$OUT/versions.txt"
 names=${*:-l-dense-eager l-moe-eager l-dense-graph}
 for n in $names; do

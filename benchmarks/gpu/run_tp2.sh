@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Two H200s (issue 16): what C0 says of a TP = 2 rollout, and C5 of that rollout against the one-GPU training
 # forward on vLLM's kernels (the same model passes C5 at TP = 1: t-moe-eager).
-#   (device nvidia-h200-x2, after the vllm-bundle install)  bash examples/vllm-h200/run_tp2.sh
+#   (device nvidia-h200-x2, after the vllm-bundle install)  bash benchmarks/gpu/run_tp2.sh
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-W=/tmp/tic-work; mkdir -p "$W"; cp -r "$REPO/examples/vllm-h200/." "$W/"; cd "$W"; mkdir -p records res
+W=/tmp/tic-work; mkdir -p "$W"; cp -r "$REPO/benchmarks/gpu/." "$W/"; cd "$W"; mkdir -p records res
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpus.txt"
 python3 -m tic.skill.cli gate C0 -c x-moe-tp2.yaml > res/x-moe-tp2-c0.txt 2>&1; echo "C0 exit $?" >> res/x-moe-tp2-c0.txt
 tail -5 res/x-moe-tp2-c0.txt

@@ -3,7 +3,7 @@
 #   1. t-dense-bi-locate: C5 fails with vLLM's kernels on both sides (batch-invariant rollout without
 #      fa3-fixed-tile); the locator must name the layer, module and operator and emit a repro that fails;
 #   2. C7 planted wrong backwards on dense, MoE and Llama with the current code (c7_plants.py).
-#   bash examples/vllm-h200/run_locate_plants.sh      (outputs in $OUT)
+#   bash benchmarks/gpu/run_locate_plants.sh      (outputs in $OUT)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/device_env.sh"

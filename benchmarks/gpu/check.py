@@ -1,6 +1,6 @@
 """Recompute C3/C4/C5 from the saved raw records, independently of tic's metrics, and compare with the ladder.
 
-  python examples/vllm-h200/check.py RESULTS_DIR [NAME ...]
+  python benchmarks/gpu/check.py RESULTS_DIR [NAME ...]
 
 Reads RESULTS_DIR/records/<name>-vllm.jsonl (vLLM outputs exactly as reported), RESULTS_DIR/<name>-train.jsonl
 (HF train-side logprobs) and RESULTS_DIR/<name>-ladder.json; prints one table row per config and exits 1 if a

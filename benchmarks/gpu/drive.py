@@ -1,6 +1,6 @@
 """Run one ladder config on the GPU and keep everything needed to check it offline.
 
-  python examples/vllm-h200/drive.py CONFIG.yaml OUTDIR [--from C0 --to C5] [--baseline-by NAME]
+  python benchmarks/gpu/drive.py CONFIG.yaml OUTDIR [--from C0 --to C5] [--baseline-by NAME]
 
 Writes OUTDIR/<name>-ladder.json (the ladder's JSON record, as `tic ladder --json` prints it),
 OUTDIR/<name>-train.jsonl (every HF train-side score: ids and logprobs), the vLLM engine's own raw records
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import tic
 from tic.harness.engines.hf import HFEngine
-from tic.skill.config import load_config
+from tic.config.schema import load_config
 from tic.skill.context import GateContext
 from tic.skill.runner import run_ladder
 from tic.core.fsio import atomic_write_text

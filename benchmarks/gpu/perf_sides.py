@@ -1,6 +1,6 @@
 """Throughput of vLLM default, tic's bundled patches and vLLM's batch-invariant mode, side by side in one run.
 
-  python examples/vllm-h200/perf_sides.py CONFIG.yaml [--repeats 3]
+  python benchmarks/gpu/perf_sides.py CONFIG.yaml [--repeats 3]
 
 C10's own measurement (tic.harness.measure.perf.measure_sides: alternating passes on the config's perf workload), with
 three sides, each an engine core in a process of its own (its patches and batch-invariant mode set at start):
@@ -20,7 +20,7 @@ def main() -> None:
     from tic.harness.engines import build_engine
     from tic.harness.engines.vllm import VLLMEngine
     from tic.harness.measure.perf import measure_sides, spread
-    from tic.skill.config import EngineConfig, load_config
+    from tic.config.schema import EngineConfig, load_config
     from tic.skill.context import GateContext
 
     cfg = load_config(Path(sys.argv[1]))

@@ -1,9 +1,9 @@
 """One GPU run: tic's training step on vLLM's kernels (forward = vLLM kernel, backward = surrogate) vs a plain
 HF training step on the same bf16 model and batch.
 
-  source examples/vllm-h200/device_env.sh    # tic and the vLLM 0.26 bundle (/tmp/site) on the path
+  source benchmarks/gpu/device_env.sh    # tic and the vLLM 0.26 bundle (/tmp/site) on the path
   [TIC_PATCHES=fa3-fixed-tile,gemm-fixed-m,rmsnorm-fixed-block] [VLLM_BATCH_INVARIANT=1] \
-    python3 examples/vllm-h200/train_step_bench.py [--moe] [--batch 8 --seq 512]
+    python3 benchmarks/gpu/train_step_bench.py [--moe] [--batch 8 --seq 512]
 
 Checks, each printed with its verdict; any failure exits 1:
   1. every wrapper's forward value equals a direct call of vLLM's kernel on the same inputs, bit for bit;

@@ -1,5 +1,5 @@
 """Run C5 of CONFIG, then the locator on its failure with the whole traceback on an error (a locator error is
-otherwise one line in the gate record).   python examples/vllm-h200/locate_trace.py CONFIG.yaml OUT.json"""
+otherwise one line in the gate record).   python benchmarks/gpu/locate_trace.py CONFIG.yaml OUT.json"""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _short(v) -> str:
 def main() -> None:
     from tic.gates import get
     from tic.harness.locate.search import locate_for_gate
-    from tic.skill.config import load_config
+    from tic.config.schema import load_config
     from tic.skill.context import GateContext
 
     cfg = load_config(Path(sys.argv[1]))

@@ -4,7 +4,7 @@ what was recorded and what could not be.   python probe_record.py CONFIG.yaml"""
 import sys
 
 from tic.harness.locate.capture import OpRecorder
-from tic.skill.config import load_config
+from tic.config.schema import load_config
 from tic.skill.context import GateContext
 
 ctx = GateContext(load_config(sys.argv[1]))

@@ -6,7 +6,7 @@
 #   x-moe4-dp2ep2                   vLLM's DP=2 x EP=2 ranks with the slot-order merge patch
 #   x-moe4-dp2ep2-stock             the same with vLLM's own EP merge (C0 refuses it; C5 measured anyway)
 #   x-moe4-tp2                      TP=2: C0 refuses it; tp_c5.py runs C5's measure and judge on it
-#   (device nvidia-h200-x2, after the vllm-bundle install)  bash examples/vllm-h200/run_parallel.sh [NAME ...]
+#   (device nvidia-h200-x2, after the vllm-bundle install)  bash benchmarks/gpu/run_parallel.sh [NAME ...]
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
@@ -14,7 +14,7 @@ W=/tmp/tic-par; mkdir -p "$W/res"
 python3 -c "import vllm, torch, transformers, triton; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())" 2>&1 | tail -1 | tee "$W/res/versions.txt"
 names=${*:-x-moe4-ep1 x-moe4-ep1-slot x-moe4-dp2 x-moe4-dp2ep2 x-moe4-dp2ep2-stock x-moe4-tp2}
 for n in $names; do
-  d="$W/$n"; mkdir -p "$d"; cp -r "$REPO/examples/vllm-h200/." "$d/"
+  d="$W/$n"; mkdir -p "$d"; cp -r "$REPO/benchmarks/gpu/." "$d/"
   (
     cd "$d"; mkdir -p records
     python3 -m tic.skill.cli gate C0 -c "$n.yaml" --json > "$W/res/$n-c0.json" 2> "$W/res/$n-c0.err"; echo "exit $?" >> "$W/res/$n-c0.err"

@@ -1,6 +1,6 @@
 """Write the configs that measure the bundled vLLM patches, each with and without them (same GPU run).
 
-  python examples/vllm-h200/patch_matrix.py            # writes p-<model>-<mode>-<off|on>.yaml beside itself
+  python benchmarks/gpu/patch_matrix.py            # writes p-<model>-<mode>-<off|on>.yaml beside itself
 
 Models: dense (hidden 256, head_dim 64), moe (Qwen3-MoE, hidden 256), big (hidden 2048, head_dim 128).
 Modes: eager (enforce_eager), graph (torch.compile + CUDA graphs, vLLM's default), chunk (eager, chunked

@@ -6,7 +6,7 @@
 #      change; C6 now includes the shuffled sequence order;
 #   3. in the same call, batch-invariant mode without and with fa3-fixed-tile (t-dense-bi, t-dense-bi-fa3): the
 #      C5 fail -> pass flip was measured in two sessions so far, not side by side.
-#   bash examples/vllm-h200/run_step_verify.sh      (outputs in $OUT)
+#   bash benchmarks/gpu/run_step_verify.sh      (outputs in $OUT)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/device_env.sh"
