@@ -92,7 +92,7 @@ def main() -> None:
 
     from tic.harness.measure.gradcheck import RoutingPin, compare
     from tic.harness.kernels.modules import apply, capture_routes
-    from tic.harness.kernels.providers import get_provider
+    from tic.harness.kernels.providers import provider_for
 
     f32_log_softmax = lambda t: t.float().log_softmax(-1)  # noqa: E731
     print(f"torch {torch.__version__}, CPU, 1 thread; batch {args.batch} x {args.seq} (right padded), float32, "
@@ -102,7 +102,7 @@ def main() -> None:
     profiles = []
     for name in ("tiny-qwen3", "tiny-qwen3-moe"):
         plain = build(name, torch.float32)
-        wrapped = apply(copy.deepcopy(plain), get_provider("consistent"))
+        wrapped = apply(copy.deepcopy(plain), provider_for("consistent"))
         inputs = batch(plain.config.vocab_size, args.batch, args.seq)
         pf, pb = timed_step(plain, inputs, f32_log_softmax, args.repeats)
         tf, tb = timed_step(wrapped, inputs, wrapped._tic_ops.log_softmax, args.repeats)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tic.harness.kernels import autograd as ag
-from tic.harness.kernels.providers import CPUProvider
+from tic.harness.kernels.consistent_cpu import CPUProvider
 
 G = torch.Generator().manual_seed(7)
 

@@ -10,7 +10,7 @@ import torch
 from tic.gates import get
 from tic.harness.engines import hf
 from tic.harness.kernels import autograd as ag
-from tic.harness.kernels.providers import CPUProvider
+from tic.harness.kernels.consistent_cpu import CPUProvider
 from tic.harness.kernels.varlen import paged_layout, varlen_from_mask
 from tic.core.errors import TicInputError
 from tic.config.schema import load_config

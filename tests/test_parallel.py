@@ -202,7 +202,7 @@ def test_c0_refuses_vllm_expert_parallel_without_the_slot_order_merge(moe_top4, 
 
 def test_ep1_merge_is_the_cpu_providers_moe_experts():
     """A block driven by tic's kernel modules: EP = 1 here is bit for bit the provider's own moe_experts."""
-    from tic.harness.kernels.providers import CPUProvider
+    from tic.harness.kernels.consistent_cpu import CPUProvider
 
     prov = CPUProvider()
     block = moe_block(0)

@@ -163,3 +163,26 @@ def test_a_reduction_keeps_the_token_of_what_it_reduces():
     assert per_token.tolist() == [[t] * D for t in range(B * T)]
     assert everyone is None
     assert row_max.tolist() == list(range(B * T))
+
+
+def test_the_addends_a_wrapped_layer_reads_in_place_of_its_input_carry_the_inputs_tokens():
+    """The kernel wrappers' next layer normalises the two addends its input was summed from (ResidualStream), which
+    were computed before the trail began: while a trail records, they take the input's tokens
+    (tic.harness.kernels.stand_ins); outside a recording nothing is given tokens."""
+    from tic.harness.kernels.modules import ResidualStream
+
+    stream = ResidualStream()
+    delta, residual = torch.randn(B, T, H * D), torch.randn(B, T, H * D)
+    x = residual + delta
+    prov = Provenance(B, T)
+    prov.seed(x)
+    stream.put(x, delta, residual)
+    with OpRecorder(provenance=prov):
+        got = stream.take(x)
+    assert got[0] is delta and got[1] is residual
+    for addend in got:
+        assert _rows(prov.tokens(addend).flatten(0, 1)) == list(range(B * T))
+    later = torch.randn(B, T, H * D)
+    stream.put(x, later, residual)
+    stream.take(x)
+    assert prov.tokens(later) is None

@@ -256,11 +256,11 @@ def main() -> int:
     from tic.gates.c7 import DEFAULT_THRESHOLDS
     from tic.harness.measure.gradcheck import RoutingPin, compare
     from tic.harness.kernels.modules import apply, capture_routes
-    from tic.harness.kernels.providers import get_provider
+    from tic.harness.kernels.providers import provider_for
 
     import vllm
 
-    provider = get_provider("vllm")
+    provider = provider_for("vllm")
     print(f"vLLM {vllm.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}, "
           f"batch-invariant {provider.batch_invariant}, flash-attn v{provider.fa_version}, "
           f"patches {','.join(provider.patches) or 'none'} (TIC_PATCHES)")
@@ -306,7 +306,7 @@ def main() -> int:
         print(f"   FAIL {r['parameter']}: cosine {r['cosine']:.5f}, rel err {r['rel_error']:.4f}")
     failed |= bool(bad) or len(rows) != len(list(wrapped.parameters()))
 
-    from tic.harness.kernels.modules import hf_cos_sin_cache
+    from tic.harness.kernels.rope import hf_cos_sin_cache
 
     rope = wrapped.model.rotary_emb._tic_rope
     table = rope.get(args.seq, "cuda")

@@ -53,9 +53,9 @@ def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", att
     model.requires_grad_(trainable)
     if kernels in WRAPPED_KERNELS:
         from tic.harness.kernels.modules import apply
-        from tic.harness.kernels.providers import get_provider
+        from tic.harness.kernels.providers import provider_for
 
-        apply(model, get_provider(kernels))
+        apply(model, provider_for(kernels))
     if shared:
         _MODELS[key] = model
     return model

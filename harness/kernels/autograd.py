@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tic.harness.kernels.memo import TensorMemo
+from tic.harness.kernels.rope import rotate_neox
 
 
 class StaleWeightError(RuntimeError):
@@ -87,8 +88,6 @@ def add_rms_norm_ref(x, residual, w, eps):
 
 
 def rotary_ref(q, k, positions, cos_sin):
-    from tic.harness.kernels.providers import rotate_neox
-
     c = _wide(cos_sin)
     return rotate_neox(_wide(q), positions, c), rotate_neox(_wide(k), positions, c)
 

@@ -6,15 +6,16 @@ per-token operator (linear, norm, activation, router, experts, log-softmax) runs
 angles come from one precomputed table, and attention runs per query row over exactly that sequence's keys in
 order. A token's arithmetic then depends only on its own sequence, which is what both sides must share.
 
-`apply(model)` routes an HF model through these kernels with the autograd wrappers (modules.py, providers.py);
-module names stay, so capture and localisation still work.
+`CPUProvider` answers the autograd wrappers' calls (spec.py) with these kernels: `kernels: consistent`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from tic.harness.kernels.rope import hf_cos_sin_cache, rotate_neox
+from tic.harness.kernels.spec import KernelProvider
 
 
 def rows(x: torch.Tensor) -> list[torch.Tensor]:
@@ -67,10 +68,75 @@ def rowwise_attention(module, query, key, value, attention_mask, scaling, dropou
     return out, None
 
 
-def apply(model: nn.Module) -> nn.Module:
-    """Patch an HF causal LM in place so that every operator runs these kernels through tic's autograd
-    wrappers (harness/kernels/modules.py). Idempotent."""
-    from tic.harness.kernels.modules import apply as apply_provider
-    from tic.harness.kernels.providers import get_provider
+class CPUProvider(KernelProvider):
+    """tic's consistent CPU kernels: each token row through the same call with the same shapes."""
 
-    return apply_provider(model, get_provider("consistent"))
+    name = "cpu"
+
+    def linear(self, x, w, b=None):
+        return row_linear(x, w, b)
+
+    def rms_norm(self, x, w, eps):
+        dtype = x.dtype
+
+        def one(r):
+            r32 = r.to(torch.float32)
+            var = r32.pow(2).mean(-1, keepdim=True)
+            return w * (r32 * torch.rsqrt(var + eps)).to(dtype)
+
+        return rowwise(one, x)
+
+    def add_rms_norm(self, x, residual, w, eps):
+        total = x + residual
+        return self.rms_norm(total, w, eps), total
+
+    def cos_sin_cache(self, rotary, config, n, dtype, device):
+        return hf_cos_sin_cache(rotary, n, dtype, device)
+
+    def rotary(self, q, k, positions, cos_sin):
+        return rotate_neox(q, positions, cos_sin), rotate_neox(k, positions, cos_sin)
+
+    def silu_and_mul(self, x):
+        half = x.shape[-1] // 2
+        return rowwise(lambda r: (F.silu(r[:, :half].float()) * r[:, half:].float()).to(x.dtype), x)
+
+    def attention(self, q, k, v, mask, scale):
+        return rowwise_attention(None, q, k, v, mask, scale)[0]
+
+    def moe_route(self, logits, top_k, renormalize):
+        outs = [route_topk(r, top_k, renormalize) for r in logits.split(1, dim=0)]
+        if not outs:
+            return logits.new_zeros(0, top_k, dtype=torch.float32), torch.zeros(0, top_k, dtype=torch.long)
+        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+    def moe_expert_rows(self, x, e: int, gate_up, down):
+        """Expert e's unweighted output for each row of x [n, H], one row per call."""
+        return torch.cat([F.linear(self.silu_and_mul(F.linear(r, gate_up[e])), down[e]) for r in x.split(1)]) \
+            if x.shape[0] else x.new_zeros(0, x.shape[1])
+
+    def moe_experts(self, x, weights, ids, gate_up, down):
+        """The expert-parallel merge rule (tic.harness.measure.parallel.combine_slot_order) one row at a time: each
+        slot's output times its weight in the model dtype, summed in fp32 in top-k slot order."""
+        dtype, outs = x.dtype, []
+        for t in range(x.shape[0]):
+            r = x[t:t + 1]
+            acc = torch.zeros(1, x.shape[1], dtype=torch.float32)
+            for slot in range(ids.shape[1]):
+                e = int(ids[t, slot])
+                h = F.linear(self.silu_and_mul(F.linear(r, gate_up[e])), down[e])
+                acc = acc + (h * weights[t, slot].to(dtype)).to(torch.float32)
+            outs.append(acc.to(dtype))
+        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])
+
+    def log_softmax(self, logits):
+        return row_log_softmax(logits.float())
+
+
+def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 softmax, top-k by a stable descending sort (a tie goes to the lower expert id), renormalised."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    w = probs.gather(-1, ids)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, ids

@@ -25,7 +25,7 @@ from torch import nn
 from tic.core.errors import TicInputError
 from tic.harness.kernels.autograd import Ops
 from tic.harness.kernels.memo import TensorMemo
-from tic.harness.locate.provenance import stands_for
+from tic.harness.kernels.stand_ins import stands_for
 
 ATTN_NAME = "tic_rowwise"
 
@@ -68,17 +68,6 @@ class RopeTable:
 
 # rows of the rotary table a forward needs: one device read per position_ids tensor, not one per layer
 _ROWS_NEEDED = TensorMemo(lambda pos: int(pos.max()) + 1 if pos.numel() else 1)
-
-
-def hf_cos_sin_cache(rotary: nn.Module, n: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """cos|sin [n, rot] from an HF rotary module (its inv_freq, rope scaling and attention factor), float32
-    arithmetic, then cast to dtype."""
-    pos = torch.arange(n, dtype=torch.float32, device=device)[None]
-    forward = getattr(rotary, "_tic_orig_forward", rotary)
-    with torch.no_grad():
-        cos, sin = forward(torch.zeros(1, dtype=torch.float32, device=device), pos)
-    half = cos.shape[-1] // 2
-    return torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).to(dtype)
 
 
 _ROUTES: dict | None = None  # block name -> [top-k ids per call], while capture_routes() is active

@@ -21,14 +21,18 @@ the backward. vLLM is imported when the provider is built, never at tic import.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
 
+from tic import patches
 from tic.core.errors import TicInputError
-from tic.harness.kernels.providers import KernelProvider
 from tic.harness.kernels.memo import TensorMemo
+from tic.harness.kernels.rope import hf_cos_sin_cache
+from tic.harness.kernels.spec import KernelProvider
 from tic.harness.kernels.varlen import paged_layout, paged_rows_layout, varlen_from_mask
+from tic.patches.plugin import load as load_patches
 
 
 def require_vllm(device: str = "cuda", load: bool = True) -> None:
@@ -40,8 +44,6 @@ def require_vllm(device: str = "cuda", load: bool = True) -> None:
     if not torch.cuda.is_available():
         raise TicInputError("kernels: vllm needs a CUDA GPU, and torch sees none on this machine")
     if not load:
-        import importlib.util
-
         if importlib.util.find_spec("vllm") is None:
             raise TicInputError("kernels: vllm needs vLLM installed (not found)")
         return
@@ -86,11 +88,7 @@ class VLLMProvider(KernelProvider):
 
     def __init__(self):
         require_vllm("cuda")
-        from tic.patches.plugin import load as load_patches
-
         load_patches()  # the bundled patches named in TIC_PATCHES, as in every vLLM process of the rollout
-        from tic import patches
-
         self.patches = sorted(patches.active())
         from vllm import _custom_ops as vops
         import vllm.envs as envs
@@ -185,8 +183,6 @@ class VLLMProvider(KernelProvider):
     def cos_sin_cache(self, rotary, config, n, dtype, device):
         """vLLM's own cos|sin cache (get_rope, as its model layers build it) when this release's get_rope takes
         the model's rope parameters; else the table from the HF rotary module (rope_source says which)."""
-        from tic.harness.kernels.modules import hf_cos_sin_cache
-
         head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         max_pos = max(n, int(getattr(config, "max_position_embeddings", n)))
         try:

@@ -222,7 +222,7 @@ class OpRecorder(TorchDispatchMode):
         self.blank: dict[tuple, torch.UntypedStorage] = {}
 
     # kernels launched from Python outside the dispatcher (Triton) are recorded too, while this mode is active;
-    # kernel code may hand the provenance values that stand for the module's input (provenance.stands_for)
+    # kernel code may hand the provenance values that stand for the module's input (tic.harness.kernels.stand_ins)
     def __enter__(self):
         launch_record.attach(self)
         if self.provenance is not None:

@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from tic.harness.kernels import stand_ins
+
 # storages larger than this (a whole KV cache) get no map: they would cost more memory than the trail
 MAX_STORAGE_ELEMENTS = 1 << 24
 
@@ -71,22 +73,9 @@ def standard_map(x: torch.Tensor, batch: int, length: int) -> torch.Tensor | Non
     return m
 
 
-# the provenances of the trails being recorded now (tic.harness.locate.capture.OpRecorder pushes and pops its own)
-ACTIVE: list["Provenance"] = []
-
-
-def stands_for(x: torch.Tensor, *values) -> None:
-    """For kernel code that computes a module from values standing in for its input `x` (e.g. the two addends
-    x was summed from, kept aside by the previous layer): those values carry x's tokens in any trail being
-    recorded, as x's own views would. Values of another shape, or with tokens already, are left alone; without
-    a trail being recorded this does nothing."""
-    for prov in ACTIVE:
-        m = prov.tokens(x)
-        if m is None:
-            continue
-        for v in values:
-            if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(x.shape) and prov.tokens(v) is None:
-                prov._set(v, m.clone())
+# the provenances of the trails being recorded now (tic.harness.locate.capture.OpRecorder pushes and pops its own):
+# the kernels' stand-in channel, so that kernel code can hand them values standing for a module's input
+ACTIVE = stand_ins.LISTENERS
 
 
 class Provenance:
@@ -128,6 +117,18 @@ class Provenance:
             torch.as_strided(got[0], tuple(t.shape), tuple(t.stride()), t.storage_offset()).copy_(m)
         except RuntimeError:  # overlapping elements (an expanded tensor): leave its map as it was
             pass
+
+    def stand_in(self, x: torch.Tensor, values) -> None:
+        """For kernel code that computes a module from values standing in for its input `x` (e.g. the two
+        addends x was summed from, kept aside by the previous layer; tic.harness.kernels.stand_ins): those values
+        carry x's tokens, as x's own views would. Values of another shape, or with tokens already, are left
+        alone."""
+        m = self.tokens(x)
+        if m is None:
+            return
+        for v in values:
+            if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(x.shape) and self.tokens(v) is None:
+                self._set(v, m.clone())
 
     def seed(self, t) -> None:
         """A module input: per-token layouts get the standard map; other tensors (masks, weights) none."""

@@ -1,0 +1,31 @@
+"""Neox-style rotary embedding: q/k rotated by a cos|sin table looked up per position, and that table as an HF
+rotary module computes it. The CPU provider's kernel, autograd's reference and the vLLM provider's fallback table
+all come from here."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rotate_neox(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotary on the first R dims of x [T, H, D] with cos|sin rows looked up per position, in
+    x's dtype (HF's apply_rotary_pos_emb arithmetic)."""
+    rot = cos_sin.shape[-1]
+    cos, sin = cos_sin[positions].to(x.dtype).chunk(2, dim=-1)
+    cos, sin = torch.cat([cos, cos], -1)[:, None], torch.cat([sin, sin], -1)[:, None]
+    xr, rest = x[..., :rot], x[..., rot:]
+    x1, x2 = xr.chunk(2, dim=-1)
+    out = xr * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return torch.cat([out, rest], dim=-1) if rest.numel() else out
+
+
+def hf_cos_sin_cache(rotary: nn.Module, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """cos|sin [n, rot] from an HF rotary module (its inv_freq, rope scaling and attention factor), float32
+    arithmetic, then cast to dtype. A module the wrappers patched is read through its own forward."""
+    pos = torch.arange(n, dtype=torch.float32, device=device)[None]
+    forward = getattr(rotary, "_tic_orig_forward", rotary)
+    with torch.no_grad():
+        cos, sin = forward(torch.zeros(1, dtype=torch.float32, device=device), pos)
+    half = cos.shape[-1] // 2
+    return torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).to(dtype)

@@ -1,0 +1,30 @@
+"""What a kernel provider is: the operators tic's autograd wrappers call, each one's forward value and nothing else.
+
+The autograd wrappers (autograd.py) add the backward. `consistent_cpu.CPUProvider` runs tic's row-invariant CPU
+kernels, the ones `kernels: consistent` uses on both sides; `vllm_provider.VLLMProvider` calls the installed vLLM's
+own kernels on the GPU, the ones its rollout runs. Both answer the same calls, so every wrapper is tested on CPU in
+CI; `providers.provider_for` builds the one a config names.
+
+Shapes (T = tokens of any leading shape, flattened by the caller where a kernel needs it):
+  linear(x [.., K], w [N, K], b [N] | None) -> [.., N]
+  rms_norm(x [.., D], w [D], eps) -> [.., D]
+  add_rms_norm(x, residual, w, eps) -> (rms_norm(x + residual), x + residual)
+  cos_sin_cache(hf rotary module, config, P, dtype, device) -> [P, R] (cos | sin halves)
+  rotary(q [T, Hq, D], k [T, Hk, D], positions [T], cos_sin [P, R]) -> (q, k)   (neox style, R = rotary dims)
+  silu_and_mul(x [.., 2I]) -> silu(x[..., :I]) * x[..., I:], rounded once
+  attention(q [B, H, Q, D], k/v [B, Hkv, K, D], mask bool [B, 1, Q, K], scale) -> [B, Q, H, D]
+  moe_route(logits [T, E], top_k, renormalize) -> (weights float32 [T, k], ids int64 [T, k])
+  moe_experts(x [T, H], weights [T, k], ids [T, k], gate_up [E, 2I, H], down [E, H, I]) -> [T, H]
+  log_softmax(logits [T, V]) -> float32 [T, V]
+"""
+
+from __future__ import annotations
+
+# vLLM's KV page size where its configuration resolves no other (a rollout that is not a vLLM engine, e.g. a dump)
+DEFAULT_KV_BLOCK_SIZE = 16
+
+
+class KernelProvider:
+    name = "provider"
+    # vLLM runs q/k/v and gate/up as one GEMM each over concatenated weights; a provider that mirrors it says so
+    fuse_projections = False
