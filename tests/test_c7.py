@@ -306,19 +306,29 @@ def test_c7_gradients_artifact_lists_every_tensor(dense_ctx):
     assert len(data["tensors"]) == res.metrics["tensors"] and data["min_cosine"] == 0.999
 
 
+def _cpu_vllm_provider(monkeypatch, kv_block_size: int = 16):
+    """A vLLM provider whose vLLM kernels are not loaded (CPU): its plumbing runs, each kernel a test stands in."""
+    from tic.harness.kernels.vllm_provider import VLLMProvider
+
+    monkeypatch.setattr(VLLMProvider, "_load_vllm", lambda self: None)
+    return VLLMProvider(kv_block_size)
+
+
+@pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("batch", ["mixed", "right-padded", "right-padded-empty-row", "one-row"])
-def test_vllm_provider_attention_layout_with_a_stand_in_kernel(monkeypatch, batch):
+def test_vllm_provider_attention_layout_with_a_stand_in_kernel(monkeypatch, batch, block):
     """The vLLM provider's padded/packed -> varlen + paged K/V -> padded plumbing, checked on CPU: a stand-in for
     vLLM's flash_attn_varlen_func (causal attention per sequence over its pages) must give the row-wise CPU kernel's
     result on every valid token of a left-padded, a right-padded and a packed row; a batch of right-padded rows
-    only is its own paged cache (no scatter), with the same result."""
+    only is its own paged cache (no scatter), with the same result. The pages hold the page size the provider was
+    built with."""
     from tic.harness.kernels.vllm_provider import VLLMProvider
 
     def varlen(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, softmax_scale, causal, block_table,
                fa_version):
         """Paged like vLLM's KV cache: k/v [blocks, page, heads, D], each sequence's keys through its block table."""
         assert causal and cu_seqlens_q.dtype == torch.int32 and block_table.dtype == torch.int32
-        assert k.dim() == 4 and k.shape[1] == 16  # vLLM's default page size
+        assert k.dim() == 4 and k.shape[1] == block
         cu = cu_seqlens_q.tolist()
         outs = []
         for s, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
@@ -330,8 +340,7 @@ def test_vllm_provider_attention_layout_with_a_stand_in_kernel(monkeypatch, batc
         return torch.cat(outs).to(q.dtype)
 
     monkeypatch.setattr(VLLMProvider, "_find_varlen_attention", staticmethod(lambda: varlen))
-    monkeypatch.delenv("TIC_VLLM_BLOCK_SIZE", raising=False)
-    prov = object.__new__(VLLMProvider)
+    prov = _cpu_vllm_provider(monkeypatch, block)
     prov.fa_version = 3
     ar = torch.arange(6)
     causal = ar[None, :] <= ar[:, None]
@@ -349,7 +358,36 @@ def test_vllm_provider_attention_layout_with_a_stand_in_kernel(monkeypatch, batc
     want = CPUProvider().attention(q, k, v, mask, 0.35)
     valid = mask[:, 0].diagonal(dim1=1, dim2=2)
     assert torch.allclose(got[valid], want[valid], rtol=1e-5, atol=1e-6) and (got[~valid] == 0).all()
-    assert bool(prov._layout(mask, B, 6, "cpu", 16)[1].row_pages) == (batch != "mixed")
+    assert bool(prov._layout(mask, B, 6, "cpu", block)[1].row_pages) == (batch != "mixed")
+
+
+def test_a_training_side_on_vllm_kernels_is_built_with_the_rollouts_page_size(example, monkeypatch):
+    """The KV page size the configured vLLM rollout resolved is handed to the training provider when the train
+    engine is built (the rollout engine first): nothing goes through the environment, so it cannot depend on
+    which engine this process built last."""
+    import os
+    from types import SimpleNamespace
+
+    from tic.harness.engines import build_engine
+
+    _cpu_vllm_provider(monkeypatch)
+    monkeypatch.setattr(hf, "require_vllm", lambda device: None)  # the model stays on CPU
+    ex = example("tiny-qwen3")
+    model_dir = GateContext(load_config(ex / "tic-consistent.yaml")).model_dir
+    cfg = load_config(ex / "tic-consistent.yaml")
+    cfg.rollout.engine, cfg.train.kernels = "vllm", "vllm"
+    asked = []
+    ctx = SimpleNamespace(cfg=cfg, model_dir=model_dir, dtype="float32",
+                          rollout_engine=lambda: asked.append("rollout") or SimpleNamespace(kv_block_size=32))
+    hf._MODELS.clear()
+    try:
+        engine = build_engine(ctx, "train", shared_model=False)
+        assert asked == ["rollout"] and engine.model._tic_provider.kv_block_size == 32
+        cfg.rollout.dump, cfg.rollout.engine = Path("rollout.jsonl"), "dump"  # records: vLLM's default pages
+        assert build_engine(ctx, "train", shared_model=False).model._tic_provider.kv_block_size == 16
+    finally:
+        hf._MODELS.clear()
+    assert asked == ["rollout"] and "TIC_VLLM_BLOCK_SIZE" not in os.environ
 
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 32,

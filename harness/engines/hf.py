@@ -14,6 +14,10 @@ from pathlib import Path
 import torch
 
 from tic.harness.engines.base import Engine, Sample, Sampling, request_seed
+from tic.harness.kernels.modules import apply, capture_routes
+from tic.harness.kernels.providers import provider_for
+from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE
+from tic.harness.kernels.vllm_provider import require_vllm
 from tic.harness.measure.layouts import micro_batches
 from tic.core.errors import TicInputError
 
@@ -24,11 +28,12 @@ WRAPPED_KERNELS = ("consistent", "vllm")  # kernels that run through tic's autog
 
 
 def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa", device: str = "cpu",
-               trainable: bool = False, shared: bool = True):
+               kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, trainable: bool = False, shared: bool = True):
     """The model, cached per configuration. trainable=True gives a separate copy whose parameters take
     gradients (C7), so the inference copy the gates share is never touched. shared=False loads an object
-    of its own, outside the cache (C8/C9 change its weights; the other gates' models must not see that)."""
-    key = (str(model_dir), dtype, kernels, attn, device, trainable)
+    of its own, outside the cache (C8/C9 change its weights; the other gates' models must not see that).
+    kv_block_size: kernels vllm, the rollout's KV page size (tic.harness.kernels.vllm_provider)."""
+    key = (str(model_dir), dtype, kernels, attn, device, kv_block_size, trainable)
     if shared and key in _MODELS:
         return _MODELS[key]
     from transformers import AutoModelForCausalLM
@@ -36,8 +41,6 @@ def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", att
     if kernels == "consistent" and device != "cpu":
         raise TicInputError("kernels: consistent are CPU kernels; use device: cpu")
     if kernels == "vllm":
-        from tic.harness.kernels.vllm_provider import require_vllm
-
         require_vllm(device)
     elif device != "cpu" and not torch.cuda.is_available():
         raise TicInputError(f"device {device!r} asked for but torch sees no CUDA GPU")
@@ -52,10 +55,7 @@ def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", att
     model.eval()
     model.requires_grad_(trainable)
     if kernels in WRAPPED_KERNELS:
-        from tic.harness.kernels.modules import apply
-        from tic.harness.kernels.providers import provider_for
-
-        apply(model, provider_for(kernels))
+        apply(model, provider_for(kernels, kv_block_size))
     if shared:
         _MODELS[key] = model
     return model
@@ -113,13 +113,14 @@ class HFEngine(Engine):
 
     def __init__(self, model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa",
                  batch_size: int = 8, micro_batch_size: int = 4, padding_side: str = "right",
-                 packing: bool = False, device: str = "cpu", shared_model: bool = True, order: str = "given"):
+                 packing: bool = False, device: str = "cpu", shared_model: bool = True, order: str = "given",
+                 kv_block_size: int = DEFAULT_KV_BLOCK_SIZE):
         self.model_dir = Path(model_dir)
         self.kernels = kernels
         self.dtype = dtype
         self.attn = attn
         self.device = torch.device(device)
-        self._load_args = (self.model_dir, dtype, kernels, attn, device)
+        self._load_args = (self.model_dir, dtype, kernels, attn, device, kv_block_size)
         self.model = load_model(*self._load_args, shared=shared_model)
         self.batch_size = batch_size
         self.micro_batch_size = micro_batch_size
@@ -129,10 +130,12 @@ class HFEngine(Engine):
         self.vocab_size = self.model.config.get_text_config().vocab_size
 
     @classmethod
-    def from_config(cls, side_cfg, model_dir: Path, dtype: str, shared_model: bool = True) -> "HFEngine":
+    def from_config(cls, side_cfg, model_dir: Path, dtype: str, shared_model: bool = True,
+                    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE) -> "HFEngine":
         return cls(model_dir, dtype, side_cfg.kernels, side_cfg.attn_implementation, side_cfg.batch_size,
                    side_cfg.micro_batch_size, side_cfg.padding_side, side_cfg.packing,
-                   getattr(side_cfg, "device", "cpu"), shared_model, getattr(side_cfg, "order", "given"))
+                   getattr(side_cfg, "device", "cpu"), shared_model, getattr(side_cfg, "order", "given"),
+                   kv_block_size)
 
     @classmethod
     def baseline_changes(cls, side_cfg) -> dict:
@@ -257,8 +260,6 @@ class HFEngine(Engine):
         (forward alone, unpadded); {} for a model without wrapped MoE blocks. C6 makes them layout-independent."""
         if self.kernels not in WRAPPED_KERNELS:
             return {}
-        from tic.harness.kernels.modules import capture_routes
-
         with capture_routes() as routes:
             self.model(input_ids=torch.tensor([sample.ids], device=self.device), use_cache=False)
         return {name: torch.cat(calls) for name, calls in routes.items()}

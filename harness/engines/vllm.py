@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from tic.harness.engines.base import Engine, Sample, Sampling, request_seed
+from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE
 from tic.core.errors import TicInputError
 
 # rollout.options understood by this engine, with their defaults.
@@ -332,10 +333,9 @@ class VLLMEngine(Engine):
                           "cudagraph_mode": str(getattr(cc, "cudagraph_mode", None)),
                           "engine_process": o["engine_process"]}
         sched = vcfg.scheduler_config
-        # the KV page size this engine runs: tic's training provider lays its prefill K/V out in the same pages
-        # (FA3 picks its key tile from the paging), in this process and in a later one reading the record
-        self.kv_block_size = int(getattr(vcfg.cache_config, "block_size", 0) or 16)
-        os.environ["TIC_VLLM_BLOCK_SIZE"] = str(self.kv_block_size)
+        # the KV page size vLLM resolved for this engine: a training side on vLLM's kernels is built with it and
+        # lays its prefill K/V out in the same pages (FA3 picks its key tile from the paging)
+        self.kv_block_size = int(getattr(vcfg.cache_config, "block_size", 0) or DEFAULT_KV_BLOCK_SIZE)
         self.max_num_seqs = sched.max_num_seqs
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self._record = Path(o["record"]) if o["record"] else None

@@ -162,11 +162,10 @@ class RankedVLLMEngine(DealtRequests, Engine):
         self.max_num_seqs = first["max_num_seqs"]
         self._fingerprint = {**first["fingerprint"], "parallel": self.layout}
         self._process_environment = first["process_environment"]
-        # what a training provider in this process must match: the rollout's KV pages (FA3 picks its tile from
-        # them) and its bundled patches (it applies TIC_PATCHES, as every vLLM process of the rollout does)
+        # what a training provider in this process must match: its bundled patches (it applies TIC_PATCHES, as
+        # every vLLM process of the rollout does); the KV page size it is handed (kv_block_size above)
         from tic import patches as tic_patches
 
-        os.environ["TIC_VLLM_BLOCK_SIZE"] = str(self.kv_block_size)
         os.environ[tic_patches.ENV_VAR] = ",".join(self.patches)
 
     @classmethod

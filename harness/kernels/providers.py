@@ -7,19 +7,15 @@ imported only when its provider is built, never at tic import.
 from __future__ import annotations
 
 from tic.harness.kernels.consistent_cpu import CPUProvider
-from tic.harness.kernels.spec import KernelProvider
+from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE, KernelProvider
 from tic.harness.kernels.vllm_provider import VLLMProvider
 
-_PROVIDERS: dict[str, KernelProvider] = {}
 
-
-def provider_for(kernels: str) -> KernelProvider:
-    """The provider behind `kernels: consistent` (cpu) or `kernels: vllm`."""
-    if kernels not in _PROVIDERS:
-        if kernels == "consistent":
-            _PROVIDERS[kernels] = CPUProvider()
-        elif kernels == "vllm":
-            _PROVIDERS[kernels] = VLLMProvider()
-        else:
-            raise ValueError(f"no kernel provider for kernels {kernels!r}")
-    return _PROVIDERS[kernels]
+def provider_for(kernels: str, kv_block_size: int = DEFAULT_KV_BLOCK_SIZE) -> KernelProvider:
+    """A provider for `kernels: consistent` (cpu) or `kernels: vllm`, whose prefill attention pages K/V in
+    kv_block_size slots (the vLLM rollout's page size; the CPU kernels have no pages). One per wrapped model."""
+    if kernels == "consistent":
+        return CPUProvider()
+    if kernels == "vllm":
+        return VLLMProvider(kv_block_size)
+    raise ValueError(f"no kernel provider for kernels {kernels!r}")

@@ -30,7 +30,7 @@ from tic import patches
 from tic.core.errors import TicInputError
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.rope import hf_cos_sin_cache
-from tic.harness.kernels.spec import KernelProvider
+from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE, KernelProvider
 from tic.harness.kernels.varlen import paged_layout, paged_rows_layout, varlen_from_mask
 from tic.patches.plugin import load as load_patches
 
@@ -86,7 +86,13 @@ class VLLMProvider(KernelProvider):
     name = "vllm"
     fuse_projections = True
 
-    def __init__(self):
+    def __init__(self, kv_block_size: int = DEFAULT_KV_BLOCK_SIZE):
+        """kv_block_size: the KV page size of the vLLM rollout this training forward must match (as its engine
+        resolved it): prefill attention pages K/V alike, since FA3 picks its key tile from the paging."""
+        self.kv_block_size = int(kv_block_size)
+        self._load_vllm()
+
+    def _load_vllm(self) -> None:
         require_vllm("cuda")
         load_patches()  # the bundled patches named in TIC_PATCHES, as in every vLLM process of the rollout
         self.patches = sorted(patches.active())
@@ -222,11 +228,6 @@ class VLLMProvider(KernelProvider):
         out = torch.empty(x2.shape[0], shape[-1] // 2, dtype=x.dtype, device=x.device)
         torch.ops._C.silu_and_mul(out, x2)
         return out.reshape(*shape[:-1], shape[-1] // 2)
-
-    @property
-    def kv_block_size(self) -> int:
-        """vLLM's KV page size: what the vLLM engine of this process ran (it sets the variable), else 16."""
-        return int(os.environ.get("TIC_VLLM_BLOCK_SIZE", "16"))
 
     def _layout(self, mask, B: int, T: int, device, block_size: int):
         """(varlen, paged layout) for one mask, built once per mask (tic.harness.kernels.memo.TensorMemo)."""
