@@ -68,6 +68,20 @@ class ParallelLayout(Strict):
         return " ".join(f"{k.upper()}{v}" for k, v in self.model_dump().items() if v != 1) or "1 rank"
 
 
+class BackwardConfig(Strict):
+    """train, hf engine with kernels consistent or vllm: how the surrogate backward of tic's kernel wrappers runs.
+    Speed switches: either way each operator's gradient is the same closed form, within rounding (C7 judges it
+    against its float32 reference); off is the plain path, for a benchmark or a torch whose compiler or grouped
+    GEMM misbehaves here (a failure already falls back to it, and the train step benchmark reports why)."""
+
+    model_config = ConfigDict(**Strict.model_config, frozen=True)  # part of the model cache key
+
+    fuse: bool = Field(True, description="on CUDA, compile each written-out backward with torch.compile into a few "
+                                         "fused kernels (eager: one kernel per elementwise op); false: eager")
+    grouped_mm: bool = Field(True, description="MoE: the experts' backward GEMMs as one torch._grouped_mm launch each "
+                                               "(bf16 models); false: one GEMM per expert")
+
+
 class EngineConfig(Strict):
     engine: Literal["hf", "vllm", "dump"] = "hf"
     # hf: "stock" is plain transformers; "consistent" runs tic's row-invariant CPU kernels and "vllm" the
@@ -86,6 +100,8 @@ class EngineConfig(Strict):
     dump: Path | None = Field(None, description="dump engine: JSONL file")
     options: dict[str, Any] = Field(default_factory=dict, description="engine-specific options (vllm)")
     patches: list[str] = Field(default_factory=list, description="bundled patches to apply (tic patch list)")
+    backward: BackwardConfig = Field(default_factory=BackwardConfig,
+                                     description="train: how the kernel wrappers' surrogate backward runs")
 
     @model_validator(mode="before")
     @classmethod

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tic.config.schema import BackwardConfig
 from tic.harness.kernels import autograd as ag
 from tic.harness.kernels.consistent_cpu import CPUProvider
 
@@ -27,7 +28,7 @@ def check(name, tensors, kw=None, seeds=None, rtol=1e-10, atol=1e-12, frozen=())
     op = ag.OPS[name]
     assert op.backward is not None
     leaves = [_leaf(t, i not in frozen) for i, t in enumerate(tensors)]
-    out = ag.KernelFunction.apply(op, CPUProvider(), kw, *leaves)
+    out = ag.KernelFunction.apply(op, ag.Ops(CPUProvider()), kw, *leaves)
     outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o.is_floating_point()]
     seeds = seeds or [torch.randn(o.shape, generator=G, dtype=o.dtype) for o in outs]
     fixed = [o for o in (out if isinstance(out, tuple) else (out,)) if not o.is_floating_point()]
@@ -55,7 +56,7 @@ def test_add_rms_norm_both_outputs_and_one():
     check("add_rms_norm", (x, res, w), {"eps": 1e-6})
     # only the normalised output feeds the loss (the sum's gradient is None)
     leaves = [t.detach().clone().requires_grad_() for t in (x, res, w)]
-    y, _ = ag.KernelFunction.apply(ag.OPS["add_rms_norm"], CPUProvider(), {"eps": 1e-6}, *leaves)
+    y, _ = ag.KernelFunction.apply(ag.OPS["add_rms_norm"], ag.Ops(CPUProvider()), {"eps": 1e-6}, *leaves)
     seed = r(2, 3, 16)
     y.backward(seed)
     refs = [t.detach().clone().requires_grad_() for t in (x, res, w)]
@@ -146,10 +147,11 @@ def test_attention_general_masks(which, sdpa_calls):
 def test_attention_mask_rows_are_reread_when_the_mask_changes_in_place():
     causal, right, _, _ = _masks()
     mask = torch.stack([causal, causal])[:, None].clone()
-    rows, all_causal = ag._CAUSAL_ROWS.get(mask)
+    causal_rows = ag.Backward().causal_rows
+    rows, all_causal = causal_rows.get(mask)
     assert all_causal
     mask[0, 0] = right  # same object, new contents
-    rows, all_causal = ag._CAUSAL_ROWS.get(mask)
+    rows, all_causal = causal_rows.get(mask)
     assert not all_causal and rows[0].tolist() == [True] * 4 + [False] * 2
 
 
@@ -180,14 +182,15 @@ def test_moe_experts(ids):
 def test_moe_experts_without_tokens():
     x, w, ids, gu, d = _experts(torch.zeros(0, 2, dtype=torch.long))
     gx, gw, _, ggu, gd = ag._moe_experts_backward((x, w, ids, gu, d), (), (torch.zeros(0, 8, dtype=torch.float64),),
-                                                  {}, (True, True, False, True, True))
+                                                  {}, (True, True, False, True, True), ag.Backward())
     assert gx.shape == (0, 8) and gw.shape == (0, 2) and not ggu.any() and not gd.any()
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped GEMM")
 def test_moe_experts_grouped_gemms_match_the_per_expert_loop_in_bf16(monkeypatch):
-    """bf16 runs the experts' GEMMs as one grouped launch each; the per-expert loop (TIC_GROUPED_MM=0) and the
-    float64 reference agree with it (same bf16 GEMMs; an idle expert's weight gradients are zero either way)."""
+    """bf16 runs the experts' GEMMs as one grouped launch each; the per-expert loop (train.backward.grouped_mm off)
+    and the float64 reference agree with it (same bf16 GEMMs; an idle expert's weight gradients are zero either
+    way)."""
     ids = torch.tensor([[0, 2], [1, 2], [2, 0], [1, 0], [2, 1], [0, 1]])  # expert 3 idle
     x, w, _, gu, d = (t.detach() for t in _experts(ids, H=16, I=16))
     bf = [t.detach().to(torch.bfloat16) for t in (x, w, gu, d)]
@@ -196,13 +199,14 @@ def test_moe_experts_grouped_gemms_match_the_per_expert_loop_in_bf16(monkeypatch
     calls = []
     real = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    grouped = ag._moe_experts_backward((bf[0], bf[1], ids, bf[2], bf[3]), (), (g,), {}, needs)
-    assert calls and not ag.GROUPED_MM_ERRORS, f"bf16 took the per-expert loop {ag.GROUPED_MM_ERRORS}"
-    monkeypatch.setenv("TIC_GROUPED_MM", "0")
+    run = ag.Backward()
+    grouped = ag._moe_experts_backward((bf[0], bf[1], ids, bf[2], bf[3]), (), (g,), {}, needs, run)
+    assert calls and not run.grouped_mm_errors, f"bf16 took the per-expert loop {run.grouped_mm_errors}"
     n = len(calls)
-    loop = ag._moe_experts_backward((bf[0], bf[1], ids, bf[2], bf[3]), (), (g,), {}, needs)
+    loop = ag._moe_experts_backward((bf[0], bf[1], ids, bf[2], bf[3]), (), (g,), {}, needs,
+                                    ag.Backward(BackwardConfig(grouped_mm=False)))
     assert len(calls) == n
-    wide = ag._moe_experts_backward((x, w, ids, gu, d), (), (g.double(),), {}, needs)
+    wide = ag._moe_experts_backward((x, w, ids, gu, d), (), (g.double(),), {}, needs, ag.Backward())
     for a, b, c in zip(grouped, loop, wide):
         if a is None:
             continue
@@ -235,3 +239,38 @@ def test_closed_form_backward_still_runs_the_weight_check_and_planted_faults():
     x.grad = None
     ag.Ops(CPUProvider()).rms_norm(x, w, 1e-6).sum().backward()
     assert torch.allclose(flipped, -x.grad)
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: where Backward.fused compiles."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_backward_compiles_the_closed_forms_on_cuda_only_when_fuse_is_on(monkeypatch, fuse):
+    """train.backward.fuse: on CUDA each closed form runs compiled (eager with fuse off, and on CPU); a compiler
+    failure is kept in that model's compile_errors and the function runs eager from then on."""
+    compiled = []
+
+    def compile_or_fail(fn):
+        def run(*args):
+            compiled.append(fn.__name__)
+            if len(compiled) > 1:
+                raise RuntimeError("the compiler broke")
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(ag, "_compiled", compile_or_fail)
+    run = ag.Backward(BackwardConfig(fuse=fuse))
+    x, g = r(3, 8), r(3, 4)
+    want = ag._silu_and_mul_input_grad(x, g)
+    assert torch.equal(run.fused(ag._silu_and_mul_input_grad, x, g), want) and compiled == []  # CPU: eager
+    on_cuda = x.as_subclass(_OnCuda)
+    for _ in range(3):
+        assert torch.equal(run.fused(ag._silu_and_mul_input_grad, on_cuda, g), want)
+    assert compiled == (["_silu_and_mul_input_grad"] * 2 if fuse else [])
+    assert list(run.compile_errors) == (["_silu_and_mul_input_grad"] if fuse else [])
+    assert ag.Backward().compile_errors == {}  # another model's backwards are its own

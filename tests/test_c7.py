@@ -63,6 +63,22 @@ def test_c7_passes_on_the_consistent_kernels(dense_ctx):
     assert res.metrics["min_cosine"] > 0.9999 and res.metrics["max_rel_error"] < 1e-4
 
 
+def test_the_train_sides_backward_switches_reach_its_wrapped_model(example):
+    """tic.yaml's train.backward is read into the config once and handed to the train engine's wrapped model; the
+    rollout side keeps its own (here the defaults)."""
+    from tic.config.schema import BackwardConfig
+
+    cfg = load_config(example("tiny-qwen3") / "tic-consistent.yaml")
+    cfg.train.backward = BackwardConfig(fuse=False, grouped_mm=False)
+    hf._MODELS.clear()
+    try:
+        ctx = GateContext(cfg)
+        assert ctx.train_engine().model._tic_ops.backward.options == BackwardConfig(fuse=False, grouped_mm=False)
+        assert ctx.rollout_engine().model._tic_ops.backward.options == BackwardConfig()
+    finally:
+        hf._MODELS.clear()
+
+
 @pytest.fixture(scope="module")
 def moe_ctx(tmp_path_factory):
     yield from _rolled_out(tmp_path_factory, "tiny-qwen3-moe")
@@ -180,7 +196,7 @@ def test_wrapper_forward_is_the_kernel_and_backward_the_reference(case):
     prov = CPUProvider()
     op = ag.OPS[name]
     leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
-    out = ag.KernelFunction.apply(op, prov, kw, *leaves)
+    out = ag.KernelFunction.apply(op, ag.Ops(prov), kw, *leaves)
     outs = out if isinstance(out, tuple) else (out,)
     with torch.no_grad():
         direct = op.kernel(prov, *tensors, **kw)

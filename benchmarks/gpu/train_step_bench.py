@@ -3,7 +3,7 @@ HF training step on the same bf16 model and batch.
 
   source benchmarks/gpu/device_env.sh    # tic and the vLLM 0.26 bundle (/tmp/site) on the path
   [TIC_PATCHES=fa3-fixed-tile,gemm-fixed-m,rmsnorm-fixed-block] [VLLM_BATCH_INVARIANT=1] \
-    python3 benchmarks/gpu/train_step_bench.py [--moe] [--batch 8 --seq 512]
+    python3 benchmarks/gpu/train_step_bench.py [--moe] [--batch 8 --seq 512] [--eager-backward] [--no-grouped-mm]
 
 Checks, each printed with its verdict; any failure exits 1:
   1. every wrapper's forward value equals a direct call of vLLM's kernel on the same inputs, bit for bit;
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import os
 import statistics
 import sys
 import time
@@ -245,6 +244,10 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--strict-time", action="store_true", help="fail the run when the step ratio misses 1.3x")
+    ap.add_argument("--eager-backward", action="store_true",
+                    help="the closed-form backwards eager, not compiled (tic.yaml train.backward.fuse: false)")
+    ap.add_argument("--no-grouped-mm", action="store_true",
+                    help="the experts' backward GEMMs one by one (tic.yaml train.backward.grouped_mm: false)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile 3 steps of each and print the N largest CUDA-time rows: tic's per-operator "
                          "forward/backward ranges, then kernels")
@@ -253,6 +256,7 @@ def main() -> int:
         print("FAIL: no CUDA GPU")
         return 1
 
+    from tic.config.schema import BackwardConfig
     from tic.gates.c7 import DEFAULT_THRESHOLDS
     from tic.harness.measure.gradcheck import RoutingPin, compare
     from tic.harness.kernels.modules import apply, capture_routes
@@ -276,7 +280,7 @@ def main() -> int:
     plain = build_model(args, torch.bfloat16)
     plain.requires_grad_(True)
     wrapped = copy.deepcopy(plain)
-    apply(wrapped, provider)
+    apply(wrapped, provider, BackwardConfig(fuse=not args.eager_backward, grouped_mm=not args.no_grouped_mm))
     ids, mask, pos, adv = batch(args)
     f32_log_softmax = lambda t: t.float().log_softmax(-1)  # noqa: E731
 
@@ -334,17 +338,15 @@ def main() -> int:
     print(f"   ratio tic/plain: time {ratio:.2f}x (goal <= 1.3x{'' if ratio <= 1.3 else ', MISSED'}), "
           f"step memory {d_tic / max(d_plain, 1):.2f}x")
     print(f"   attention backward, fused SDPA backends eligible: {sdpa_backends(args)}")
-    from tic.harness.kernels.autograd import COMPILE_ERRORS, GROUPED_MM_ERRORS
-
+    backward = wrapped._tic_ops.backward
     if args.moe:
-        from tic.harness.kernels.autograd import _grouped_mm_usable
-
-        grouped = _grouped_mm_usable(next(wrapped.parameters())) and not GROUPED_MM_ERRORS
-        why = GROUPED_MM_ERRORS[0] if GROUPED_MM_ERRORS else "not bf16, or TIC_GROUPED_MM=0, or no torch._grouped_mm"
+        grouped = backward.grouped_mm(next(wrapped.parameters()))
+        why = backward.grouped_mm_errors[0] if backward.grouped_mm_errors else \
+            "not bf16, or --no-grouped-mm, or no torch._grouped_mm"
         print(f"   experts' backward GEMMs: {'grouped (torch._grouped_mm)' if grouped else 'one by one (' + why + ')'}")
 
-    print(f"   closed-form backwards compiled on the GPU (TIC_FUSE_BACKWARD={os.environ.get('TIC_FUSE_BACKWARD', '1')}): "
-          f"{'no compile errors' if not COMPILE_ERRORS else COMPILE_ERRORS}")
+    print(f"   closed-form backwards {'eager (--eager-backward)' if args.eager_backward else 'compiled on the GPU'}: "
+          f"{'no compile errors' if not backward.compile_errors else backward.compile_errors}")
     if "gemm-fixed-m" in provider.patches:
         from tic.patches.vllm import gemm_fixed_m
 

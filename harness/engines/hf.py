@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from tic.config.schema import BackwardConfig
 from tic.harness.engines.base import Engine, Sample, Sampling, request_seed
 from tic.harness.kernels.modules import apply, capture_routes
 from tic.harness.kernels.providers import provider_for
@@ -28,12 +29,15 @@ WRAPPED_KERNELS = ("consistent", "vllm")  # kernels that run through tic's autog
 
 
 def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa", device: str = "cpu",
-               kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, trainable: bool = False, shared: bool = True):
+               kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, backward: BackwardConfig | None = None,
+               trainable: bool = False, shared: bool = True):
     """The model, cached per configuration. trainable=True gives a separate copy whose parameters take
     gradients (C7), so the inference copy the gates share is never touched. shared=False loads an object
     of its own, outside the cache (C8/C9 change its weights; the other gates' models must not see that).
-    kv_block_size: kernels vllm, the rollout's KV page size (tic.harness.kernels.vllm_provider)."""
-    key = (str(model_dir), dtype, kernels, attn, device, kv_block_size, trainable)
+    kv_block_size: kernels vllm, the rollout's KV page size (tic.harness.kernels.vllm_provider); backward: how the
+    wrappers' surrogate backward runs (tic.yaml train.backward)."""
+    backward = backward if backward is not None else BackwardConfig()
+    key = (str(model_dir), dtype, kernels, attn, device, kv_block_size, backward, trainable)
     if shared and key in _MODELS:
         return _MODELS[key]
     from transformers import AutoModelForCausalLM
@@ -55,7 +59,7 @@ def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", att
     model.eval()
     model.requires_grad_(trainable)
     if kernels in WRAPPED_KERNELS:
-        apply(model, provider_for(kernels, kv_block_size))
+        apply(model, provider_for(kernels, kv_block_size), backward)
     if shared:
         _MODELS[key] = model
     return model
@@ -114,13 +118,13 @@ class HFEngine(Engine):
     def __init__(self, model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa",
                  batch_size: int = 8, micro_batch_size: int = 4, padding_side: str = "right",
                  packing: bool = False, device: str = "cpu", shared_model: bool = True, order: str = "given",
-                 kv_block_size: int = DEFAULT_KV_BLOCK_SIZE):
+                 kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, backward: BackwardConfig | None = None):
         self.model_dir = Path(model_dir)
         self.kernels = kernels
         self.dtype = dtype
         self.attn = attn
         self.device = torch.device(device)
-        self._load_args = (self.model_dir, dtype, kernels, attn, device, kv_block_size)
+        self._load_args = (self.model_dir, dtype, kernels, attn, device, kv_block_size, backward)
         self.model = load_model(*self._load_args, shared=shared_model)
         self.batch_size = batch_size
         self.micro_batch_size = micro_batch_size
@@ -135,7 +139,7 @@ class HFEngine(Engine):
         return cls(model_dir, dtype, side_cfg.kernels, side_cfg.attn_implementation, side_cfg.batch_size,
                    side_cfg.micro_batch_size, side_cfg.padding_side, side_cfg.packing,
                    getattr(side_cfg, "device", "cpu"), shared_model, getattr(side_cfg, "order", "given"),
-                   kv_block_size)
+                   kv_block_size, side_cfg.backward)
 
     @classmethod
     def baseline_changes(cls, side_cfg) -> dict:

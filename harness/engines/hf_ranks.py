@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tic.config.schema import BackwardConfig
 from tic.core.errors import TicInputError
 from tic.harness.engines.base import Engine, Sample, Sampling
 from tic.harness.engines.ranks import DealtRequests, OwnerRankCaptureRunner, portable, runner_names
@@ -129,7 +130,8 @@ class RankedHFEngine(DealtRequests, Engine):
     def __init__(self, model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa",
                  batch_size: int = 8, micro_batch_size: int = 4, padding_side: str = "right",
                  packing: bool = False, dp: int = 1, ep: int = 1, options: dict | None = None,
-                 timeout_s: float = 600.0, device: str = "cpu", order: str = "given", kv_block_size: int = DEFAULT_KV_BLOCK_SIZE):
+                 timeout_s: float = 600.0, device: str = "cpu", order: str = "given",
+                 kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, backward: BackwardConfig | None = None):
         opts = check_options(options or {})
         if dp % ep:
             raise TicInputError(f"parallel.ep={ep} must divide parallel.dp={dp} (hf ranks are DP ranks)")
@@ -143,7 +145,8 @@ class RankedHFEngine(DealtRequests, Engine):
         self.layout = f"DP{dp} EP{ep}" + (f" ({self.combine} merge)" if ep > 1 else "")
         kwargs = dict(model_dir=Path(model_dir), dtype=dtype, kernels=kernels, attn=attn, batch_size=batch_size,
                       micro_batch_size=micro_batch_size, padding_side=padding_side, packing=packing,
-                      device="cuda" if device != "cpu" else "cpu", order=order, kv_block_size=kv_block_size)
+                      device="cuda" if device != "cpu" else "cpu", order=order, kv_block_size=kv_block_size,
+                      backward=backward)
         self.pool = RankPool(dp, _setup_rank, (kwargs, ep, self.combine), timeout_s=timeout_s,
                              threads=torch.get_num_threads())
         weakref.finalize(self, self.pool.close)
@@ -154,7 +157,8 @@ class RankedHFEngine(DealtRequests, Engine):
         return cls(model_dir, dtype, side_cfg.kernels, side_cfg.attn_implementation, side_cfg.batch_size,
                    side_cfg.micro_batch_size, side_cfg.padding_side, side_cfg.packing, p.dp, p.ep,
                    side_cfg.options, device=getattr(side_cfg, "device", "cpu"),
-                   order=getattr(side_cfg, "order", "given"), kv_block_size=kv_block_size)
+                   order=getattr(side_cfg, "order", "given"), kv_block_size=kv_block_size,
+                   backward=side_cfg.backward)
 
     def _generate(self, prompts, sampling, request_ids, together: bool) -> list[Sample]:
         shares = self._deal(prompts)

@@ -20,7 +20,6 @@ gates knowing about it: C7 must catch such faults by measurement alone.
 from __future__ import annotations
 
 import functools
-import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tic.config.schema import BackwardConfig
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.rope import rotate_neox
 
@@ -136,14 +136,61 @@ def log_softmax_ref(logits):
     return torch.log_softmax(_wide(logits), dim=-1)
 
 
+# -- how one model's written-out backwards run -----------------------------------------------------------------
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    """fn compiled by torch.compile, built once per function in this process (the compiled code depends on fn
+    alone, as torch's own caches do); whether it runs is each Backward's choice."""
+    return torch.compile(fn, dynamic=True)
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+class Backward:
+    """The written-out backwards of one wrapped model: its switches (tic.yaml train.backward) and what running them
+    found out here. On CUDA each closed form runs compiled by torch.compile into a few fused kernels: eager runs
+    one kernel per elementwise op, and at training sizes those launches, not the arithmetic, set the step time. On
+    CPU, with fuse off, or once compiling it failed here (the reason kept in compile_errors): the same function,
+    eager. The MoE experts' GEMMs run as torch's grouped GEMM where it takes the operands until a launch fails
+    here (grouped_mm_errors), then one GEMM per expert. Either way a surrogate: C7 judges its gradients with a
+    tolerance."""
+
+    def __init__(self, options: BackwardConfig | None = None):
+        self.options = options if options is not None else BackwardConfig()
+        self.compile_errors: dict[str, str] = {}  # closed forms that could not be compiled here, and why
+        self.grouped_mm_errors: list[str] = []  # why torch's grouped GEMM failed here
+        # which mask rows are causal, read once per mask: every layer of one backward passes the same one
+        self.causal_rows = TensorMemo(_causal_rows)
+
+    def fused(self, fn: Callable, *args):
+        """fn(*args), compiled on CUDA unless fuse is off or compiling fn failed here."""
+        first = next(a for a in args if isinstance(a, torch.Tensor))
+        if not first.is_cuda or not self.options.fuse or fn.__name__ in self.compile_errors:
+            return fn(*args)
+        try:
+            return _compiled(fn)(*args)
+        except Exception as e:  # noqa: BLE001 - a compiler failure leaves the eager function, which is correct
+            self.compile_errors[fn.__name__] = _first_line(e)
+            return fn(*args)
+
+    def grouped_mm(self, *tensors: torch.Tensor) -> bool:
+        """Whether the experts' GEMMs run as torch's grouped GEMM (`torch._grouped_mm`, one launch for all experts):
+        it takes bfloat16 operands; elsewhere (float32/64 models, a torch without it, grouped_mm off, or once a
+        launch failed here) they run one by one."""
+        return (self.options.grouped_mm and not self.grouped_mm_errors and hasattr(torch, "_grouped_mm")
+                and all(t.dtype == torch.bfloat16 for t in tensors))
+
+
 # -- the generic Function -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Op:
     name: str
     kernel: Callable  # (provider, *tensors, **kw) -> Tensor | tuple
     reference: Callable | None = None  # (*tensors, *integer outputs, **kw) -> Tensor | tuple, differentiable
-    # (tensors, integer outputs, grads, kw, needs) -> input grads: the reference's gradient written out; it may
-    # return None for a case it does not cover, and autograd through the reference runs instead
+    # (tensors, integer outputs, grads, kw, needs, the model's Backward) -> input grads: the reference's gradient
+    # written out; it may return None for a case it does not cover, and autograd through the reference runs instead
     backward: Callable | None = None
 
 
@@ -156,11 +203,11 @@ def _profiled(what: str):
 
 class KernelFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, op: Op, provider, kw: dict, *tensors):
-        ctx.op, ctx.kw, ctx.n_in = op, kw, len(tensors)
+    def forward(ctx, op: Op, ops: "Ops", kw: dict, *tensors):
+        ctx.op, ctx.run, ctx.kw, ctx.n_in = op, ops.backward, kw, len(tensors)
         ctx.guard = WeightGuard(tensors)
         with _profiled(f"tic.forward.{op.name}"):
-            out = op.kernel(provider, *tensors, **kw)
+            out = op.kernel(ops.provider, *tensors, **kw)
         outs = out if isinstance(out, tuple) else (out,)
         fixed = [o for o in outs if not o.is_floating_point()]
         if fixed:
@@ -184,7 +231,7 @@ class KernelFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         tensors, fixed = saved[:ctx.n_in], saved[ctx.n_in:]
         needs = ctx.needs_input_grad[3:]
-        out = op.backward(tensors, fixed, grads, ctx.kw, needs) if op.backward is not None else None
+        out = op.backward(tensors, fixed, grads, ctx.kw, needs, ctx.run) if op.backward is not None else None
         out = tuple(out) if out is not None else _reference_grads(op, tensors, fixed, grads, ctx.kw, needs)
         for fault, _ in _FAULTS.get(op.name, []):
             if fault is not None:
@@ -217,7 +264,7 @@ def _linear_kernel(provider, x, *wb, n):
     return provider.linear(x, w, b)
 
 
-def _linear_backward(tensors, fixed, grads, kw, needs):
+def _linear_backward(tensors, fixed, grads, kw, needs, run):
     n = kw["n"]
     x, ws, bs = tensors[0], tensors[1:1 + n], tensors[1 + n:]
     g = grads[0]
@@ -234,33 +281,8 @@ def _linear_backward(tensors, fixed, grads, kw, needs):
 
 # -- written-out gradients of the references ------------------------------------------------------------------
 # Each returns the gradient autograd would give through the matching *_ref (tests/test_backward_closed_form.py
-# checks that in float64). Elementwise math runs in float32 (or wider); GEMMs run in the model dtype.
-COMPILE_ERRORS: dict[str, str] = {}  # closed-form backwards that could not be compiled here, and why
-
-
-def _fused_on_gpu(fn):
-    """On CUDA, the closed-form backward compiled by torch.compile into a few fused kernels: eager runs one kernel
-    per elementwise op, and at training sizes those launches, not the arithmetic, set the step time. On CPU, with
-    TIC_FUSE_BACKWARD=0, or once compiling failed here (the reason kept in COMPILE_ERRORS): the same function,
-    eager. Either way a surrogate: C7 judges its gradients with a tolerance."""
-    state: dict = {}
-
-    @functools.wraps(fn)
-    def run(*args):
-        first = next(a for a in args if isinstance(a, torch.Tensor))
-        if not first.is_cuda or os.environ.get("TIC_FUSE_BACKWARD", "1") == "0" or "broken" in state:
-            return fn(*args)
-        if "compiled" not in state:
-            state["compiled"] = torch.compile(fn, dynamic=True)
-        try:
-            return state["compiled"](*args)
-        except Exception as e:  # noqa: BLE001 - a compiler failure leaves the eager function, which is correct
-            state["broken"] = COMPILE_ERRORS[fn.__name__] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-            return fn(*args)
-    return run
-
-
-@_fused_on_gpu
+# checks that in float64). Elementwise math runs in float32 (or wider); GEMMs run in the model dtype. The
+# elementwise ones run through the model's Backward.fused (compiled on CUDA).
 def _rms_norm_input_grads(x, w, g, eps, need_x: bool, need_w: bool):
     """y = w * x * r, r = (mean(x^2) + eps)^-1/2: gx = r * (g w - n * mean(g w n)), n = x r; gw = sum g n."""
     x32 = _wide(x)
@@ -275,47 +297,44 @@ def _rms_norm_input_grads(x, w, g, eps, need_x: bool, need_w: bool):
     return gx, gw
 
 
-def _rms_norm_backward(tensors, fixed, grads, kw, needs):
+def _rms_norm_backward(tensors, fixed, grads, kw, needs, run):
     x, w = tensors
-    return _rms_norm_input_grads(x, w, grads[0], kw["eps"], needs[0], needs[1])
+    return run.fused(_rms_norm_input_grads, x, w, grads[0], kw["eps"], needs[0], needs[1])
 
 
-@_fused_on_gpu
 def _add_rms_norm_input_grads(x, residual, w, g_norm, g_total, eps, need_x: bool, need_w: bool):
     """The norm's gradients at x + residual, plus the gradient of the sum output: one compiled function (on the
     GPU), not the sum, the norm backward and the add launched one by one."""
-    gt, gw = _rms_norm_input_grads.__wrapped__(_wide(x) + _wide(residual), w, g_norm, eps, need_x, need_w)
+    gt, gw = _rms_norm_input_grads(_wide(x) + _wide(residual), w, g_norm, eps, need_x, need_w)
     if g_total is not None and gt is not None:
         gt = gt + g_total
     return gt, gw
 
 
-def _add_rms_norm_backward(tensors, fixed, grads, kw, needs):
+def _add_rms_norm_backward(tensors, fixed, grads, kw, needs, run):
     x, residual, w = tensors
     g_norm, g_total = grads
     gt, gw = None, None
     if g_norm is not None:
-        gt, gw = _add_rms_norm_input_grads(x, residual, w, g_norm, g_total, kw["eps"], needs[0] or needs[1],
-                                           needs[2])
+        gt, gw = run.fused(_add_rms_norm_input_grads, x, residual, w, g_norm, g_total, kw["eps"],
+                           needs[0] or needs[1], needs[2])
     elif g_total is not None:
         gt = _wide(g_total)
     return (gt if needs[0] else None), (gt if needs[1] else None), gw
 
 
-@_fused_on_gpu
 def _silu_and_mul_input_grad(x, g):
     a, b = _wide(x).chunk(2, dim=-1)
     g = g.to(a.dtype)
     return torch.cat([torch.ops.aten.silu_backward(g * b, a), g * F.silu(a)], dim=-1)
 
 
-def _silu_and_mul_backward(tensors, fixed, grads, kw, needs):
+def _silu_and_mul_backward(tensors, fixed, grads, kw, needs, run):
     if not needs[0]:
         return (None,)
-    return (_silu_and_mul_input_grad(tensors[0], grads[0]),)
+    return (run.fused(_silu_and_mul_input_grad, tensors[0], grads[0]),)
 
 
-@_fused_on_gpu
 def _rotate_neox_input_grad(g, positions, cos_sin):
     """Transpose of rotate_neox: out1 = x1 c - x2 s, out2 = x2 c + x1 s, so gx1 = g1 c + g2 s, gx2 = g2 c - g1 s."""
     g32 = _wide(g)
@@ -327,12 +346,14 @@ def _rotate_neox_input_grad(g, positions, cos_sin):
     return torch.cat([out, g32[..., rot:]], dim=-1) if g32.shape[-1] > rot else out
 
 
-def _rotary_backward(tensors, fixed, grads, kw, needs):
+def _rotary_backward(tensors, fixed, grads, kw, needs, run):
     if needs[3]:
         return None  # a trainable rotary table: autograd through the reference
     q, k, positions, cos_sin = tensors
-    gq = _rotate_neox_input_grad(grads[0], positions, cos_sin) if needs[0] and grads[0] is not None else None
-    gk = _rotate_neox_input_grad(grads[1], positions, cos_sin) if needs[1] and grads[1] is not None else None
+    gq = run.fused(_rotate_neox_input_grad, grads[0], positions, cos_sin) if needs[0] and grads[0] is not None \
+        else None
+    gk = run.fused(_rotate_neox_input_grad, grads[1], positions, cos_sin) if needs[1] and grads[1] is not None \
+        else None
     return gq, gk, None, None
 
 
@@ -344,10 +365,7 @@ def _causal_rows(mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return rows, bool(rows.all())
 
 
-_CAUSAL_ROWS = TensorMemo(_causal_rows)  # read once per mask: every layer of one backward passes the same one
-
-
-def _attention_backward(tensors, fixed, grads, kw, needs):
+def _attention_backward(tensors, fixed, grads, kw, needs, run):
     """attention_ref's gradient through torch's SDPA backward in the inputs' dtype, K/V heads shared by
     enable_gqa. With the causal flag (no materialised mask, the fused kernels) when every query row whose
     output gradient is non-zero sees exactly keys 0..q: a right-padded batch, where only padding rows see
@@ -362,7 +380,7 @@ def _attention_backward(tensors, fixed, grads, kw, needs):
     go = g.transpose(1, 2).to(q.dtype)  # [B, H, Q, Dv]
     causal = Q == K
     if causal and mask is not None:
-        rows, all_causal = _CAUSAL_ROWS.get(mask)
+        rows, all_causal = run.causal_rows.get(mask)
         # one device sync; only for masks with non-causal rows (padding)
         causal = all_causal or not bool(((go != 0).any(-1).any(1) & ~rows).any())
     sdpa_kw = dict(scale=kw["scale"], enable_gqa=k.shape[1] != H)
@@ -379,7 +397,7 @@ def _attention_backward(tensors, fixed, grads, kw, needs):
     return (*[next(got) if t.requires_grad else None for t in ins], None)
 
 
-def _moe_route_backward(tensors, fixed, grads, kw, needs):
+def _moe_route_backward(tensors, fixed, grads, kw, needs, run):
     """w = softmax(logits)[ids] (/ sum w): back through the renormalisation, scatter to experts, softmax."""
     if not needs[0] or grads[0] is None:
         return (None,)
@@ -394,7 +412,7 @@ def _moe_route_backward(tensors, fixed, grads, kw, needs):
     return (p * (gp - (p * gp).sum(-1, keepdim=True)),)
 
 
-def _log_softmax_backward(tensors, fixed, grads, kw, needs):
+def _log_softmax_backward(tensors, fixed, grads, kw, needs, run):
     if not needs[0]:
         return (None,)
     logits = tensors[0]
@@ -403,25 +421,16 @@ def _log_softmax_backward(tensors, fixed, grads, kw, needs):
     return (torch._log_softmax_backward_data(grads[0].to(wide), out, -1, wide),)  # g - exp(out) * sum(g)
 
 
-def _grouped_mm_usable(*tensors) -> bool:
-    """torch's grouped GEMM (`torch._grouped_mm`, one launch for all experts) takes bfloat16 operands; elsewhere
-    (float32/64 models, a torch without it, TIC_GROUPED_MM=0) the experts' GEMMs run one by one."""
-    return (hasattr(torch, "_grouped_mm") and all(t.dtype == torch.bfloat16 for t in tensors)
-            and os.environ.get("TIC_GROUPED_MM", "1") != "0")
-
-
-GROUPED_MM_ERRORS: list[str] = []  # why torch's grouped GEMM failed here (then the experts' GEMMs run one by one)
-
-
 class _ExpertGemms:
     """The per-expert GEMMs of the experts' backward over pairs grouped by expert (`counts` pairs each, in expert
     order): `rows(a, w)` = a[pairs of e] @ w[e] into one [P, N] buffer; `weights(a, b)` = a[pairs of e].T @
     b[pairs of e] for every expert, [E, A, B] (zero for an expert without pairs). One grouped launch each where
     torch's grouped GEMM runs (bf16), else one GEMM per expert with pairs (which needs the counts on the host:
-    one device read). Either is a surrogate's GEMM in the model dtype: C7 judges the result."""
+    one device read). Either is a surrogate's GEMM in the model dtype: C7 judges the result. A grouped launch that
+    fails goes into `errors` (the model's Backward.grouped_mm_errors), and the loop runs from then on."""
 
-    def __init__(self, counts: torch.Tensor, grouped: bool):
-        self.counts, self.grouped, self._spans = counts, grouped and not GROUPED_MM_ERRORS, None
+    def __init__(self, counts: torch.Tensor, grouped: bool, errors: list[str]):
+        self.counts, self.grouped, self.errors, self._spans = counts, grouped, errors, None
         if self.grouped:
             self.offs = torch.cumsum(counts, 0).to(torch.int32)
 
@@ -439,7 +448,7 @@ class _ExpertGemms:
         try:
             return fn()
         except (RuntimeError, NotImplementedError) as e:  # a layout or device this torch does not group: loop
-            GROUPED_MM_ERRORS.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            self.errors.append(_first_line(e))
             self.grouped = False
             return None
 
@@ -464,7 +473,7 @@ class _ExpertGemms:
         return out
 
 
-def _moe_experts_backward(tensors, fixed, grads, kw, needs):
+def _moe_experts_backward(tensors, fixed, grads, kw, needs, run):
     """moe_experts_ref's gradient over the (token, slot) pairs sorted by expert once: per expert only its GEMMs
     (model dtype: recompute gate_up -> down, then the gradient GEMMs; one grouped launch each in bf16), each
     writing its rows of one buffer; gathers, silu * mul and its derivative, the routing-weight dot products and
@@ -478,7 +487,8 @@ def _moe_experts_backward(tensors, fixed, grads, kw, needs):
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pair index t * k + slot, grouped by expert
     gu_w, down_w = (w if w.dtype == dt else w.to(dt) for w in (gate_up, down))
-    gemms = _ExpertGemms(torch.bincount(flat, minlength=gate_up.shape[0]), _grouped_mm_usable(x, gu_w, down_w))
+    gemms = _ExpertGemms(torch.bincount(flat, minlength=gate_up.shape[0]), run.grouped_mm(x, gu_w, down_w),
+                         run.grouped_mm_errors)
     tok = order // k
     xs, gs = x[tok], g.to(dt)[tok]  # [P, H] in expert order
     act = gemms.rows(xs, gu_w.transpose(1, 2))
@@ -496,7 +506,7 @@ def _moe_experts_backward(tensors, fixed, grads, kw, needs):
         g_down = gemms.weights(gy, h).to(down.dtype)
     if needs[0] or needs[3]:
         gh = _wide(gemms.rows(gy, down_w))
-        ga = _silu_and_mul_input_grad.__wrapped__(act, gh).to(dt)  # silu * mul's own backward, eager as before
+        ga = _silu_and_mul_input_grad(act, gh).to(dt)  # silu * mul's own backward, eager
         if needs[3]:
             g_gate_up = gemms.weights(ga, xs).to(gate_up.dtype)
         if needs[0]:
@@ -523,13 +533,14 @@ OPS: dict[str, Op] = {op.name: op for op in [
 
 
 class Ops:
-    """The wrappers bound to one provider: what the patched model modules call."""
+    """The wrappers bound to one provider and one model's Backward: what the patched model modules call."""
 
-    def __init__(self, provider):
+    def __init__(self, provider, backward: Backward | None = None):
         self.provider = provider
+        self.backward = backward if backward is not None else Backward()
 
     def _run(self, name, *tensors, **kw):
-        return KernelFunction.apply(OPS[name], self.provider, kw, *tensors)
+        return KernelFunction.apply(OPS[name], self, kw, *tensors)
 
     def linear(self, x, weights: list, biases: list | None = None):
         biases = biases if biases is not None and biases[0] is not None else [None] * len(weights)

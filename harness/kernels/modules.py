@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from tic.core.errors import TicInputError
-from tic.harness.kernels.autograd import Ops
+from tic.config.schema import BackwardConfig
+from tic.harness.kernels.autograd import Backward, Ops
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.stand_ins import stands_for
 
@@ -286,9 +287,10 @@ def _per_layer_once(problems: list[str]) -> list[str]:
             for k, v in groups.items()]
 
 
-def apply(model: nn.Module, provider) -> nn.Module:
-    """Patch an HF causal LM in place so every operator runs through `provider` with a surrogate backward.
-    Idempotent for one provider; raises TicInputError for what the wrappers do not cover."""
+def apply(model: nn.Module, provider, backward: BackwardConfig | None = None) -> nn.Module:
+    """Patch an HF causal LM in place so every operator runs through `provider` with a surrogate backward (run as
+    `backward` says: tic.yaml train.backward). Idempotent for one provider; raises TicInputError for what the
+    wrappers do not cover."""
     done = getattr(model, "_tic_provider", None)
     if done is not None:
         if done is not provider:
@@ -298,7 +300,7 @@ def apply(model: nn.Module, provider) -> nn.Module:
     if problems:
         raise TicInputError(f"{provider.name} kernel wrappers do not cover: " + "; ".join(problems))
     register_attention()
-    ops = Ops(provider)
+    ops = Ops(provider, Backward(backward))
     cfg = model.config.get_text_config()
     stream = ResidualStream()
     dtype = next(model.parameters()).dtype
