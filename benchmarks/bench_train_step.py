@@ -108,7 +108,7 @@ def main() -> None:
         tf, tb = timed_step(wrapped, inputs, wrapped._tic_ops.log_softmax, args.repeats)
         # gradients: the tic step, then the plain step with its routers pinned to the tic step's experts
         wrapped.zero_grad(set_to_none=True)
-        with capture_routes() as calls:
+        with capture_routes(wrapped) as calls:
             loss_of(wrapped, *inputs, wrapped._tic_ops.log_softmax).backward()
         plain.zero_grad(set_to_none=True)
         pin = RoutingPin(plain)

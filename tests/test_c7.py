@@ -470,7 +470,7 @@ def test_vllm_provider_reuses_a_mask_layout_only_for_that_unchanged_mask(monkeyp
     built = []
     real = vp.varlen_from_mask
     monkeypatch.setattr(vp, "varlen_from_mask", lambda m, *a: built.append(m) or real(m, *a))
-    prov = object.__new__(vp.VLLMProvider)
+    prov = _cpu_vllm_provider(monkeypatch)
     ar = torch.arange(6)
     causal = ar[None, :] <= ar[:, None]
     mask = torch.stack([causal, causal & (ar[None, :] < 4)])[:, None].clone()

@@ -287,7 +287,7 @@ def main() -> int:
     print("\n2. gradients of the wrapped bf16 model vs plain HF float32 (same weights, same loss; MoE routers of "
           "the reference take the wrapped model's top-k experts, as C7 pins them)")
     wrapped.zero_grad(set_to_none=True)
-    with capture_routes() as calls:
+    with capture_routes(wrapped) as calls:
         step(wrapped, ids, mask, pos, adv, wrapped._tic_ops.log_softmax)
     routes = {name: torch.cat(c) for name, c in calls.items()}
     ref = copy.deepcopy(plain).float()

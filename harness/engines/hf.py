@@ -264,7 +264,7 @@ class HFEngine(Engine):
         (forward alone, unpadded); {} for a model without wrapped MoE blocks. C6 makes them layout-independent."""
         if self.kernels not in WRAPPED_KERNELS:
             return {}
-        with capture_routes() as routes:
+        with capture_routes(self.model) as routes:
             self.model(input_ids=torch.tensor([sample.ids], device=self.device), use_cache=False)
         return {name: torch.cat(calls) for name, calls in routes.items()}
 

@@ -152,7 +152,8 @@ class RankedHFEngine(DealtRequests, Engine):
         weakref.finalize(self, self.pool.close)
 
     @classmethod
-    def from_config(cls, side_cfg, model_dir: Path, dtype: str, kv_block_size: int = DEFAULT_KV_BLOCK_SIZE) -> "RankedHFEngine":
+    def from_config(cls, side_cfg, model_dir: Path, dtype: str,
+                    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE) -> "RankedHFEngine":
         p = side_cfg.parallel
         return cls(model_dir, dtype, side_cfg.kernels, side_cfg.attn_implementation, side_cfg.batch_size,
                    side_cfg.micro_batch_size, side_cfg.padding_side, side_cfg.packing, p.dp, p.ep,

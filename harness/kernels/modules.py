@@ -57,6 +57,11 @@ class RopeTable:
 
     def __init__(self, rotary: nn.Module, dtype: torch.dtype, provider, config):
         self.rotary, self.dtype, self.provider, self.config, self.table = rotary, dtype, provider, config, None
+        # rows a forward needs: one device read per position_ids tensor, not one per layer
+        self._rows_needed = TensorMemo(lambda pos: int(pos.max()) + 1 if pos.numel() else 1)
+
+    def for_positions(self, position_ids: torch.Tensor, device) -> torch.Tensor:
+        return self.get(self._rows_needed.get(position_ids), device)
 
     def get(self, need: int, device) -> torch.Tensor:
         if self.table is None or self.table.shape[0] < need or self.table.device != torch.device(device):
@@ -67,24 +72,25 @@ class RopeTable:
         return self.table
 
 
-# rows of the rotary table a forward needs: one device read per position_ids tensor, not one per layer
-_ROWS_NEEDED = TensorMemo(lambda pos: int(pos.max()) + 1 if pos.numel() else 1)
+class RouteLog:
+    """The top-k expert ids each wrapped MoE block of one model chooses (block name -> [ids per call]), while
+    capture_routes(model) records them; None otherwise."""
 
-
-_ROUTES: dict | None = None  # block name -> [top-k ids per call], while capture_routes() is active
+    def __init__(self):
+        self.calls: dict | None = None
 
 
 @contextlib.contextmanager
-def capture_routes():
-    """Record the top-k expert ids each wrapped MoE block chooses (by block name, in call order): C7 pins its
-    float32 reference to the experts the path under test chose (a token near a routing tie may pick other
+def capture_routes(model: nn.Module):
+    """Record the top-k expert ids each wrapped MoE block of `model` chooses (by block name, in call order): C7
+    pins its float32 reference to the experts the path under test chose (a token near a routing tie may pick other
     experts in float32, and its gradient then goes elsewhere: not a backward fault)."""
-    global _ROUTES
-    prev, _ROUTES = _ROUTES, {}
+    log: RouteLog = model._tic_routes
+    prev, log.calls = log.calls, {}
     try:
-        yield _ROUTES
+        yield log.calls
     finally:
-        _ROUTES = prev
+        log.calls = prev
 
 
 # -- patched forwards -----------------------------------------------------------------------------------------
@@ -153,7 +159,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
         position_ids = torch.arange(past, past + T, device=q.device)[None].expand(B, T)
     positions = position_ids.expand(B, T).reshape(-1)
-    table = self._tic_rope.get(_ROWS_NEEDED.get(position_ids), q.device)
+    table = self._tic_rope.for_positions(position_ids, q.device)
     q, k = ops.rotary(q.reshape(B * T, -1, D), k.reshape(B * T, -1, D), positions, table)
     q, k, v = q.reshape(B, T, -1, D).transpose(1, 2), k.reshape(B, T, -1, D).transpose(1, 2), v.transpose(1, 2)
     if cache is not None:
@@ -181,8 +187,9 @@ def _moe_forward(self, hidden_states):
     router, experts = self.gate, self.experts
     logits = ops.linear(x, [router.weight])
     weights, ids = ops.moe_route(logits, router.top_k, getattr(router, "norm_topk_prob", True))
-    if _ROUTES is not None:
-        _ROUTES.setdefault(self._tic_name, []).append(ids.detach().to("cpu"))
+    calls = self._tic_routes.calls
+    if calls is not None:
+        calls.setdefault(self._tic_name, []).append(ids.detach().to("cpu"))
     return ops.moe_experts(x, weights, ids, experts.gate_up_proj, experts.down_proj).reshape(shape)
 
 
@@ -302,7 +309,7 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None) ->
     register_attention()
     ops = Ops(provider, Backward(backward))
     cfg = model.config.get_text_config()
-    stream = ResidualStream()
+    stream, routes = ResidualStream(), RouteLog()
     dtype = next(model.parameters()).dtype
     rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
     rope = RopeTable(rotary[0], dtype, provider, cfg)
@@ -311,7 +318,7 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None) ->
     for name, m in list(model.named_modules()):
         m._tic_ops = ops
         if _is_moe_block(m):
-            m._tic_name = name
+            m._tic_name, m._tic_routes = name, routes
             m.forward = types.MethodType(_moe_forward, m)
         elif _is_gated_mlp(m):
             m.forward = types.MethodType(_mlp_forward, m)
@@ -333,5 +340,5 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None) ->
         if c is not None and hasattr(c, "_attn_implementation"):
             c._attn_implementation = ATTN_NAME
     model._tic_provider = provider
-    model._tic_ops = ops
+    model._tic_ops, model._tic_routes = ops, routes
     return model

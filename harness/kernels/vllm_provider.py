@@ -60,9 +60,6 @@ def _build_layout(mask, B: int, T: int, device, block_size: int):
     return vl, paged_rows_layout(vl, B, T, block_size) or paged_layout(vl.cu_seqlens, block_size)
 
 
-_LAYOUTS = TensorMemo(_build_layout)  # built once per mask: every layer of one forward passes the same one
-
-
 def _rows_as_pages(t: torch.Tensor, pages, block_size: int) -> torch.Tensor:
     """K or V [B, heads, T, D] of a batch whose rows are its pages: [B * row_pages, block_size, heads, D], each row
     padded to whole pages (no copy when the [B, T, heads, D] layout is contiguous and T fills the pages). Slots past
@@ -90,6 +87,7 @@ class VLLMProvider(KernelProvider):
         """kv_block_size: the KV page size of the vLLM rollout this training forward must match (as its engine
         resolved it): prefill attention pages K/V alike, since FA3 picks its key tile from the paging."""
         self.kv_block_size = int(kv_block_size)
+        self._layouts = TensorMemo(_build_layout)  # once per mask: every layer of one forward passes the same one
         self._load_vllm()
 
     def _load_vllm(self) -> None:
@@ -231,7 +229,7 @@ class VLLMProvider(KernelProvider):
 
     def _layout(self, mask, B: int, T: int, device, block_size: int):
         """(varlen, paged layout) for one mask, built once per mask (tic.harness.kernels.memo.TensorMemo)."""
-        return _LAYOUTS.get(mask, B, T, device, block_size)
+        return self._layouts.get(mask, B, T, device, block_size)
 
     def attention(self, q, k, v, mask, scale):
         """Prefill attention as vLLM's FlashAttention backend runs it: the K/V written into a paged cache of
