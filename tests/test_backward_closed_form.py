@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from tic.config.schema import BackwardConfig
 from tic.harness.kernels import autograd as ag
 from tic.harness.kernels.consistent_cpu import CPUProvider
+from tic.harness.testing.backward_plants import planted_fault
 
 G = torch.Generator().manual_seed(7)
 
@@ -224,21 +225,38 @@ def test_every_operator_has_a_written_out_backward():
     assert all(op.backward is not None for op in ag.OPS.values())
 
 
-def test_closed_form_backward_still_runs_the_weight_check_and_planted_faults():
+def _wrapped() -> torch.nn.Module:
+    m = torch.nn.Module()
+    m._tic_ops = ag.Ops(CPUProvider())
+    return m
+
+
+def test_closed_form_backward_still_runs_the_weight_check_and_a_plant_in_its_own_model_only():
+    """The weight check runs before the written-out backward; a plant (tic.harness.testing.backward_plants) changes
+    that backward in the model it is planted into, runs its `before` ahead of the weight check, and is gone
+    afterwards; another model's wrappers never see it."""
     w = torch.nn.Parameter(r(16))
     x = r(3, 16).requires_grad_()
-    out = ag.Ops(CPUProvider()).rms_norm(x, w, 1e-6)
+    planted, other = _wrapped(), _wrapped()
+    out = planted._tic_ops.rms_norm(x, w, 1e-6)
     with torch.no_grad():
         w.mul_(2)
     with pytest.raises(ag.StaleWeightError):
         out.sum().backward()
     x.grad = None
-    with ag.planted_fault("rms_norm", grads=lambda g: (-g[0], g[1])):
-        ag.Ops(CPUProvider()).rms_norm(x, w, 1e-6).sum().backward()
-    flipped = x.grad.clone()
+    with planted_fault(planted, "rms_norm", grads=lambda g: (-g[0], g[1])):
+        planted._tic_ops.rms_norm(x, w, 1e-6).sum().backward()
+        flipped = x.grad.clone()
+        x.grad = None
+        other._tic_ops.rms_norm(x, w, 1e-6).sum().backward()
+    want = x.grad.clone()
+    assert torch.allclose(flipped, -want)
     x.grad = None
-    ag.Ops(CPUProvider()).rms_norm(x, w, 1e-6).sum().backward()
-    assert torch.allclose(flipped, -x.grad)
+    planted._tic_ops.rms_norm(x, w, 1e-6).sum().backward()
+    assert torch.equal(x.grad, want)
+    with planted_fault(planted, "rms_norm", before=lambda ws: ws[0].add_(1)):
+        with pytest.raises(ag.StaleWeightError):
+            planted._tic_ops.rms_norm(x, w, 1e-6).sum().backward()
 
 
 class _OnCuda(torch.Tensor):

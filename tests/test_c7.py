@@ -12,6 +12,7 @@ from tic.harness.engines import hf
 from tic.harness.kernels import autograd as ag
 from tic.harness.kernels.consistent_cpu import CPUProvider
 from tic.harness.kernels.varlen import paged_layout, varlen_from_mask
+from tic.harness.testing.backward_plants import planted_fault
 from tic.core.errors import TicInputError
 from tic.config.schema import load_config
 from tic.skill.context import GateContext
@@ -45,13 +46,15 @@ def dense_ctx(tmp_path_factory):
     yield from _rolled_out(tmp_path_factory, "tiny-qwen3")
 
 
-def _fresh_train_model():
+def _fresh_train_model(ctx):
+    """A fresh trainable copy of the train engine's model: the one C7's backward runs next (a plant goes there)."""
     for k in [k for k in hf._MODELS if k[-1]]:  # the trainable copies
         del hf._MODELS[k]
+    return ctx.train_engine().trainable_model()
 
 
 def run_c7(ctx):
-    _fresh_train_model()
+    _fresh_train_model(ctx)
     return run_gate(get("C7"), ctx)
 
 
@@ -99,7 +102,7 @@ def test_c7_passes_on_the_moe_model_with_the_reference_routed_as_the_path_under_
     ("moe_experts", lambda g: (g[0], g[1], g[2], g[3] * 2, *g[4:])),  # experts' gate_up gradient doubled
 ])
 def test_c7_fails_on_a_planted_wrong_moe_backward(moe_ctx, op, fault):
-    with ag.planted_fault(op, grads=fault):
+    with planted_fault(moe_ctx.train_engine().trainable_model(), op, grads=fault):
         res = run_gate(get("C7"), moe_ctx)
     assert res.verdict == "fail" and "outside the tolerance" in res.reason
 
@@ -146,8 +149,8 @@ def _negate_first(grads):
     ("silu_and_mul", lambda g: (g[0] * 1.5,)),                 # a wrong scale
 ])
 def test_c7_fails_on_a_planted_wrong_backward(dense_ctx, op, fault):
-    with ag.planted_fault(op, grads=fault):
-        res = run_c7(dense_ctx)
+    with planted_fault(_fresh_train_model(dense_ctx), op, grads=fault):
+        res = run_gate(get("C7"), dense_ctx)
     assert res.verdict == "fail" and "outside the tolerance" in res.reason
 
 
@@ -156,8 +159,8 @@ def test_c7_fails_when_weights_change_between_forward_and_backward(dense_ctx):
         for w in weights:
             w.add_(1e-3)
 
-    with ag.planted_fault("linear", before=optimizer_step):
-        res = run_c7(dense_ctx)
+    with planted_fault(_fresh_train_model(dense_ctx), "linear", before=optimizer_step):
+        res = run_gate(get("C7"), dense_ctx)
     assert res.verdict == "fail" and "stale weight version" in res.reason
 
 
@@ -242,9 +245,14 @@ def test_backward_refuses_weights_changed_since_forward(change):
         out.sum().backward()
 
 
-def test_planted_fault_names_a_known_operator():
+def test_a_plant_names_a_known_operator_of_a_wrapped_model():
+    wrapped = torch.nn.Module()
+    wrapped._tic_ops = ag.Ops(CPUProvider())
     with pytest.raises(KeyError):
-        with ag.planted_fault("no_such_op", grads=lambda g: g):
+        with planted_fault(wrapped, "no_such_op", grads=lambda g: g):
+            pass
+    with pytest.raises(ValueError, match="does not run tic's kernel wrappers"):
+        with planted_fault(torch.nn.Linear(2, 2), "linear", grads=lambda g: g):
             pass
 
 
@@ -432,8 +440,7 @@ def test_llama_through_the_wrappers_passes_c5_c6_c7(tmp_path):
         for gate in ("C5", "C6", "C7"):
             res = run_gate(get(gate), ctx)
             assert res.verdict == "pass", (gate, res.reason)
-        with ag.planted_fault("attention", grads=_negate_first):
-            _fresh_train_model()
+        with planted_fault(_fresh_train_model(ctx), "attention", grads=_negate_first):
             assert run_gate(get("C7"), ctx).verdict == "fail"
     finally:
         hf._MODELS.clear()

@@ -2,8 +2,9 @@
 
   python benchmarks/gpu/c7_plants.py CONFIG.yaml [OUT.json]
 
-Each plant changes one autograd surrogate's gradients (tic.harness.kernels.autograd.planted_fault) or the
-weights between forward and backward; the forward values (vLLM's kernels) are untouched. Prints one row per run.
+Each plant changes one autograd surrogate's gradients (tic.harness.testing.backward_plants.planted_fault, in the
+train engine's trainable model) or the weights between forward and backward; the forward values (vLLM's kernels)
+are untouched. Prints one row per run.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 def main() -> None:
     from tic.gates import get
-    from tic.harness.kernels import autograd as ag
+    from tic.harness.testing.backward_plants import planted_fault
     from tic.config.schema import load_config
     from tic.skill.context import GateContext
     from tic.skill.runner import run_gate
@@ -46,7 +47,7 @@ def main() -> None:
         if op is None:
             res = run_gate(get("C7"), ctx)
         else:
-            with ag.planted_fault(op, **kw):
+            with planted_fault(ctx.train_engine().trainable_model(), op, **kw):
                 res = run_gate(get("C7"), ctx)
         expect = "pass" if op is None else "fail"
         rows.append({"plant": label, "verdict": res.verdict, "expected": expect, "key": res.key_figure,

@@ -269,13 +269,17 @@ class HFEngine(Engine):
         return {name: torch.cat(calls) for name, calls in routes.items()}
 
     # -- training: gradients through the same forward ------------------------------------------------------
+    def trainable_model(self):
+        """The trainable copy of this engine's model (cached) that policy_gradients runs."""
+        return load_model(*self._load_args, trainable=True)
+
     def policy_gradients(self, samples: list[Sample], sampling: Sampling,
                          advantages: list[float]) -> dict[str, torch.Tensor]:
         """Per-parameter gradients (float32, CPU) of the loss -(1/N) sum_i A_i sum_t logp(i, t) over the valid
         response tokens, through this engine's forward in its configured layout (micro-batches, padding side,
         packing, order), on a trainable copy of the model with the same weights."""
         self._check_ids([s.ids for s in samples])
-        model = load_model(*self._load_args, trainable=True)
+        model = self.trainable_model()
         model.zero_grad(set_to_none=True)
         n_tokens = sum(int(s.mask.sum()) if s.mask is not None else len(s.response_ids) for s in samples)
         for group in self.micro_batches(len(samples)):

@@ -13,14 +13,15 @@ torch's SDPA backward on the saved inputs. An operator whose written-out backwar
 Every backward first checks that no weight it saw at forward changed since (tensor version and storage): an
 optimizer step or weight sync between forward and backward would otherwise mix weight versions silently.
 
-`planted_fault` lets tests corrupt one operator's backward (or change weights before it runs) without the
-gates knowing about it: C7 must catch such faults by measurement alone.
+Ops looks each operator up in its own table: a test plants a wrong backward (tic.harness.testing.backward_plants)
+by installing, in one model's wrappers, an Ops whose table holds an Op of its own; no backward looks for plants.
+C7 must catch such faults by measurement alone.
 """
 
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -51,25 +52,6 @@ class WeightGuard:
                     f"{op} backward: a weight {tuple(w.shape)} changed since its forward (version {version} -> "
                     f"{w._version}{', storage replaced' if w.data_ptr() != ptr else ''}); the gradient would mix "
                     "weight versions")
-
-
-# -- planted faults (tests) -----------------------------------------------------------------------------------
-_FAULTS: dict[str, list[tuple[Callable | None, Callable | None]]] = {}
-
-
-@contextmanager
-def planted_fault(op: str, grads: Callable[[tuple], tuple] | None = None,
-                  before: Callable[[list[torch.Tensor]], None] | None = None):
-    """While active, operator `op`'s backward runs `before(weights)` (under no_grad) before its weight check,
-    and passes its input gradients through `grads(tuple) -> tuple` before returning them."""
-    if op not in OPS:
-        raise KeyError(f"no operator {op!r}; operators are {', '.join(OPS)}")
-    entry = (grads, before)
-    _FAULTS.setdefault(op, []).append(entry)
-    try:
-        yield
-    finally:
-        _FAULTS[op].remove(entry)
 
 
 # -- references: plain PyTorch, float32 (float64 stays float64: tests), differentiable ---------------------------
@@ -193,6 +175,16 @@ class Op:
     # written out; it may return None for a case it does not cover, and autograd through the reference runs instead
     backward: Callable | None = None
 
+    def input_grads(self, ctx, grads: tuple) -> tuple:
+        """One backward call's input gradients (ctx: what KernelFunction.forward kept): the weight check, then the
+        written-out gradient, or autograd through the reference where that does not cover the case."""
+        ctx.guard.check(self.name)
+        saved = ctx.saved_tensors
+        tensors, fixed = saved[:ctx.n_in], saved[ctx.n_in:]
+        needs = ctx.needs_input_grad[3:]
+        out = self.backward(tensors, fixed, grads, ctx.kw, needs, ctx.run) if self.backward is not None else None
+        return tuple(out) if out is not None else _reference_grads(self, tensors, fixed, grads, ctx.kw, needs)
+
 
 def _profiled(what: str):
     """A named range while torch's profiler runs (benchmarks break a step down per operator), else nothing."""
@@ -218,25 +210,7 @@ class KernelFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         with _profiled(f"tic.backward.{ctx.op.name}"):
-            return KernelFunction._backward(ctx, *grads)
-
-    @staticmethod
-    def _backward(ctx, *grads):
-        op = ctx.op
-        for _, before in _FAULTS.get(op.name, []):
-            if before is not None:
-                with torch.no_grad():
-                    before(ctx.guard.weights)
-        ctx.guard.check(op.name)
-        saved = ctx.saved_tensors
-        tensors, fixed = saved[:ctx.n_in], saved[ctx.n_in:]
-        needs = ctx.needs_input_grad[3:]
-        out = op.backward(tensors, fixed, grads, ctx.kw, needs, ctx.run) if op.backward is not None else None
-        out = tuple(out) if out is not None else _reference_grads(op, tensors, fixed, grads, ctx.kw, needs)
-        for fault, _ in _FAULTS.get(op.name, []):
-            if fault is not None:
-                out = tuple(fault(out))
-        return (None, None, None, *out)
+            return (None, None, None, *ctx.op.input_grads(ctx, grads))
 
 
 def _reference_grads(op, tensors, fixed, grads, kw, needs) -> tuple:
@@ -533,14 +507,16 @@ OPS: dict[str, Op] = {op.name: op for op in [
 
 
 class Ops:
-    """The wrappers bound to one provider and one model's Backward: what the patched model modules call."""
+    """The wrappers bound to one provider and one model's Backward, each operator looked up in `table` (OPS
+    unless a test plants one of its own): what the patched model modules call."""
 
-    def __init__(self, provider, backward: Backward | None = None):
+    def __init__(self, provider, backward: Backward | None = None, table: dict[str, Op] | None = None):
         self.provider = provider
         self.backward = backward if backward is not None else Backward()
+        self.table = table if table is not None else OPS
 
     def _run(self, name, *tensors, **kw):
-        return KernelFunction.apply(OPS[name], self, kw, *tensors)
+        return KernelFunction.apply(self.table[name], self, kw, *tensors)
 
     def linear(self, x, weights: list, biases: list | None = None):
         biases = biases if biases is not None and biases[0] is not None else [None] * len(weights)

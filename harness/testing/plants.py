@@ -171,7 +171,7 @@ def kernel_swap(module_name: str, **kernels: Callable) -> Callable:
         provider = copy.copy(old.provider)  # its other methods call the replaced kernels through self
         for name, fn in kernels.items():
             setattr(provider, name, functools.partial(fn, provider))
-        m._tic_ops = Ops(provider)
+        m._tic_ops = Ops(provider, old.backward, old.table)
         return lambda: setattr(m, "_tic_ops", old)
     return install
 
