@@ -44,14 +44,13 @@ def build_engine(ctx, side: str, side_cfg=None, shared_model: bool = True) -> En
     if side_cfg.engine == "hf":
         from tic.harness.engines.hf_ranks import RankedHFEngine, check_options
 
-        # (a rollout side on vLLM's kernels is refused before any engine is built: tic.skill.context.check_kernels)
-        kv_block_size = rollout_kv_block_size(ctx) if side_cfg.kernels == "vllm" and side != "rollout" \
-            else DEFAULT_KV_BLOCK_SIZE
-
         check_options(side_cfg.options)
         if par.tp > 1 or par.cp > 1 or par.dcp > 1:
             raise TicInputError(f"{side}.parallel: the hf engine runs data and expert parallel ranks only "
                                 f"(tp={par.tp}, cp={par.cp}, dcp={par.dcp}); C0 says which layouts are covered")
+        # (a rollout side on vLLM's kernels is refused before any engine is built: tic.skill.context.check_kernels)
+        kv_block_size = rollout_kv_block_size(ctx) if side_cfg.kernels == "vllm" and side != "rollout" \
+            else DEFAULT_KV_BLOCK_SIZE
         if par.dp > 1 or par.ep > 1:  # rank processes: CPU (gloo, DP and EP) or one GPU each (DP)
             return RankedHFEngine.from_config(side_cfg, ctx.model_dir, ctx.dtype, kv_block_size)
         from tic.harness.engines.hf import HFEngine

@@ -21,9 +21,9 @@ from tic.harness.kernels.autograd import OPS, Op, Ops
 @dataclass(frozen=True)
 class PlantedOp(Op):
     """An operator whose backward runs `before(weights)` (under no_grad) ahead of its weight check and passes its
-    input gradients through `grads(tuple) -> tuple` before returning them."""
+    input gradients through `change(tuple) -> tuple` before returning them."""
 
-    grads: Callable[[tuple], tuple] | None = None
+    change: Callable[[tuple], tuple] | None = None
     before: Callable[[list[torch.Tensor]], None] | None = None
 
     def input_grads(self, ctx, grads: tuple) -> tuple:
@@ -31,14 +31,15 @@ class PlantedOp(Op):
             with torch.no_grad():
                 self.before(ctx.guard.weights)
         out = super().input_grads(ctx, grads)
-        return tuple(self.grads(out)) if self.grads is not None else out
+        return tuple(self.change(out)) if self.change is not None else out
 
 
 @contextmanager
 def planted_fault(model: nn.Module, op: str, grads: Callable[[tuple], tuple] | None = None,
                   before: Callable[[list[torch.Tensor]], None] | None = None):
-    """While active, operator `op`'s backward in `model` (on tic's kernel wrappers) is a PlantedOp with `grads`
-    and `before`; every module of the model sees the plant, no other model does."""
+    """While active, operator `op`'s backward in `model` (on tic's kernel wrappers) runs `before(weights)` ahead of
+    its weight check and returns `grads(its input gradients)`; every module of the model sees the plant, no other
+    model does."""
     if op not in OPS:
         raise KeyError(f"no operator {op!r}; operators are {', '.join(OPS)}")
     holders = [m for m in model.modules() if isinstance(getattr(m, "_tic_ops", None), Ops)]
@@ -49,7 +50,7 @@ def planted_fault(model: nn.Module, op: str, grads: Callable[[tuple], tuple] | N
     for m, ops in zip(holders, old):
         if id(ops) not in planted:
             real = ops.table[op]
-            fault = PlantedOp(**{f.name: getattr(real, f.name) for f in fields(Op)}, grads=grads, before=before)
+            fault = PlantedOp(**{f.name: getattr(real, f.name) for f in fields(Op)}, change=grads, before=before)
             planted[id(ops)] = Ops(ops.provider, ops.backward, {**ops.table, op: fault})
         m._tic_ops = planted[id(ops)]
     try:
