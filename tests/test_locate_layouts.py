@@ -14,7 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tic.harness.locate.capture import HFCaptureRunner, OpRecorder, Trail, raw_bytes, same_bits
+from tic.harness.locate.capture import HFCaptureRunner
+from tic.harness.locate.recorder import OpRecorder
+from tic.harness.locate.replay import bytes_of
+from tic.harness.locate.trail import Trail, same_bits
 from tic.harness.engines.base import Sampling
 from tic.harness.engines.hf import HFEngine
 from tic.harness.locate.search import Side, _key, locate, trail_rows
@@ -54,7 +57,7 @@ def test_bytes_of_a_size_one_slice_with_a_large_stride():
     base = torch.randn(1, 34)
     t = base.t()[0]
     assert t.shape == (1,) and t.stride() == (34,) and t.is_contiguous()
-    assert raw_bytes(t) == base[0, :1].numpy().tobytes()
+    assert bytes_of(t) == base[0, :1].numpy().tobytes()
     assert _key(t) == _key(base[0, :1].clone())
     assert same_bits(t, base[0, :1].clone()) and not same_bits(t, base[0, :1] + 1)
     heads = torch.randn(4, 34, 1).transpose(1, 2)  # (heads, 1, keys) with strides (34, 1, 1) after a transpose
@@ -183,7 +186,7 @@ def test_fresh_process_says_identical_calls_show_nothing(tmp_path):
     """The script's own check, run in the fresh process, calls identical calls one operator on the same
     arguments; their bits being equal, the candidate is not emitted."""
     from tic.harness.locate import repro
-    from tic.harness.locate.capture import OpCall
+    from tic.harness.locate.trail import OpCall
     from tic.harness.locate.replay import SAME_ARGUMENTS
     from tic.harness.locate.repro import OpSide
 

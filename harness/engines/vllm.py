@@ -797,7 +797,9 @@ class VLLMCaptureRunner:
         return [(a + j, int(p)) for j, p in enumerate(pos)]
 
     def _run(self, prompts, params, kind, rids, probe: int, spec):
-        from tic.harness.locate.capture import Capture, OpRecorder, Trail
+        from tic.harness.locate.capture import Capture
+        from tic.harness.locate.recorder import OpRecorder
+        from tic.harness.locate.trail import Trail
         from tic.harness.locate.provenance import Provenance
 
         prompt = tuple(int(t) for t in prompts[probe])

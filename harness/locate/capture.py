@@ -20,15 +20,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from tic.core.errors import raised_at
-from tic.harness.locate import launch_record, replay
 from tic.harness.engines.base import Sample
 from tic.harness.engines.hf import cache_kwargs, packed_row, padded_batch
-from tic.harness.locate import provenance as provenance_mod
 from tic.harness.locate.provenance import Provenance, token_view
+from tic.harness.locate.recorder import OpRecorder
+from tic.harness.locate.trail import Trail, same_bits, tensors_of
 
 RowTensors = tuple  # one tensor per row-shaped output (or input) of a module, for one token
 
@@ -42,35 +39,6 @@ class CaptureSpec:
     replace: dict[str, dict[int, RowTensors]] = field(default_factory=dict)  # name -> pos -> input rows
     trail_module: str | None = None  # record the operator sequence inside this module ...
     trail_position: int | None = None  # ... during the forward call that computes this position
-
-
-@dataclass
-class OpCall:
-    op: str  # e.g. "aten.mm.default"
-    func: object
-    args: tuple
-    kwargs: dict
-    outputs: tuple  # tensor outputs, in order
-    # where each tensor argument came from, shaped like (args, kwargs): (call index, output index) of an earlier
-    # call of the same trail, or None for a value from outside (weights, module inputs, buffers). Lets a repro
-    # replay a whole module's operator sequence as a program.
-    sources: tuple | None = None
-    # the token map (tic.harness.locate.provenance) of each output and of each top-level argument at call time: which
-    # token of the traced forward call each element belongs to, -1 for none; None where nothing is known
-    out_tokens: tuple | None = None
-    arg_tokens: tuple | None = None  # a tuple per list argument (cat, stack: one map per tensor)
-    # where each tensor argument lay in memory when the engine called the operator (tic.harness.locate.replay.layout_of),
-    # shaped like (args, kwargs); the recorded arguments are copies laid out the same way
-    layouts: tuple | None = None
-
-
-@dataclass
-class Trail:
-    calls: list[OpCall]
-    batch: int  # B of the recorded forward call
-    length: int  # T of the recorded forward call
-    flat_index: int  # b * T + t of the traced position inside that call
-    errors: list[str] = field(default_factory=list)  # what the recorder could not record as asked
 
 
 @dataclass
@@ -101,24 +69,6 @@ def row_shaped(x, batch: int, length: int) -> bool:
     return isinstance(x, torch.Tensor) and token_view(x, batch, length) is not None
 
 
-def tensors_of(out) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t for t in out if isinstance(t, torch.Tensor)]
-    if hasattr(out, "to_tuple"):  # transformers ModelOutput
-        return [t for t in out.to_tuple() if isinstance(t, torch.Tensor)]
-    return []
-
-
-dense, raw_bytes = replay.dense, replay.bytes_of
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Exact equality of dtype, shape and every bit (so -0.0 != 0.0 and NaN payloads count), any strides."""
-    return a.shape == b.shape and replay.same_value(a, b)
-
-
 def rows_equal(a: RowTensors, b: RowTensors) -> bool:
     """The same elements bit for bit, in the same order, whatever shape each side's layout gives a token's row."""
     return len(a) == len(b) and all(same_bits(x.reshape(-1), y.reshape(-1)) for x, y in zip(a, b))
@@ -142,252 +92,6 @@ class _RowMap:
         flat = self.map.reshape(-1)
         idx = (flat >= 0).nonzero().flatten().tolist()
         return [(i, int(flat[i])) for i in idx]
-
-
-def _clone(v):
-    return v.detach().clone() if isinstance(v, torch.Tensor) else v
-
-
-def recorded_arguments(args: tuple, kwargs: dict, blank: dict) -> tuple[tuple, dict, tuple]:
-    """(args, kwargs, layouts) as a recorder keeps a call's arguments: copies taken before the call (kernels may
-    write their inputs), each tensor laid out in memory as the engine's was (tic.harness.locate.replay.rebuild). A
-    buffer fresh from an uninitialised-memory factory and not yet written (its storage in `blank`) is an output
-    buffer, not an input: recorded as zeros, its layout marked "blank", so that two sides' garbage never counts
-    as different inputs."""
-    unwritten = lambda t: Provenance._storage_key(t) in blank  # noqa: E731
-    layouts = (tuple(replay.layout_tree(a, unwritten) for a in args),
-               {k: replay.layout_tree(v, unwritten) for k, v in kwargs.items()})
-    return (tuple(replay.rebuild_tree(a, la) for a, la in zip(args, layouts[0])),
-            {k: replay.rebuild_tree(v, layouts[1][k]) for k, v in kwargs.items()}, layouts)
-
-
-def _snapshot(m: torch.Tensor | None) -> torch.Tensor | None:
-    """A token map as it is now (later in-place writes change the storage's map); None if it names no token."""
-    return None if m is None or not bool((m >= 0).any()) else m.clone()
-
-
-def argument_tokens(prov, args: tuple) -> tuple | None:
-    """The token map of each top-level argument at call time (a tuple of maps for a list of tensors: cat, stack);
-    None without a provenance."""
-    if prov is None:
-        return None
-    one = lambda a: _snapshot(prov.tokens(a)) if isinstance(a, torch.Tensor) else None  # noqa: E731
-    return tuple(tuple(one(x) for x in a) if isinstance(a, (list, tuple)) else one(a) for a in args)
-
-
-class _OpFailed(Exception):
-    pass
-
-
-# Operator namespaces whose ops are Python wrappers over compiled kernels and read per-step state that exists only
-# inside the engine's forward (vLLM's attention and KV-cache update take a layer name and look up the step's
-# metadata). A repro cannot call them in a fresh process, so the recorder opens them and records the kernels they
-# call (e.g. torch.ops._vllm_fa3_C.fwd with its explicit cu_seqlens, page table and KV cache) instead.
-OPEN_NAMESPACES: set[str] = {"vllm", "vllm_ir"}  # vllm_ir: kernel chosen by the engine's config
-
-# Factories of uninitialised memory: never recorded (their bits are garbage, no value two sides could share);
-# their storages stay `blank` until written, and a launched kernel's copy of a blank buffer is zeros.
-UNINITIALIZED = {"aten.empty_like.default", "aten.new_empty.default", "aten.new_empty_strided.default",
-                 "aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_permuted.default"}
-
-
-def _first_tensor(args, kwargs) -> torch.Tensor | None:
-    """The first tensor among a call's arguments (one level into lists), or None for a factory call."""
-    for v in list(args) + list(kwargs.values()):
-        for x in (v if isinstance(v, (list, tuple)) else [v]):
-            if isinstance(x, torch.Tensor):
-                return x
-    return None
-
-
-class OpRecorder(TorchDispatchMode):
-    """Operator trail of one module call, for every engine: inputs copied before the call with their memory layout
-    (kernels may mutate them; recorded_arguments), outputs = returned tensors + tensors written in place; factory
-    ops (no tensor input: empty, arange, ...) are not computations on the token and are left out. Wrapper ops
-    (e.g. vLLM's unified_attention_with_output) of OPEN_NAMESPACES are opened: the kernels they call are
-    recorded, not the wrapper. Recording never changes what runs: each operator runs once, as given; a recording
-    failure is kept in `errors`."""
-
-    def __init__(self, calls: list | None = None, errors: list | None = None, produced: dict | None = None,
-                 provenance=None):
-        super().__init__()
-        self.provenance = provenance  # tic.harness.locate.provenance.Provenance: tokens of each value, by data
-        self.calls: list[OpCall] = calls if calls is not None else []
-        self.errors: list[str] = errors if errors is not None else []
-        # id(tensor) -> (call index, output index, the tensor): which recorded call last produced or wrote it;
-        # the tensor is held so that its id is not reused while recording
-        self.produced: dict[int, tuple] = produced if produced is not None else {}
-        self.busy = 0  # > 0 while a recorded call runs: what it runs inside is part of it
-        # storages fresh from an uninitialised-memory factory and not yet written (their bits are garbage)
-        self.blank: dict[tuple, torch.UntypedStorage] = {}
-
-    # kernels launched from Python outside the dispatcher (Triton) are recorded too, while this mode is active;
-    # kernel code may hand the provenance values that stand for the module's input (provenance.stands_for)
-    def __enter__(self):
-        launch_record.attach(self)
-        if self.provenance is not None:
-            provenance_mod.ACTIVE.append(self.provenance)
-        self._extension_ops = _ExtensionOpRecorder(self)
-        try:
-            self._extension_ops.__enter__()
-            return super().__enter__()
-        except BaseException:
-            self._detach()
-            raise
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            self._detach()
-
-    def _detach(self):
-        ext, self._extension_ops = getattr(self, "_extension_ops", None), None
-        if ext is not None:
-            ext.__exit__(None, None, None)
-        launch_record.detach(self)
-        if self.provenance is not None and self.provenance in provenance_mod.ACTIVE:
-            provenance_mod.ACTIVE.remove(self.provenance)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.busy:  # dispatched inside a recorded launch, or by the launch recorder's own bookkeeping
-            return func(*args, **kwargs)
-        first = _first_tensor(args, kwargs) if func.namespace in OPEN_NAMESPACES else None
-        key = None if first is None else ("CUDA" if first.is_cuda else "CPU")
-        if key and torch._C._dispatch_has_computed_kernel_for_dispatch_key(func.name(), key):
-            # run the wrapper's own kernel (below the Python-mode key) with the operators it calls recorded as
-            # they are called from Python (a function mode: a second trip through Python dispatch breaks some
-            # compiled kernels' argument conversion, e.g. FlashAttention 3's); the wrapper itself is not recorded
-            n = len(self.calls)
-            try:
-                with _PythonOpRecorder(self):
-                    return func.redispatch(torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key)),
-                                           *args, **kwargs)
-            except Exception as e:  # noqa: BLE001  e.g. an argument type the boxed call refuses: record it whole
-                del self.calls[n:]  # (vLLM's wrappers are idempotent: KV-cache writes, attention into `out`)
-                self.errors.append(f"{func}: not opened: {type(e).__name__}: {e} (at {raised_at(e, 4)})")
-        return self.record(func, args, kwargs)
-
-    def record(self, func, args, kwargs):
-        try:
-            return self._record(func, args, kwargs)
-        except _OpFailed as e:
-            raise e.__cause__ from None
-        except Exception as e:  # noqa: BLE001  the recording broke, not the operator: run it plainly
-            self.errors.append(f"{func}: {type(e).__name__}: {e}")
-            return func(*args, **kwargs)
-
-    def _source(self, v, pre):
-        """(call, output) that produced argument v, if its value now is still what that call recorded. A value
-        changed since through another view of its storage (vLLM's attention writes a slice of a buffer that
-        o_proj then reads whole) enters as a recorded value instead, so a replay never reads a stale one."""
-        if isinstance(v, (list, tuple)):
-            return type(v)(self._source(x, y) for x, y in zip(v, pre))
-        if not isinstance(v, torch.Tensor) or id(v) not in self.produced:
-            return None
-        ci, k, _ = self.produced[id(v)]
-        return (ci, k) if same_bits(self.calls[ci].outputs[k], pre) else None
-
-    def _record(self, func, args, kwargs):
-        if str(func) in UNINITIALIZED:  # no computation, and garbage bits: not a value two sides can share
-            out = func(*args, **kwargs)
-            for t in tensors_of(out):
-                if (key := Provenance._storage_key(t)) is not None:
-                    self.blank[key] = t.untyped_storage()
-            return out
-        if _first_tensor(args, kwargs) is None:
-            return func(*args, **kwargs)
-        pre_args, pre_kwargs, layouts = recorded_arguments(args, kwargs, self.blank)
-        sources = (tuple(self._source(a, p) for a, p in zip(args, pre_args)),
-                   {k: self._source(v, pre_kwargs[k]) for k, v in kwargs.items()})
-        prov = self.provenance
-        arg_tokens = argument_tokens(prov, args)
-        self.busy += 1
-        try:
-            out = func(*args, **kwargs)
-        except Exception as e:  # the operator itself failed: not a recording problem
-            raise _OpFailed() from e
-        finally:
-            self.busy -= 1
-        try:  # the operator ran: from here on a failure loses its record, never reruns it
-            returned = tensors_of(out)
-            written = replay.written(func, args, kwargs)
-            outs = returned + [w for w in written if not any(w is o for o in returned)]
-            out_tokens = None
-            if prov is not None:
-                prov.after(func, args, kwargs, returned, written)
-                out_tokens = tuple(_snapshot(prov.tokens(t)) for t in outs)
-            call = OpCall(str(func), func, pre_args, pre_kwargs, tuple(_clone(t) for t in outs), sources,
-                          out_tokens, arg_tokens, layouts)
-        except Exception as e:  # noqa: BLE001
-            self.errors.append(f"{func}: ran, not recorded: {type(e).__name__}: {e}")
-            return out
-        ci = len(self.calls)
-        for k, t in enumerate(outs):
-            self.produced[id(t)] = (ci, k, t)
-            self.blank.pop(Provenance._storage_key(t), None)
-        self.calls.append(call)
-        return out
-
-
-# Namespaces recorded where the dispatcher sees them: PyTorch's own operators (a Python dispatch mode sees every
-# aten op, including those that tensor methods and torch functions call).
-DISPATCH_NAMESPACES: set[str] = {"aten", "prims"}
-
-
-def _overload(func, args=(), kwargs=None):
-    """The OpOverload a torch.ops call resolves to (a packet: the overload its arguments select), else None."""
-    if isinstance(func, torch._ops.OpOverloadPacket):
-        names = func.overloads()
-        if len(names) == 1:
-            return getattr(func, names[0])
-        try:
-            return getattr(func, torch._C._jit_resolve_packet(func._qualified_op_name, *args, **(kwargs or {})))
-        except Exception:  # noqa: BLE001  no overload takes these arguments: the call itself will say so
-            return None
-    return func if isinstance(func, torch._ops.OpOverload) else None
-
-
-class _PythonOpRecorder(TorchFunctionMode):
-    """Inside an opened wrapper: records each torch.ops operator as Python calls it, into the parent recorder.
-    Tensor methods and torch functions run unrecorded (their results enter as recorded values from outside)."""
-
-    def __init__(self, parent: OpRecorder):
-        super().__init__()
-        self.parent = parent
-
-    def takes(self, op) -> bool:
-        return True
-
-    def record(self, op, args, kwargs):
-        return self.parent.record(op, args, kwargs)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        op = _overload(func, args, kwargs)
-        if op is None or not self.takes(op):
-            return func(*args, **kwargs)
-        return self.record(op, args, kwargs)
-
-
-class _ExtensionOpRecorder(_PythonOpRecorder):
-    """Records extension operators (torch.ops of a compiled library: vLLM's `_C`, FlashAttention 3's
-    `_vllm_fa3_C`, ...) as Python calls them, then runs them with the dispatch mode off. A trip through Python
-    dispatch boxes a call's arguments and results into Python and back, and some extension kernels refuse what
-    comes back: FlashAttention 3's `fwd` in vLLM 0.26 raises "Unable to cast Python instance of type list" under
-    a dispatch mode, which broke the locator on a training side that calls it directly. Inside an opened vLLM
-    wrapper the dispatch mode is already off, so these ops were recorded the same way there."""
-
-    def takes(self, op) -> bool:
-        # aten ops go to the dispatch mode, which sees them next, and so do the wrappers it opens
-        return not (self.parent.busy or op.namespace in DISPATCH_NAMESPACES or op.namespace in OPEN_NAMESPACES)
-
-    def record(self, op, args, kwargs):
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        with _disable_current_modes():
-            return super().record(op, args, kwargs)
 
 
 class InputRows(tuple):

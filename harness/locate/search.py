@@ -29,8 +29,8 @@ from typing import Callable
 
 import torch
 
-from tic.harness.locate.capture import (Capture, CaptureRunner, CaptureSpec, Trail, raw_bytes, rows_equal, runner_for,
-                                        same_bits)
+from tic.harness.locate.capture import Capture, CaptureRunner, CaptureSpec, rows_equal, runner_for
+from tic.harness.locate.trail import Trail, same_bits
 from tic.harness.locate import replay
 from tic.harness.measure.layouts import describe_train_layout, probe_batch
 from tic.harness.measure.metrics import _ordered_int
@@ -165,7 +165,7 @@ def trail_rows(trail: Trail) -> tuple[list[list[tuple]], list[list[torch.Tensor]
 def _key(t: torch.Tensor) -> tuple:
     """A value's identity for comparing the two sides: dtype, element count and every byte, for any shape or
     strides (one token's row [D] of a batched call and the [1, D] of a row-by-row call are the same value)."""
-    return str(t.dtype), t.numel(), raw_bytes(t)
+    return str(t.dtype), t.numel(), replay.bytes_of(t)
 
 
 def _describe_args(call) -> str:
