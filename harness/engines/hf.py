@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from tic.harness.engines.base import Engine, Sample, Sampling, request_seed
-from tic.harness.measure.layouts import micro_batches
+from tic.harness.engines.batches import micro_batches
 from tic.core.errors import TicInputError
 
 _MODELS: dict[tuple, torch.nn.Module] = {}

@@ -2,7 +2,7 @@
 
 Data parallel: requests are dealt to DP ranks round-robin; each rank samples or scores its own requests with
 its own batches. Expert parallel: every MoE layer's experts are split over an EP group of consecutive ranks
-and tokens travel to their experts and back (tic.harness.measure.parallel). A request's rows live on one rank, its
+and tokens travel to their experts and back (tic.harness.engines.parallel). A request's rows live on one rank, its
 owner, so every number the gates compare comes from that rank.
 
 Ranks run forward passes in lockstep: MoE layers exchange tokens inside each forward, so a rank with fewer
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tic.core.errors import TicInputError
 from tic.harness.engines.base import Engine, Sample, Sampling
 from tic.harness.engines.ranks import DealtRequests, OwnerRankCaptureRunner, portable, runner_names
-from tic.harness.measure.parallel import (COMBINES, ExpertParallelMoE, RankPool, ep_group, moe_blocks, rank_gpu,
+from tic.harness.engines.parallel import (COMBINES, ExpertParallelMoE, RankPool, ep_group, moe_blocks, rank_gpu,
                                           require_gpus)
 
 OPTIONS = {"expert_combine": "slot_order"}

@@ -15,7 +15,7 @@ import torch
 
 
 class DealtRequests:
-    """Request i of a call runs on rank i % dp (the engine sets `dp` and `pool`, a tic.harness.measure.parallel.RankPool)."""
+    """Request i of a call runs on rank i % dp (the engine sets `dp` and `pool`, a tic.harness.engines.parallel.RankPool)."""
 
     dp: int
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tic.core.env import env_overlay
 from tic.harness.engines.base import Engine, Sample, Sampling, request_seed
 from tic.core.errors import TicInputError
 
@@ -220,7 +221,6 @@ def _own_process_env(patches: list[str], batch_invariant: bool):
     its patches and its batch-invariant mode; vLLM's env cache (enabled once an in-process engine started) off,
     so vLLM reads them."""
     from tic import patches as tic_patches
-    from tic.harness.measure.perf import env_overlay
     import vllm.envs as envs
 
     want = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",

@@ -28,7 +28,7 @@ from tic.core.errors import TicInputError
 from tic.harness.engines.base import Engine, Sample, Sampling
 from tic.harness.engines.ranks import DealtRequests, OwnerRankCaptureRunner, portable, runner_names
 from tic.harness.engines.vllm import VLLMEngine
-from tic.harness.measure.parallel import RankPool, free_port, rank_gpu, require_gpus
+from tic.harness.engines.parallel import RankPool, free_port, rank_gpu, require_gpus
 
 # -- inside each rank ----------------------------------------------------------------------------------------
 def _setup_rank(rank: int, world: int, engine_kwargs: dict, spmd: bool, master_port: int, engine_path: str) -> dict:
