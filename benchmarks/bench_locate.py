@@ -20,7 +20,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # keep the table reada
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 from tic.gates import get  # noqa: E402
-from tic.harness.locate.capture import HFCaptureRunner
+from tic.harness.locate.hf_capture import HFCaptureRunner
 from tic.harness.engines.hf import HFEngine
 from tic.harness.locate.search import Side, locate, locate_for_gate
 from tic.config.schema import load_config

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tic.harness.locate import launch_record
-from tic.harness.locate.capture import HFCaptureRunner
+from tic.harness.locate.hf_capture import HFCaptureRunner
 from tic.harness.locate.recorder import OpRecorder
 from tic.harness.engines.base import Sampling
 from tic.harness.locate.search import Side, locate

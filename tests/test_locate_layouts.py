@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tic.harness.locate.capture import HFCaptureRunner
+from tic.harness.locate.hf_capture import HFCaptureRunner
 from tic.harness.locate.recorder import OpRecorder
 from tic.harness.locate.replay import bytes_of
 from tic.harness.locate.trail import Trail, same_bits

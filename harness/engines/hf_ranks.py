@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from tic.core.errors import TicInputError
 from tic.harness.engines.base import Engine, Sample, Sampling
-from tic.harness.engines.ranks import DealtRequests, OwnerRankCaptureRunner, portable, runner_names
+from tic.harness.engines.ranks import DealtRequests
 from tic.harness.engines.parallel import (COMBINES, ExpertParallelMoE, RankPool, ep_group, moe_blocks, rank_gpu,
                                           require_gpus)
 
@@ -89,34 +89,16 @@ def _score_rank(state: dict, samples: list, sampling: Sampling) -> list[torch.Te
     return out
 
 
-def _module_names(state: dict, temperature: float) -> dict:
-    from tic.harness.locate.capture import HFCaptureRunner
-
-    return runner_names(HFCaptureRunner(state["engine"]))
-
-
-def _capture_rank(state: dict, job: tuple | None):
-    """The owner rank records the compared request; the others serve their experts meanwhile."""
-    from tic.harness.locate.capture import HFCaptureRunner
-
-    own = 0 if job is None else (job[3] + 1 if job[0] == "decode" else 1)
-    owed = _lockstep(state, own)
-    cap = None
+def _owner_call(state: dict, job: tuple | None, forwards: int):
+    """The owner rank runs job = (fn, args) on its engine (`forwards` forward passes); the others serve their
+    experts meanwhile."""
+    owed = _lockstep(state, 0 if job is None else forwards)
+    out = None
     if job is not None:
-        kind, samples, target, upto, spec, together, temperature = job
-        runner = HFCaptureRunner(state["engine"], temperature)
-        cap = runner.decode(samples, target, upto, spec, together) if kind == "decode" else \
-            runner.score(samples, target, spec)
+        fn, args = job
+        out = fn(state["engine"], *args)
     _idle(state, owed)
-    return None if cap is None else portable(cap)
-
-
-class RankCaptureRunner(OwnerRankCaptureRunner):
-    """The owner rank runs the HF capture runner on its own share while the other ranks take part in the
-    expert exchanges."""
-
-    names_fn = _module_names
-    capture_fn = _capture_rank
+    return out
 
 
 # -- in the calling process --------------------------------------------------------------------------------
@@ -175,8 +157,9 @@ class RankedHFEngine(DealtRequests, Engine):
         args = [([samples[i] for i in s], sampling) for s in shares]
         return self._gather(shares, self.pool.call(_score_rank, args), len(samples))
 
-    def capture_runner(self, temperature: float) -> RankCaptureRunner:
-        return RankCaptureRunner(self, temperature)
+    def on_owner(self, items: list, index: int, fn, args: tuple = (), forwards: int = 1):
+        owner, jobs = self._owner_jobs(items, index, fn, args)
+        return self.pool.call(_owner_call, [(job, forwards) for job in jobs])[owner]
 
     def close(self) -> None:
         self.pool.close()

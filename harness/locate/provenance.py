@@ -71,7 +71,7 @@ def standard_map(x: torch.Tensor, batch: int, length: int) -> torch.Tensor | Non
     return m
 
 
-# the provenances of the trails being recorded now (tic.harness.locate.capture.OpRecorder pushes and pops its own)
+# the provenances of the trails being recorded now (tic.harness.locate.recorder.OpRecorder pushes and pops its own)
 ACTIVE: list["Provenance"] = []
 
 

@@ -29,7 +29,8 @@ from typing import Callable
 
 import torch
 
-from tic.harness.locate.capture import Capture, CaptureRunner, CaptureSpec, rows_equal, runner_for
+from tic.harness.locate.capture import Capture, CaptureRunner, CaptureSpec, rows_equal
+from tic.harness.locate.runners import runner_for
 from tic.harness.locate.trail import Trail, same_bits
 from tic.harness.locate import replay
 from tic.harness.measure.layouts import describe_train_layout, probe_batch

@@ -644,7 +644,8 @@ def run_trial(seed: int, out_dir: Path, mode: str = "plant", family: str | None 
     do not cover. A plant that changes nothing on the compared sequence (e.g. a branch never taken) is reported
     "ineffective", one whose change is rounded away before any compared stage "absorbed"."""
     from tic.core.errors import TicInputError
-    from tic.harness.locate.capture import CaptureSpec, HFCaptureRunner, rows_equal
+    from tic.harness.locate.capture import CaptureSpec, rows_equal
+    from tic.harness.locate.hf_capture import HFCaptureRunner
     from tic.harness.locate.search import Side, locate, recheck_repro
     from tic.harness.testing.tinymodels import tiny_model
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from tic.harness.locate.capture import HFCaptureRunner
+from tic.harness.locate.hf_capture import HFCaptureRunner
 from tic.harness.engines.base import Sampling
 from tic.harness.engines.hf import HFEngine
 from tic.harness.locate.search import Side, locate
