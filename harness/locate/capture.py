@@ -22,9 +22,9 @@ from typing import Protocol
 import torch
 
 from tic.harness.engines.base import Sample
-from tic.harness.locate.provenance import Provenance, token_view
+from tic.harness.locate.provenance import Provenance
 from tic.harness.locate.recorder import OpRecorder
-from tic.harness.locate.trail import Trail, same_bits, tensors_of
+from tic.harness.locate.trail import Trail, same_bits
 
 RowTensors = tuple  # one tensor per row-shaped output (or input) of a module, for one token
 
@@ -63,34 +63,9 @@ class CaptureRunner(Protocol):
     def score(self, samples: list[Sample], target: int, spec: CaptureSpec) -> Capture: ...
 
 
-# -- row extraction ---------------------------------------------------------------------------------------
-def row_shaped(x, batch: int, length: int) -> bool:
-    return isinstance(x, torch.Tensor) and token_view(x, batch, length) is not None
-
-
 def rows_equal(a: RowTensors, b: RowTensors) -> bool:
     """The same elements bit for bit, in the same order, whatever shape each side's layout gives a token's row."""
     return len(a) == len(b) and all(same_bits(x.reshape(-1), y.reshape(-1)) for x, y in zip(a, b))
-
-
-class _RowMap:
-    """Which (b, t) of the current forward call holds which position of the compared sequence (-1: none)."""
-
-    def __init__(self):
-        self.map: torch.Tensor | None = None
-
-    def set(self, m: torch.Tensor) -> None:
-        self.map = m
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.map.shape)
-
-    def targets(self) -> list[tuple[int, int]]:
-        """(flat index, position) of every compared-sequence token in this call."""
-        flat = self.map.reshape(-1)
-        idx = (flat >= 0).nonzero().flatten().tolist()
-        return [(i, int(flat[i])) for i in idx]
 
 
 class InputRows(tuple):
@@ -109,157 +84,186 @@ class InputRows(tuple):
         return (InputRows, (tuple(self), self.keys))
 
 
-def _input_tensors(args: tuple, kwargs: dict, batch: int, length: int) -> list[tuple[str, torch.Tensor]]:
-    """Every token-row tensor input of a call, positional and keyword, one level into tuples/lists (e.g. the
-    (cos, sin) of `position_embeddings`), as (key, tensor); positional ones first, then `hidden_states`, so
-    that the first is the hidden state whichever way it was passed."""
-    found = []
-
-    def visit(key: str, v) -> None:
-        if isinstance(v, (list, tuple)):
-            for j, x in enumerate(v):
-                if row_shaped(x, batch, length):
-                    found.append((f"{key}.{j}", x))
-        elif row_shaped(v, batch, length):
-            found.append((key, v))
-
-    for i, a in enumerate(args):
-        visit(str(i), a)
+def keyed_values(args: tuple, kwargs: dict) -> list[tuple[str, object]]:
+    """A call's arguments as (key, value): positional ones ("0", "1", ...) first, then `hidden_states`, then the
+    other keywords, so that the first is the hidden state whichever way it was passed."""
+    out = [(str(i), a) for i, a in enumerate(args)]
     if "hidden_states" in kwargs:
-        visit("hidden_states", kwargs["hidden_states"])
-    for k, v in kwargs.items():
-        if k != "hidden_states":
-            visit(k, v)
-    return found
+        out.append(("hidden_states", kwargs["hidden_states"]))
+    return out + [(k, v) for k, v in kwargs.items() if k != "hidden_states"]
 
 
-def _set_input(args: list, kwargs: dict, key: str, value: torch.Tensor) -> None:
-    head, _, j = key.partition(".")
-    holder, name = (args, int(head)) if head.isdigit() else (kwargs, head)
-    if j:
-        seq = list(holder[name])
-        seq[int(j)] = value
-        holder[name] = type(holder[name])(seq)
-    else:
-        holder[name] = value
+# -- the row layout: where the compared sequence's tokens are in the forward call now running ---------------
+class RowLayout:
+    """The strategy the capture mechanism (HookSet) runs over: which token rows of the forward call now running
+    hold the compared sequence, and how an engine's module calls carry per-token tensors.
+
+    `map` is the current call's [B, T] map (the compared sequence's position of each token, -1 for batch-mates
+    and padding): HF's padded batch or packed row [B, T] (tic.harness.locate.hf_capture.PaddedRows), or one vLLM
+    step's flattened varlen tokens as [1, num_tokens] (tic.harness.locate.vllm_capture.FlatRows). The runner
+    sets it before each forward (HookSet.step), or, when the engine decides the rows inside its step, a pre-hook
+    on `step_module` does, from `step_map`."""
+
+    step_module: str | None = None
+
+    def __init__(self):
+        self.map: torch.Tensor | None = None
+        self._targets: list[tuple[int, int]] = []
+
+    def set(self, m: torch.Tensor | None) -> None:
+        self.map = m
+        flat = m.reshape(-1) if m is not None else torch.zeros(0, dtype=torch.long)
+        self._targets = [(i, int(flat[i])) for i in (flat >= 0).nonzero().flatten().tolist()]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.map.shape)
+
+    def targets(self) -> list[tuple[int, int]]:
+        """(flat index b * T + t, position) of every compared-sequence token in the current call."""
+        return self._targets
+
+    def step_map(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The map of the step whose `step_module` call has these arguments."""
+        raise NotImplementedError
+
+    def view(self, x) -> torch.Tensor | None:
+        """x as a [B, T, ...] view of per-token rows, or None when x is not laid out per token."""
+        raise NotImplementedError
+
+    def inputs(self, module, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[str] | None]:
+        """A call's per-token inputs as recorded, and the argument each came from (None: recorded unnamed)."""
+        raise NotImplementedError
+
+    def outputs(self, name: str, out) -> list[torch.Tensor]:
+        """A call's per-token outputs as compared."""
+        raise NotImplementedError
+
+    def replace(self, module, args: tuple, kwargs: dict, repl: dict) -> tuple[tuple, dict]:
+        """args/kwargs with the compared tokens' rows of the per-token inputs replaced by recorded rows `repl`."""
+        raise NotImplementedError
 
 
-def _keep(store: dict, views: list[torch.Tensor], targets: list[tuple[int, int]], keys: list[str] | None = None) -> None:
-    """store[pos] = the target rows of every per-token tensor (its [B, T, ...] token_view), as CPU copies (engines
-    on a GPU compare with CPU ones); with `keys`, as InputRows that name the argument of each row."""
+def _keep(store: dict, views: list[torch.Tensor], targets: list[tuple[int, int]], keys: list[str] | None) -> None:
+    """store[pos] = the target rows of every per-token view [B, T, ...], as CPU copies (engines on a GPU compare
+    with CPU ones; one gather and one transfer per tensor); with `keys`, as InputRows that name the argument of
+    each row. A call without per-token tensors keeps an empty row: the module ran on the compared tokens."""
     if not targets:
         return
-    for i, pos in targets:
-        b, t = divmod(i, views[0].shape[1]) if views else (0, 0)
-        rows = tuple(v[b, t].detach().cpu().clone() for v in views)
+    got = []
+    if views:
+        T = views[0].shape[1]
+        b = torch.tensor([i // T for i, _ in targets])
+        t = torch.tensor([i % T for i, _ in targets])
+        got = [v.detach()[b.to(v.device), t.to(v.device)].cpu() for v in views]
+    for j, (_, pos) in enumerate(targets):
+        rows = tuple(g[j].clone() for g in got)
         store[pos] = rows if keys is None else InputRows(rows, keys)
 
 
-def _replaced(args: tuple, kwargs: dict, B: int, T: int, targets, repl: dict) -> tuple[tuple, dict]:
-    """args/kwargs with the traced sequence's rows of every token-row input replaced by the other side's.
-
-    Rows recorded with their argument keys (InputRows) replace the input of the same argument, whatever it
-    is (hidden states, position embeddings, a residual): a module then sees exactly the other side's inputs.
-    A row of another shape or dtype family is left as it is (a decode step's mask row is not a prefill's).
-    Rows from an engine that records no keys (plain tuples, hidden state first) replace the hidden state only."""
-    new_args, new_kwargs = list(args), dict(kwargs)
-    for k, (key, x) in enumerate(_input_tensors(args, kwargs, B, T)):
-        x = x.clone()
-        view = token_view(x, B, T)
-        changed = False
-        for i, pos in targets:
-            got = repl.get(pos)
-            if got is None:
-                continue
-            keys = getattr(got, "keys", None)
-            if keys:
-                if key not in keys:
-                    continue
-                row = got[keys.index(key)]
-            elif k == 0 and got:
-                row = got[0]
-            else:
-                continue
-            here = view[i // T, i % T]
-            # the same elements in the same order in another per-token layout (a decode step's [H, 1, D] head
-            # rows and a prefill's [H, D]) replace each other
-            if row.numel() != here.numel() or row.is_floating_point() != here.is_floating_point():
-                continue
-            here.copy_(row.reshape(here.shape))
-            changed = True
-        if changed:
-            _set_input(new_args, new_kwargs, key, x)
-    return tuple(new_args), new_kwargs
-
-
 class HookSet:
-    """Forward hooks on named modules that keep, or replace, the compared sequence's rows."""
+    """The capture mechanism, for every engine: forward hooks on named modules that keep, or replace, the compared
+    sequence's rows where a RowLayout says they are, and record the operator trail of one module call.
 
-    def __init__(self, modules: dict[str, torch.nn.Module], spec: CaptureSpec, rowmap: _RowMap,
-                 module_rows=None):
-        self.modules, self.spec, self.rowmap = modules, spec, rowmap
-        self.module_rows = module_rows or (lambda name, out: tensors_of(out))
+    A module called more than once in a forward (Gemma-3's rotary, once per attention kind; a norm shared by two
+    branches) keeps the rows of its last call that computes a compared position, since each call overwrites
+    them; its trail is recorded from that same last call, so that the trail holds the value the locator
+    compares (a trail of another call would not contain it). A hook that fails must not abort the engine's step
+    (a vLLM step's requests would stay queued): the error is kept, capture stops, and it is raised on exit."""
+
+    def __init__(self, modules: dict[str, torch.nn.Module], spec: CaptureSpec, layout: RowLayout):
+        self.modules, self.spec, self.layout = modules, spec, layout
         self.capture = Capture()
         self.handles = []
+        self.error: Exception | None = None
         self._recorder: OpRecorder | None = None
 
+    def step(self, m: torch.Tensor) -> None:
+        """The map of the forward call about to run; a call that holds compared tokens counts as a forward."""
+        self.layout.set(m)
+        if self.layout.targets():
+            self.capture.forwards += 1
+
     def __enter__(self):
-        names = set(self.spec.outputs) | set(self.spec.inputs) | set(self.spec.replace)
-        if self.spec.trail_module:
-            names.add(self.spec.trail_module)
-        for name in sorted(names):
-            m = self.modules.get(name)
-            if m is None:
-                continue
-            self.handles.append(m.register_forward_pre_hook(self._pre(name), with_kwargs=True))
-            self.handles.append(m.register_forward_hook(self._post(name), with_kwargs=True))
+        spec = self.spec
+        names = set(spec.outputs) | set(spec.inputs) | set(spec.replace)
+        if spec.trail_module:
+            names.add(spec.trail_module)
+        hooked = [(n, self.modules[n]) for n in sorted(names) if n in self.modules]
+        if self.layout.step_module is not None:  # first: the step's map is set before any capture hook of the step
+            step = lambda module, args, kwargs: self.step(self.layout.step_map(args, kwargs))  # noqa: E731
+            self.handles.append(self.modules[self.layout.step_module].register_forward_pre_hook(
+                self._guarded(step), with_kwargs=True))
+        for name, m in hooked:
+            self.handles.append(m.register_forward_pre_hook(self._guarded(self._pre(name)), with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._guarded(self._post(name)), with_kwargs=True))
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
         for h in self.handles:
             h.remove()
-        if self._recorder is not None:  # an exception inside the traced call
-            self._recorder.__exit__(None, None, None)
-            self._recorder = None
+        self._stop_trail()  # an exception inside the traced call
+        if self.error is not None and exc_type is None:
+            e = self.error
+            raise RuntimeError(f"capture hook failed: {type(e).__name__}: {e}") from e
+
+    def _guarded(self, fn):
+        def hook(*a):
+            if self.error is not None:
+                return None
+            try:
+                return fn(*a)
+            except Exception as e:  # noqa: BLE001  kept, raised once the engine's run is over
+                self.error = e
+                self._stop_trail()
+                return None
+        return hook
 
     def _pre(self, name):
+        spec, capture = self.spec, self.capture
+
         def hook(module, args, kwargs):
-            B, T = self.rowmap.shape
-            targets = self.rowmap.targets()
-            if name not in self.capture.order:
-                self.capture.order.append(name)
-            new_args, new_kwargs = args, kwargs
-            if name in self.spec.replace:
-                new_args, new_kwargs = _replaced(args, kwargs, B, T, targets, self.spec.replace[name])
-            if name in self.spec.inputs:
-                store = self.capture.inputs.setdefault(name, {})
-                found = _input_tensors(new_args, new_kwargs, B, T)
-                _keep(store, [token_view(x, B, T) for _, x in found], targets, [k for k, _ in found])
-            # a module called more than once in the forward (Gemma-3's rotary, once per attention kind): its last
-            # call is traced, the one whose rows the capture keeps
-            if (name == self.spec.trail_module and self._recorder is None
-                    and any(pos == self.spec.trail_position for _, pos in targets)):
-                fi = next(i for i, pos in targets if pos == self.spec.trail_position)
-                self.capture.trail = Trail([], B, T, fi)
-                prov = Provenance(B, T)
-                for _, x in _input_tensors(new_args, new_kwargs, B, T):
-                    prov.seed(x)
-                self._recorder = OpRecorder(self.capture.trail.calls, self.capture.trail.errors, provenance=prov)
-                self._recorder.__enter__()
-            if name in self.spec.replace:
-                return new_args, new_kwargs
-            return None
+            targets = self.layout.targets()
+            if not targets:
+                return None
+            if name not in capture.order:
+                capture.order.append(name)
+            new = None
+            if name in spec.replace:
+                new = args, kwargs = self.layout.replace(module, args, kwargs, spec.replace[name])
+            if name in spec.inputs:
+                tensors, keys = self.layout.inputs(module, args, kwargs)
+                _keep(capture.inputs.setdefault(name, {}), [self.layout.view(t) for t in tensors], targets, keys)
+            if name == spec.trail_module:
+                self._start_trail(args, kwargs)
+            return new
         return hook
 
     def _post(self, name):
         def hook(module, args, kwargs, out):
-            if name == self.spec.trail_module and self._recorder is not None:
-                self._recorder.__exit__(None, None, None)
-                self._recorder = None
-            if name not in self.spec.outputs:
-                return None
-            B, T = self.rowmap.shape
-            outs = [v for v in (token_view(t, B, T) for t in self.module_rows(name, out)) if v is not None]
-            _keep(self.capture.outputs.setdefault(name, {}), outs, self.rowmap.targets())
+            if name == self.spec.trail_module:
+                self._stop_trail()
+            targets = self.layout.targets()
+            if name in self.spec.outputs and targets:
+                views = [v for v in map(self.layout.view, self.layout.outputs(name, out)) if v is not None]
+                _keep(self.capture.outputs.setdefault(name, {}), views, targets, None)
             return None
         return hook
+
+    def _start_trail(self, args: tuple, kwargs: dict) -> None:
+        """Record this call's operators when it computes the traced position (a later such call starts again)."""
+        fi = next((i for i, pos in self.layout.targets() if pos == self.spec.trail_position), None)
+        if fi is None or self._recorder is not None:
+            return
+        B, T = self.layout.shape
+        self.capture.trail = Trail([], B, T, fi)
+        prov = Provenance(B, T)
+        for _, v in keyed_values(args, kwargs):  # the call's per-token inputs: the trail's tokens follow from them
+            prov.seed(v)
+        self._recorder = OpRecorder(self.capture.trail.calls, self.capture.trail.errors, provenance=prov)
+        self._recorder.__enter__()
+
+    def _stop_trail(self) -> None:
+        if self._recorder is not None:
+            self._recorder.__exit__(None, None, None)
+            self._recorder = None

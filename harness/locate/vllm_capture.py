@@ -25,10 +25,7 @@ import torch
 from tic.core.errors import TicInputError
 from tic.harness.engines.base import Sampling
 from tic.harness.engines.vllm import _exact_f32, scored_from_record
-from tic.harness.locate.capture import Capture
-from tic.harness.locate.provenance import Provenance
-from tic.harness.locate.recorder import OpRecorder
-from tic.harness.locate.trail import Trail
+from tic.harness.locate.capture import HookSet, RowLayout
 
 
 def _float_rows(x, n: int) -> bool:
@@ -171,6 +168,55 @@ def replace_rows(module, args, kwargs, n: int, targets: list[tuple[int, int]], r
     return out_args, out_kwargs
 
 
+def _step_targets(r, prompt: tuple[int, ...], n: int) -> list[tuple[int, int]]:
+    """(row, position) of the compared request's rows in the step of `n` token rows that vLLM's V1 model runner
+    `r` is running: its input batch says which rows belong to which request (query_start_loc)."""
+    k = r.input_batch.num_reqs
+    qsl = r.query_start_loc.np[:k + 1]
+    hit = [i for i, rid in enumerate(r.input_batch.req_ids[:k])
+           if tuple(int(t) for t in r.requests[rid].prompt_token_ids) == prompt]
+    if len(hit) > 1:
+        raise RuntimeError("capture: the compared prompt occurs twice in one vLLM step")
+    if not hit:
+        return []
+    a, b = int(qsl[hit[0]]), int(qsl[hit[0] + 1])
+    if b > n:
+        raise RuntimeError(f"capture: request rows {a}:{b} outside the step's {n} token rows")
+    pos = r.positions[a:b].detach().cpu().tolist() if isinstance(r.positions, torch.Tensor) else \
+        r.positions.np[a:b].tolist()
+    return [(a + j, int(p)) for j, p in enumerate(pos)]
+
+
+class FlatRows(RowLayout):
+    """vLLM's steps: one flat batch of token rows [num_tokens, ...] per step, as a [1, num_tokens] map set by a
+    pre-hook on the embedding (`step_targets(n)`: the compared request's (row, position) pairs). A module's
+    per-token tensors are its float arguments with one row per token (named by its signature); a decoder layer's
+    output is hidden + residual and an add-norm's input (hidden + residual, hidden, residual), recorded unnamed."""
+
+    def __init__(self, step_targets, layers: set[str], step_module: str):
+        super().__init__()
+        self.step_targets, self.layers, self.step_module = step_targets, layers, step_module
+
+    def step_map(self, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        m = torch.full((1, int(ids.shape[0])), -1, dtype=torch.long)
+        for row, pos in self.step_targets(int(ids.shape[0])):
+            m[0, row] = pos
+        return m
+
+    def view(self, x):
+        return x[None] if _float_rows(x, self.shape[1]) else None
+
+    def inputs(self, module, args, kwargs):
+        return stable_inputs(*flat_inputs(module, args, kwargs, self.shape[1])), None
+
+    def outputs(self, name, out):
+        return stable_outputs(name in self.layers, out, self.shape[1])
+
+    def replace(self, module, args, kwargs, repl):
+        return replace_rows(module, args, kwargs, self.shape[1], self.targets(), repl)
+
+
 class VLLMCaptureRunner:
     """CaptureRunner over a VLLMEngine (in-process, V1 GPU model runner, eager)."""
 
@@ -216,123 +262,17 @@ class VLLMCaptureRunner:
     def descendants(self, name: str) -> list[str]:
         return [n for n in self.modules if n.startswith(name + ".")]
 
-    # the step's rows of the compared request
-    def _step_targets(self, prompt: tuple[int, ...], n: int) -> list[tuple[int, int]]:
-        r = self.runner
-        k = r.input_batch.num_reqs
-        qsl = r.query_start_loc.np[:k + 1]
-        hit = [i for i, rid in enumerate(r.input_batch.req_ids[:k])
-               if tuple(int(t) for t in r.requests[rid].prompt_token_ids) == prompt]
-        if len(hit) > 1:
-            raise RuntimeError("capture: the compared prompt occurs twice in one vLLM step")
-        if not hit:
-            return []
-        a, b = int(qsl[hit[0]]), int(qsl[hit[0] + 1])
-        if b > n:
-            raise RuntimeError(f"capture: request rows {a}:{b} outside the step's {n} token rows")
-        pos = r.positions[a:b].detach().cpu().tolist() if isinstance(r.positions, torch.Tensor) else \
-            r.positions.np[a:b].tolist()
-        return [(a + j, int(p)) for j, p in enumerate(pos)]
-
     def _run(self, prompts, params, kind, rids, probe: int, spec):
         prompt = tuple(int(t) for t in prompts[probe])
-        cap = Capture()
-        st: dict[str, Any] = {"targets": [], "n": 0, "rec": None, "err": None}
-        names = set(spec.outputs) | set(spec.inputs) | set(spec.replace)
-        if spec.trail_module:
-            names.add(spec.trail_module)
-        embed = self.modules[f"{self.prefix}.embed_tokens"]
-
-        def guarded(fn):
-            """A hook that fails must not abort vLLM's step (its requests would stay queued): the error is
-            kept, capture stops, and it is raised once vLLM has finished the run."""
-            def g(*a):
-                if st["err"] is not None:
-                    return None
-                try:
-                    return fn(*a)
-                except Exception as e:  # noqa: BLE001
-                    st["err"], st["targets"] = e, []
-                    return None
-            return g
-
-        def step(mod, args, kwargs):
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            st["n"] = int(ids.shape[0])
-            st["targets"] = self._step_targets(prompt, st["n"])
-            if st["targets"]:
-                cap.forwards += 1
-
-        def keep(store, ts, targets):
-            if not ts or not targets:
-                return
-            idx = torch.tensor([i for i, _ in targets], dtype=torch.long, device=ts[0].device)
-            got = [t.detach().index_select(0, idx).cpu() for t in ts]
-            for j, (_, pos) in enumerate(targets):
-                store[pos] = tuple(g[j].clone() for g in got)
-
-        def pre(name):
-            mod = self.modules[name]
-
-            def fn(module, args, kwargs):
-                targets, n = st["targets"], st["n"]
-                if not targets:
-                    return None
-                if name not in cap.order:
-                    cap.order.append(name)
-                new = None
-                if name in spec.replace:
-                    new = replace_rows(mod, args, kwargs, n, targets, spec.replace[name])
-                    args, kwargs = new
-                if name in spec.inputs:
-                    rows, res = flat_inputs(mod, args, kwargs, n)
-                    keep(cap.inputs.setdefault(name, {}), stable_inputs(rows, res), targets)
-                if (name == spec.trail_module and st["rec"] is None and cap.trail is None
-                        and any(p == spec.trail_position for _, p in targets)):
-                    fi = next(i for i, p in targets if p == spec.trail_position)
-                    cap.trail = Trail([], 1, n, fi)
-                    prov = Provenance(1, n)
-                    for v in list(args) + list(kwargs.values()):
-                        prov.seed(v)  # the step's token-row inputs: tokens of the trail's values follow from them
-                    st["rec"] = OpRecorder(cap.trail.calls, cap.trail.errors, provenance=prov)
-                    st["rec"].__enter__()
-                return new
-            return fn
-
-        def post(name):
-            is_layer = name in self._layer_set
-
-            def fn(module, args, kwargs, out):
-                if name == spec.trail_module and st["rec"] is not None:
-                    st["rec"].__exit__(None, None, None)
-                    st["rec"] = None
-                if name in spec.outputs and st["targets"]:
-                    keep(cap.outputs.setdefault(name, {}), stable_outputs(is_layer, out, st["n"]), st["targets"])
-                return None
-            return fn
-
-        handles = [embed.register_forward_pre_hook(guarded(step), with_kwargs=True)]
-        try:
-            for name in sorted(names):
-                m = self.modules.get(name)
-                if m is None:
-                    continue
-                handles.append(m.register_forward_pre_hook(guarded(pre(name)), with_kwargs=True))
-                handles.append(m.register_forward_hook(guarded(post(name)), with_kwargs=True))
+        layout = FlatRows(lambda n: _step_targets(self.runner, prompt, n), self._layer_set,
+                          f"{self.prefix}.embed_tokens")
+        with HookSet(self.modules, spec, layout) as hooks:
             try:
                 recs = self.engine._run(prompts, params, kind, rids)
             except BaseException:
                 self.engine.abort_unfinished()
                 raise
-        finally:
-            for h in handles:
-                h.remove()
-            if st["rec"] is not None:
-                st["rec"].__exit__(None, None, None)
-        if st["err"] is not None:
-            e = st["err"]
-            raise RuntimeError(f"capture hook failed: {type(e).__name__}: {e}") from e
-        return cap, recs[probe]
+        return hooks.capture, recs[probe]
 
     @torch.inference_mode()
     def decode(self, samples, target, upto, spec, together=False):
