@@ -20,6 +20,7 @@ from tic.harness.locate.replay import bytes_of
 from tic.harness.locate.trail import Trail, same_bits
 from tic.harness.engines.base import Sampling
 from tic.harness.engines.hf import HFEngine
+from tic.harness.locate import report
 from tic.harness.locate.search import Side, _key, locate, trail_rows
 from tic.harness.locate.provenance import Provenance
 from tic.config.schema import load_config
@@ -46,8 +47,8 @@ def _run(a, b, out: Path, upto: int = 2):
     prompts = [[5, 17, 99, 3, 250, 31], [7, 8, 9], [400, 2, 77, 13, 14]]
     samples = a.generate(prompts, sp, [0, 1, 2])
     ra, rb = HFCaptureRunner(a), HFCaptureRunner(b)
-    return locate(Side("decode", ra, lambda s: ra.decode(samples, 0, upto, s)),
-                  Side("score", rb, lambda s: rb.score(samples, 0, s)), out, "plant", upto)
+    return report.write(locate(Side("decode", ra, lambda s: ra.decode(samples, 0, upto, s)),
+                               Side("score", rb, lambda s: rb.score(samples, 0, s)), out, "plant", upto), out)
 
 
 # -- 1. bytes of any layout -------------------------------------------------------------------------------
