@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from tic.core.errors import TicInputError
 from tic.harness.engines.base import Engine, Sample, Sampling
+from tic.harness.engines.hf import HFEngine
 from tic.harness.engines.ranks import DealtRequests
 from tic.harness.engines.parallel import (COMBINES, ExpertParallelMoE, RankPool, ep_group, moe_blocks, rank_gpu,
                                           require_gpus)
@@ -43,8 +44,6 @@ def _setup_rank(rank: int, world: int, engine_kwargs: dict, ep: int, combine: st
 
     if engine_kwargs.get("device", "cpu") != "cpu":  # a GPU rank sees its own GPU only (set before CUDA starts)
         os.environ["CUDA_VISIBLE_DEVICES"] = rank_gpu(rank)
-    from tic.harness.engines.hf import HFEngine
-
     eng = HFEngine(**engine_kwargs)
     group = ep_group(rank, world, ep)
     # EP = 1: every rank holds every expert and runs the model's own MoE forward (DP only splits requests)

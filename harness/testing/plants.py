@@ -33,10 +33,12 @@ from torch.overrides import TorchFunctionMode
 from tic.core.errors import TicInputError
 from tic.harness.engines.base import Sampling
 from tic.harness.engines.hf import HFEngine
+from tic.harness.kernels.autograd import Ops, attention_ref
 from tic.harness.locate import report
 from tic.harness.locate.capture import CaptureSpec, rows_equal
 from tic.harness.locate.hf_capture import HFCaptureRunner
 from tic.harness.locate.search import Side, locate, recheck_repro
+from tic.harness.testing import plant_kernels
 from tic.harness.testing.tinymodels import tiny_model
 
 LINEAR_OPS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.linear.default",
@@ -174,8 +176,6 @@ def kernel_swap(module_name: str, **kernels: Callable) -> Callable:
     module keeps the provider's."""
     def install(model: nn.Module):
         m = model.get_submodule(module_name)
-        from tic.harness.kernels.autograd import Ops
-
         old = m._tic_ops
         provider = copy.copy(old.provider)  # its other methods call the replaced kernels through self
         for name, fn in kernels.items():
@@ -471,8 +471,6 @@ def _weight_layout(kind, relayouts):
 
 # kernels of tic's wrappers for one module, by provider method: (provider, *args) -> value
 def _norm_by_rows(provider, x, w, eps):
-    from tic.harness.testing import plant_kernels
-
     return plant_kernels.rms_norm(x, w, eps)
 
 
@@ -481,8 +479,6 @@ def _linear_over_the_launch(provider, x, w, b=None):
 
 
 def _attention_over_the_launch(provider, q, k, v, mask, scale):
-    from tic.harness.kernels.autograd import attention_ref
-
     return attention_ref(q, k, v, mask, scale).to(q.dtype)
 
 
