@@ -1,7 +1,7 @@
 """Expert merges across EP degrees: the share of token rows bitwise equal to EP = 1, per merge, top-k and dtype.
 
 Two gloo processes on 127.0.0.1 (EP = 2, tokens split unevenly between them as two DP ranks hold them) run
-one seeded sparse-MoE layer with each merge of tic.harness.measure.parallel; EP = 1 is the same layer in one process
+one seeded sparse-MoE layer with each merge of tic.harness.engines.parallel; EP = 1 is the same layer in one process
 with the slot-order merge. A row counts as equal when all its D values are bitwise equal. Also: TP = 2
 (row-parallel linear, partial products all-reduced) against TP = 1.
 
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tic.harness.measure.parallel import COMBINES, ExpertParallelMoE, RankPool, row_parallel_linear
+from tic.harness.engines.parallel import COMBINES, ExpertParallelMoE, RankPool, row_parallel_linear
 
 
 def moe_block(experts: int, top_k: int, dim: int, dtype) -> SimpleNamespace:

@@ -20,8 +20,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # keep the table reada
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 from tic.gates import get  # noqa: E402
-from tic.harness.locate.capture import HFCaptureRunner
+from tic.harness.locate.hf_capture import HFCaptureRunner
 from tic.harness.engines.hf import HFEngine
+from tic.harness.locate import report
 from tic.harness.locate.search import Side, locate, locate_for_gate
 from tic.config.schema import load_config
 from tic.skill.context import GateContext
@@ -49,8 +50,9 @@ def planted_case() -> dict:
     upto = sp.max_tokens - 1
     ra, rb = HFCaptureRunner(a), HFCaptureRunner(b)
     t0 = time.perf_counter()
-    found = locate(Side("decode", ra, lambda s: ra.decode(samples, 0, upto, s)),
-                   Side("train", rb, lambda s: rb.score(samples, 0, s)), Path("plant"), "plant", upto)
+    found = report.write(locate(Side("decode", ra, lambda s: ra.decode(samples, 0, upto, s)),
+                                Side("train", rb, lambda s: rb.score(samples, 0, s)), Path("plant"), "plant", upto),
+                         Path("plant"))
     return {"case": "planted eps, layer 2 (consistent)", "seconds": time.perf_counter() - t0, **found}
 
 

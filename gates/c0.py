@@ -10,7 +10,7 @@ from tic.harness.engines.vllm import mode_refusals
 from tic.harness.model.inventory import build_manifest
 from tic.harness.kernels.modules import coverage_problems
 from tic.harness.model.layer_structure import build_meta
-from tic.harness.measure.parallel import COVERED, layout_refusals
+from tic.harness.engines.parallel import COVERED, layout_refusals
 from tic.core.fsio import atomic_write_text
 
 

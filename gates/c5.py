@@ -4,8 +4,7 @@ sampled token bit for bit (the method's diff = 0)."""
 from __future__ import annotations
 
 from tic.gates.base import Gate, Judgement
-from tic.harness.engines.dump import compare_dump_files
-from tic.harness.measure.metrics import compare_logprobs, is_exact_match, summary
+from tic.harness.measure.metrics import compare_dump_files, compare_logprobs, is_exact_match, summary
 
 
 def measure(ctx) -> dict:

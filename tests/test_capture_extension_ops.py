@@ -9,7 +9,7 @@ import inspect
 import pytest
 import torch
 
-from tic.harness.locate.capture import OpRecorder
+from tic.harness.locate.recorder import OpRecorder
 
 _LIB = torch.library.Library("tic_test_ext", "DEF")
 _LIB.define("fragile_scale(Tensor x, float s) -> Tensor[]")

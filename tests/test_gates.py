@@ -171,7 +171,7 @@ def test_c6_sequence_order_passes_with_row_invariant_kernels(consistent_ctx):
 
 
 def test_sequence_orders_are_fixed_permutations():
-    from tic.harness.measure.layouts import micro_batches, sequence_order
+    from tic.harness.engines.batches import micro_batches, sequence_order
 
     for n in (0, 1, 5, 48):
         for order in ("given", "reversed", "shuffled"):

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from tic.harness.locate import launch_record
-from tic.harness.locate.capture import HFCaptureRunner, OpRecorder
+from tic.harness.locate.hf_capture import HFCaptureRunner
+from tic.harness.locate.recorder import OpRecorder
 from tic.harness.engines.base import Sampling
 from tic.harness.locate.search import Side, locate
 from tic.harness.locate.replay import rebuild
@@ -212,7 +213,7 @@ def test_recheck_after_the_plant_is_removed_relaunches_the_unplanted_kernel(tmp_
     side_a = Side("decode", ra, lambda spec: ra.decode(samples, 0, 2, spec))
     side_b = Side("score", rb, lambda spec: rb.score(samples, 0, spec))
     res = locate(side_a, side_b, tmp_path / "out", "plant", 2)
-    assert res["first_operator"] == KERNEL and res["repro_check"]["exit_code"] == 1, res["status"]
+    assert res.first_operator == KERNEL and res.repro_check["exit_code"] == 1, res.status
     still = recheck_repro(side_a, side_b, res, "B", tmp_path / "still")
     assert still["kind"] == "operator" and still["exit_code"] == 1, still
     launch_norms(b.model)  # the plant removed: side B launches with side A's block size

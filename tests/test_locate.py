@@ -225,7 +225,7 @@ def test_a_broken_locator_keeps_the_verdict_and_says_where_it_broke(tmp_path, mo
 
 
 def _mm_side(op_name: str):
-    from tic.harness.locate.capture import OpCall
+    from tic.harness.locate.trail import OpCall
     from tic.harness.locate.repro import OpSide
 
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
@@ -265,7 +265,7 @@ def test_two_sides_calls_pair_by_the_size_of_the_tokens_value_not_its_shape():
     """Side A's kernel gives the traced token one row [H, D]; side B's, on another layout, gives the same H*D
     elements scattered through its output (a mask of elements, taken flat). They are the same step: the first
     operator is named with side A's call as its counterpart, not as "implementations differ"."""
-    from tic.harness.locate.capture import OpCall, Trail
+    from tic.harness.locate.trail import OpCall, Trail
     from tic.harness.locate.search import first_operator
 
     H, D, f = 2, 3, 1  # one sequence of 2 tokens (B=1, T=2); the traced token is the second
@@ -290,7 +290,7 @@ def test_identical_operator_sequences_never_end_in_different_operators():
     """Both sides run one mul; side B's trail knows the traced token for part of its row only (a value of another
     size), so no step pairs by size. The two sides' operator sequences are the same: the calls at the same place
     are the pair, and the verdict is about their arguments, never "different operator sequences"."""
-    from tic.harness.locate.capture import OpCall, Trail
+    from tic.harness.locate.trail import OpCall, Trail
     from tic.harness.locate.search import first_operator, operator_difference
 
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))

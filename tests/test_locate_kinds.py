@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from tic.harness.testing import plant_kernels
 
 from tic.harness.locate import replay, repro
-from tic.harness.locate.search import recheck_repro
+from tic.harness.locate import report
+from tic.harness.locate.search import locate, recheck_repro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 from tic_locate_pair import engines, locate_pair, sides  # noqa: E402
@@ -95,7 +96,8 @@ def test_a_gemm_on_a_misaligned_weight_is_reproduced_with_its_alignment(pair, tm
     a, b = pair
     o_proj = b.model.model.layers[1].self_attn.o_proj
     _move_weight(o_proj, 1)
-    res = locate_pair(a, b, tmp_path / "out")
+    found = locate(*sides(a, b), tmp_path / "out", "plant", 2)
+    res = report.write(found, tmp_path / "out")
     assert res["culprit_module"] == "model.layers.1.self_attn.o_proj", res["module_trail"]
     assert res["first_operator"] == "aten.linear.default"
     diff = res["difference"]
@@ -103,7 +105,7 @@ def test_a_gemm_on_a_misaligned_weight_is_reproduced_with_its_alignment(pair, tm
     assert "argument 1 (weight)'s address mod 64 bytes" in diff["detail"], diff
     _fresh_run_exits_1(res)
     _move_weight(o_proj, 0)  # the plant removed: side B's weight aligned as side A's
-    again = recheck_repro(*sides(a, b), res, "B", tmp_path / "aligned")
+    again = recheck_repro(*sides(a, b), found, "B", tmp_path / "aligned")
     assert again["kind"] == "operator" and again["exit_code"] == 0, again
 
 

@@ -14,9 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tic.harness.locate.capture import HFCaptureRunner, OpRecorder, Trail, raw_bytes, same_bits
+from tic.harness.locate.hf_capture import HFCaptureRunner
+from tic.harness.locate.recorder import OpRecorder
+from tic.harness.locate.replay import bytes_of
+from tic.harness.locate.trail import Trail, same_bits
 from tic.harness.engines.base import Sampling
 from tic.harness.engines.hf import HFEngine
+from tic.harness.locate import report
 from tic.harness.locate.search import Side, _key, locate, trail_rows
 from tic.harness.locate.provenance import Provenance
 from tic.config.schema import load_config
@@ -43,8 +47,8 @@ def _run(a, b, out: Path, upto: int = 2):
     prompts = [[5, 17, 99, 3, 250, 31], [7, 8, 9], [400, 2, 77, 13, 14]]
     samples = a.generate(prompts, sp, [0, 1, 2])
     ra, rb = HFCaptureRunner(a), HFCaptureRunner(b)
-    return locate(Side("decode", ra, lambda s: ra.decode(samples, 0, upto, s)),
-                  Side("score", rb, lambda s: rb.score(samples, 0, s)), out, "plant", upto)
+    return report.write(locate(Side("decode", ra, lambda s: ra.decode(samples, 0, upto, s)),
+                               Side("score", rb, lambda s: rb.score(samples, 0, s)), out, "plant", upto), out)
 
 
 # -- 1. bytes of any layout -------------------------------------------------------------------------------
@@ -54,7 +58,7 @@ def test_bytes_of_a_size_one_slice_with_a_large_stride():
     base = torch.randn(1, 34)
     t = base.t()[0]
     assert t.shape == (1,) and t.stride() == (34,) and t.is_contiguous()
-    assert raw_bytes(t) == base[0, :1].numpy().tobytes()
+    assert bytes_of(t) == base[0, :1].numpy().tobytes()
     assert _key(t) == _key(base[0, :1].clone())
     assert same_bits(t, base[0, :1].clone()) and not same_bits(t, base[0, :1] + 1)
     heads = torch.randn(4, 34, 1).transpose(1, 2)  # (heads, 1, keys) with strides (34, 1, 1) after a transpose
@@ -183,7 +187,7 @@ def test_fresh_process_says_identical_calls_show_nothing(tmp_path):
     """The script's own check, run in the fresh process, calls identical calls one operator on the same
     arguments; their bits being equal, the candidate is not emitted."""
     from tic.harness.locate import repro
-    from tic.harness.locate.capture import OpCall
+    from tic.harness.locate.trail import OpCall
     from tic.harness.locate.replay import SAME_ARGUMENTS
     from tic.harness.locate.repro import OpSide
 
@@ -253,28 +257,38 @@ def test_a_per_head_norm_is_compared_by_its_rows_not_blamed_for_rows_it_did_not_
     assert found["repro_check"]["reproduces"] and found["repro_check"]["exit_code"] == 1, found["repro_check"]
 
 
-def test_a_module_called_twice_in_a_forward_is_traced_at_the_call_whose_rows_are_kept():
+class _Twice(torch.nn.Module):
+    """One module (a linear standing for a shared norm or rotary) called twice per forward, on other inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.inner = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        return self.inner(x * 2) + self.inner(x * 3)
+
+
+@pytest.mark.parametrize("layout", ["hf padded batch", "vllm flat tokens"])
+def test_a_module_called_twice_in_a_forward_is_traced_at_the_call_whose_rows_are_kept(layout):
     """Gemma-3's rotary module runs once per attention kind in each forward; the capture keeps its last call's
     rows, so the trail must be that call's (the module's output was not found among the first call's operators,
-    and no repro could be made)."""
-    from tic.harness.locate.capture import CaptureSpec, HookSet, _RowMap
+    and no repro could be made). HF's padded batch [B, T] and vLLM's flat step [num_tokens] are traced alike."""
+    from tic.harness.locate.capture import CaptureSpec, HookSet
+    from tic.harness.locate.hf_capture import PaddedRows
     from tic.harness.locate.search import module_target
+    from tic.harness.locate.vllm_capture import FlatRows
 
-    class Twice(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = torch.nn.Linear(4, 4)
-
-        def forward(self, x):
-            return self.inner(x * 2) + self.inner(x * 3)
-
-    model = Twice()
-    rowmap = _RowMap()
-    rowmap.set(torch.arange(3)[None])
-    x = torch.randn(1, 3, 4)
+    torch.manual_seed(0)
+    model = _Twice()
+    ids = torch.tensor([[1, 2, 3]]) if layout.startswith("hf") else torch.tensor([1, 2, 3])
+    rows = PaddedRows() if layout.startswith("hf") else FlatRows(lambda n: [(j, j) for j in range(n)], set(), "embed")
     spec = CaptureSpec(outputs={"inner"}, trail_module="inner", trail_position=1)
-    with torch.inference_mode(), HookSet(dict(model.named_modules()), spec, rowmap) as hooks:
-        model(x)
+    with torch.inference_mode(), HookSet(dict(model.named_modules()), spec, rows) as hooks:
+        if layout.startswith("hf"):
+            hooks.step(torch.arange(3)[None])
+        model(ids)
     row = hooks.capture.outputs["inner"][1][0]
-    assert torch.equal(row, model.inner(x * 3)[0, 1].detach())
+    assert torch.equal(row, model.inner(model.embed(ids) * 3).reshape(3, 4)[1].detach())
+    assert hooks.capture.forwards == 1 and hooks.capture.trail.flat_index == 1
     assert module_target(hooks.capture.trail, row) is not None

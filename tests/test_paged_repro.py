@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tic.harness.locate import capture, repro
+from tic.harness.locate import recorder, repro
 
 SUPPORT = Path(__file__).resolve().parent / "support"
 sys.path.insert(0, str(SUPPORT))
@@ -51,7 +51,7 @@ def _record(rows_per_seq, pages_order, traced_seq=1):
     q, meta = _step(rows_per_seq, pages_order)
     tic_pageddemo.STEP["l0"] = meta
     out = torch.zeros_like(q)
-    rec = capture.OpRecorder()
+    rec = recorder.OpRecorder()
     with rec:
         torch.ops.tic_wrapdemo.attention(q, out, "l0")
     row = int(meta["cu_seqlens_q"][traced_seq + 1]) - 1
@@ -61,7 +61,7 @@ def _record(rows_per_seq, pages_order, traced_seq=1):
 
 @pytest.fixture
 def open_demo(monkeypatch):
-    monkeypatch.setattr(capture, "OPEN_NAMESPACES", {"tic_wrapdemo"})
+    monkeypatch.setattr(recorder, "OPEN_NAMESPACES", {"tic_wrapdemo"})
     monkeypatch.setenv("PYTHONPATH", str(SUPPORT))  # the fresh repro process imports the kernel's module
 
 
@@ -74,11 +74,11 @@ def test_wrapper_is_opened_and_its_kernel_recorded(open_demo):
 
 
 def test_wrapper_outside_open_namespaces_is_one_operator(monkeypatch):
-    monkeypatch.setattr(capture, "OPEN_NAMESPACES", set())
+    monkeypatch.setattr(recorder, "OPEN_NAMESPACES", set())
     q, meta = _step([1, 1, 1], list(range(20)))
     tic_pageddemo.STEP["l0"] = meta
     out = torch.zeros_like(q)
-    rec = capture.OpRecorder()
+    rec = recorder.OpRecorder()
     with rec:
         torch.ops.tic_wrapdemo.attention(q, out, "l0")
     assert [c.op for c in rec.calls] == ["tic_wrapdemo.attention.default"]
@@ -114,7 +114,7 @@ def test_a_kernel_called_directly_on_packed_rows_is_traced_by_row_and_cut_to_its
     valid = torch.arange(T)[None] < torch.tensor(LENS)[:, None]
     prov = Provenance(len(LENS), T)
     prov.seed(padded)
-    rec = capture.OpRecorder(provenance=prov)
+    rec = recorder.OpRecorder(provenance=prov)
     with rec:
         flat = padded.reshape(-1, H, D)
         rows = valid.reshape(-1).nonzero().squeeze(1)
@@ -173,13 +173,13 @@ def _attention_module(q: torch.Tensor, scale: float):
 
 
 def test_module_program_replays_values_written_through_another_view(open_demo, tmp_path):
-    from tic.harness.locate.capture import Trail
+    from tic.harness.locate.trail import Trail
 
     q, meta = _step([1, 1, 1], list(range(20)))
     tic_pageddemo.STEP["l0"] = meta
     progs = []
     for scale in (3.0, 3.0000002):  # side B: a different implementation of the same module
-        rec = capture.OpRecorder()
+        rec = recorder.OpRecorder()
         with rec:
             y = _attention_module(q, scale)
         target = len(rec.calls) - 1
@@ -199,7 +199,7 @@ def test_in_place_kernel_repro_starts_from_the_recorded_inputs(open_demo, tmp_pa
     sides = []
     for rows in (slice(0, 2), slice(0, 8)):  # decode-like 2 rows vs prefill-like 8 rows; the traced row is 1
         x, r = hidden[rows].clone(), resid[rows].clone()
-        rec = capture.OpRecorder()
+        rec = recorder.OpRecorder()
         with rec:
             torch.ops.tic_pageddemo.add_norm(x, r, 1e-6)
         call = rec.calls[0]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tic.harness.measure.parallel import ExpertParallelMoE, RankPool, combine_slot_order, row_parallel_linear
+from tic.harness.engines.parallel import ExpertParallelMoE, RankPool, combine_slot_order, row_parallel_linear
 
 TIMEOUT = 120
 

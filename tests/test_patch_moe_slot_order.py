@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tic import patches
-from tic.harness.measure.parallel import RankPool, expert_owners
+from tic.harness.engines.parallel import RankPool, expert_owners
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 from tic_fake_vllm import make_fake_vllm  # noqa: E402

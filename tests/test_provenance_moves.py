@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tic.harness.locate import provenance
-from tic.harness.locate.capture import OpRecorder
+from tic.harness.locate.recorder import OpRecorder
 from tic.harness.locate.provenance import Provenance
 
 B, T, H, D = 2, 5, 2, 3

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from tic.harness.locate import replay, repro
-from tic.harness.locate.capture import OpCall, OpRecorder, Trail
+from tic.harness.locate.recorder import OpRecorder
+from tic.harness.locate.trail import OpCall, Trail
 from tic.harness.locate.search import token_parts, trail_rows
 from tic.harness.locate.provenance import Provenance
 

@@ -377,7 +377,7 @@ def _synthetic_vllm():
 def test_capture_runner_maps_flat_rows_and_replays_exactly():
     from tic.harness.locate.capture import CaptureSpec
     from tic.harness.engines.base import Sample
-    from tic.harness.engines.vllm import VLLMCaptureRunner
+    from tic.harness.locate.vllm_capture import VLLMCaptureRunner
     from tic.harness.locate.search import compare_rows
 
     eng, _ = _synthetic_vllm()

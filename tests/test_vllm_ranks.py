@@ -85,11 +85,12 @@ def test_bad_input_inside_a_rank_is_an_input_error():
 def test_the_locator_reruns_a_request_on_its_owner_rank(ep):
     """The owner rank captures on its own share; under DP x EP the other rank takes turns until released."""
     from tic.harness.locate.capture import Capture
+    from tic.harness.locate.runners import runner_for
 
     eng = RankedVLLMEngine(KW, dp=2, ep=ep, timeout_s=30, engine_path=STANDIN)
     try:
         samples = eng.generate(PROMPTS, Sampling(max_tokens=2), [10, 11, 12, 13, 14])
-        runner = eng.capture_runner(1.0)
+        runner = runner_for(eng, 1.0)
         assert runner.stages() == ["model.layers.0"] and runner.repro_setup == ["import os"]
         cap = runner.decode(samples, 3, 1, None)  # request 3 lives on rank 1, second of its share (11, 13)
         assert isinstance(cap, Capture)

@@ -1,6 +1,6 @@
-"""vLLM's replay (harness.engines.vllm.replace_rows) substitutes every token-row input of a module call: positional,
-keyword, inside a tuple argument (position embeddings), for modules with or without a named signature, and rows
-recorded with argument names (the HF runner's InputRows) by name. CPU stand-ins for vLLM modules."""
+"""vLLM's replay (harness.locate.vllm_capture.replace_rows) substitutes every token-row input of a module call:
+positional, keyword, inside a tuple argument (position embeddings), for modules with or without a named signature,
+and rows recorded with argument names (the HF runner's InputRows) by name. CPU stand-ins for vLLM modules."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tic.harness.locate.capture import InputRows
-from tic.harness.engines.vllm import flat_inputs, replace_rows, stable_inputs
+from tic.harness.locate.vllm_capture import flat_inputs, replace_rows, stable_inputs
 
 N = 4  # token rows of the step
 TARGETS = [(1, 7)]  # row 1 of the step holds the compared position 7

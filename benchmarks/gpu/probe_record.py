@@ -3,7 +3,7 @@ what was recorded and what could not be.   python probe_record.py CONFIG.yaml"""
 
 import sys
 
-from tic.harness.locate.capture import OpRecorder
+from tic.harness.locate.recorder import OpRecorder
 from tic.config.schema import load_config
 from tic.skill.context import GateContext
 

@@ -246,20 +246,6 @@ def align(rollout: list[Sample], train_path: Path, train_name: str = "train") ->
     return [t for _, t in pair_with_dump(rollout, train_path, train_name)]
 
 
-def compare_dump_files(rollout_path: Path, train_path: Path) -> dict:
-    """C5's metric record from two dump files, both read one line at a time."""
-    from tic.harness.measure.metrics import LogprobComparison
-
-    rollout_path, train_path = Path(rollout_path), Path(train_path)
-    if rollout_path.is_file() and train_path.is_file() and rollout_path.samefile(train_path):
-        raise TicInputError(f"rollout and train dumps are the same file ({rollout_path}); a file compared with "
-                            "itself proves nothing")
-    acc = LogprobComparison()
-    for r, t in pair_with_dump(iter_dump(rollout_path), train_path, f"train dump {train_path.name}"):
-        acc.add(r.logprobs, t.logprobs, r.mask)
-    return acc.result()
-
-
 class DumpEngine(Engine):
     name = "dump"
 

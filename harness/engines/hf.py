@@ -15,11 +15,11 @@ import torch
 
 from tic.config.schema import BackwardConfig
 from tic.harness.engines.base import Engine, Sample, Sampling, request_seed
+from tic.harness.engines.batches import micro_batches
 from tic.harness.kernels.modules import apply, capture_routes
 from tic.harness.kernels.providers import provider_for
 from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE
 from tic.harness.kernels.vllm_provider import require_vllm
-from tic.harness.measure.layouts import micro_batches
 from tic.core.errors import TicInputError
 
 _MODELS: dict[tuple, torch.nn.Module] = {}

@@ -2,7 +2,7 @@
 
 Data parallel: requests are dealt to DP ranks round-robin; each rank samples or scores its own requests with
 its own batches. Expert parallel: every MoE layer's experts are split over an EP group of consecutive ranks
-and tokens travel to their experts and back (tic.harness.measure.parallel). A request's rows live on one rank, its
+and tokens travel to their experts and back (tic.harness.engines.parallel). A request's rows live on one rank, its
 owner, so every number the gates compare comes from that rank.
 
 Ranks run forward passes in lockstep: MoE layers exchange tokens inside each forward, so a rank with fewer
@@ -20,9 +20,10 @@ import torch.distributed as dist
 from tic.config.schema import BackwardConfig
 from tic.core.errors import TicInputError
 from tic.harness.engines.base import Engine, Sample, Sampling
-from tic.harness.engines.ranks import DealtRequests, OwnerRankCaptureRunner, portable, runner_names
+from tic.harness.engines.hf import HFEngine
+from tic.harness.engines.ranks import DealtRequests
 from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE
-from tic.harness.measure.parallel import (COMBINES, ExpertParallelMoE, RankPool, ep_group, moe_blocks, rank_gpu,
+from tic.harness.engines.parallel import (COMBINES, ExpertParallelMoE, RankPool, ep_group, moe_blocks, rank_gpu,
                                           require_gpus)
 
 OPTIONS = {"expert_combine": "slot_order"}
@@ -45,8 +46,6 @@ def _setup_rank(rank: int, world: int, engine_kwargs: dict, ep: int, combine: st
 
     if engine_kwargs.get("device", "cpu") != "cpu":  # a GPU rank sees its own GPU only (set before CUDA starts)
         os.environ["CUDA_VISIBLE_DEVICES"] = rank_gpu(rank)
-    from tic.harness.engines.hf import HFEngine
-
     eng = HFEngine(**engine_kwargs)
     group = ep_group(rank, world, ep)
     # EP = 1: every rank holds every expert and runs the model's own MoE forward (DP only splits requests)
@@ -91,34 +90,16 @@ def _score_rank(state: dict, samples: list, sampling: Sampling) -> list[torch.Te
     return out
 
 
-def _module_names(state: dict, temperature: float) -> dict:
-    from tic.harness.locate.capture import HFCaptureRunner
-
-    return runner_names(HFCaptureRunner(state["engine"]))
-
-
-def _capture_rank(state: dict, job: tuple | None):
-    """The owner rank records the compared request; the others serve their experts meanwhile."""
-    from tic.harness.locate.capture import HFCaptureRunner
-
-    own = 0 if job is None else (job[3] + 1 if job[0] == "decode" else 1)
-    owed = _lockstep(state, own)
-    cap = None
+def _owner_call(state: dict, job: tuple | None, forwards: int):
+    """The owner rank runs job = (fn, args) on its engine (`forwards` forward passes); the others serve their
+    experts meanwhile."""
+    owed = _lockstep(state, 0 if job is None else forwards)
+    out = None
     if job is not None:
-        kind, samples, target, upto, spec, together, temperature = job
-        runner = HFCaptureRunner(state["engine"], temperature)
-        cap = runner.decode(samples, target, upto, spec, together) if kind == "decode" else \
-            runner.score(samples, target, spec)
+        fn, args = job
+        out = fn(state["engine"], *args)
     _idle(state, owed)
-    return None if cap is None else portable(cap)
-
-
-class RankCaptureRunner(OwnerRankCaptureRunner):
-    """The owner rank runs the HF capture runner on its own share while the other ranks take part in the
-    expert exchanges."""
-
-    names_fn = _module_names
-    capture_fn = _capture_rank
+    return out
 
 
 # -- in the calling process --------------------------------------------------------------------------------
@@ -181,8 +162,9 @@ class RankedHFEngine(DealtRequests, Engine):
         args = [([samples[i] for i in s], sampling) for s in shares]
         return self._gather(shares, self.pool.call(_score_rank, args), len(samples))
 
-    def capture_runner(self, temperature: float) -> RankCaptureRunner:
-        return RankCaptureRunner(self, temperature)
+    def on_owner(self, items: list, index: int, fn, args: tuple = (), forwards: int = 1):
+        owner, jobs = self._owner_jobs(items, index, fn, args)
+        return self.pool.call(_owner_call, [(job, forwards) for job in jobs])[owner]
 
     def close(self) -> None:
         self.pool.close()

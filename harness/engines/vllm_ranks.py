@@ -16,7 +16,6 @@ records its rank and the layout.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
 import weakref
@@ -25,10 +24,12 @@ from pathlib import Path
 import torch
 
 from tic.core.errors import TicInputError
+from tic.core.fsio import atomic_write_text
 from tic.harness.engines.base import Engine, Sample, Sampling
-from tic.harness.engines.ranks import DealtRequests, OwnerRankCaptureRunner, portable, runner_names
+from tic.harness.engines.parallel import RankPool, free_port, rank_gpu, require_gpus
+from tic.harness.engines.ranks import DealtRequests
 from tic.harness.engines.vllm import VLLMEngine
-from tic.harness.measure.parallel import RankPool, free_port, rank_gpu, require_gpus
+
 
 # -- inside each rank ----------------------------------------------------------------------------------------
 def _setup_rank(rank: int, world: int, engine_kwargs: dict, spmd: bool, master_port: int, engine_path: str) -> dict:
@@ -79,25 +80,12 @@ def _score_rank(state: dict, calls: list, turns: int, sampling: Sampling) -> lis
     return _turns(state, calls, turns, lambda samples, _ids: eng.score(samples, sampling))
 
 
-# -- the locator on the owner rank ---------------------------------------------------------------------------
-def _module_names(state: dict, temperature: float) -> dict:
-    return runner_names(_runner(state, temperature))
-
-
-def _runner(state: dict, temperature: float):
-    key = ("runner", temperature)
-    if key not in state:
-        state[key] = state["engine"].capture_runner(temperature)
-    return state[key]
-
-
-def _capture_rank(state: dict, job: tuple | None, release: str):
-    """The owner rank reruns the compared request under capture. In SPMD lockstep the other ranks keep taking
-    turns (their MoE layers serve the owner's tokens; each of their turns pairs with one generate call of the
-    owner) until they have taken as many as the owner: when done, the owner writes its count, one more than it
-    has taken, to `release`, then takes that last turn with them. Replicas just wait."""
-    from tic.core.fsio import atomic_write_text
-
+# -- work on the owner rank (the locator's reruns) -----------------------------------------------------------
+def _owner_call(state: dict, job: tuple | None, release: str):
+    """The owner rank runs job = (fn, args) on its engine. In SPMD lockstep the other ranks keep taking turns
+    (their MoE layers serve the owner's tokens; each of their turns pairs with one generate call of the owner)
+    until they have taken as many as the owner: when done, the owner writes its count, one more than it has
+    taken, to `release`, then takes that last turn with them. Replicas just wait."""
     eng = state["engine"]
     start = eng.turns
     if job is None:
@@ -106,28 +94,13 @@ def _capture_rank(state: dict, job: tuple | None, release: str):
             if os.path.exists(release) and int(Path(release).read_text()) == eng.turns - start:
                 break
         return None
-    kind, samples, target, upto, spec, together, temperature = job
+    fn, args = job
     try:
-        runner = _runner(state, temperature)
-        cap = runner.decode(samples, target, upto, spec, together) if kind == "decode" else \
-            runner.score(samples, target, spec)
+        return fn(eng, *args)
     finally:
         if state["spmd"]:
             atomic_write_text(Path(release), str(eng.turns - start + 1))
             eng.take_turn()
-    return portable(cap)
-
-
-class RankVLLMCaptureRunner(OwnerRankCaptureRunner):
-    """tic's vLLM capture runner on the owner rank; under DP x EP the other ranks step along until released."""
-
-    names_fn = _module_names
-    capture_fn = _capture_rank
-
-    @contextlib.contextmanager
-    def _extra(self):
-        with tempfile.TemporaryDirectory(prefix="tic-capture-") as d:
-            yield (os.path.join(d, "release"),)
 
 
 # -- in the calling process ----------------------------------------------------------------------------------
@@ -210,8 +183,12 @@ class RankedVLLMEngine(DealtRequests, Engine):
     def process_environment(self) -> dict:
         return dict(self._process_environment)
 
-    def capture_runner(self, temperature: float) -> RankVLLMCaptureRunner:
-        return RankVLLMCaptureRunner(self, temperature)
+    def on_owner(self, items: list, index: int, fn, args: tuple = (), forwards: int = 1):
+        """(see DealtRequests.on_owner; the ranks step in turns, whatever `forwards` is)"""
+        owner, jobs = self._owner_jobs(items, index, fn, args)
+        with tempfile.TemporaryDirectory(prefix="tic-owner-") as d:
+            release = os.path.join(d, "release")
+            return self.pool.call(_owner_call, [(job, release) for job in jobs])[owner]
 
     def close(self) -> None:
         self.pool.close()

@@ -115,7 +115,7 @@ class CPUProvider(KernelProvider):
             if x.shape[0] else x.new_zeros(0, x.shape[1])
 
     def moe_experts(self, x, weights, ids, gate_up, down):
-        """The expert-parallel merge rule (tic.harness.measure.parallel.combine_slot_order) one row at a time: each
+        """The expert-parallel merge rule (tic.harness.engines.parallel.combine_slot_order) one row at a time: each
         slot's output times its weight in the model dtype, summed in fp32 in top-k slot order."""
         dtype, outs = x.dtype, []
         for t in range(x.shape[0]):

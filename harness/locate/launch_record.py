@@ -1,7 +1,7 @@
 """Record kernels launched from Python outside torch's dispatcher (Triton's `kernel[grid](*args)`) as operator calls.
 
 A `@triton.jit` kernel is launched by `JITFunction.run(*args, grid=..., warmup=..., **kwargs)`: no torch
-operator is dispatched, so the dispatch-mode recorder (tic.harness.locate.capture.OpRecorder) sees nothing of e.g.
+operator is dispatched, so the dispatch-mode recorder (tic.harness.locate.recorder.OpRecorder) sees nothing of e.g.
 vLLM's batch-invariant RMSNorm or GEMM. While a recorder is active, every entry point in the registry below is
 patched so that each launch becomes one recorded call:
   - inputs: every argument as it was before the launch (tensors copied with their memory layout: a kernel
@@ -29,6 +29,7 @@ import torch
 
 from tic.harness.locate.provenance import Provenance
 from tic.harness.locate.replay import launch_outputs, rebuild
+from tic.harness.locate.trail import OpCall, argument_tokens, recorded_arguments, same_bits, snapshot_tokens
 
 
 @dataclass(frozen=True)
@@ -143,13 +144,11 @@ def _grid(entry: LaunchEntry, launcher, grid, args, kwargs) -> tuple:
 
 
 # -- recording ------------------------------------------------------------------------------------------------
-_active: list[tuple] = []  # (recorder (OpRecorder), its thread id) now recording, innermost last
+_active: list[tuple] = []  # (recorder (recorder.OpRecorder), its thread id) now recording, innermost last
 _patched: list[tuple] = []  # (class, method name, the class's own attribute or None if inherited)
 
 
 def _record(rec, entry: LaunchEntry, original, launcher, args: tuple, kwargs: dict):
-    from tic.harness.locate.capture import OpCall, _snapshot, argument_tokens, recorded_arguments, same_bits
-
     grid = kwargs.get(entry.grid_kwarg)
     call_kwargs = {k: v for k, v in kwargs.items() if k not in (entry.grid_kwarg, entry.warmup_kwarg)}
     try:
@@ -179,7 +178,7 @@ def _record(rec, entry: LaunchEntry, original, launcher, args: tuple, kwargs: di
         out_tokens = None
         if prov is not None:
             prov.after(func, args, call_kwargs, returned, written_t)
-            out_tokens = tuple(_snapshot(prov.tokens(t)) for t in outs)
+            out_tokens = tuple(snapshot_tokens(prov.tokens(t)) for t in outs)
         rec.calls.append(OpCall(path, func, pre_args, pre_kwargs, tuple(t.detach().clone() for t in outs), sources,
                                 out_tokens, arg_tokens, layouts))
         for k, t in enumerate(outs):

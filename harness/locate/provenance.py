@@ -73,7 +73,7 @@ def standard_map(x: torch.Tensor, batch: int, length: int) -> torch.Tensor | Non
     return m
 
 
-# the provenances of the trails being recorded now (tic.harness.locate.capture.OpRecorder pushes and pops its own):
+# the provenances of the trails being recorded now (tic.harness.locate.recorder.OpRecorder pushes and pops its own):
 # the kernels' stand-in channel, so that kernel code can hand them values standing for a module's input
 ACTIVE = stand_ins.LISTENERS
 

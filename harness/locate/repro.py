@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from tic.harness.locate import replay
-from tic.harness.locate.capture import OpCall
+from tic.harness.locate.trail import OpCall
 from tic.core.fsio import atomic_write_bytes, atomic_write_text
 
 TEMPLATES = Path(__file__).parent / "templates"

@@ -21,23 +21,22 @@ capture hooks (tic.harness.locate.capture). The loop:
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from tic.harness.locate.capture import (Capture, CaptureRunner, CaptureSpec, Trail, raw_bytes, rows_equal, runner_for,
-                                        same_bits)
+from tic.core.errors import TicInputError
 from tic.harness.locate import replay
+from tic.harness.locate import repro as repro_mod
+from tic.harness.locate import report
+from tic.harness.locate.capture import Capture, CaptureRunner, CaptureSpec, rows_equal
+from tic.harness.locate.runners import runner_for
+from tic.harness.locate.trail import Trail, same_bits
 from tic.harness.measure.layouts import describe_train_layout, probe_batch
 from tic.harness.measure.metrics import _ordered_int
-from tic.core.errors import TicInputError
-from tic.core.fsio import atomic_write_bytes, atomic_write_text
-
-TEMPLATES = Path(__file__).parent / "templates"
 
 
 @dataclass
@@ -165,7 +164,7 @@ def trail_rows(trail: Trail) -> tuple[list[list[tuple]], list[list[torch.Tensor]
 def _key(t: torch.Tensor) -> tuple:
     """A value's identity for comparing the two sides: dtype, element count and every byte, for any shape or
     strides (one token's row [D] of a batched call and the [1, D] of a row-by-row call are the same value)."""
-    return str(t.dtype), t.numel(), raw_bytes(t)
+    return str(t.dtype), t.numel(), replay.bytes_of(t)
 
 
 def _describe_args(call) -> str:
@@ -210,8 +209,6 @@ def module_target(trail: Trail, value: torch.Tensor) -> tuple[int, dict, torch.T
 def _module_program(cap: Capture, module: str, pos: int) -> dict | None:
     """The module's operator sequence up to the call that produced its recorded output for position `pos`, as
     a replayable program (tic.harness.locate.repro.module_program); None if no recorded operator produced it."""
-    from tic.harness.locate import repro as repro_mod
-
     row = cap.outputs.get(module, {}).get(pos)
     target = module_target(cap.trail, row[0]) if row else None
     # the recorded value as the replay picks it (a per-head module's token is a mask of elements, not a row)
@@ -353,9 +350,7 @@ class OperatorDifference:
 
 
 def _op_side(trail: Trail, ci: int, where: dict, rows: int):
-    from tic.harness.locate.repro import OpSide
-
-    return OpSide(trail.calls[ci], where, rows, token_parts(trail, trail.calls[ci]))
+    return repro_mod.OpSide(trail.calls[ci], where, rows, token_parts(trail, trail.calls[ci]))
 
 
 def _entry(trail: Trail, ci: int, where: dict) -> dict:
@@ -431,35 +426,58 @@ def operator_difference(found: dict, trail_ref: Trail, trail_new: Trail, ref_sid
 
 
 # -- the locator ------------------------------------------------------------------------------------------
-def _short(name: str) -> str:
-    return name.replace("model.layers.", "L").replace("model.", "")
+@dataclass
+class Finding:
+    """What `locate` found for one compared sequence; tic.harness.locate.report renders it (locate.json, the
+    chart, report.md). Fields that a search which stopped earlier never reached stay None."""
+
+    gate: str
+    side_a: str  # the sides' labels
+    side_b: str
+    compared_through_response_position: int
+    logprob_a: float | None  # each side's logprob at that position, as its rerun gave it
+    logprob_b: float | None
+    reproduced_gate_values: bool | None  # whether those are the very bits the gate measured (None: not given)
+    layers: list[dict]  # per stage, in order: compare_rows' figures, "stage" and "first_divergent"
+    first_divergent_layer: str | None
+    status: str = ""
+    culprit_module: str | None = None
+    traced_position: int | None = None  # the culprit's first differing position, whose operators are traced
+    first_operator: str | None = None
+    operator_args: dict | None = None  # "a"/"b": each side's call of it, described
+    operator_side: str | None = None  # the engine side whose call computes the value the other never has
+    operator_calls: dict | None = None  # engine side -> its call index in its trail (None: no such call)
+    difference: OperatorDifference | None = None
+    implementations: dict | None = None  # "a"/"b": each side's operators, when the sequences differ
+    recording_errors: list[str] | None = None
+    # one entry per level descended: {"module", "diverges_on_identical_inputs", "siblings": [{"module",
+    # "diverges", "max_ulp"}]}
+    module_trail: list[dict] = field(default_factory=list)
+    operator_trail: list[dict] = field(default_factory=list)  # the new side's steps: {"op", "args", "equal"}
+    operators_a: list[str] = field(default_factory=list)
+    operators_b: list[str] = field(default_factory=list)
+    repro: str | None = None  # the emitted script
+    repro_check: dict | None = None  # its fresh run (tic.harness.locate.repro), or why nothing was emitted
+    repro_proves: str | None = None  # what the emitted repro shows, as its fresh run decided
+    forward_passes: int = 0
+    seconds: float = 0.0
 
 
-def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expected: dict | None = None,
-           emit_repro: bool = True) -> dict:
-    """Run the whole loop for one compared sequence, through response position `upto`. Writes the report."""
-    from tic.harness.locate import repro as repro_mod
+class _Runs:
+    """Both sides' capture runs of one search, counting the forward passes they cost."""
 
-    t0 = time.perf_counter()
-    runner = side_a.runner
-    stages = runner.stages()
-    layer_set = set(n for n in stages if ".layers." in n)
-    names = set(stages)
-    for s in layer_set:
-        names |= set(runner.descendants(s))
-    cap_a = side_a.run(CaptureSpec(outputs=set(names), inputs=set(names)))
-    cap_b = side_b.run(CaptureSpec(outputs=set(names)))
-    forwards = cap_a.forwards + cap_b.forwards
-    out = {"gate": gate, "side_a": side_a.label, "side_b": side_b.label, "compared_through_response_position": upto}
-    lp_a, lp_b = cap_a.logprobs.get(upto), cap_b.logprobs.get(upto)
-    out["logprob_a"] = None if lp_a is None else float(lp_a)
-    out["logprob_b"] = None if lp_b is None else float(lp_b)
-    logprobs_differ = lp_a is not None and lp_b is not None and not rows_equal((lp_a,), (lp_b,))
-    if expected:  # the rerun must give the very bits the gate measured, or the localisation is of something else
-        out["reproduced_gate_values"] = (out["logprob_a"] == expected.get("a")
-                                         and out["logprob_b"] == expected.get("b"))
-    table = []
-    first = None
+    def __init__(self, side_a: Side, side_b: Side):
+        self.a, self.b, self.forwards = side_a, side_b, 0
+
+    def run(self, side: Side, spec: CaptureSpec) -> Capture:
+        cap = side.run(spec)
+        self.forwards += cap.forwards
+        return cap
+
+
+def compare_stages(stages: list[str], cap_a: Capture, cap_b: Capture) -> tuple[list[dict], str | None]:
+    """Each stage's rows on both sides, in order, and the first stage that differs."""
+    table, first = [], None
     for s in stages:
         c = compare_rows(cap_a.outputs.get(s, {}), cap_b.outputs.get(s, {}))
         row = {"stage": s, **c, "first_divergent": False}
@@ -467,132 +485,161 @@ def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expe
             first = s
             row["first_divergent"] = True
         table.append(row)
-    out["layers"] = table
-    out["first_divergent_layer"] = first
-    culprit, descent, trail_info, repro_info = None, [], None, None
-    if first is None:
-        out["status"] = "divergence after the head: log-softmax" if logprobs_differ else "no divergence"
-        out["culprit_module"] = "log_softmax" if logprobs_differ else None
-        out["first_operator"] = None
+    return table, first
+
+
+def descend(runs: _Runs, runner: CaptureRunner, cap_a: Capture, first: str) -> tuple[str | None, list[dict], dict]:
+    """From the first divergent stage down to the module that still differs on side A's inputs: (that module, or
+    None when the stage itself agrees on them; the levels descended; each replayed module's comparison).
+
+    One replay per level: feeding a parent and its children at once would hide the parent's own arithmetic
+    (e.g. attention between q_proj and o_proj), while siblings cannot mask each other."""
+    iso: dict[str, dict] = {}
+
+    def replay_level(level: list[str]) -> None:
+        spec = CaptureSpec(outputs=set(level), replace={n: cap_a.inputs[n] for n in level if n in cap_a.inputs})
+        cap_r = runs.run(runs.b, spec)
+        for n in level:
+            iso[n] = compare_rows(cap_a.outputs.get(n, {}), cap_r.outputs.get(n, {}))
+
+    def called_kids(n: str) -> set[str]:
+        """n's nearest descendants that ran: a child never called itself (a container such as an experts list
+        whose members a fused forward calls directly) stands for its own children."""
+        got = set()
+        for c in runner.children(n):
+            got |= {c} if cap_a.outputs.get(c) else called_kids(c)
+        return got
+
+    diverges = lambda n: iso[n]["positions"] > 0 and not iso[n]["equal"]  # noqa: E731
+    replay_level([first])
+    if not diverges(first):
+        return None, [], iso
+    node, descent = first, [{"module": first, "diverges_on_identical_inputs": True, "siblings": []}]
+    while True:
+        near = called_kids(node)
+        kids = [c for c in cap_a.order if c in near]
+        if kids:
+            replay_level(kids)
+        descent[-1]["siblings"] = [{"module": c, "diverges": diverges(c), "max_ulp": iso[c]["max_ulp"]} for c in kids]
+        nxt = next((c for c in kids if diverges(c)), None)
+        if nxt is None:
+            return node, descent, iso
+        node = nxt
+        descent.append({"module": node, "diverges_on_identical_inputs": True, "siblings": []})
+
+
+def trace_operator(runs: _Runs, cap_a: Capture, culprit: str, pos: int) -> tuple[Capture, Capture, dict | None, bool]:
+    """Both sides' operator trails inside the culprit at position `pos` (side B fed side A's inputs) and the first
+    divergent operator: (trail capture A, trail capture B, first_operator's answer, whether the first new value is
+    side A's)."""
+    repl = {culprit: cap_a.inputs[culprit]} if culprit in cap_a.inputs else {}
+    ta = runs.run(runs.a, CaptureSpec(outputs={culprit}, trail_module=culprit, trail_position=pos))
+    tb = runs.run(runs.b, CaptureSpec(outputs={culprit}, replace=repl, trail_module=culprit, trail_position=pos))
+    trail_info = first_operator(ta.trail, tb.trail) if ta.trail and tb.trail else None
+    fwd = trail_info and trail_info["found"]
+    if trail_info and (not fwd or fwd.get("counterpart_inputs_shared") is False):
+        # every value side B computes is also one of side A's, or side B's first new value comes from an
+        # operator whose side A counterpart already had other inputs: the first new value is on side A
+        # (a step only side A takes, e.g. a rounding), so look from side A's operators instead
+        rev = first_operator(tb.trail, ta.trail)
+        if rev["found"]:
+            rev["a_ops"], rev["b_ops"] = rev["b_ops"], rev["a_ops"]
+            return ta, tb, rev, True
+    return ta, tb, trail_info, False
+
+
+def _name_operator(f: Finding, ta: Capture, tb: Capture, trail_info: dict | None, new_on_a: bool) -> dict | None:
+    """The finding's operator fields from the traced trails; the first divergent call's description (or None)."""
+    t_ref, t_new = (tb, ta) if new_on_a else (ta, tb)
+    ref_side, new_side = ("B", "A") if new_on_a else ("A", "B")
+    errs = [e for t in (ta.trail, tb.trail) if t for e in t.errors]
+    f.recording_errors = errs[:10] or None
+    found = trail_info and trail_info["found"]
+    f.status = "localized" if found else "localized to a module; operator not resolved"
+    if not found:
+        return None
+    f.first_operator = found["op"]
+    args_ref, args_new = found.get("a_args"), found["b_args"]
+    f.operator_args = {"a": args_new, "b": args_ref} if new_on_a else {"a": args_ref, "b": args_new}
+    f.operator_side = new_side
+    # each engine side's call index in its trail (None: that side has no such call), for recheck_repro
+    f.operator_calls = {ref_side: found["a_call"], new_side: found["b_call"]}
+    f.difference = operator_difference(found, t_ref.trail, t_new.trail, ref_side, new_side)
+    return found
+
+
+def _emit_repro(f: Finding, runs: _Runs, out_dir: Path, ta: Capture, tb: Capture, found: dict, new_on_a: bool) -> None:
+    """The minimal repro of the first divergent operator (or, for different operator sequences, of the culprit
+    module), verified in a fresh process; its outcome into the finding."""
+    culprit, pos, diff = f.culprit_module, f.traced_position, f.difference
+    setup = _setup(runs.a, runs.b)
+    if diff.kind == replay.SEQUENCES_DIFFER and found["a_value"] is None:
+        progs = [_module_program(t, culprit, pos) for t in (ta, tb)]
+        if not all(progs):
+            f.status += ("; no repro: the module's output is not produced by a recorded operator (a kernel "
+                         "launched through an entry point that tic.harness.locate.launch_record does not register)")
+            return
+        info = repro_mod.emit_module(out_dir, f.gate, culprit, progs[0], progs[1], f.side_a, f.side_b,
+                                     f"{found['op']} in {culprit}: {diff.kind}", setup=setup)
     else:
-        # One replay per level: feeding a parent and its children at once would hide the parent's own
-        # arithmetic (e.g. attention between q_proj and o_proj), while siblings cannot mask each other.
-        iso: dict[str, dict] = {}
+        # the repro names its entries by engine side, whichever side has the new value
+        t_ref, t_new = (tb, ta) if new_on_a else (ta, tb)
+        ref = None if found["a_call"] is None else _op_side(t_ref.trail, found["a_call"], found["a_where"],
+                                                            found["a_rows"])
+        new = _op_side(t_new.trail, found["b_call"], found["b_where"], found["b_rows"])
+        info = repro_mod.emit(out_dir, f.gate, ref, new, found["a_value"], f.side_a, f.side_b,
+                              f"{found['op']} in {culprit}: {diff.kind}", setup=setup, new_side=f.operator_side)
+    f.repro = info["script"]
+    f.repro_check = {k: v for k, v in info.items() if k != "script"}
+    f.repro_proves = info.get("proves") if info.get("script") else None
 
-        def replay_level(level: list[str]) -> None:
-            nonlocal forwards
-            spec = CaptureSpec(outputs=set(level), replace={n: cap_a.inputs[n] for n in level if n in cap_a.inputs})
-            cap_r = side_b.run(spec)
-            forwards += cap_r.forwards
-            for n in level:
-                iso[n] = compare_rows(cap_a.outputs.get(n, {}), cap_r.outputs.get(n, {}))
 
-        diverges = lambda n: iso[n]["positions"] > 0 and not iso[n]["equal"]  # noqa: E731
-        replay_level([first])
-        if not diverges(first):
-            out["status"] = (f"upstream: {first} agrees when fed side A's per-token inputs, so the difference "
-                             "comes from its other inputs (mask, cache)")
-            out["culprit_module"] = None
-            out["first_operator"] = None
+def locate(side_a: Side, side_b: Side, out_dir: Path, gate: str, upto: int, expected: dict | None = None,
+           emit_repro: bool = True) -> Finding:
+    """Run the whole loop for one compared sequence, through response position `upto`. A repro is written to
+    out_dir; the report is tic.harness.locate.report's (write)."""
+    t0 = time.perf_counter()
+    runs = _Runs(side_a, side_b)
+    runner = side_a.runner
+    stages = runner.stages()
+    names = set(stages)
+    for s in (n for n in stages if ".layers." in n):
+        names |= set(runner.descendants(s))
+    cap_a = runs.run(side_a, CaptureSpec(outputs=set(names), inputs=set(names)))
+    cap_b = runs.run(side_b, CaptureSpec(outputs=set(names)))
+    lp_a, lp_b = (None if v is None else float(v) for v in (cap_a.logprobs.get(upto), cap_b.logprobs.get(upto)))
+    # the rerun must give the very bits the gate measured, or the localisation is of something else
+    reproduced = (lp_a == expected.get("a") and lp_b == expected.get("b")) if expected else None
+    layers, first = compare_stages(stages, cap_a, cap_b)
+    f = Finding(gate, side_a.label, side_b.label, upto, lp_a, lp_b, reproduced, layers, first)
+    if first is None:
+        differ = lp_a is not None and lp_b is not None and not rows_equal((cap_a.logprobs[upto],),
+                                                                           (cap_b.logprobs[upto],))
+        f.status = "divergence after the head: log-softmax" if differ else "no divergence"
+        f.culprit_module = "log_softmax" if differ else None
+    else:
+        f.culprit_module, f.module_trail, iso = descend(runs, runner, cap_a, first)
+        if f.culprit_module is None:
+            f.status = (f"upstream: {first} agrees when fed side A's per-token inputs, so the difference comes "
+                        "from its other inputs (mask, cache)")
         else:
-            node = first
-            descent.append({"module": first, "diverges_on_identical_inputs": True, "siblings": []})
-            def called_kids(n: str) -> set[str]:
-                """n's nearest descendants that ran: a child never called itself (a container such as an
-                experts list whose members a fused forward calls directly) stands for its own children."""
-                got = set()
-                for c in runner.children(n):
-                    got |= {c} if cap_a.outputs.get(c) else called_kids(c)
-                return got
-
-            while True:
-                near = called_kids(node)
-                kids = [c for c in cap_a.order if c in near]
-                if kids:
-                    replay_level(kids)
-                checked = [{"module": c, "diverges": diverges(c), "max_ulp": iso[c]["max_ulp"]} for c in kids]
-                nxt = next((c for c in kids if diverges(c)), None)
-                descent[-1]["siblings"] = checked
-                if nxt is None:
-                    break
-                node = nxt
-                descent.append({"module": node, "diverges_on_identical_inputs": True, "siblings": []})
-            culprit = node
-            out["culprit_module"] = culprit
-            pos = iso[culprit]["first_position"]
-            out["traced_position"] = pos
-            repl = {culprit: cap_a.inputs[culprit]} if culprit in cap_a.inputs else {}
-            ta = side_a.run(CaptureSpec(outputs={culprit}, trail_module=culprit, trail_position=pos))
-            tb = side_b.run(CaptureSpec(outputs={culprit}, replace=repl, trail_module=culprit, trail_position=pos))
-            forwards += ta.forwards + tb.forwards
-            trail_info = first_operator(ta.trail, tb.trail) if ta.trail and tb.trail else None
-            new_on_a = False
-            fwd = trail_info and trail_info["found"]
-            if trail_info and (not fwd or fwd.get("counterpart_inputs_shared") is False):
-                # every value side B computes is also one of side A's, or side B's first new value comes from an
-                # operator whose side A counterpart already had other inputs: the first new value is on side A
-                # (a step only side A takes, e.g. a rounding), so look from side A's operators instead
-                rev = first_operator(tb.trail, ta.trail)
-                if rev["found"]:
-                    rev["a_ops"], rev["b_ops"] = rev["b_ops"], rev["a_ops"]
-                    trail_info, new_on_a = rev, True
-            # the side whose operator computes the value the other side never has, and the other one
-            t_ref, t_new = (tb, ta) if new_on_a else (ta, tb)
-            ref_side, new_side = ("B", "A") if new_on_a else ("A", "B")
-            errs = [e for t in (ta.trail, tb.trail) if t for e in t.errors]
-            if errs:
-                out["recording_errors"] = errs[:10]
-            found = trail_info and trail_info["found"]
-            out["first_operator"] = found["op"] if found else None
-            args_ref, args_new = (found.get("a_args"), found["b_args"]) if found else (None, None)
-            out["operator_args"] = ({"a": args_new, "b": args_ref} if new_on_a else {"a": args_ref, "b": args_new}) \
-                if found else None
-            out["operator_side"] = new_side if found else None
-            # each engine side's call index in its trail (None: that side has no such call), for recheck_repro
-            out["operator_calls"] = {ref_side: found["a_call"], new_side: found["b_call"]} if found else None
-            out["status"] = "localized" if found else "localized to a module; operator not resolved"
-            diff = operator_difference(found, t_ref.trail, t_new.trail, ref_side, new_side) if found else None
-            out["difference"] = asdict(diff) if diff else None
-            if diff and diff.kind == replay.SEQUENCES_DIFFER and found["a_value"] is None:
-                out["status"] = f"localized: {diff.kind} in {culprit}: {diff.detail}"
-                out["implementations"] = {"a": trail_info["a_ops"][:40], "b": trail_info["b_ops"][:40]}
-                if emit_repro:
-                    progs = [_module_program(t, culprit, pos) for t in (ta, tb)]
-                    if all(progs):
-                        repro_info = repro_mod.emit_module(
-                            out_dir, gate, culprit, progs[0], progs[1], side_a.label, side_b.label,
-                            f"{found['op']} in {culprit}: {diff.kind}", setup=_setup(side_a, side_b))
-                    else:
-                        out["status"] += ("; no repro: the module's output is not produced by a recorded "
-                                          "operator (a kernel launched through an entry point that "
-                                          "tic.harness.locate.launch_record does not register)")
-            elif found and emit_repro:
-                # the repro names its entries by engine side, whichever side has the new value
-                ref = None if found["a_call"] is None else _op_side(t_ref.trail, found["a_call"], found["a_where"],
-                                                                    found["a_rows"])
-                new = _op_side(t_new.trail, found["b_call"], found["b_where"], found["b_rows"])
-                headline = f"{found['op']} in {culprit}: {diff.kind}"
-                repro_info = repro_mod.emit(out_dir, gate, ref, new, found["a_value"], side_a.label,
-                                            side_b.label, headline, setup=_setup(side_a, side_b), new_side=new_side)
-    out["module_trail"] = descent
-    out["operator_trail"] = trail_info["steps"][:80] if trail_info else []
-    out["operators_a"] = trail_info["a_ops"][:80] if trail_info else []
-    out["operators_b"] = trail_info["b_ops"][:80] if trail_info else []
-    out["repro"] = repro_info["script"] if repro_info else None
-    out["repro_check"] = {k: v for k, v in repro_info.items() if k != "script"} if repro_info else None
-    # what the emitted repro shows, as its fresh run decided: one operator on identical inputs, or two implementations
-    out["repro_proves"] = repro_info.get("proves") if repro_info and repro_info.get("script") else None
-    out["forward_passes"] = forwards
-    out["seconds"] = round(time.perf_counter() - t0, 3)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out["chart"] = write_chart(out_dir / "divergence.png", table, gate)
-    out["report"] = str(out_dir / "report.md")
-    atomic_write_text(out_dir / "locate.json", json.dumps(out, indent=2, default=str))
-    atomic_write_text(Path(out["report"]), render_report(out))
-    return out
+            f.traced_position = iso[f.culprit_module]["first_position"]
+            ta, tb, trail_info, new_on_a = trace_operator(runs, cap_a, f.culprit_module, f.traced_position)
+            found = _name_operator(f, ta, tb, trail_info, new_on_a)
+            if found and f.difference.kind == replay.SEQUENCES_DIFFER and found["a_value"] is None:
+                f.status = f"localized: {f.difference.kind} in {f.culprit_module}: {f.difference.detail}"
+                f.implementations = {"a": trail_info["a_ops"][:40], "b": trail_info["b_ops"][:40]}
+            if found and emit_repro:
+                _emit_repro(f, runs, out_dir, ta, tb, found, new_on_a)
+            if trail_info:
+                f.operator_trail = trail_info["steps"][:80]
+                f.operators_a, f.operators_b = trail_info["a_ops"][:80], trail_info["b_ops"][:80]
+    f.forward_passes = runs.forwards
+    f.seconds = round(time.perf_counter() - t0, 3)
+    return f
 
 
-def recheck_repro(side_a: Side, side_b: Side, found: dict, changed: str, out_dir: Path) -> dict:
+def recheck_repro(side_a: Side, side_b: Side, found: Finding, changed: str, out_dir: Path) -> dict:
     """Re-run the repro `locate` emitted (`found` is its result) after side `changed` ("A", "B", or "AB" for both)
     was changed, e.g. a fix applied or a planted fault removed: that side's computation is recorded again, on the
     same module inputs (side B is fed side A's, as in `locate`) at the same traced position, and replaces that
@@ -605,13 +652,11 @@ def recheck_repro(side_a: Side, side_b: Side, found: dict, changed: str, out_dir
     input of a conversion only the other side runs), the changed side no longer runs that operator, or both sides
     changed, both sides' module sequences as recorded now are compared instead ("module"), by a newly rendered
     module repro."""
-    from tic.harness.locate import repro as repro_mod
-
-    check = found.get("repro_check") or {}
-    if not found.get("repro") or not check.get("tensors"):
+    check = found.repro_check or {}
+    if not found.repro or not check.get("tensors"):
         raise TicInputError("no emitted repro to recheck")
     changed = changed.upper()  # "A", "B", or "AB": both sides changed (a kernel planted on both, removed)
-    culprit, pos = found["culprit_module"], found["traced_position"]
+    culprit, pos = found.culprit_module, found.traced_position
     ta = side_a.run(CaptureSpec(outputs={culprit}, inputs={culprit}, trail_module=culprit, trail_position=pos))
     repl = {culprit: ta.inputs[culprit]} if culprit in ta.inputs else {}
     tb = side_b.run(CaptureSpec(outputs={culprit}, replace=repl, trail_module=culprit, trail_position=pos))
@@ -626,19 +671,18 @@ def recheck_repro(side_a: Side, side_b: Side, found: dict, changed: str, out_dir
     elif data[key] is not None and "calls" in data[key]:
         entry, kind = _module_program(fresh[changed], culprit, pos), "module"
     elif data[key] is not None and data[other_key] is not None and fresh[changed].trail and fresh[other].trail:
-        entry, kind = _counterpart_call(fresh[other].trail, found["operator_calls"][other], data[other_key],
+        entry, kind = _counterpart_call(fresh[other].trail, found.operator_calls[other], data[other_key],
                                         fresh[changed].trail, data[key].get("cut")), "operator"
     if entry is None:  # compare the two sides' whole module as computed now
         progs = [_module_program(fresh[s], culprit, pos) for s in ("A", "B")]
         if not all(progs):
             return {"kind": "module", "exit_code": None, "output": "the module's output is not produced by a "
                     "recorded torch operator: nothing to replay"}
-        res = repro_mod.emit_module(out_dir, found["gate"], culprit, progs[0], progs[1], found["side_a"],
-                                    found["side_b"], f"{culprit} rechecked after side {changed} changed",
-                                    setup=_setup(side_a, side_b))
+        res = repro_mod.emit_module(out_dir, found.gate, culprit, progs[0], progs[1], found.side_a, found.side_b,
+                                    f"{culprit} rechecked after side {changed} changed", setup=_setup(side_a, side_b))
         return {"kind": "module", "exit_code": res["exit_code"], "output": res["output"]}
     data[key] = entry
-    res = repro_mod.rerun(Path(found["repro"]), data, out_dir)
+    res = repro_mod.rerun(Path(found.repro), data, out_dir)
     return {"kind": kind, **res}
 
 
@@ -648,8 +692,6 @@ def _counterpart_call(trail_other: Trail, index: int, other_entry: dict, trail_n
     operator and traced value shapes, at the same rank, as `first_operator` pairs them), picking the same output,
     cut as the entry it replaces was (`cut`: its rows, so that a row-count-dependent kernel is compared on the
     same launch); None if there is none."""
-    from tic.harness.locate import repro as repro_mod
-
     outs_other, _ = trail_rows(trail_other)
     outs_new, _ = trail_rows(trail_new)
     op = other_entry["op"]
@@ -669,40 +711,6 @@ def _counterpart_call(trail_other: Trail, index: int, other_entry: dict, trail_n
     with torch.inference_mode():
         expect = repro_mod._run(side, args, kwargs, where).detach().clone()
     return {**_entry(trail_new, ci, where), "args": args, "kwargs": kwargs, "expect": expect}  # as emit keeps one
-
-
-def write_chart(path: Path, table: list[dict], gate: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import io
-
-    import matplotlib.pyplot as plt
-
-    labels = [_short(r["stage"]) for r in table]
-    vals = [r["max_ulp"] for r in table]
-    colors = ["#c0392b" if r["first_divergent"] else ("#e67e22" if not r["equal"] else "#27ae60") for r in table]
-    fig, ax = plt.subplots(figsize=(max(5, 0.6 * len(labels) + 2), 3.2))
-    # equal stages get a token bar so that "bitwise equal" is visible, not an empty slot
-    ax.bar(range(len(labels)), [v if v > 0 else (0.3 if r["equal"] else 0) for v, r in zip(vals, table)],
-           color=colors)
-    ax.set_yscale("symlog", linthresh=1)
-    ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
-    ax.set_ylabel("max ulp distance")
-    ax.set_title(f"{gate}: per-stage divergence (red = first divergent, green = bitwise equal)", fontsize=9)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
-    return str(path)
-
-
-def render_report(out: dict) -> str:
-    from jinja2 import Environment, FileSystemLoader, StrictUndefined
-
-    env = Environment(loader=FileSystemLoader(str(TEMPLATES)), undefined=StrictUndefined, keep_trailing_newline=True)
-    return env.get_template("report.md.j2").render(r=out, short=_short, Path=Path)
 
 
 # -- gate recipes -----------------------------------------------------------------------------------------
@@ -764,12 +772,4 @@ def locate_for_gate(ctx, gate_id: str, measured: dict, strict: bool = False) -> 
             raise
         return {"status": f"not localised: {e}"}
     out_dir = ctx.artifacts(gate_id) / "locate"
-    found = locate(side_a, side_b, out_dir, gate_id, upto, expected)
-    keep = ("status", "first_divergent_layer", "culprit_module", "first_operator", "operator_args",
-            "traced_position", "reproduced_gate_values", "forward_passes", "seconds", "report", "repro", "chart",
-            "repro_check", "repro_proves", "difference", "implementations", "recording_errors")
-    res = {k: found.get(k) for k in keep}
-    res["layers"] = [{k: r[k] for k in ("stage", "equal", "differing_positions", "max_ulp", "first_divergent")}
-                     for r in found["layers"]]
-    res["module_trail"] = [d["module"] for d in found["module_trail"]]
-    return res
+    return report.gate_summary(report.write(locate(side_a, side_b, out_dir, gate_id, upto, expected), out_dir))

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from tic.core.errors import TicInputError
+from tic.harness.engines.dump import iter_dump, pair_with_dump
 
 # The names verl users already watch on their dashboards.
 VERL_NAMES = {
@@ -198,3 +200,15 @@ def compare_generation(alone, other) -> dict:
                  "alone_token": a_ids[j], "batched_token": o_ids[j]}
     return {"compared": compared, "equal": int(eq.sum()), "identical": first is None and len(a_ids) == len(o_ids),
             "token_divergence": token_div, "first_mismatch": first}
+
+
+def compare_dump_files(rollout_path: Path, train_path: Path) -> dict:
+    """C5's metric record from two dump files, both read one line at a time."""
+    rollout_path, train_path = Path(rollout_path), Path(train_path)
+    if rollout_path.is_file() and train_path.is_file() and rollout_path.samefile(train_path):
+        raise TicInputError(f"rollout and train dumps are the same file ({rollout_path}); a file compared with "
+                            "itself proves nothing")
+    acc = LogprobComparison()
+    for r, t in pair_with_dump(iter_dump(rollout_path), train_path, f"train dump {train_path.name}"):
+        acc.add(r.logprobs, t.logprobs, r.mask)
+    return acc.result()

@@ -7,13 +7,12 @@ generated tokens over the pass's wall time.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
+from tic.core.env import env_overlay
 from tic.core.errors import TicInputError
 from tic.harness.engines.base import Engine, Sampling
 
@@ -38,21 +37,6 @@ class Workload:
     def prompts(self, vocab_size: int) -> list[list[int]]:
         rng = random.Random(self.seed)
         return [[rng.randrange(vocab_size) for _ in range(self.input_len)] for _ in range(self.requests)]
-
-
-@contextlib.contextmanager
-def env_overlay(env: dict[str, str]):
-    """Set env vars for the duration of a side's build and passes (restored afterwards)."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def run_pass(engine: Engine, workload: Workload, vocab_size: int, label: str, repeat: int) -> dict:

@@ -30,6 +30,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from tic.core.errors import TicInputError
+from tic.harness.engines.base import Sampling
+from tic.harness.engines.hf import HFEngine
+from tic.harness.kernels.autograd import Ops, attention_ref
+from tic.harness.locate import report
+from tic.harness.locate.capture import CaptureSpec, rows_equal
+from tic.harness.locate.hf_capture import HFCaptureRunner
+from tic.harness.locate.search import Side, locate, recheck_repro
+from tic.harness.testing import plant_kernels
+from tic.harness.testing.tinymodels import tiny_model
+
 LINEAR_OPS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.linear.default",
               "aten.matmul.default")
 ROUND = ("aten._to_copy.default", "aten.to.dtype", "prims.convert_element_type.default")
@@ -165,8 +176,6 @@ def kernel_swap(module_name: str, **kernels: Callable) -> Callable:
     module keeps the provider's."""
     def install(model: nn.Module):
         m = model.get_submodule(module_name)
-        from tic.harness.kernels.autograd import Ops
-
         old = m._tic_ops
         provider = copy.copy(old.provider)  # its other methods call the replaced kernels through self
         for name, fn in kernels.items():
@@ -462,8 +471,6 @@ def _weight_layout(kind, relayouts):
 
 # kernels of tic's wrappers for one module, by provider method: (provider, *args) -> value
 def _norm_by_rows(provider, x, w, eps):
-    from tic.harness.testing import plant_kernels
-
     return plant_kernels.rms_norm(x, w, eps)
 
 
@@ -472,8 +479,6 @@ def _linear_over_the_launch(provider, x, w, b=None):
 
 
 def _attention_over_the_launch(provider, q, k, v, mask, scale):
-    from tic.harness.kernels.autograd import attention_ref
-
     return attention_ref(q, k, v, mask, scale).to(q.dtype)
 
 
@@ -602,8 +607,6 @@ def planted_side_operator(res: dict, side: str) -> str | None:
 
 
 def _samples(engine, rng: random.Random, vocab: int, upto: int):
-    from tic.harness.engines.base import Sampling
-
     n = rng.randint(2, 4)
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(3, 9))] for _ in range(n)]
     return engine.generate(prompts, Sampling(temperature=1.0, max_tokens=upto + 1, seed=rng.randrange(1 << 30)),
@@ -613,8 +616,6 @@ def _samples(engine, rng: random.Random, vocab: int, upto: int):
 def _engines(model_dir: Path, kernels: str, rng: random.Random, same_layout: bool) -> dict:
     """Side A's and side B's engines over private copies of one model: side A's decode batch and side B's scoring
     micro-batch drawn apart, or, with `same_layout`, one batch size and micro-batch for both."""
-    from tic.harness.engines.hf import HFEngine
-
     base = HFEngine(model_dir, "float32", kernels=kernels, batch_size=rng.randint(1, 4),
                     micro_batch_size=rng.randint(1, 3))
     engines = {}
@@ -628,26 +629,9 @@ def _engines(model_dir: Path, kernels: str, rng: random.Random, same_layout: boo
     return engines
 
 
-def run_trial(seed: int, out_dir: Path, mode: str = "plant", family: str | None = None, kernels: str | None = None,
-              models_per_family_seed: int = 4, remove_plant_for_recheck: bool = True) -> dict:
-    """One trial: a random tiny model, random kernels, a random compared sequence and layouts, and
-      mode "plant": one random plant on one random side (or, for a kernel following the launch's rows, on both)
-        -> what the locator says, judged against the plant; then the plant is removed and the emitted repro is run
-        again with the planted side's entry recorded anew (tic.harness.locate.search.recheck_repro; both sides' modules
-        for a plant on both): it must exit 0 (`repro_exit_without_plant`). With `remove_plant_for_recheck=False`
-        the plant stays for that rerun, which must then exit 1: a self-check that the recheck can fail;
-      mode "clean": nothing planted -> must report no divergence and emit no repro;
-      mode "symmetric": the same random plant on both sides -> must report no divergence and emit no repro.
-    Kernels ("consistent": tic's CPU kernel wrappers, side A decoding and side B scoring in layouts of their own;
-    "stock": transformers' own modules, both sides in one layout, decoding or scoring, since stock CPU kernels
-    differ between layouts by themselves) are drawn from the seed unless given; stock for a family the wrappers
-    do not cover. A plant that changes nothing on the compared sequence (e.g. a branch never taken) is reported
-    "ineffective", one whose change is rounded away before any compared stage "absorbed"."""
-    from tic.core.errors import TicInputError
-    from tic.harness.locate.capture import CaptureSpec, HFCaptureRunner, rows_equal
-    from tic.harness.locate.search import Side, locate, recheck_repro
-    from tic.harness.testing.tinymodels import tiny_model
-
+def _trial(seed: int, mode: str, family: str | None, kernels: str | None, models_per_family_seed: int) -> dict:
+    """Everything a trial draws from its seed: model, kernels, engines, plant (not installed yet), the compared
+    sequence and the two sides, and the trial's record so far."""
     rng = random.Random(seed)
     model_dir, cfg = tiny_model(seed // models_per_family_seed, family)
     upto = rng.randint(1, 3)
@@ -668,6 +652,7 @@ def run_trial(seed: int, out_dir: Path, mode: str = "plant", family: str | None 
     samples = _samples(engines["a"], rng, cfg["vocab_size"], upto)
     target = rng.randrange(len(samples))
     ra, rb = HFCaptureRunner(engines["a"]), HFCaptureRunner(engines["b"])
+
     def run(runner, how):
         if how == "score":
             return lambda spec: runner.score(samples, target, spec)
@@ -680,63 +665,100 @@ def run_trial(seed: int, out_dir: Path, mode: str = "plant", family: str | None 
            "layouts": f"{side_a.label} / {side_b.label}", "plant": plant.describe() if plant else None,
            "kind": plant.kind if plant else None, "op_class": plant.op_class if plant else None,
            "both": plant.both if plant else None, "side": side if plant else None}
-    if plant is not None:
-        # ground truth before locating: the plant must change its module's output on the compared sequence
-        # ("ineffective" otherwise) and reach a compared stage or the logprob ("absorbed" otherwise: a change
-        # rounded away downstream is no divergence to locate). A plant on both sides is seen as the difference it
-        # makes between the two sides' layouts.
-        run_planted = side_a.run if side == "a" else side_b.run
-        watched = set(ra.stages()) | {plant.module}
-        targets = [engines[side]] if mode == "plant" and not plant.both else list(engines.values())
-        if plant.both:
-            undo = [plant.install(e.model) for e in targets]
-            before, after = side_a.run(CaptureSpec(outputs=watched)), side_b.run(CaptureSpec(outputs=watched))
-        else:
-            before = run_planted(CaptureSpec(outputs=watched))
-            undo = [plant.install(e.model) for e in targets]
-            after = run_planted(CaptureSpec(outputs=watched))
+    return {"rec": rec, "plant": plant, "side": side, "engines": engines, "upto": upto, "sides": (side_a, side_b)}
 
-        def changed(name):
-            x, y = before.outputs.get(name, {}), after.outputs.get(name, {})
-            return any(not rows_equal(x[p], y[p]) for p in x if p in y)
-        rec["effective"] = changed(plant.module)
-        rec["reaches_output"] = any(changed(n) for n in watched - {plant.module}) or any(
-            not rows_equal((before.logprobs[p],), (after.logprobs[p],)) for p in before.logprobs if p in after.logprobs)
+
+def _install(t: dict, mode: str) -> list[Callable[[], None]]:
+    """Install the trial's plant and record the ground truth: whether it changes its module's output on the
+    compared sequence ("effective") and reaches a compared stage or the logprob ("reaches_output": a change rounded
+    away downstream is no divergence to locate). A plant on both sides is seen as the difference it makes between
+    the two sides' layouts. The uninstallers."""
+    plant, side, engines, rec = t["plant"], t["side"], t["engines"], t["rec"]
+    side_a, side_b = t["sides"]
+    run_planted = side_a.run if side == "a" else side_b.run
+    watched = set(side_a.runner.stages()) | {plant.module}
+    targets = [engines[side]] if mode == "plant" and not plant.both else list(engines.values())
+    if plant.both:
+        undo = [plant.install(e.model) for e in targets]
+        before, after = side_a.run(CaptureSpec(outputs=watched)), side_b.run(CaptureSpec(outputs=watched))
+    else:
+        before = run_planted(CaptureSpec(outputs=watched))
+        undo = [plant.install(e.model) for e in targets]
+        after = run_planted(CaptureSpec(outputs=watched))
+
+    def changed(name):
+        x, y = before.outputs.get(name, {}), after.outputs.get(name, {})
+        return any(not rows_equal(x[p], y[p]) for p in x if p in y)
+    rec["effective"] = changed(plant.module)
+    rec["reaches_output"] = any(changed(n) for n in watched - {plant.module}) or any(
+        not rows_equal((before.logprobs[p],), (after.logprobs[p],)) for p in before.logprobs if p in after.logprobs)
+    return undo
+
+
+def _recheck(t: dict, found, undo: list, out_dir: Path, remove_plant: bool) -> dict:
+    """The emitted repro again, its planted side's entry recorded anew: without the plant (or, as a self-check
+    that the recheck can fail, with it)."""
+    plant = t["plant"]
+    if remove_plant:
+        for u in undo:
+            u()
+    t1 = time.perf_counter()
+    try:
+        again = recheck_repro(*t["sides"], found, "AB" if plant.both else plant.side, out_dir / "without-plant")
+        got = dict(repro_exit_without_plant=again["exit_code"], repro_without_plant_kind=again["kind"],
+                   repro_without_plant_output=(again.get("output") or "")[-300:])
+    except Exception as e:  # noqa: BLE001  counted, not fatal to the benchmark
+        got = dict(repro_exit_without_plant=None, repro_without_plant_kind="crash",
+                   repro_without_plant_output=f"{type(e).__name__}: {e}")
+    return {**got, "recheck_seconds": time.perf_counter() - t1}
+
+
+def _judged(res: dict, plant: Plant | None, mode: str) -> dict:
+    """The locator's answer against the plant's truth, or, for a control, whether it stayed clean."""
+    if plant is not None and mode == "plant":
+        return dict(expected_layer=plant.layer, expected_module=plant.module, expected_operators=plant.operators,
+                    layer_right=res["first_divergent_layer"] == plant.layer,
+                    module_right=res["culprit_module"] == plant.module,
+                    operator_right=operator_named(planted_side_operator(res, plant.side), plant.operators))
+    return {"clean": res["first_divergent_layer"] is None and res["status"] == "no divergence" and not res["repro"]}
+
+
+def run_trial(seed: int, out_dir: Path, mode: str = "plant", family: str | None = None, kernels: str | None = None,
+              models_per_family_seed: int = 4, remove_plant_for_recheck: bool = True) -> dict:
+    """One trial: a random tiny model, random kernels, a random compared sequence and layouts, and
+      mode "plant": one random plant on one random side (or, for a kernel following the launch's rows, on both)
+        -> what the locator says, judged against the plant; then the plant is removed and the emitted repro is run
+        again with the planted side's entry recorded anew (tic.harness.locate.search.recheck_repro; both sides' modules
+        for a plant on both): it must exit 0 (`repro_exit_without_plant`). With `remove_plant_for_recheck=False`
+        the plant stays for that rerun, which must then exit 1: a self-check that the recheck can fail;
+      mode "clean": nothing planted -> must report no divergence and emit no repro;
+      mode "symmetric": the same random plant on both sides -> must report no divergence and emit no repro.
+    Kernels ("consistent": tic's CPU kernel wrappers, side A decoding and side B scoring in layouts of their own;
+    "stock": transformers' own modules, both sides in one layout, decoding or scoring, since stock CPU kernels
+    differ between layouts by themselves) are drawn from the seed unless given; stock for a family the wrappers
+    do not cover. A plant that changes nothing on the compared sequence (e.g. a branch never taken) is reported
+    "ineffective", one whose change is rounded away before any compared stage "absorbed"."""
+    t = _trial(seed, mode, family, kernels, models_per_family_seed)
+    rec, plant, out_dir = t["rec"], t["plant"], Path(out_dir)
+    undo = []
+    if plant is not None:
+        undo = _install(t, mode)
         if mode == "plant" and not (rec["effective"] and rec["reaches_output"]):
             for u in undo:
                 u()
             return {**rec, "status": "ineffective" if not rec["effective"] else "absorbed"}
     t0 = time.perf_counter()
     try:
-        res = locate(side_a, side_b, Path(out_dir), "plant", upto)
+        found = locate(*t["sides"], out_dir, "plant", t["upto"])
+        res = report.write(found, out_dir)
     except Exception as e:  # noqa: BLE001  a crash is a result to count, not the end of the benchmark
         return {**rec, "status": "crash", "error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0}
-    rec.update(report=res.get("report"), logprob_a=res.get("logprob_a"), logprob_b=res.get("logprob_b"),
+    rec.update(report=res["report"], logprob_a=res["logprob_a"], logprob_b=res["logprob_b"],
                status=res["status"], seconds=time.perf_counter() - t0, layer=res["first_divergent_layer"],
                module=res["culprit_module"], operator=res["first_operator"],
-               difference=(res.get("difference") or {}).get("kind"),
-               repro_exit=(res.get("repro_check") or {}).get("exit_code") if res.get("repro") else None,
-               repro_proves=res.get("repro_proves"))
-    if plant is not None and mode == "plant" and res.get("repro"):
-        # the same repro without the plant: the planted side's entry recorded again with the plant removed
-        if remove_plant_for_recheck:
-            for u in undo:
-                u()
-        t1 = time.perf_counter()
-        try:
-            again = recheck_repro(side_a, side_b, res, "AB" if plant.both else plant.side,
-                                  Path(out_dir) / "without-plant")
-            rec.update(repro_exit_without_plant=again["exit_code"], repro_without_plant_kind=again["kind"],
-                       repro_without_plant_output=(again.get("output") or "")[-300:])
-        except Exception as e:  # noqa: BLE001  counted, not fatal to the benchmark
-            rec.update(repro_exit_without_plant=None, repro_without_plant_kind="crash",
-                       repro_without_plant_output=f"{type(e).__name__}: {e}")
-        rec["recheck_seconds"] = time.perf_counter() - t1
-    if plant is not None and mode == "plant":
-        rec.update(expected_layer=plant.layer, expected_module=plant.module, expected_operators=plant.operators,
-                   layer_right=res["first_divergent_layer"] == plant.layer,
-                   module_right=res["culprit_module"] == plant.module,
-                   operator_right=operator_named(planted_side_operator(res, plant.side), plant.operators))
-    else:
-        rec["clean"] = res["first_divergent_layer"] is None and res["status"] == "no divergence" and not res["repro"]
-    return rec
+               difference=(res["difference"] or {}).get("kind"),
+               repro_exit=(res["repro_check"] or {}).get("exit_code") if res["repro"] else None,
+               repro_proves=res["repro_proves"])
+    if plant is not None and mode == "plant" and res["repro"]:
+        rec.update(_recheck(t, found, undo, out_dir, remove_plant_for_recheck))
+    return {**rec, **_judged(res, plant, mode)}

@@ -6,9 +6,10 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from tic.harness.locate.capture import HFCaptureRunner
+from tic.harness.locate.hf_capture import HFCaptureRunner
 from tic.harness.engines.base import Sampling
 from tic.harness.engines.hf import HFEngine
+from tic.harness.locate import report
 from tic.harness.locate.search import Side, locate
 from tic.config.schema import load_config
 from tic.skill.context import GateContext
@@ -35,4 +36,5 @@ def sides(a: HFEngine, b: HFEngine, upto: int = 2) -> tuple[Side, Side]:
 
 
 def locate_pair(a: HFEngine, b: HFEngine, out: Path, upto: int = 2) -> dict:
-    return locate(*sides(a, b, upto), out, "plant", upto)
+    """The locator's record as written (locate.json, with the report's paths)."""
+    return report.write(locate(*sides(a, b, upto), out, "plant", upto), out)

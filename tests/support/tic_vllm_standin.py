@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from tic.harness.engines.base import Sample, Sampling, request_seed
+from tic.harness.locate import runners
+from tic.harness.locate.capture import Capture
 
 
 class StandInVLLM:
@@ -54,9 +56,6 @@ class StandInVLLM:
     def take_turn(self):
         self._step()
 
-    def capture_runner(self, temperature):
-        return StandInCaptureRunner(self, temperature)
-
     def fingerprint(self):
         return {"engine": "vllm-standin", "env": self.env, "calls": self.calls}
 
@@ -89,8 +88,6 @@ class StandInCaptureRunner:
         return []
 
     def decode(self, samples, target, upto, spec, together=False):
-        from tic.harness.locate.capture import Capture
-
         if spec == "fail":
             raise RuntimeError("capture hook failed: planted")
         s = samples[target]
@@ -103,6 +100,9 @@ class StandInCaptureRunner:
 
     def score(self, samples, target, spec):
         return self.decode(samples, target, 0, spec)
+
+
+runners.register(StandInVLLM, StandInCaptureRunner)  # the locator's runner for the stand-in, in every rank
 
 
 class CheckingVLLM(StandInVLLM):
