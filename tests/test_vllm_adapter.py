@@ -61,7 +61,7 @@ def test_vllm_engine_without_gpu_is_a_clear_input_error(tmp_path, monkeypatch):
         pytest.skip("this machine has a GPU")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tic.yaml").write_text(
-        f"model: {{path: {REPO / 'benchmarks' / 'gpu' / 'dense'}, dtype: bfloat16, generate: {{seed: 0}}}}\n"
+        f"model: {{path: {REPO / 'benchmarks/gpu/models/dense'}, dtype: bfloat16, generate: {{seed: 0}}}}\n"
         "rollout: {engine: vllm}\n")
     r = subprocess.run([sys.executable, "-c", "from tic.skill.cli import main; main(['ladder', '--from', "
                         "'C3', '--to', 'C3'])"], capture_output=True, text=True)

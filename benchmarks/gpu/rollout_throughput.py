@@ -31,11 +31,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from configs import MODES, PATCHES as TIC_PATCHES  # noqa: E402
 from shapes import Shape, by_name  # noqa: E402
 
-PATCHES = "fa3-fixed-tile,rmsnorm-fixed-block,gemm-fixed-m"
-KEEP_KERNELS = {"compilation_config": {"mode": 3, "custom_ops": ["all"], "cudagraph_mode": "FULL_AND_PIECEWISE"},
-                "ir_op_priority": {"rms_norm": ["vllm_c"], "fused_add_rms_norm": ["vllm_c"]}}
+PATCHES = ",".join(TIC_PATCHES)
+KEEP_KERNELS = {k: v for k, v in MODES["compiled"].items() if k != "enforce_eager"}
 SIDES = {
     "default": ({}, {"TIC_PATCHES": "", "VLLM_BATCH_INVARIANT": "0"}),
     "consistent": (KEEP_KERNELS, {"TIC_PATCHES": PATCHES, "VLLM_BATCH_INVARIANT": "0"}),

@@ -1,7 +1,7 @@
 """One GPU run: tic's training step on vLLM's kernels (forward = vLLM kernel, backward = surrogate) vs a plain
 HF training step on the same bf16 model and batch.
 
-  source benchmarks/gpu/device_env.sh    # tic and the vLLM 0.26 bundle (/tmp/site) on the path
+  source benchmarks/gpu/device_env.sh    # tic and the vLLM 0.26 bundle ($TIC_VLLM_SITE) on the path
   [TIC_PATCHES=fa3-fixed-tile,gemm-fixed-m,rmsnorm-fixed-block] [VLLM_BATCH_INVARIANT=1] \
     python3 benchmarks/gpu/train_step_bench.py [--moe] [--batch 8 --seq 512]
 
