@@ -208,7 +208,7 @@ def records3(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("run,name", sorted(RUNS))
 def test_run3_figures_recomputed_from_raw_records(records3, run, name):
     """C3/C4/C5 recomputed here from the raw vLLM outputs and HF logprobs (torch.equal on float32 bits,
-    not check.py's struct path) equal the ladder's own record and the figures in docs/results/vllm-h200.md."""
+    not check.py's struct path) equal the ladder's own record and the figures in docs/results/vllm-rollout.md."""
     recs, train, ladder = load(records3, run, name)
     c3, c4, c5 = RUNS[(run, name)]
     gen = {r["request_id"]: sample_from_record(r) for r in recs if r["kind"] == "generate"}

@@ -8,7 +8,7 @@ mode, full-depth models with dummy weights, sides alternating in one run.
 Sides (each a vLLM engine in a process of its own; `default` is every ratio's denominator):
 - default: vLLM's defaults (compilation mode 3, FULL_AND_PIECEWISE), no tic setting;
 - consistent: tic's three patches, vLLM's default compilation with its CUDA kernels kept (custom_ops [all],
-  vllm_c norms): the compiled mode in which C3-C5 pass (docs/results/shape-sweep-h200.md);
+  vllm_c norms): the compiled mode in which C3-C5 pass (docs/results/shape-sweep.md);
 - consistent_graph: the patches, CUDA graphs without compilation (mode 0, FULL_DECODE_ONLY);
 - batch_invariant: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1), default compilation.
 Models: each shape at its full depth (shapes.py), `load_format: dummy`. Workloads: `input:output` tokens, all
