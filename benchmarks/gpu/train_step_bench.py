@@ -55,6 +55,10 @@ def batch(args):
     return ids.cuda(), mask.cuda(), pos.cuda(), adv.cuda()
 
 
+def f32_log_softmax(t):
+    return t.float().log_softmax(-1)
+
+
 def step(model, ids, mask, pos, adv, log_softmax):
     """Forward, a policy-gradient loss on the next-token logprobs of the valid tokens, backward."""
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits[:, :-1]
@@ -177,7 +181,17 @@ def kernel_checks(ops, moe: bool) -> list[tuple[str, bool, str]]:
     qi, ki = q.reshape(T, -1).clone(), k.reshape(T, -1).clone()
     vops.rotary_embedding(pos, qi, ki, D, cs, True)
     check("rotary", ops.rotary(q, k, pos, cs), (qi.reshape(q.shape), ki.reshape(k.shape)))
-    # attention: two right-padded rows of 300 and 180 tokens vs the varlen kernel on the packed tokens
+    _attention_check(ops, check, H, D, Hkv)
+    logits = torch.randn(64, 32768, device="cuda", dtype=bf)
+    check("log_softmax", ops.log_softmax(logits), logits.log_softmax(dim=-1, dtype=torch.float32))
+    if moe:
+        _moe_checks(ops, check, T)
+    return rows
+
+
+def _attention_check(ops, check, H: int, D: int, Hkv: int) -> None:
+    """Two right-padded rows of 300 and 180 tokens vs the varlen kernel on the packed tokens."""
+    bf = torch.bfloat16
     L, lens = 300, [300, 180]
     qa = torch.randn(2, H, L, D, device="cuda", dtype=bf)
     ka, va = torch.randn(2, Hkv, L, D, device="cuda", dtype=bf), torch.randn(2, Hkv, L, D, device="cuda", dtype=bf)
@@ -194,21 +208,21 @@ def kernel_checks(ops, moe: bool) -> list[tuple[str, bool, str]]:
                                   cu_seqlens_k=cu, softmax_scale=D ** -0.5, causal=True,
                                   fa_version=ops.provider.fa_version)
     check("attention (varlen prefill)", torch.cat([got[b, :n] for b, n in enumerate(lens)]), want)
-    logits = torch.randn(64, 32768, device="cuda", dtype=bf)
-    check("log_softmax", ops.log_softmax(logits), logits.log_softmax(dim=-1, dtype=torch.float32))
-    if moe:
-        from vllm.model_executor.layers.fused_moe import fused_experts, fused_topk
 
-        xm = torch.randn(T, 1024, device="cuda", dtype=bf)
-        rl = torch.randn(T, 16, device="cuda", dtype=bf)
-        tw, ti = fused_topk(rl, rl, 4, True)[:2]
-        gw, ids = ops.moe_route(rl, 4, True)
-        check("moe_route", (gw, ids), (tw.float(), ti.long()))
-        w13 = torch.randn(16, 1024, 1024, device="cuda", dtype=bf) * 0.03
-        w2 = torch.randn(16, 1024, 512, device="cuda", dtype=bf) * 0.03
-        check("moe_experts", ops.moe_experts(xm, gw, ids, w13, w2),
-              fused_experts(xm, w13, w2, tw, ti))
-    return rows
+
+def _moe_checks(ops, check, T: int) -> None:
+    from vllm.model_executor.layers.fused_moe import fused_experts, fused_topk
+
+    bf = torch.bfloat16
+    xm = torch.randn(T, 1024, device="cuda", dtype=bf)
+    rl = torch.randn(T, 16, device="cuda", dtype=bf)
+    tw, ti = fused_topk(rl, rl, 4, True)[:2]
+    gw, ids = ops.moe_route(rl, 4, True)
+    check("moe_route", (gw, ids), (tw.float(), ti.long()))
+    w13 = torch.randn(16, 1024, 1024, device="cuda", dtype=bf) * 0.03
+    w2 = torch.randn(16, 1024, 512, device="cuda", dtype=bf) * 0.03
+    check("moe_experts", ops.moe_experts(xm, gw, ids, w13, w2),
+          fused_experts(xm, w13, w2, tw, ti))
 
 
 def sdpa_backends(args) -> str:
@@ -233,53 +247,15 @@ def sdpa_backends(args) -> str:
     return "; ".join(out)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE model (16 experts, top-4) instead of dense")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32768)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--strict-time", action="store_true", help="fail the run when the step ratio misses 1.3x")
-    ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="also profile 3 steps of each and print the N largest CUDA-time rows: tic's per-operator "
-                         "forward/backward ranges, then kernels")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("FAIL: no CUDA GPU")
-        return 1
-
+def check_gradients(args, provider, plain, wrapped, data) -> bool:
+    """Check 2: the wrapped bf16 model's gradients vs plain HF float32 on the same weights and loss; True if any
+    tensor is outside C7's bf16 tolerance (or a router could not be pinned)."""
     from tic.gates.c7 import DEFAULT_THRESHOLDS
+    from tic.harness.kernels.modules import capture_routes, hf_cos_sin_cache
     from tic.harness.measure.gradcheck import RoutingPin, compare
-    from tic.harness.kernels.modules import apply, capture_routes
-    from tic.harness.kernels.providers import get_provider
 
-    import vllm
-
-    provider = get_provider("vllm")
-    print(f"vLLM {vllm.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}, "
-          f"batch-invariant {provider.batch_invariant}, flash-attn v{provider.fa_version}, "
-          f"patches {','.join(provider.patches) or 'none'} (TIC_PATCHES)")
+    ids, mask, pos, adv = data
     failed = False
-
-    from tic.harness.kernels.autograd import Ops
-
-    print("\n1. wrapper forward vs direct vLLM kernel call")
-    for name, ok, what in kernel_checks(Ops(provider), args.moe):
-        print(f"   {'ok  ' if ok else 'FAIL'} {name:28s} {what}")
-        failed |= not ok
-
-    plain = build_model(args, torch.bfloat16)
-    plain.requires_grad_(True)
-    wrapped = copy.deepcopy(plain)
-    apply(wrapped, provider)
-    ids, mask, pos, adv = batch(args)
-    f32_log_softmax = lambda t: t.float().log_softmax(-1)  # noqa: E731
-
     print("\n2. gradients of the wrapped bf16 model vs plain HF float32 (same weights, same loss; MoE routers of "
           "the reference take the wrapped model's top-k experts, as C7 pins them)")
     wrapped.zero_grad(set_to_none=True)
@@ -306,13 +282,79 @@ def main() -> int:
         print(f"   FAIL {r['parameter']}: cosine {r['cosine']:.5f}, rel err {r['rel_error']:.4f}")
     failed |= bool(bad) or len(rows) != len(list(wrapped.parameters()))
 
-    from tic.harness.kernels.modules import hf_cos_sin_cache
-
     rope = wrapped.model.rotary_emb._tic_rope
     table = rope.get(args.seq, "cuda")
     hf_table = hf_cos_sin_cache(wrapped.model.rotary_emb, table.shape[0], table.dtype, "cuda")
     print(f"   rotary table: {provider.rope_source}; equal to the HF rotary module's: "
           f"{torch.equal(table, hf_table)}")
+    return failed
+
+
+def backward_paths(args, provider, wrapped) -> None:
+    """Which backward paths the tic step took: grouped expert GEMMs, compiled closed forms, gemm-fixed-m's tiles."""
+    from tic.harness.kernels.autograd import COMPILE_ERRORS, GROUPED_MM_ERRORS
+
+    if args.moe:
+        from tic.harness.kernels.autograd import _grouped_mm_usable
+
+        grouped = _grouped_mm_usable(next(wrapped.parameters())) and not GROUPED_MM_ERRORS
+        why = GROUPED_MM_ERRORS[0] if GROUPED_MM_ERRORS else "not bf16, or TIC_GROUPED_MM=0, or no torch._grouped_mm"
+        print(f"   experts' backward GEMMs: {'grouped (torch._grouped_mm)' if grouped else 'one by one (' + why + ')'}")
+
+    print(f"   closed-form backwards compiled on the GPU (TIC_FUSE_BACKWARD={os.environ.get('TIC_FUSE_BACKWARD', '1')}): "
+          f"{'no compile errors' if not COMPILE_ERRORS else COMPILE_ERRORS}")
+    if "gemm-fixed-m" in provider.patches:
+        from tic.patches.vllm import gemm_fixed_m
+
+        probed = gemm_fixed_m._state.get("same_bits", {})
+        print("   gemm-fixed-m full tiles, probed problems (how, tiles, weight shape): "
+              + "; ".join(f"{k[0]} x{k[1]} {k[2]}: {'same bits' if v else 'differs'}" for k, v in probed.items()))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE model (16 experts, top-4) instead of dense")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--strict-time", action="store_true", help="fail the run when the step ratio misses 1.3x")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile 3 steps of each and print the N largest CUDA-time rows: tic's per-operator "
+                         "forward/backward ranges, then kernels")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("FAIL: no CUDA GPU")
+        return 1
+
+    from tic.harness.kernels.modules import apply
+    from tic.harness.kernels.providers import get_provider
+
+    import vllm
+
+    provider = get_provider("vllm")
+    print(f"vLLM {vllm.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}, "
+          f"batch-invariant {provider.batch_invariant}, flash-attn v{provider.fa_version}, "
+          f"patches {','.join(provider.patches) or 'none'} (TIC_PATCHES)")
+    failed = False
+
+    from tic.harness.kernels.autograd import Ops
+
+    print("\n1. wrapper forward vs direct vLLM kernel call")
+    for name, ok, what in kernel_checks(Ops(provider), args.moe):
+        print(f"   {'ok  ' if ok else 'FAIL'} {name:28s} {what}")
+        failed |= not ok
+
+    plain = build_model(args, torch.bfloat16)
+    plain.requires_grad_(True)
+    wrapped = copy.deepcopy(plain)
+    apply(wrapped, provider)
+    ids, mask, pos, adv = batch(args)
+    failed |= check_gradients(args, provider, plain, wrapped, (ids, mask, pos, adv))
 
     print(f"\n3. training step, batch {args.batch} x {args.seq} tokens (right padded), {args.layers} layers, "
           f"hidden {args.hidden}{', MoE' if args.moe else ''}, median of {args.repeats}")
@@ -334,23 +376,7 @@ def main() -> int:
     print(f"   ratio tic/plain: time {ratio:.2f}x (goal <= 1.3x{'' if ratio <= 1.3 else ', MISSED'}), "
           f"step memory {d_tic / max(d_plain, 1):.2f}x")
     print(f"   attention backward, fused SDPA backends eligible: {sdpa_backends(args)}")
-    from tic.harness.kernels.autograd import COMPILE_ERRORS, GROUPED_MM_ERRORS
-
-    if args.moe:
-        from tic.harness.kernels.autograd import _grouped_mm_usable
-
-        grouped = _grouped_mm_usable(next(wrapped.parameters())) and not GROUPED_MM_ERRORS
-        why = GROUPED_MM_ERRORS[0] if GROUPED_MM_ERRORS else "not bf16, or TIC_GROUPED_MM=0, or no torch._grouped_mm"
-        print(f"   experts' backward GEMMs: {'grouped (torch._grouped_mm)' if grouped else 'one by one (' + why + ')'}")
-
-    print(f"   closed-form backwards compiled on the GPU (TIC_FUSE_BACKWARD={os.environ.get('TIC_FUSE_BACKWARD', '1')}): "
-          f"{'no compile errors' if not COMPILE_ERRORS else COMPILE_ERRORS}")
-    if "gemm-fixed-m" in provider.patches:
-        from tic.patches.vllm import gemm_fixed_m
-
-        probed = gemm_fixed_m._state.get("same_bits", {})
-        print("   gemm-fixed-m full tiles, probed problems (how, tiles, weight shape): "
-              + "; ".join(f"{k[0]} x{k[1]} {k[2]}: {'same bits' if v else 'differs'}" for k, v in probed.items()))
+    backward_paths(args, provider, wrapped)
     if args.profile:
         profile_steps(("plain", plain_fn), ("tic", tic_fn), top=args.profile)
     if args.strict_time and ratio > 1.3:
