@@ -27,9 +27,8 @@ _FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 
 
 def package_root() -> Path:
-    import tic
-
-    return Path(tic.__file__).resolve().parent
+    """The installed tic package (this file is tic/skill/skill_install.py)."""
+    return Path(__file__).resolve().parent.parent
 
 
 def local_links(markdown: str) -> list[str]:

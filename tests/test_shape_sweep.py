@@ -1,6 +1,6 @@
 """The GPU shape sweep's pieces that need no GPU: the shape registry builds each public model's cut with
 transformers, the generated tic.yaml files are valid configs that C0's mode checks accept, and the table reads
-gate records (benchmarks/gpu/shape_sweep.py; its GPU figures are docs/results/shape-sweep-h200.md)."""
+gate records (benchmarks/gpu/shape_sweep.py; its GPU figures are docs/results/shape-sweep.md)."""
 
 from __future__ import annotations
 

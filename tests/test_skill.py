@@ -1,6 +1,7 @@
 """The skill as a product: SKILL.md's frontmatter against the Agent Skills spec, `tic skill install` (validator,
-links, idempotence, the wheel's contents), every `tic ...` command the skill quotes parses against the real CLI,
-the ladder table matches the gate registry, and SKILL.md's walkthrough runs to C5 passing."""
+links, idempotence, the wheel's contents: results documents, never their raw data), every repository path the
+documents quote exists, every `tic ...` command the skill quotes parses against the real CLI, the ladder table
+matches the gate registry, and SKILL.md's walkthrough runs to C5 passing."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from tic.skill.skill_install import (SKILL_NAME, apply_install, local_links, pla
 
 REPO = Path(__file__).resolve().parent.parent
 SKILL_MD = REPO / "SKILL.md"
+RESULTS = REPO / "docs" / "results"
 
 # --- the Agent Skills spec (https://agentskills.io/specification), as skills-ref 0.1 checks it -----------------
 ALLOWED_FIELDS = {"name", "description", "license", "allowed-tools", "metadata", "compatibility"}
@@ -106,6 +108,51 @@ def test_every_link_resolves_in_the_repository():
     files = skill_files(REPO)  # raises on a missing or escaping link
     assert "SKILL.md" in files and "guides/ops/attention-prefill-decode.md" in files
     assert "examples/tiny-qwen3/tic.yaml" in files and "examples/tiny-qwen3/config.json" in files
+
+
+def test_the_skill_ships_results_documents_never_their_raw_data():
+    """A results document ships only because a guide or SKILL.md links it; its raw data (docs/results/<name>/:
+    run logs, records) stays in the repository."""
+    shipped = [f for f in skill_files(REPO) if f.startswith("docs/results/")]
+    assert "docs/results/training.md" in shipped
+    assert all(re.fullmatch(r"docs/results/[\w.-]+\.md", f) for f in shipped), shipped
+
+
+def test_results_documents_link_documents_and_name_raw_data_that_exists():
+    """One document per capability, its raw data in the folder of its name: a document links only other results
+    documents (so whatever a guide links installs without run logs), names its raw files as paths that exist, and
+    no raw-data folder is without its document."""
+    docs = sorted(RESULTS.glob("*.md"))
+    stems = {d.stem for d in docs}
+    assert {p.name for p in RESULTS.iterdir() if p.is_dir()} <= stems
+    for d in docs:
+        text = d.read_text()
+        for link in local_links(text):
+            assert re.fullmatch(r"[\w.-]+\.md", link) and (RESULTS / link).is_file(), f"{d.name}: link {link}"
+        for span in re.findall(r"`([^`\s]+)`", re.sub(r"(?ms)^```.*?^```", "", text)):
+            if span.split("/")[0] not in stems or "/" not in span or "<" in span:
+                continue
+            hits = list(RESULTS.glob(span.rstrip("/"))) if "*" in span else [RESULTS / span]
+            assert hits and all(h.exists() for h in hits), f"{d.name}: `{span}` does not exist"
+
+
+# Paths the documents quote: a folder of the repository, then a path (links are checked by skill_files).
+QUOTED_PATH = re.compile(r"(?<![\w/.$-])((?:benchmarks|docs|examples|tests|guides|harness|skill|gates|config|core|"
+                         r"patches)/[\w.*/-]*[\w*/])")
+
+
+def test_every_path_the_documents_quote_exists():
+    docs = [REPO / "README.md", SKILL_MD, *sorted((REPO / "guides").rglob("*.md")), *sorted(RESULTS.glob("*.md")),
+            REPO / "benchmarks" / "gpu" / "README.md"]
+    missing = []
+    for d in docs:
+        for path in QUOTED_PATH.findall(d.read_text()):
+            path = path.rstrip(".")
+            if any(re.fullmatch(r"[A-Z_]+(\.\w+)?", part) for part in path.split("/")):
+                continue  # a placeholder (benchmarks/gpu/NAME.py)
+            if not (list(REPO.glob(path.rstrip("/"))) if "*" in path else (REPO / path).exists()):
+                missing.append(f"{d.relative_to(REPO)}: {path}")
+    assert missing == []
 
 
 def test_a_broken_link_is_reported(tmp_path):
@@ -195,6 +242,9 @@ def test_the_wheel_ships_every_linked_file(tmp_path):
     zipfile.ZipFile(whl).extractall(unpacked)
     root = unpacked / "tic"
     assert skill_files(root) == skill_files(REPO)
+    # the results documents ship, their raw data (run logs, records) does not
+    shipped = sorted(p.relative_to(root).as_posix() for p in (root / "docs" / "results").rglob("*") if p.is_file())
+    assert shipped == sorted(p.relative_to(REPO).as_posix() for p in RESULTS.glob("*.md"))
     plan = plan_install(tmp_path / "skills", root=root)
     apply_install(plan, root=root)
     assert validate(plan.dest) == []

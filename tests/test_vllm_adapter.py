@@ -61,7 +61,7 @@ def test_vllm_engine_without_gpu_is_a_clear_input_error(tmp_path, monkeypatch):
         pytest.skip("this machine has a GPU")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tic.yaml").write_text(
-        f"model: {{path: {REPO / 'benchmarks' / 'gpu' / 'dense'}, dtype: bfloat16, generate: {{seed: 0}}}}\n"
+        f"model: {{path: {REPO / 'benchmarks/gpu/models/dense'}, dtype: bfloat16, generate: {{seed: 0}}}}\n"
         "rollout: {engine: vllm}\n")
     r = subprocess.run([sys.executable, "-c", "from tic.skill.cli import main; main(['ladder', '--from', "
                         "'C3', '--to', 'C3'])"], capture_output=True, text=True)
@@ -208,7 +208,7 @@ def records3(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("run,name", sorted(RUNS))
 def test_run3_figures_recomputed_from_raw_records(records3, run, name):
     """C3/C4/C5 recomputed here from the raw vLLM outputs and HF logprobs (torch.equal on float32 bits,
-    not check.py's struct path) equal the ladder's own record and the figures in docs/results/vllm-h200.md."""
+    not check.py's struct path) equal the ladder's own record and the figures in docs/results/vllm-rollout.md."""
     recs, train, ladder = load(records3, run, name)
     c3, c4, c5 = RUNS[(run, name)]
     gen = {r["request_id"]: sample_from_record(r) for r in recs if r["kind"] == "generate"}

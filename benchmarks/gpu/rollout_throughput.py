@@ -8,7 +8,7 @@ mode, full-depth models with dummy weights, sides alternating in one run.
 Sides (each a vLLM engine in a process of its own; `default` is every ratio's denominator):
 - default: vLLM's defaults (compilation mode 3, FULL_AND_PIECEWISE), no tic setting;
 - consistent: tic's three patches, vLLM's default compilation with its CUDA kernels kept (custom_ops [all],
-  vllm_c norms): the compiled mode in which C3-C5 pass (docs/results/shape-sweep-h200.md);
+  vllm_c norms): the compiled mode in which C3-C5 pass (docs/results/shape-sweep.md);
 - consistent_graph: the patches, CUDA graphs without compilation (mode 0, FULL_DECODE_ONLY);
 - batch_invariant: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1), default compilation.
 Models: each shape at its full depth (shapes.py), `load_format: dummy`. Workloads: `input:output` tokens, all
@@ -31,11 +31,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from configs import MODES, PATCHES as TIC_PATCHES  # noqa: E402
 from shapes import Shape, by_name  # noqa: E402
 
-PATCHES = "fa3-fixed-tile,rmsnorm-fixed-block,gemm-fixed-m"
-KEEP_KERNELS = {"compilation_config": {"mode": 3, "custom_ops": ["all"], "cudagraph_mode": "FULL_AND_PIECEWISE"},
-                "ir_op_priority": {"rms_norm": ["vllm_c"], "fused_add_rms_norm": ["vllm_c"]}}
+PATCHES = ",".join(TIC_PATCHES)
+KEEP_KERNELS = {k: v for k, v in MODES["compiled"].items() if k != "enforce_eager"}
 SIDES = {
     "default": ({}, {"TIC_PATCHES": "", "VLLM_BATCH_INVARIANT": "0"}),
     "consistent": (KEEP_KERNELS, {"TIC_PATCHES": PATCHES, "VLLM_BATCH_INVARIANT": "0"}),

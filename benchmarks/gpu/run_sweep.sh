@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The shape sweep on the device, in the background, so that it outlives one device call (10 minutes at most).
+# The shape sweep on the device (docs/results/shape-sweep.md), in the background, so that it outlives one device
+# call (10 minutes at most).
 #   (device, after the vllm-bundle install; from the repository root)
 #   bash benchmarks/gpu/run_sweep.sh start [shape_sweep.py run options ...]
 #        versions, the norm launch probe stock and patched (each a fresh process), then the sweep (setsid)
@@ -7,26 +8,27 @@
 #        waits up to WAIT_S seconds for the sweep, prints its progress and table, packs results into $OUT
 # With .carry/prev/rmsnorm_fixed_block.py present (the patch module of an earlier release), the variant
 # `previous` runs on a copy of this tree holding that module instead: the with/without run of a patch change.
+# Works in $TIC_GPU_WORK/sweep (work/: configs, models, state; out/: records, logs, table).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-W=/tmp/sweep; R=$W/out; mkdir -p "$W" "$R"
+S=$WORK/sweep; R=$S/out; mkdir -p "$S" "$R"
 cmd=${1:-}; shift || true
 case "$cmd" in
 start)
-  python3 -c "import vllm, torch, transformers, triton; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tail -1 | tee "$R/versions.txt"
+  versions "$R/versions.txt"
   prev=""
   if [ -f "$REPO/.carry/prev/rmsnorm_fixed_block.py" ]; then
-    rm -rf /tmp/tic-prev /tmp/pkg-prev && cp -r "$REPO" /tmp/tic-prev && mkdir -p /tmp/pkg-prev
-    rm -rf /tmp/tic-prev/.carry && cp "$REPO/.carry/prev/rmsnorm_fixed_block.py" /tmp/tic-prev/patches/vllm/rmsnorm_fixed_block.py
-    ln -sfn /tmp/tic-prev /tmp/pkg-prev/tic
-    prev="--previous-pythonpath /tmp/site:/tmp/pkg-prev"
+    rm -rf "$S/prev-tree" "$S/prev-pkg" && cp -r "$REPO" "$S/prev-tree" && mkdir -p "$S/prev-pkg"
+    rm -rf "$S/prev-tree/.carry" && cp "$REPO/.carry/prev/rmsnorm_fixed_block.py" "$S/prev-tree/patches/vllm/rmsnorm_fixed_block.py"
+    ln -sfn "$S/prev-tree" "$S/prev-pkg/tic"
+    prev="--previous-pythonpath $SITE:$S/prev-pkg"
   fi
   for v in "" --patched; do
-    python3 "$REPO/benchmarks/gpu/norm_launch_probe.py" $v > "$R/probe${v:-stock}.txt" 2>&1
+    python3 "$GPU/norm_launch_probe.py" $v > "$R/probe${v:-stock}.txt" 2>&1
     echo "exit $?" >> "$R/probe${v:-stock}.txt"
   done
   tail -n 30 "$R"/probe*.txt
-  cd "$REPO" && setsid nohup python3 benchmarks/gpu/shape_sweep.py run "$W/work" "$R" $prev "$@" > "$R/sweep.log" 2>&1 < /dev/null &
+  cd "$REPO" && setsid nohup python3 "$GPU/shape_sweep.py" run "$S/work" "$R" $prev "$@" > "$R/sweep.log" 2>&1 < /dev/null &
   sleep 5; tail -n 5 "$R/sweep.log"
   ;;
 collect)
@@ -34,12 +36,12 @@ collect)
   while pgrep -f shape_sweep.py > /dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
   pgrep -f shape_sweep.py > /dev/null && echo "sweep still running" || echo "sweep finished"
   tail -n 40 "$R/sweep.log"
-  python3 "$REPO/benchmarks/gpu/shape_sweep.py" table "$R" > /dev/null 2>&1; cat "$R/table.md" 2>/dev/null
+  python3 "$GPU/shape_sweep.py" table "$R" > /dev/null 2>&1; cat "$R/table.md" 2>/dev/null
   grep -h "\] C[0-9]" "$R"/*.log | tail -n 60
   cp "$R/table.md" "$R/versions.txt" "$R"/probe*.txt "$OUT/" 2>/dev/null
   tar czf "$OUT/sweep-records.tgz" -C "$R" --exclude='*.tgz' . 2>/dev/null
-  (cd "$W/work" && find state -path '*locate*' -type f -size -8M | tar czf "$OUT/sweep-locate.tgz" -T - 2>/dev/null)
+  (cd "$S/work" && find state -path '*locate*' -type f -size -8M | tar czf "$OUT/sweep-locate.tgz" -T - 2>/dev/null)
   ls -la "$OUT"
   ;;
-*) sed -n '2,9p' "$0"; exit 2 ;;
+*) sed -n '2,11p' "$0"; exit 2 ;;
 esac

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -38,16 +37,13 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from configs import PATCHES as TIC_PATCHES, tic_yaml  # noqa: E402
 from shapes import Shape, by_name  # noqa: E402
 
-PATCHES = ["fa3-fixed-tile", "rmsnorm-fixed-block", "gemm-fixed-m"]
-MODES = {
-    "eager": {"enforce_eager": True},
-    "graph": {"enforce_eager": False, "compilation_config": {"mode": 0}, "cudagraph_mode": "FULL_DECODE_ONLY"},
-    "compiled": {"enforce_eager": False,
-                 "compilation_config": {"mode": 3, "custom_ops": ["all"], "cudagraph_mode": "FULL_AND_PIECEWISE"},
-                 "ir_op_priority": {"rms_norm": ["vllm_c"], "fused_add_rms_norm": ["vllm_c"]}},
-}
+PATCHES = list(TIC_PATCHES)
+# the sweep's modes: graph = CUDA graphs of the decode steps without torch.compile; compiled = vLLM's default
+# compilation with its CUDA kernels kept
+MODES = {"eager": "eager", "graph": "decode-graphs", "compiled": "compiled"}
 VARIANTS = ("patched", "stock", "previous")
 ROLLOUT_GATES = "C0,C3,C4,C5"
 ALL_GATES = "C0,C3,C4,C5,C6,C7"
@@ -94,20 +90,11 @@ def estimate_gib(s: Shape, mode: str, w: dict) -> float:
 
 def run_config(s: Shape, mode: str, variant: str, w: dict, model_dir: Path) -> dict:
     kv = w["requests"] * w["model_len"] * kv_bytes_per_token(s)
-    options = {"batch_invariant": False, **json.loads(json.dumps(MODES[mode])), "seed": 0, "model_runner": "v1",
-               "max_model_len": w["model_len"], "kv_cache_memory_bytes": int(1.2 * kv) + (256 << 20),
+    options = {"max_model_len": w["model_len"], "kv_cache_memory_bytes": int(1.2 * kv) + (256 << 20),
                "gpu_memory_utilization": round(min(0.9, (2 * s.params() + 1.2 * kv + 3 * GiB) / (140 * GiB)), 3)}
-    return {
-        "model": {"path": str(model_dir), "dtype": "bfloat16", "generate": {"seed": 0}},
-        "rollout": {"engine": "vllm", "batch_size": w["requests"], "options": options,
-                    "patches": [] if variant == "stock" else PATCHES},
-        "train": {"engine": "hf", "device": "cuda", "kernels": "vllm", "micro_batch_size": 4},
-        "prompts": {"source": "random", "count": w["requests"], "seed": 0, "min_len": w["min_len"],
-                    "max_len": w["max_len"]},
-        "sampling": {"temperature": 1.0, "max_tokens": w["tokens"], "seed": 0},
-        "layouts": {"batch_sizes": [2, 16, w["requests"]], "positions": ["first", "last"], "probes": 2},
-        "state_dir": f"state/{s.slug}-{mode}-{variant}",
-    }
+    return tic_yaml(f"{s.slug}-{mode}-{variant}", model_dir, MODES[mode], [] if variant == "stock" else PATCHES,
+                    requests=w["requests"], min_len=w["min_len"], max_len=w["max_len"], tokens=w["tokens"],
+                    options=options)
 
 
 def plan(args) -> tuple[list[Run], dict[str, dict]]:

@@ -1,7 +1,7 @@
 """One GPU run: tic's training step on vLLM's kernels (forward = vLLM kernel, backward = surrogate) vs a plain
 HF training step on the same bf16 model and batch.
 
-  source benchmarks/gpu/device_env.sh    # tic and the vLLM 0.26 bundle (/tmp/site) on the path
+  source benchmarks/gpu/device_env.sh    # tic and the vLLM 0.26 bundle ($TIC_VLLM_SITE) on the path
   [TIC_PATCHES=fa3-fixed-tile,gemm-fixed-m,rmsnorm-fixed-block] [VLLM_BATCH_INVARIANT=1] \
     python3 benchmarks/gpu/train_step_bench.py [--moe] [--batch 8 --seq 512] [--eager-backward] [--no-grouped-mm]
 
@@ -52,6 +52,10 @@ def batch(args):
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     adv = torch.randn(args.batch, generator=g)
     return ids.cuda(), mask.cuda(), pos.cuda(), adv.cuda()
+
+
+def f32_log_softmax(t):
+    return t.float().log_softmax(-1)
 
 
 def step(model, ids, mask, pos, adv, log_softmax):
@@ -176,7 +180,17 @@ def kernel_checks(ops, moe: bool) -> list[tuple[str, bool, str]]:
     qi, ki = q.reshape(T, -1).clone(), k.reshape(T, -1).clone()
     vops.rotary_embedding(pos, qi, ki, D, cs, True)
     check("rotary", ops.rotary(q, k, pos, cs), (qi.reshape(q.shape), ki.reshape(k.shape)))
-    # attention: two right-padded rows of 300 and 180 tokens vs the varlen kernel on the packed tokens
+    _attention_check(ops, check, H, D, Hkv)
+    logits = torch.randn(64, 32768, device="cuda", dtype=bf)
+    check("log_softmax", ops.log_softmax(logits), logits.log_softmax(dim=-1, dtype=torch.float32))
+    if moe:
+        _moe_checks(ops, check, T)
+    return rows
+
+
+def _attention_check(ops, check, H: int, D: int, Hkv: int) -> None:
+    """Two right-padded rows of 300 and 180 tokens vs the varlen kernel on the packed tokens."""
+    bf = torch.bfloat16
     L, lens = 300, [300, 180]
     qa = torch.randn(2, H, L, D, device="cuda", dtype=bf)
     ka, va = torch.randn(2, Hkv, L, D, device="cuda", dtype=bf), torch.randn(2, Hkv, L, D, device="cuda", dtype=bf)
@@ -193,21 +207,21 @@ def kernel_checks(ops, moe: bool) -> list[tuple[str, bool, str]]:
                                   cu_seqlens_k=cu, softmax_scale=D ** -0.5, causal=True,
                                   fa_version=ops.provider.fa_version)
     check("attention (varlen prefill)", torch.cat([got[b, :n] for b, n in enumerate(lens)]), want)
-    logits = torch.randn(64, 32768, device="cuda", dtype=bf)
-    check("log_softmax", ops.log_softmax(logits), logits.log_softmax(dim=-1, dtype=torch.float32))
-    if moe:
-        from vllm.model_executor.layers.fused_moe import fused_experts, fused_topk
 
-        xm = torch.randn(T, 1024, device="cuda", dtype=bf)
-        rl = torch.randn(T, 16, device="cuda", dtype=bf)
-        tw, ti = fused_topk(rl, rl, 4, True)[:2]
-        gw, ids = ops.moe_route(rl, 4, True)
-        check("moe_route", (gw, ids), (tw.float(), ti.long()))
-        w13 = torch.randn(16, 1024, 1024, device="cuda", dtype=bf) * 0.03
-        w2 = torch.randn(16, 1024, 512, device="cuda", dtype=bf) * 0.03
-        check("moe_experts", ops.moe_experts(xm, gw, ids, w13, w2),
-              fused_experts(xm, w13, w2, tw, ti))
-    return rows
+
+def _moe_checks(ops, check, T: int) -> None:
+    from vllm.model_executor.layers.fused_moe import fused_experts, fused_topk
+
+    bf = torch.bfloat16
+    xm = torch.randn(T, 1024, device="cuda", dtype=bf)
+    rl = torch.randn(T, 16, device="cuda", dtype=bf)
+    tw, ti = fused_topk(rl, rl, 4, True)[:2]
+    gw, ids = ops.moe_route(rl, 4, True)
+    check("moe_route", (gw, ids), (tw.float(), ti.long()))
+    w13 = torch.randn(16, 1024, 1024, device="cuda", dtype=bf) * 0.03
+    w2 = torch.randn(16, 1024, 512, device="cuda", dtype=bf) * 0.03
+    check("moe_experts", ops.moe_experts(xm, gw, ids, w13, w2),
+          fused_experts(xm, w13, w2, tw, ti))
 
 
 def sdpa_backends(args) -> str:
@@ -230,6 +244,69 @@ def sdpa_backends(args) -> str:
             ok = [f"unknown ({type(e).__name__})"]
         out.append(f"{what}: {', '.join(ok) or 'math only'}")
     return "; ".join(out)
+
+
+def check_gradients(args, provider, plain, wrapped, data) -> bool:
+    """Check 2: the wrapped bf16 model's gradients vs plain HF float32 on the same weights and loss; True if any
+    tensor is outside C7's bf16 tolerance (or a router could not be pinned)."""
+    from tic.gates.c7 import DEFAULT_THRESHOLDS
+    from tic.harness.kernels.modules import capture_routes
+    from tic.harness.kernels.rope import hf_cos_sin_cache
+    from tic.harness.measure.gradcheck import RoutingPin, compare
+
+    ids, mask, pos, adv = data
+    failed = False
+    print("\n2. gradients of the wrapped bf16 model vs plain HF float32 (same weights, same loss; MoE routers of "
+          "the reference take the wrapped model's top-k experts, as C7 pins them)")
+    wrapped.zero_grad(set_to_none=True)
+    with capture_routes(wrapped) as calls:
+        step(wrapped, ids, mask, pos, adv, wrapped._tic_ops.log_softmax)
+    routes = {name: torch.cat(c) for name, c in calls.items()}
+    ref = copy.deepcopy(plain).float()
+    ref.zero_grad(set_to_none=True)
+    pin = RoutingPin(ref)
+    with pin.pinned(routes) if pin.gates else contextlib.nullcontext():
+        step(ref, ids, mask, pos, adv, f32_log_softmax)
+    if pin.gates:
+        print(f"   routing pinned in {len(pin.gates)} routers ({len(pin.unpinned)} unpinned), {pin.tokens} routed "
+              f"tokens; the float32 reference alone would have chosen other experts for {pin.flips}")
+        failed |= bool(pin.unpinned)
+    grads = {n: p.grad.float().cpu() for n, p in wrapped.named_parameters() if p.grad is not None}
+    rows = compare(grads, {n: p.grad.float().cpu() for n, p in ref.named_parameters() if p.grad is not None})
+    del ref
+    lo, hi = DEFAULT_THRESHOLDS["low"]
+    bad = [r for r in rows if not (r["cosine"] >= lo and r["rel_error"] <= hi)]
+    print(f"   {len(rows) - len(bad)}/{len(rows)} tensors within cosine >= {lo}, rel err <= {hi}; min cosine "
+          f"{min(r['cosine'] for r in rows):.5f}, max rel err {max(r['rel_error'] for r in rows):.4f}")
+    for r in bad[:5]:
+        print(f"   FAIL {r['parameter']}: cosine {r['cosine']:.5f}, rel err {r['rel_error']:.4f}")
+    failed |= bool(bad) or len(rows) != len(list(wrapped.parameters()))
+
+    rope = wrapped.model.rotary_emb._tic_rope
+    table = rope.get(args.seq, "cuda")
+    hf_table = hf_cos_sin_cache(wrapped.model.rotary_emb, table.shape[0], table.dtype, "cuda")
+    print(f"   rotary table: {provider.rope_source}; equal to the HF rotary module's: "
+          f"{torch.equal(table, hf_table)}")
+    return failed
+
+
+def backward_paths(args, provider, wrapped) -> None:
+    """Which backward paths the tic step took: grouped expert GEMMs, compiled closed forms, gemm-fixed-m's tiles."""
+    backward = wrapped._tic_ops.backward
+    if args.moe:
+        grouped = backward.grouped_mm(next(wrapped.parameters()))
+        why = backward.grouped_mm_errors[0] if backward.grouped_mm_errors else \
+            "not bf16, or --no-grouped-mm, or no torch._grouped_mm"
+        print(f"   experts' backward GEMMs: {'grouped (torch._grouped_mm)' if grouped else 'one by one (' + why + ')'}")
+
+    print(f"   closed-form backwards {'eager (--eager-backward)' if args.eager_backward else 'compiled on the GPU'}: "
+          f"{'no compile errors' if not backward.compile_errors else backward.compile_errors}")
+    if "gemm-fixed-m" in provider.patches:
+        from tic.patches.vllm import gemm_fixed_m
+
+        probed = gemm_fixed_m._state.get("same_bits", {})
+        print("   gemm-fixed-m full tiles, probed problems (how, tiles, weight shape): "
+              + "; ".join(f"{k[0]} x{k[1]} {k[2]}: {'same bits' if v else 'differs'}" for k, v in probed.items()))
 
 
 def main() -> int:
@@ -257,9 +334,7 @@ def main() -> int:
         return 1
 
     from tic.config.schema import BackwardConfig
-    from tic.gates.c7 import DEFAULT_THRESHOLDS
-    from tic.harness.measure.gradcheck import RoutingPin, compare
-    from tic.harness.kernels.modules import apply, capture_routes
+    from tic.harness.kernels.modules import apply
     from tic.harness.kernels.providers import provider_for
 
     import vllm
@@ -282,41 +357,7 @@ def main() -> int:
     wrapped = copy.deepcopy(plain)
     apply(wrapped, provider, BackwardConfig(fuse=not args.eager_backward, grouped_mm=not args.no_grouped_mm))
     ids, mask, pos, adv = batch(args)
-    f32_log_softmax = lambda t: t.float().log_softmax(-1)  # noqa: E731
-
-    print("\n2. gradients of the wrapped bf16 model vs plain HF float32 (same weights, same loss; MoE routers of "
-          "the reference take the wrapped model's top-k experts, as C7 pins them)")
-    wrapped.zero_grad(set_to_none=True)
-    with capture_routes(wrapped) as calls:
-        step(wrapped, ids, mask, pos, adv, wrapped._tic_ops.log_softmax)
-    routes = {name: torch.cat(c) for name, c in calls.items()}
-    ref = copy.deepcopy(plain).float()
-    ref.zero_grad(set_to_none=True)
-    pin = RoutingPin(ref)
-    with pin.pinned(routes) if pin.gates else contextlib.nullcontext():
-        step(ref, ids, mask, pos, adv, f32_log_softmax)
-    if pin.gates:
-        print(f"   routing pinned in {len(pin.gates)} routers ({len(pin.unpinned)} unpinned), {pin.tokens} routed "
-              f"tokens; the float32 reference alone would have chosen other experts for {pin.flips}")
-        failed |= bool(pin.unpinned)
-    grads = {n: p.grad.float().cpu() for n, p in wrapped.named_parameters() if p.grad is not None}
-    rows = compare(grads, {n: p.grad.float().cpu() for n, p in ref.named_parameters() if p.grad is not None})
-    del ref
-    lo, hi = DEFAULT_THRESHOLDS["low"]
-    bad = [r for r in rows if not (r["cosine"] >= lo and r["rel_error"] <= hi)]
-    print(f"   {len(rows) - len(bad)}/{len(rows)} tensors within cosine >= {lo}, rel err <= {hi}; min cosine "
-          f"{min(r['cosine'] for r in rows):.5f}, max rel err {max(r['rel_error'] for r in rows):.4f}")
-    for r in bad[:5]:
-        print(f"   FAIL {r['parameter']}: cosine {r['cosine']:.5f}, rel err {r['rel_error']:.4f}")
-    failed |= bool(bad) or len(rows) != len(list(wrapped.parameters()))
-
-    from tic.harness.kernels.rope import hf_cos_sin_cache
-
-    rope = wrapped.model.rotary_emb._tic_rope
-    table = rope.get(args.seq, "cuda")
-    hf_table = hf_cos_sin_cache(wrapped.model.rotary_emb, table.shape[0], table.dtype, "cuda")
-    print(f"   rotary table: {provider.rope_source}; equal to the HF rotary module's: "
-          f"{torch.equal(table, hf_table)}")
+    failed |= check_gradients(args, provider, plain, wrapped, (ids, mask, pos, adv))
 
     print(f"\n3. training step, batch {args.batch} x {args.seq} tokens (right padded), {args.layers} layers, "
           f"hidden {args.hidden}{', MoE' if args.moe else ''}, median of {args.repeats}")
@@ -338,21 +379,7 @@ def main() -> int:
     print(f"   ratio tic/plain: time {ratio:.2f}x (goal <= 1.3x{'' if ratio <= 1.3 else ', MISSED'}), "
           f"step memory {d_tic / max(d_plain, 1):.2f}x")
     print(f"   attention backward, fused SDPA backends eligible: {sdpa_backends(args)}")
-    backward = wrapped._tic_ops.backward
-    if args.moe:
-        grouped = backward.grouped_mm(next(wrapped.parameters()))
-        why = backward.grouped_mm_errors[0] if backward.grouped_mm_errors else \
-            "not bf16, or --no-grouped-mm, or no torch._grouped_mm"
-        print(f"   experts' backward GEMMs: {'grouped (torch._grouped_mm)' if grouped else 'one by one (' + why + ')'}")
-
-    print(f"   closed-form backwards {'eager (--eager-backward)' if args.eager_backward else 'compiled on the GPU'}: "
-          f"{'no compile errors' if not backward.compile_errors else backward.compile_errors}")
-    if "gemm-fixed-m" in provider.patches:
-        from tic.patches.vllm import gemm_fixed_m
-
-        probed = gemm_fixed_m._state.get("same_bits", {})
-        print("   gemm-fixed-m full tiles, probed problems (how, tiles, weight shape): "
-              + "; ".join(f"{k[0]} x{k[1]} {k[2]}: {'same bits' if v else 'differs'}" for k, v in probed.items()))
+    backward_paths(args, provider, wrapped)
     if args.profile:
         profile_steps(("plain", plain_fn), ("tic", tic_fn), top=args.profile)
     if args.strict_time and ratio > 1.3:

@@ -17,7 +17,7 @@ zeros, so vLLM's following cross-rank reduction again adds zeros only. With one 
 training provider calls the same patched moe_sum through vLLM's fused_experts, so rollout and training merge
 alike whatever their EP degree.
 
-Covered (measured on two H200s, docs/results/parallel-h200.md): vLLM's Triton MoE experts on one GPU and under
+Covered (measured on two H200s, docs/results/parallel.md): vLLM's Triton MoE experts on one GPU and under
 vLLM's default exchange, allgather_reducescatter, where every EP rank holds the same gathered tokens in the same
 order. Not covered: other all-to-all backends (DeepEP and the like run moe_sum on each rank's own tokens, so the
 ranks' slot buffers do not line up; C0 refuses them with EP), and MoE layers sharded as tensor parallel (TP > 1,

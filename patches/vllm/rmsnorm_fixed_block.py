@@ -7,7 +7,7 @@ that bound) threads, so the two differ once hidden > 2048; the fused kernel also
 pointer alignment). Each thread sums its own slice of the row before the block reduction, so the per-thread
 slices, hence the float32 sum of squares, change with the block shape, and a row's result depends on how many
 rows share its launch: decode steps (few rows) and prefill or a training forward (many) disagree. Measured on the
-H200 (docs/results/shape-sweep-h200.md): 48-row launches against one 4096-row launch differ in 1-2 % of bf16 rows
+H200 (docs/results/shape-sweep.md): 48-row launches against one 4096-row launch differ in 1-2 % of bf16 rows
 for both kernels at hidden 2560-8192, none at 2048.
 
 This patch keeps the CUDA kernels and always launches them the way a large batch does: at least 256 rows (a

@@ -1,0 +1,167 @@
+"""The GPU scripts' pieces that need no GPU (benchmarks/gpu/): every generated config loads through tic's own schema
+and is the variant its name says, every config a script names exists, the scripts compile (Python) and parse
+(bash), every tic name they import exists, and the verdict table reads gate records. Their GPU figures are in
+docs/results/ (benchmarks/gpu/README.md says which script feeds which)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import py_compile
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+GPU = REPO / "benchmarks" / "gpu"
+sys.path.insert(0, str(GPU))
+import configs  # noqa: E402
+import verdicts  # noqa: E402
+
+from tic import patches  # noqa: E402
+from tic.config.schema import load_config  # noqa: E402
+from tic.harness.engines.vllm import mode_refusals  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    out = tmp_path_factory.mktemp("configs")
+    paths = configs.write(out, list(configs.VARIANTS))
+    return {p.stem: load_config(p) for p in paths}
+
+
+def test_every_config_loads_and_keeps_its_records_under_its_name(loaded):
+    assert len(loaded) == len(configs.VARIANTS) > 50
+    bundled = set(patches.registry())
+    for name, cfg in loaded.items():
+        assert (cfg.resolve(cfg.model.path) / "config.json").is_file(), name
+        assert cfg.rollout.engine == "vllm" and cfg.train.device == "cuda", name
+        assert set(cfg.rollout.patches) <= bundled, name
+        # check.py and the scripts find a run's files by its name
+        assert cfg.rollout.options["record"] == f"records/{name}-vllm.jsonl", name
+        assert cfg.state_dir == Path("state") / name, name
+        assert cfg.prompts.count == cfg.rollout.batch_size == cfg.layouts.batch_sizes[-1] == 48, name
+
+
+def test_each_family_is_what_the_results_say_it_is(loaded):
+    three = list(configs.PATCHES)
+    for name, cfg in loaded.items():
+        o, v = cfg.rollout.options, configs.VARIANTS[name]
+        assert o["batch_invariant"] == bool(re.search(r"-bi(-|$)", name)), name
+        if name.startswith("p-"):
+            _, model, mode, state = name.split("-")
+            assert cfg.model.path.name == model and cfg.rollout.patches == (three if state == "on" else [])
+            assert o["enforce_eager"] == (mode != "graph") and o.get("enable_chunked_prefill", False) == (mode == "chunk")
+        if name.startswith(("t-", "l-", "x-")):
+            assert cfg.train.kernels == ("stock" if name == "t-dense-bi-stock" else "vllm"), name
+        if name.startswith("l-"):
+            assert cfg.perf.floor == 0.7 and cfg.training.updates == 2 and len(cfg.scale_up) == 2
+            assert (o.get("cudagraph_mode") == "FULL_DECODE_ONLY") == name.endswith("-graph")
+        if name.startswith("x-"):
+            par = cfg.rollout.parallel
+            assert (par.tp, par.dp, par.ep) == ((2 if "tp2" in name else 1), (2 if "dp2" in name else 1),
+                                                (2 if "ep2" in name else 1)), name
+            assert (configs.SLOT_ORDER in cfg.rollout.patches) == (
+                name in ("x-moe4-ep1-slot", "x-moe4-dp2", "x-moe4-dp2ep2", "x-moe4-dp2ep2-tdp2")), name
+        assert cfg.locate.enabled == v.locate
+        # the rollout mode is one C0 accepts unless the config measures vLLM's batch-invariant mode
+        assert (mode_refusals(o, cfg.train.kernels) == []) == (not v.batch_invariant), name
+
+
+def test_model_folders_are_the_ones_the_configs_use():
+    used = {v.model for v in configs.VARIANTS.values()}
+    assert used == {p.name for p in configs.MODELS_DIR.iterdir() if p.is_dir()}
+
+
+def test_configs_cli_writes_lists_and_refuses_an_unknown_name(tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, str(GPU / "configs.py"), *a], capture_output=True, text=True)
+    r = run(str(tmp_path), "p-dense-*-on", "t-dense-eager")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.stem for p in tmp_path.glob("*.yaml")) == sorted(
+        ["p-dense-eager-on", "p-dense-graph-on", "p-dense-chunk-on", "t-dense-eager"])
+    assert load_config(tmp_path / "t-dense-eager.yaml").train.kernels == "vllm"
+    listed = run("--list").stdout.splitlines()
+    assert len(listed) == len(configs.VARIANTS)
+    r = run(str(tmp_path), "p-dense-eager-maybe")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "p-dense-eager-maybe" in r.stderr
+
+
+def _shell_words() -> set[str]:
+    """Config names the shell scripts pass on: words that look like a variant name (a family prefix, or a
+    first-run model name), outside comments."""
+    words = set()
+    for sh in GPU.glob("*.sh"):
+        for line in sh.read_text().splitlines():
+            code = line.split("#", 1)[0] if not line.lstrip().startswith("python3 -c") else line
+            words |= set(re.findall(r"(?:(?<=:-)|(?<![\w$/.-]))(?:[ptlxa]-[a-z0-9]+(?:-[a-z0-9]+)*|(?:dense|moe|big)-"
+                                    r"(?:default|bi|chunk64|graph))(?![\w$/-])", code))
+    return words
+
+
+def test_every_config_a_script_names_is_generated():
+    named = _shell_words()
+    assert {"l-dense-eager", "t-dense-bi-locate", "x-moe4-dp2ep2-tdp2", "dense-chunk64"} <= named
+    assert named - set(configs.VARIANTS) == set()
+
+
+def test_scripts_compile_and_parse(tmp_path):
+    for py in sorted(GPU.glob("*.py")):
+        py_compile.compile(str(py), cfile=str(tmp_path / (py.name + "c")), doraise=True)
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash")
+    for sh in sorted(GPU.glob("*.sh")):
+        r = subprocess.run([bash, "-n", str(sh)], capture_output=True, text=True)
+        assert r.returncode == 0, f"{sh.name}: {r.stderr}"
+
+
+def _tic_imports(path: Path) -> list[tuple[str, str | None, int]]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "tic":
+            out += [(node.module, a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(a.name, None, node.lineno) for a in node.names if a.name.split(".")[0] == "tic"]
+    return out
+
+
+def test_every_tic_name_a_benchmark_imports_exists():
+    """Also the imports inside functions (a GPU script's body runs only on the device): a module or name
+    moved in tic shows here, not on the GPU."""
+    checked = 0
+    for path in sorted((REPO / "benchmarks").rglob("*.py")):
+        for module, name, line in _tic_imports(path):
+            try:
+                mod = importlib.import_module(module)
+            except ModuleNotFoundError as e:
+                if e.name and e.name.split(".")[0] == "vllm":
+                    continue  # imports vLLM itself: checked where vLLM is installed
+                raise AssertionError(f"{path.relative_to(REPO)}:{line}: no module {module}") from e
+            if name is not None and not hasattr(mod, name):
+                try:
+                    importlib.import_module(f"{module}.{name}")
+                except ModuleNotFoundError:
+                    pytest.fail(f"{path.relative_to(REPO)}:{line}: {module} has no {name}")
+            checked += 1
+    assert checked > 50
+
+
+def test_verdict_table_reads_ladder_records_and_per_gate_records(tmp_path):
+    def rec(gate, verdict, **kw):
+        return {"gate": gate, "verdict": verdict, "key_figure": f"{gate} figure", "reason": "why", **kw}
+
+    (tmp_path / "a-ladder.json").write_text(json.dumps({"results": [rec("C5", "pass"), rec("C6", "fail")]}))
+    (tmp_path / "b-c5.json").write_text(json.dumps({"results": [rec("C5", "fail")]}))  # tic gate C5 --json
+    (tmp_path / "b-c0.json").write_text(json.dumps({"verdict": "fail", "key": "refused", "reason": "TP>1"}))  # tp_c5
+    lines = verdicts.table(tmp_path, ["a", "b", "c"], ["C0", "C5", "C6"], "figure").splitlines()
+    assert lines[0] == "| config | C0 | C5 | C6 |"
+    assert lines[2] == "| a | not run (see log) | pass C5 figure | fail C6 figure |"
+    assert lines[3] == "| b | fail refused | fail C5 figure | not run (see log) |"
+    assert lines[4].count("not run (see log)") == 3
+    assert verdicts.table(tmp_path, ["a"], ["C5"], "verdict").splitlines()[2] == "| a | pass |"
+    assert "pass: C5 figure -- why" in verdicts.table(tmp_path, ["a"], ["C5"], "reason")
