@@ -10,7 +10,9 @@ Sides (each a vLLM engine in a process of its own; `default` is every ratio's de
 - consistent: tic's three patches, vLLM's default compilation with its CUDA kernels kept (custom_ops [all],
   vllm_c norms): the compiled mode in which C3-C5 pass (docs/results/shape-sweep-h200.md);
 - consistent_graph: the patches, CUDA graphs without compilation (mode 0, FULL_DECODE_ONLY);
-- batch_invariant: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1), default compilation.
+- batch_invariant: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1), default compilation;
+- keep_kernels: the consistent side's compilation settings without any patch (what keeping the CUDA ops costs);
+- only:P1+P2: the consistent side's compilation with only the named patches (one patch's cost, A/B).
 Models: each shape at its full depth (shapes.py), `load_format: dummy`, every side with the same KV cache size.
 Workloads: `input:output[:requests]` tokens, all requests submitted at once, temperature 1, ignore_eos. Where all
 sides fit on the GPU together (estimated), they are resident at once (started concurrently) and take turns pass by
@@ -43,7 +45,15 @@ SIDES = {
     "consistent_graph": ({"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}},
                          {"TIC_PATCHES": PATCHES, "VLLM_BATCH_INVARIANT": "0"}),
     "batch_invariant": ({}, {"TIC_PATCHES": "", "VLLM_BATCH_INVARIANT": "1"}),
+    "keep_kernels": (KEEP_KERNELS, {"TIC_PATCHES": "", "VLLM_BATCH_INVARIANT": "0"}),
 }
+
+
+def side_spec(name: str) -> tuple[dict, dict]:
+    """A named side, or `only:P1+P2`: the consistent side's compilation with only those patches (A/B one patch)."""
+    if name.startswith("only:"):
+        return KEEP_KERNELS, {"TIC_PATCHES": name[5:].replace("+", ","), "VLLM_BATCH_INVARIANT": "0"}
+    return SIDES[name]
 GiB = 1 << 30
 TOTAL_GIB = 139.8  # an H200's memory as torch reports it
 
@@ -87,7 +97,7 @@ class Side:
     """A side's process; `start` returns at once, `wait_ready` blocks until its engine is up."""
 
     def __init__(self, name: str, model_dir: Path, kv_bytes: int, max_len: int, memory_fraction: float):
-        options, env = SIDES[name]
+        options, env = side_spec(name)
         options = {**options, "gpu_memory_utilization": round(memory_fraction, 3)}
         self.name = name
         self.proc = subprocess.Popen(
@@ -206,7 +216,7 @@ def main() -> int:
     ap.add_argument("--memory-gb", type=float, default=132.0)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
-    unknown = [s for s in a.sides.split(",") if s not in SIDES or s == "default"]
+    unknown = [s for s in a.sides.split(",") if (s not in SIDES and not s.startswith("only:")) or s == "default"]
     if unknown:
         raise SystemExit(f"unknown side {unknown[0]!r}; sides: {', '.join(n for n in SIDES if n != 'default')}")
     works = [parse_workload(w, a.requests) for w in a.workloads.split(",")]
