@@ -94,3 +94,17 @@ def test_throughput_sides_are_the_modes_c0_accepts_and_vllms_defaults():
         assert mode_refusals({"enforce_eager": False, **options}, "vllm") == []
         assert env["TIC_PATCHES"].split(",") == shape_sweep.PATCHES
     assert rt.SIDES["batch_invariant"][1]["VLLM_BATCH_INVARIANT"] == "1"
+
+
+def test_throughput_workloads_parse_and_rounds_rotate_the_order():
+    import rollout_throughput as rt
+
+    assert rt.parse_workload("512:256", 256)["requests"] == 256
+    assert rt.parse_workload("256:2048:64", 256) | {} == {"input": 256, "output": 2048, "requests": 64, "seed": 0,
+                                                           "label": "256:2048 x 64"}
+    for bad in ("512", "512:0", "1:2:3:4", "a:b"):
+        with pytest.raises((SystemExit, ValueError)):
+            rt.parse_workload(bad, 256)
+    names = ["default", "consistent", "batch_invariant"]
+    firsts = {rt.order(names, r)[0] for r in range(3)}
+    assert firsts == set(names) and all(sorted(rt.order(names, r)) == sorted(names) for r in range(5))

@@ -2,20 +2,23 @@
 mode, full-depth models with dummy weights, sides alternating in one run.
 
   python benchmarks/gpu/rollout_throughput.py [--shapes Qwen3-8B,Qwen3-30B-A3B] [--sides consistent,batch_invariant]
-                                              [--workloads 512:256,256:2048] [--requests 256] [--rounds 3]
-                                              [--memory-gb 125] [--out FILE.json]
+                                              [--workloads 512:256,256:2048:64] [--requests 256] [--rounds 3]
+                                              [--kv-gb 22] [--memory-gb 132] [--out FILE.json]
 
 Sides (each a vLLM engine in a process of its own; `default` is every ratio's denominator):
 - default: vLLM's defaults (compilation mode 3, FULL_AND_PIECEWISE), no tic setting;
 - consistent: tic's three patches, vLLM's default compilation with its CUDA kernels kept (custom_ops [all],
   vllm_c norms): the compiled mode in which C3-C5 pass (docs/results/shape-sweep.md);
 - consistent_graph: the patches, CUDA graphs without compilation (mode 0, FULL_DECODE_ONLY);
-- batch_invariant: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1), default compilation.
-Models: each shape at its full depth (shapes.py), `load_format: dummy`. Workloads: `input:output` tokens, all
-requests submitted at once, temperature 1, ignore_eos. Where two sides fit on the GPU beside each other
-(estimated), default and the side run at once and take turns, pass by pass (ABAB...); otherwise each pass is a
-fresh process, in the order default, side, side, default, ... Prints, per model, workload and side, tokens/s per
-pass and the side/default ratio (median, min, max over rounds).
+- batch_invariant: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1), default compilation;
+- keep_kernels: the consistent side's compilation settings without any patch (what keeping the CUDA ops costs);
+- only:P1+P2: the consistent side's compilation with only the named patches (one patch's cost, A/B).
+Models: each shape at its full depth (shapes.py), `load_format: dummy`, every side with the same KV cache size.
+Workloads: `input:output[:requests]` tokens, all requests submitted at once, temperature 1, ignore_eos. Where all
+sides fit on the GPU together (estimated), they are resident at once (started concurrently) and take turns pass by
+pass, the order rotated each round; otherwise each side is a process of its own in turn, default first and last.
+A warm-up pass per side and workload keeps compilation and graph capture out of the timing. Prints, per model,
+workload and side, tokens/s and the side's passes over the default's median (median, min, max over rounds).
 """
 
 from __future__ import annotations
@@ -42,8 +45,17 @@ SIDES = {
     "consistent_graph": ({"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}},
                          {"TIC_PATCHES": PATCHES, "VLLM_BATCH_INVARIANT": "0"}),
     "batch_invariant": ({}, {"TIC_PATCHES": "", "VLLM_BATCH_INVARIANT": "1"}),
+    "keep_kernels": (KEEP_KERNELS, {"TIC_PATCHES": "", "VLLM_BATCH_INVARIANT": "0"}),
 }
+
+
+def side_spec(name: str) -> tuple[dict, dict]:
+    """A named side, or `only:P1+P2`: the consistent side's compilation with only those patches (A/B one patch)."""
+    if name.startswith("only:"):
+        return KEEP_KERNELS, {"TIC_PATCHES": name[5:].replace("+", ","), "VLLM_BATCH_INVARIANT": "0"}
+    return SIDES[name]
 GiB = 1 << 30
+TOTAL_GIB = 139.8  # an H200's memory as torch reports it
 
 
 # -- one side: a process that starts its engine, then runs one timed pass per line it reads -------------------------
@@ -82,14 +94,19 @@ def child(model_dir: str, options: str, kv_bytes: int, max_len: int) -> None:
 
 
 class Side:
-    def __init__(self, name: str, model_dir: Path, shape: Shape, kv_bytes: int, max_len: int):
-        options, env = SIDES[name]
+    """A side's process; `start` returns at once, `wait_ready` blocks until its engine is up."""
+
+    def __init__(self, name: str, model_dir: Path, kv_bytes: int, max_len: int, memory_fraction: float):
+        options, env = side_spec(name)
+        options = {**options, "gpu_memory_utilization": round(memory_fraction, 3)}
         self.name = name
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "child", str(model_dir), json.dumps(options), str(kv_bytes), str(max_len)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env})
-        self._read()
+
+    def wait_ready(self) -> dict:
+        return self._read()
 
     def _read(self) -> dict:
         for line in self.proc.stdout:
@@ -111,35 +128,78 @@ def weights_gib(s: Shape, layers: int) -> float:
     return 2 * s.params(layers) / GiB
 
 
-def measure(shape: Shape, layers: int, side: str, work: dict, rounds: int, kv_bytes: int, memory_gb: float,
-            model_dir: Path, max_len: int) -> dict:
-    """`rounds` passes of default and of `side` each, taking turns."""
-    got: dict[str, list[float]] = {"default": [], side: []}
-    together = 2 * (weights_gib(shape, layers) + kv_bytes / GiB + 6) <= memory_gb
+def side_gib(shape: Shape, layers: int, kv_bytes: int) -> float:
+    """What one side holds on the GPU: weights, KV cache, and room for activations, graphs and the allocator."""
+    return weights_gib(shape, layers) + kv_bytes / GiB + 6
+
+
+def order(names: list[str], r: int) -> list[str]:
+    """Round r's order: rotated each round, so no side always runs right after another."""
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
+def timed_rounds(sides: dict[str, Side], works: list[dict], rounds: int) -> dict:
+    """Per workload: a warm-up pass of every side (compilation and graph capture out of the timing), then
+    `rounds` rounds in which every side runs one timed pass."""
+    got = {w["label"]: {n: [] for n in sides} for w in works}
+    for w in works:
+        for s in sides.values():
+            s.run({**w, "warmup": True})
+        for r in range(rounds):
+            for n in order(list(sides), r):
+                got[w["label"]][n].append(sides[n].run(w)["tok_s"])
+    return got
+
+
+def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict], rounds: int, kv_bytes: int,
+                  memory_gb: float, model_dir: Path) -> list[dict]:
+    """Every side on every workload. Sides that fit on the GPU together are resident at once and take turns,
+    pass by pass; otherwise each side is a process of its own in turn (default first and last)."""
+    max_len = max(w["input"] + w["output"] for w in works)
+    need = side_gib(shape, layers, kv_bytes)
+    together = len(names) * need <= memory_gb
     if together:
-        sides = {n: Side(n, model_dir, shape, kv_bytes, max_len) for n in ("default", side)}
+        sides = {n: Side(n, model_dir, kv_bytes, max_len, need / TOTAL_GIB) for n in names}
         try:
-            for n in sides:
-                sides[n].run({**work, "warmup": True})  # compile and graph capture out of the timed passes
-            for r in range(rounds):
-                for n in (("default", side) if r % 2 == 0 else (side, "default")):
-                    got[n].append(sides[n].run(work)["tok_s"])
+            for s in sides.values():
+                s.wait_ready()
+            got = timed_rounds(sides, works, rounds)
         finally:
             for s in sides.values():
                 s.close()
     else:
-        for r in range(rounds):
-            for n in (("default", side) if r % 2 == 0 else (side, "default")):
-                one = Side(n, model_dir, shape, kv_bytes, max_len)
-                try:
-                    one.run({**work, "warmup": True})
-                    got[n].append(one.run(work)["tok_s"])
-                finally:
-                    one.close()
-    ratios = [c / b for b, c in zip(got["default"], got[side])]
-    return {"shape": shape.name, "layers": layers, "side": side, "workload": f"{work['input']}:{work['output']}",
-            "requests": work["requests"], "together": together, "tok_s": got,
-            "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "all": ratios}}
+        got = {w["label"]: {n: [] for n in names} for w in works}
+        for n in [*names, "default"]:
+            one = Side(n, model_dir, kv_bytes, max_len, need / TOTAL_GIB)
+            try:
+                one.wait_ready()
+                for label, passes in timed_rounds({n: one}, works, rounds).items():
+                    got[label][n].extend(passes[n])
+            finally:
+                one.close()
+    out = []
+    for w in works:
+        tok = got[w["label"]]
+        base = statistics.median(tok["default"])
+        for n in names[1:]:
+            ratios = [v / base for v in tok[n]]
+            out.append({"shape": shape.name, "layers": layers, "side": n, "workload": w["label"],
+                        "requests": w["requests"], "together": together, "tok_s": {"default": tok["default"],
+                                                                                 n: tok[n]},
+                        "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                                  "all": ratios}})
+    return out
+
+
+def parse_workload(text: str, requests: int) -> dict:
+    """`input:output` or `input:output:requests`."""
+    parts = [int(x) for x in text.split(":")]
+    if len(parts) not in (2, 3) or min(parts) < 1:
+        raise SystemExit(f"workload {text!r}: expected input:output or input:output:requests, positive integers")
+    inp, outp = parts[:2]
+    n = parts[2] if len(parts) == 3 else requests
+    return {"input": inp, "output": outp, "requests": n, "seed": 0, "label": f"{inp}:{outp} x {n}"}
 
 
 def main() -> int:
@@ -149,35 +209,32 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="Qwen3-8B,Qwen3-30B-A3B")
     ap.add_argument("--sides", default="consistent,batch_invariant")
-    ap.add_argument("--workloads", default="512:256,256:2048")
+    ap.add_argument("--workloads", default="512:256,256:2048:64")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--kv-gb", type=float, default=20.0)
-    ap.add_argument("--memory-gb", type=float, default=125.0)
+    ap.add_argument("--kv-gb", type=float, default=22.0)
+    ap.add_argument("--memory-gb", type=float, default=132.0)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
-    unknown = [s for s in a.sides.split(",") if s not in SIDES or s == "default"]
+    unknown = [s for s in a.sides.split(",") if (s not in SIDES and not s.startswith("only:")) or s == "default"]
     if unknown:
         raise SystemExit(f"unknown side {unknown[0]!r}; sides: {', '.join(n for n in SIDES if n != 'default')}")
+    works = [parse_workload(w, a.requests) for w in a.workloads.split(",")]
+    names = ["default", *a.sides.split(",")]
     results = []
     for shape in by_name(a.shapes.split(",")):
         layers = shape.layers
         model_dir = Path(tempfile.mkdtemp(prefix=f"tput-{shape.slug}-"))
         (model_dir / "config.json").write_text(json.dumps(shape.config(layers=layers)))
-        for wl in a.workloads.split(","):
-            inp, outp = (int(x) for x in wl.split(":"))
-            work = {"input": inp, "output": outp, "requests": a.requests, "seed": 0}
-            for side in a.sides.split(","):
-                res = measure(shape, layers, side, work, a.rounds, int(a.kv_gb * GiB), a.memory_gb, model_dir,
-                              inp + outp)
-                results.append(res)
-                print(json.dumps(res), flush=True)
+        for res in measure_model(shape, layers, names, works, a.rounds, int(a.kv_gb * GiB), a.memory_gb, model_dir):
+            results.append(res)
+            print(json.dumps(res), flush=True)
     print(f"\n| model (layers) | workload | side | default tok/s | side tok/s | side / default: median (min-max) |")
     print("|---|---|---|---|---|---|")
     for r in results:
         med = lambda v: statistics.median(v)  # noqa: E731
         q = r["ratio"]
-        print(f"| {r['shape']} ({r['layers']}) | {r['workload']} x {r['requests']} | {r['side']} | "
+        print(f"| {r['shape']} ({r['layers']}) | {r['workload']} | {r['side']} | "
               f"{med(r['tok_s']['default']):.0f} | {med(r['tok_s'][r['side']]):.0f} | "
               f"{q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f}) |")
     if a.out:

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The rollout throughput benchmark on the device, in the background, so that it outlives one device call.
+#   (device, after the vllm-bundle install; from the repository root)
+#   bash benchmarks/gpu/run_throughput.sh start "RUN_OPTIONS" ["RUN_OPTIONS" ...]
+#        versions, then one rollout_throughput.py run per argument, one after another (setsid)
+#   bash benchmarks/gpu/run_throughput.sh collect [WAIT_S]
+#        waits up to WAIT_S seconds, prints the tables so far, copies logs and JSON into $OUT
+set -uo pipefail
+source "$(dirname "$0")/../../examples/vllm-h200/device_env.sh"
+W=/tmp/throughput; mkdir -p "$W"
+cmd=${1:-}; shift || true
+case "$cmd" in
+start)
+  python3 -c "import vllm, torch, transformers, triton; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tail -1 | tee "$W/versions.txt"
+  script=$W/all.sh; : > "$script"; i=0
+  for opts in "$@"; do
+    i=$((i + 1))
+    echo "python3 $REPO/benchmarks/gpu/rollout_throughput.py $opts --out $W/run$i.json > $W/run$i.log 2>&1" >> "$script"
+  done
+  cd "$REPO" && setsid nohup bash "$script" > "$W/all.log" 2>&1 < /dev/null &
+  sleep 2; cat "$script"
+  ;;
+collect)
+  end=$(( $(date +%s) + ${1:-0} ))
+  while pgrep -f rollout_throughput.py > /dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
+  pgrep -f rollout_throughput.py > /dev/null && echo "benchmark still running" || echo "benchmark finished"
+  for f in "$W"/run*.log; do echo "== $f"; grep -v '^{' "$f" | grep -iv "warn\|info" | tail -n 12; grep -c '^{"shape"' "$f"; done
+  cp "$W"/*.log "$W"/*.json "$W/versions.txt" "$OUT/" 2>/dev/null
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+  ;;
+*) sed -n '2,7p' "$0"; exit 2 ;;
+esac
