@@ -6,12 +6,13 @@
 #   bash benchmarks/gpu/run_throughput.sh collect [WAIT_S]
 #        waits up to WAIT_S seconds, prints the tables so far, copies logs and JSON into $OUT
 set -uo pipefail
-source "$(dirname "$0")/../../examples/vllm-h200/device_env.sh"
-W=/tmp/throughput; mkdir -p "$W"
+# Works in $TIC_GPU_WORK/throughput (run logs and JSON).
+source "$(dirname "$0")/device_env.sh"
+W=$WORK/throughput; mkdir -p "$W"
 cmd=${1:-}; shift || true
 case "$cmd" in
 start)
-  python3 -c "import vllm, torch, transformers, triton; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tail -1 | tee "$W/versions.txt"
+  versions "$W/versions.txt"
   script=$W/all.sh; : > "$script"; i=0
   for opts in "$@"; do
     i=$((i + 1))
