@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from tic.gates import c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10
-from tic.gates.base import Gate, Judgement
+from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.core.errors import TicInputError
 
 REGISTRY: list[Gate] = [m.GATE for m in (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10)]
 BY_ID: dict[str, Gate] = {g.id: g for g in REGISTRY}
 
-__all__ = ["REGISTRY", "BY_ID", "Gate", "Judgement", "get", "gate_range"]
+__all__ = ["REGISTRY", "BY_ID", "Gate", "Judgement", "Measurement", "Verdict", "get", "gate_range"]
 
 
 def get(gate_id: str) -> Gate:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tic.gates.base import Gate, Judgement
+from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.harness.engines.vllm import mode_refusals
 from tic.harness.model.inventory import build_manifest
 from tic.harness.kernels.modules import coverage_problems
@@ -14,7 +14,7 @@ from tic.harness.engines.parallel import COVERED, layout_refusals
 from tic.core.fsio import atomic_write_text
 
 
-def measure(ctx) -> dict:
+def measure(ctx) -> Measurement:
     cfg = ctx.cfg
     rejected, layouts = [], {}
     for side in ("rollout", "train"):
@@ -45,24 +45,24 @@ def measure(ctx) -> dict:
     if cfg.rollout.engine == "vllm" and cfg.rollout.parallel.dp > 1 and cfg.rollout.parallel.ep == 1:
         notes.append(f"rollout.parallel.dp={cfg.rollout.parallel.dp} with ep=1 on vLLM: tic runs independent "
                      "replicas (vLLM's coupled DP would shard each MoE expert over the DP ranks as tensor parallel)")
-    return {
-        "metrics": {"layers": manifest["num_layers"], "operator_classes": len(manifest["operator_classes"]),
-                    "rejected": len(rejected)},
-        "details": {"rejected": rejected, "notes": notes, "layouts": layouts, "layouts_covered": COVERED,
-                    "operator_classes": manifest["operator_classes"],
-                    "dtypes": manifest["dtypes"], "quantization_config": manifest["quantization_config"]},
-        "evidence": [str(path)],
-    }
+    return Measurement(
+        metrics={"layers": manifest["num_layers"], "operator_classes": len(manifest["operator_classes"]),
+                 "rejected": len(rejected)},
+        details={"rejected": rejected, "notes": notes, "layouts": layouts, "layouts_covered": COVERED,
+                 "operator_classes": manifest["operator_classes"],
+                 "dtypes": manifest["dtypes"], "quantization_config": manifest["quantization_config"]},
+        evidence=[str(path)],
+    )
 
 
-def judge(m: dict) -> Judgement:
-    rejected = m["details"]["rejected"]
-    key = f"{m['metrics']['layers']} layers, {m['metrics']['operator_classes']} operator classes"
+def judge(m: Measurement) -> Judgement:
+    rejected = m.details["rejected"]
+    key = f"{m.metrics['layers']} layers, {m.metrics['operator_classes']} operator classes"
     if rejected:
-        return Judgement("fail", "not covered: " + "; ".join(rejected), key)
-    if m["metrics"]["layers"] == 0:
-        return Judgement("fail", "config.json declares no layers", key)
-    return Judgement("pass", "inventory written; nothing outside the method's coverage", key)
+        return Judgement(Verdict.FAIL, "not covered: " + "; ".join(rejected), key)
+    if m.metrics["layers"] == 0:
+        return Judgement(Verdict.FAIL, "config.json declares no layers", key)
+    return Judgement(Verdict.PASS, "inventory written; nothing outside the method's coverage", key)
 
 
 GATE = Gate(

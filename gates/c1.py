@@ -4,34 +4,34 @@ still the bytes that were frozen and approved."""
 
 from __future__ import annotations
 
-from tic.gates.base import Gate, Judgement
+from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.harness.measure.baseline import DATA_FILES, verify
 
 
-def measure(ctx) -> dict:
+def measure(ctx) -> Measurement:
     d = ctx.baseline_dir
     st = verify(d)
     t = st.record.get("throughput_tok_s", {})
     wl = st.record.get("workload", {})
-    return {
-        "metrics": {"exists": st.exists, "frozen": st.frozen, "approved": st.approved,
-                    "problems": len(st.all_problems), "median_tok_s": t.get("median"),
-                    "passes": t.get("n"), "requests": wl.get("requests")},
-        "details": {"directory": str(d), "hash": st.hash, "approved_by": st.approved_by,
-                    "problems": st.all_problems, "workload": wl, "throughput_tok_s": t,
-                    "fingerprint": st.record.get("fingerprint", {})},
-        "evidence": [str(d / n) for n in DATA_FILES if (d / n).is_file()],
-    }
+    return Measurement(
+        metrics={"exists": st.exists, "frozen": st.frozen, "approved": st.approved,
+                 "problems": len(st.all_problems), "median_tok_s": t.get("median"),
+                 "passes": t.get("n"), "requests": wl.get("requests")},
+        details={"directory": str(d), "hash": st.hash, "approved_by": st.approved_by,
+                 "problems": st.all_problems, "workload": wl, "throughput_tok_s": t,
+                 "fingerprint": st.record.get("fingerprint", {})},
+        evidence=[str(d / n) for n in DATA_FILES if (d / n).is_file()],
+    )
 
 
-def judge(m: dict) -> Judgement:
-    x, d = m["metrics"], m["details"]
+def judge(m: Measurement) -> Judgement:
+    x, d = m.metrics, m.details
     key = (f"median {x['median_tok_s']:.1f} tok/s over {x['passes']} passes" if x["median_tok_s"] else
            "no baseline measured")
     if x["exists"] and x["frozen"] and x["approved"] and x["problems"] == 0:
-        return Judgement("pass", f"baseline {d['hash'][:12]} frozen, approved by {d['approved_by']}, files "
-                                 "unchanged since", key)
-    return Judgement("fail", "; ".join(d["problems"]) or "baseline not frozen and approved", key)
+        return Judgement(Verdict.PASS, f"baseline {d['hash'][:12]} frozen, approved by {d['approved_by']}, files "
+                                       "unchanged since", key)
+    return Judgement(Verdict.FAIL, "; ".join(d["problems"]) or "baseline not frozen and approved", key)
 
 
 GATE = Gate(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from tic.gates.base import Gate, Judgement
+from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.core.fsio import atomic_write_text
 from tic.harness.measure.baseline import verify
 from tic.harness.measure.fingerprint import differences
@@ -17,11 +17,12 @@ from tic.harness.measure.perf import (Workload, measure_sides, pass_summary, sid
 from tic.harness.measure.rl import rollout_and_recompute
 
 
-def measure(ctx) -> dict:
+def measure(ctx) -> Measurement:
     p = ctx.cfg.perf
     st = verify(ctx.baseline_dir)
     if not st.valid:
-        return {"metrics": {"refused": True}, "details": {"refused": "C1 baseline not valid: " + "; ".join(st.all_problems)}}
+        return Measurement(metrics={"refused": True},
+                           details={"refused": "C1 baseline not valid: " + "; ".join(st.all_problems)})
     frozen = st.record
     wl = Workload(**frozen["workload"])
     base, base_env = ctx.perf_side("baseline")
@@ -35,8 +36,8 @@ def measure(ctx) -> dict:
     if pair or since:
         why = (["baseline vs consistent differ beyond the consistency switch: " + "; ".join(pair[:4])] if pair else [])
         why += (["the baseline differs from the frozen one: " + "; ".join(since[:4])] if since else [])
-        return {"metrics": {"refused": True}, "details": {**details, "refused": " / ".join(why),
-                                                          "differences": pair, "since_frozen": since}}
+        return Measurement(metrics={"refused": True}, details={**details, "refused": " / ".join(why),
+                                                               "differences": pair, "since_frozen": since})
     passes = measure_sides({"baseline": (base, base_env), "consistent": (cons, cons_env)}, wl, ctx.vocab_size,
                            p.warmup, p.repeats)
     tp = {s: [x["throughput_tok_s"] for x in passes if x["side"] == s] for s in ("baseline", "consistent")}
@@ -50,29 +51,29 @@ def measure(ctx) -> dict:
               "c5": {"exact": is_exact_match(c5), "diff": summary(c5)}}
     atomic_write_text(out / "summary.json", json.dumps(result, indent=2))
     frozen_med = frozen.get("throughput_tok_s", {}).get("median")
-    return {
-        "metrics": {"refused": False, "ratio_median": spread(ratios)["median"], "ratio_min": min(ratios),
-                    "ratio_max": max(ratios), "ratio_iqr": spread(ratios)["iqr"], "pairs": len(ratios),
-                    "floor": p.floor, "c5_exact": is_exact_match(c5),
-                    "baseline_vs_frozen": (spread(tp["baseline"])["median"] / frozen_med) if frozen_med else None},
-        "details": {**details, **result},
-        "evidence": [str(out / "requests.jsonl"), str(out / "summary.json")],
-    }
+    return Measurement(
+        metrics={"refused": False, "ratio_median": spread(ratios)["median"], "ratio_min": min(ratios),
+                 "ratio_max": max(ratios), "ratio_iqr": spread(ratios)["iqr"], "pairs": len(ratios),
+                 "floor": p.floor, "c5_exact": is_exact_match(c5),
+                 "baseline_vs_frozen": (spread(tp["baseline"])["median"] / frozen_med) if frozen_med else None},
+        details={**details, **result},
+        evidence=[str(out / "requests.jsonl"), str(out / "summary.json")],
+    )
 
 
-def judge(m: dict) -> Judgement:
-    x, d = m["metrics"], m["details"]
+def judge(m: Measurement) -> Judgement:
+    x, d = m.metrics, m.details
     if x["refused"]:
-        return Judgement("fail", f"refused: {d['refused']}", "no comparison")
+        return Judgement(Verdict.FAIL, f"refused: {d['refused']}", "no comparison")
     key = (f"ratio {x['ratio_median']:.3f} (min {x['ratio_min']:.3f}, max {x['ratio_max']:.3f}, "
            f"{x['pairs']} pairs), floor {x['floor']}")
     if not x["c5_exact"]:
-        return Judgement("fail", f"C5 re-measured in this run is not diff = 0 ({d['c5']['diff']}): speed of an "
-                                 "inconsistent rollout does not count", key)
+        return Judgement(Verdict.FAIL, f"C5 re-measured in this run is not diff = 0 ({d['c5']['diff']}): speed of an "
+                                       "inconsistent rollout does not count", key)
     if x["ratio_median"] >= x["floor"]:
-        return Judgement("pass", "consistent rollout at or above the floor of the frozen baseline's throughput, "
-                                 "diff = 0 in the same run", key)
-    return Judgement("fail", f"median throughput ratio {x['ratio_median']:.3f} below the floor {x['floor']}", key)
+        return Judgement(Verdict.PASS, "consistent rollout at or above the floor of the frozen baseline's throughput, "
+                                       "diff = 0 in the same run", key)
+    return Judgement(Verdict.FAIL, f"median throughput ratio {x['ratio_median']:.3f} below the floor {x['floor']}", key)
 
 
 GATE = Gate(

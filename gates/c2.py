@@ -6,39 +6,39 @@ from __future__ import annotations
 
 import json
 
-from tic.gates.base import Gate, Judgement
+from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.harness.model.cut import CUT_RECORD
 from tic.harness.model.cut_check import check_cut, cut_dir_for
 from tic.core.fsio import atomic_write_text
 
-def measure(ctx) -> dict:
+def measure(ctx) -> Measurement:
     cut_dir = cut_dir_for(ctx)
     r = check_cut(ctx.model_dir, cut_dir)
     path = ctx.artifacts("C2") / "check.json"
     atomic_write_text(path, json.dumps({**r, "cut_dir": str(cut_dir)}, indent=2, default=str))
     eq = sum(1 for x in r["fidelity"] if x["equal"])
-    return {
-        "metrics": {"kept_layers": len(r["layers"]), "full_layers": r.get("full_layers", 0),
-                    "missing_classes": len(r["missing_classes"]), "layers_bitwise_equal": eq,
-                    "layers_checked": len(r["fidelity"]), "problems": len(r["problems"])},
-        "details": {"cut_dir": str(cut_dir), "layers": r["layers"], "problems": r["problems"],
-                    "missing_transitions": r.get("missing_transitions", []), "explanation": r.get("explanation", []),
-                    "notes": r.get("notes", []), "engines_checked": r.get("engines_checked", ["hf"])},
-        "evidence": [str(path), str(cut_dir / CUT_RECORD)],
-    }
+    return Measurement(
+        metrics={"kept_layers": len(r["layers"]), "full_layers": r.get("full_layers", 0),
+                 "missing_classes": len(r["missing_classes"]), "layers_bitwise_equal": eq,
+                 "layers_checked": len(r["fidelity"]), "problems": len(r["problems"])},
+        details={"cut_dir": str(cut_dir), "layers": r["layers"], "problems": r["problems"],
+                 "missing_transitions": r.get("missing_transitions", []), "explanation": r.get("explanation", []),
+                 "notes": r.get("notes", []), "engines_checked": r.get("engines_checked", ["hf"])},
+        evidence=[str(path), str(cut_dir / CUT_RECORD)],
+    )
 
 
-def judge(m: dict) -> Judgement:
-    x, d = m["metrics"], m["details"]
+def judge(m: Measurement) -> Judgement:
+    x, d = m.metrics, m.details
     key = (f"layers {d['layers']} of {x['full_layers']}; {x['layers_bitwise_equal']}/{x['layers_checked']} "
            f"layers bitwise equal")
     if d["problems"]:
         more = f" (+{len(d['problems']) - 1} more)" if len(d["problems"]) > 1 else ""
-        return Judgement("fail", d["problems"][0] + more, key)
+        return Judgement(Verdict.FAIL, d["problems"][0] + more, key)
     if x["layers_checked"] == 0 or x["layers_bitwise_equal"] != x["layers_checked"]:
-        return Judgement("fail", "no kept layer was checked for fidelity", key)
-    return Judgement("pass", "cut loads, covers every operator class, keeps each layer's tensors, and every kept "
-                             "layer is bitwise equal to its source on the same hidden states", key)
+        return Judgement(Verdict.FAIL, "no kept layer was checked for fidelity", key)
+    return Judgement(Verdict.PASS, "cut loads, covers every operator class, keeps each layer's tensors, and every kept "
+                                   "layer is bitwise equal to its source on the same hidden states", key)
 
 
 GATE = Gate(

@@ -3,13 +3,13 @@ batches of several sizes and at several positions."""
 
 from __future__ import annotations
 
-from tic.gates.base import Gate, Judgement
+from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.harness.measure.layouts import probe_batch
 from tic.harness.measure.metrics import compare_generation
 from tic.core.errors import TicInputError
 
 
-def measure(ctx) -> dict:
+def measure(ctx) -> Measurement:
     eng = ctx.live_rollout_engine("C3")
     prompts, sp, lay = ctx.prompts, ctx.sampling, ctx.cfg.layouts
     probes = list(range(min(lay.probes, len(prompts))))
@@ -32,22 +32,23 @@ def measure(ctx) -> dict:
                              **c["first_mismatch"]}
     if not rows:
         raise TicInputError("C3 has nothing to compare (no probe, batch size or position)")
-    return {
-        "metrics": {"comparisons": len(rows), "identical_requests": identical, "compared_tokens": compared,
-                    "equal_tokens": equal, "equal_fraction": equal / compared if compared else 0.0,
-                    "first_mismatch": first},
-        "details": {"layouts": rows},
-    }
+    return Measurement(
+        metrics={"comparisons": len(rows), "identical_requests": identical, "compared_tokens": compared,
+                 "equal_tokens": equal, "equal_fraction": equal / compared if compared else 0.0,
+                 "first_mismatch": first},
+        details={"layouts": rows},
+    )
 
 
-def judge(m: dict) -> Judgement:
-    x = m["metrics"]
+def judge(m: Measurement) -> Judgement:
+    x = m.metrics
     key = f"{100 * x['equal_fraction']:.1f}% tokens equal, {x['identical_requests']}/{x['comparisons']} identical"
     if x["comparisons"] > 0 and x["identical_requests"] == x["comparisons"] and x["equal_tokens"] == x["compared_tokens"]:
-        return Judgement("pass", "every probe is bitwise identical alone and in every batch layout", key)
+        return Judgement(Verdict.PASS, "every probe is bitwise identical alone and in every batch layout", key)
     f = x["first_mismatch"] or {}
-    return Judgement("fail", f"first difference: {f.get('layout')}, response position {f.get('position')}: "
-                             f"alone {f.get('alone')!r} vs batched {f.get('batched')!r} ({f.get('ulps')} ulp)", key)
+    return Judgement(Verdict.FAIL, f"first difference: {f.get('layout')}, response position {f.get('position')}: "
+                                   f"alone {f.get('alone')!r} vs batched {f.get('batched')!r} "
+                                   f"({f.get('ulps')} ulp)", key)
 
 
 GATE = Gate(

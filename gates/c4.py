@@ -3,25 +3,25 @@ whole sequence in one prefill, in the same engine."""
 
 from __future__ import annotations
 
-from tic.gates.base import Gate, Judgement
+from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.harness.measure.metrics import compare_logprobs, is_exact_match, summary
 
 
-def measure(ctx) -> dict:
+def measure(ctx) -> Measurement:
     eng = ctx.live_rollout_engine("C4")
     samples = ctx.rollout_samples()
     scored = eng.score(samples, ctx.sampling)
     m = compare_logprobs([s.logprobs for s in samples], scored, [s.mask for s in samples])
-    return {"metrics": m, "details": {"decode": "rollout sampling with KV cache", "prefill": "engine.score"}}
+    return Measurement(metrics=m, details={"decode": "rollout sampling with KV cache", "prefill": "engine.score"})
 
 
-def judge(m: dict) -> Judgement:
-    x = m["metrics"]
+def judge(m: Measurement) -> Judgement:
+    x = m.metrics
     if is_exact_match(x):
-        return Judgement("pass", "decode and prefill scoring are bitwise identical on every token", summary(x))
+        return Judgement(Verdict.PASS, "decode and prefill scoring are bitwise identical on every token", summary(x))
     f = x["first_mismatch"]
-    return Judgement("fail", f"decode vs prefill differ; first at sequence {f['sequence']}, position "
-                             f"{f['position']}: {f['rollout']!r} vs {f['train']!r} ({f['ulps']} ulp)", summary(x))
+    return Judgement(Verdict.FAIL, f"decode vs prefill differ; first at sequence {f['sequence']}, position "
+                                   f"{f['position']}: {f['rollout']!r} vs {f['train']!r} ({f['ulps']} ulp)", summary(x))
 
 
 GATE = Gate(

@@ -3,11 +3,11 @@ sampled token bit for bit (the method's diff = 0)."""
 
 from __future__ import annotations
 
-from tic.gates.base import Gate, Judgement
+from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.harness.measure.metrics import compare_dump_files, compare_logprobs, is_exact_match, summary
 
 
-def measure(ctx) -> dict:
+def measure(ctx) -> Measurement:
     dumps = ctx.dump_paths()
     if dumps is not None:  # both sides recorded: stream the two files together
         m = compare_dump_files(*dumps)
@@ -15,17 +15,17 @@ def measure(ctx) -> dict:
         samples = ctx.rollout_samples()
         train = ctx.train_logprobs()
         m = compare_logprobs([s.logprobs for s in samples], train, [s.mask for s in samples])
-    return {"metrics": m, "details": {"rollout": ctx.cfg.rollout.engine, "train": ctx.cfg.train.engine}}
+    return Measurement(metrics=m, details={"rollout": ctx.cfg.rollout.engine, "train": ctx.cfg.train.engine})
 
 
-def judge(m: dict) -> Judgement:
-    x = m["metrics"]
+def judge(m: Measurement) -> Judgement:
+    x = m.metrics
     if is_exact_match(x):
-        return Judgement("pass", "diff = 0: every sampled token's logprob is bitwise identical", summary(x))
+        return Judgement(Verdict.PASS, "diff = 0: every sampled token's logprob is bitwise identical", summary(x))
     f = x["first_mismatch"]
-    return Judgement("fail", f"train differs from rollout; first at sequence {f['sequence']}, position "
-                             f"{f['position']}: rollout {f['rollout']!r} vs train {f['train']!r} "
-                             f"({f['ulps']} ulp)", summary(x))
+    return Judgement(Verdict.FAIL, f"train differs from rollout; first at sequence {f['sequence']}, position "
+                                   f"{f['position']}: rollout {f['rollout']!r} vs train {f['train']!r} "
+                                   f"({f['ulps']} ulp)", summary(x))
 
 
 GATE = Gate(

@@ -3,13 +3,13 @@ layout: micro-batch size, padding side, sequence packing, the order in which seq
 
 from __future__ import annotations
 
-from tic.gates.base import Gate, Judgement
+from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.harness.measure.layouts import describe_train_layout
 from tic.harness.measure.metrics import compare_logprobs, is_exact_match
 from tic.core.errors import TicInputError
 
 
-def measure(ctx) -> dict:
+def measure(ctx) -> Measurement:
     validate(ctx)
     samples = ctx.rollout_samples()
     masks = [s.mask for s in samples]
@@ -26,14 +26,14 @@ def measure(ctx) -> dict:
         if first is None and m["first_mismatch"]:
             # "rollout"/"train" name the two columns for the locator: reference layout vs this layout
             first = {**m["first_mismatch"], "layout": changes}
-    return {
-        "metrics": {"layouts": len(rows), "identical_layouts": sum(r["exact"] for r in rows),
-                    "compared_tokens": total, "equal_tokens": equal,
-                    "equal_fraction": equal / total if total else 0.0, "first_mismatch": first},
-        "details": {"reference": {k: getattr(ctx.cfg.train, k) for k in ("micro_batch_size", "padding_side",
-                                                                         "packing", "order")},
-                    "layouts": rows},
-    }
+    return Measurement(
+        metrics={"layouts": len(rows), "identical_layouts": sum(r["exact"] for r in rows),
+                 "compared_tokens": total, "equal_tokens": equal,
+                 "equal_fraction": equal / total if total else 0.0, "first_mismatch": first},
+        details={"reference": {k: getattr(ctx.cfg.train, k) for k in ("micro_batch_size", "padding_side",
+                                                                      "packing", "order")},
+                 "layouts": rows},
+    )
 
 
 def validate(ctx) -> None:
@@ -47,15 +47,15 @@ def validate(ctx) -> None:
                                 "layout itself; C6 would compare it with itself")
 
 
-def judge(m: dict) -> Judgement:
-    x = m["metrics"]
+def judge(m: Measurement) -> Judgement:
+    x = m.metrics
     key = f"{100 * x['equal_fraction']:.1f}% tokens equal, {x['identical_layouts']}/{x['layouts']} layouts identical"
     if x["layouts"] > 0 and x["identical_layouts"] == x["layouts"] and x["equal_tokens"] == x["compared_tokens"]:
-        return Judgement("pass", "every training layout reproduces the reference layout bit for bit", key)
+        return Judgement(Verdict.PASS, "every training layout reproduces the reference layout bit for bit", key)
     f = x["first_mismatch"] or {}
-    return Judgement("fail", f"layout {describe_train_layout(f.get('layout', {}))} differs first at sequence "
-                             f"{f.get('sequence')}, position {f.get('position')}: {f.get('rollout')!r} vs "
-                             f"{f.get('train')!r} ({f.get('ulps')} ulp)", key)
+    return Judgement(Verdict.FAIL, f"layout {describe_train_layout(f.get('layout', {}))} differs first at sequence "
+                                   f"{f.get('sequence')}, position {f.get('position')}: {f.get('rollout')!r} vs "
+                                   f"{f.get('train')!r} ({f.get('ulps')} ulp)", key)
 
 
 GATE = Gate(

@@ -9,7 +9,7 @@ import math
 
 from tic.core.errors import TicInputError
 from tic.core.fsio import atomic_write_text
-from tic.gates.base import Gate, Judgement
+from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.harness.measure.gradcheck import advantages, compare, reference_gradients
 from tic.harness.kernels.autograd import StaleWeightError
 
@@ -32,16 +32,16 @@ def thresholds(ctx) -> tuple[float, float]:
             g.max_rel_error if g.max_rel_error is not None else rel)
 
 
-def measure(ctx) -> dict:
+def measure(ctx) -> Measurement:
     tc = ctx.cfg.train
     if tc.engine != "hf" or tc.kernels not in ("consistent", "vllm"):
         if tc.engine == "dump":
             raise TicInputError("C7 needs a live train engine (hf with kernels consistent or vllm), not a dump")
         # stock kernels train with plain autograd: there is no surrogate to check, and nothing to pass
-        return {"metrics": {"tensors": 0}, "details": {
+        return Measurement(metrics={"tensors": 0}, details={
             "error": None, "tensors": [], "min_cosine": None, "max_rel_error": None,
             "not_checked": f"train.kernels is {tc.kernels}: C7 checks the surrogate backward of tic's kernel "
-                           "wrappers (train: {engine: hf, kernels: consistent or vllm})"}}
+                           "wrappers (train: {engine: hf, kernels: consistent or vllm})"})
     samples = ctx.rollout_samples()
     adv = advantages(len(samples), ctx.cfg.gradients.advantage_seed)
     min_cos, max_rel = thresholds(ctx)
@@ -53,7 +53,7 @@ def measure(ctx) -> dict:
         grads = ctx.train_engine().policy_gradients(samples, ctx.sampling, adv)
     except StaleWeightError as e:
         details["error"] = f"stale weight version: {e}"
-        return {"metrics": {"tensors": 0, "failing": 0}, "details": {**details, "tensors": []}}
+        return Measurement(metrics={"tensors": 0, "failing": 0}, details={**details, "tensors": []})
     engine = ctx.train_engine()
     routes = [engine.expert_routes(s) for s in samples]
     routing: dict = {}
@@ -66,21 +66,21 @@ def measure(ctx) -> dict:
     atomic_write_text(path, json.dumps({**details, "tensors": rows}, indent=2))
     cos = [r["cosine"] for r in rows if r["cosine"] is not None]
     rel = [r["rel_error"] for r in rows if r["rel_error"] is not None]
-    return {
-        "metrics": {"tensors": len(rows), "min_cosine": min(cos) if cos else None,
-                    "max_rel_error": max(rel) if rel else None,
-                    "non_finite": sum(r["cosine"] is None or r["rel_error"] is None for r in rows)},
-        "details": {**details, "tensors": rows},
-        "evidence": [str(path)],
-    }
+    return Measurement(
+        metrics={"tensors": len(rows), "min_cosine": min(cos) if cos else None,
+                 "max_rel_error": max(rel) if rel else None,
+                 "non_finite": sum(r["cosine"] is None or r["rel_error"] is None for r in rows)},
+        details={**details, "tensors": rows},
+        evidence=[str(path)],
+    )
 
 
-def judge(m: dict) -> Judgement:
-    x, d = m["metrics"], m["details"]
+def judge(m: Measurement) -> Judgement:
+    x, d = m.metrics, m.details
     if d["error"]:
-        return Judgement("fail", f"backward raised: {d['error']}", "no gradients")
+        return Judgement(Verdict.FAIL, f"backward raised: {d['error']}", "no gradients")
     if d.get("not_checked"):
-        return Judgement("fail", d["not_checked"], "no gradients")
+        return Judgement(Verdict.FAIL, d["not_checked"], "no gradients")
     lo, hi = d["min_cosine"], d["max_rel_error"]
     bad = [r for r in d["tensors"] if r["cosine"] is None or r["rel_error"] is None
            or r["cosine"] < lo or r["rel_error"] > hi]
@@ -88,13 +88,13 @@ def judge(m: dict) -> Judgement:
     key = (f"{len(d['tensors']) - len(bad)}/{len(d['tensors'])} tensors within cosine >= {lo}, rel err <= {hi}; "
            f"min cosine {fmt(x['min_cosine'], '.9f')}, max rel err {fmt(x['max_rel_error'], '.3g')}")
     if d["tensors"] and not bad:
-        return Judgement("pass", "every parameter's gradient is within the stated tolerance of the float32 "
-                                 "reference", key)
+        return Judgement(Verdict.PASS, "every parameter's gradient is within the stated tolerance of the float32 "
+                                       "reference", key)
     if not d["tensors"]:
-        return Judgement("fail", "no parameter gradient was compared", key)
+        return Judgement(Verdict.FAIL, "no parameter gradient was compared", key)
     w = max(bad, key=lambda r: math.inf if r["rel_error"] is None else r["rel_error"])
-    return Judgement("fail", f"{len(bad)} of {len(d['tensors'])} parameter gradients outside the tolerance; worst "
-                             f"{w['parameter']}: cosine {w['cosine']}, rel err {w['rel_error']}", key)
+    return Judgement(Verdict.FAIL, f"{len(bad)} of {len(d['tensors'])} parameter gradients outside the tolerance; "
+                                   f"worst {w['parameter']}: cosine {w['cosine']}, rel err {w['rel_error']}", key)
 
 
 GATE = Gate(

@@ -9,16 +9,16 @@ import json
 import shutil
 
 from tic.gates import c5
-from tic.gates.base import Gate, Judgement
+from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.core.fsio import atomic_write_text
 from tic.harness.measure.metrics import is_exact_match, summary
 from tic.harness.measure.rl import (PolicyGradientTrainer, equal_tensors, rollout_and_recompute, samples_as_tensors,
                                     sync_weights, with_rl_engines)
 
 
-def _restore(ctx) -> dict:
-    res, why = with_rl_engines(ctx, "C9", lambda rollout, train: _restore_with(ctx, rollout, train))
-    return {"unavailable": why} if why else res
+def _restore(ctx) -> tuple[dict | None, str | None]:
+    """(the restore's record, None) on the gate's own engines; (None, why) when the rollout engine cannot sync."""
+    return with_rl_engines(ctx, "C9", lambda rollout, train: _restore_with(ctx, rollout, train))
 
 
 def _restore_with(ctx, rollout, train) -> dict:
@@ -55,61 +55,62 @@ def _restore_with(ctx, rollout, train) -> dict:
             "checkpoint": str(ckpt)}
 
 
-def measure(ctx) -> dict:
-    r = _restore(ctx)
-    if "unavailable" in r:
-        return {"metrics": {}, "details": {"unavailable": r["unavailable"]}}
+def measure(ctx) -> Measurement:
+    r, why = _restore(ctx)
+    if why:
+        return Measurement(unavailable=why)
     stages = []
     for i, stage in enumerate(ctx.cfg.scale_up if r["before_checkpoint_exact"] else []):
         sub = ctx.scale_stage(stage, i)
-        m = c5.measure(sub)["metrics"]
+        m = c5.measure(sub).metrics
         stages.append({"stage": stage.name or f"stage {i}", "model": str(sub.model_source_dir),
                        "layers": sub.model_config.get("num_hidden_layers"), "prompt_len": sub.cfg.prompts.max_len,
                        "max_tokens": sub.cfg.sampling.max_tokens, "exact": is_exact_match(m), "diff": summary(m),
                        "first_mismatch": m["first_mismatch"]})
     path = ctx.artifacts("C9") / "result.json"
     atomic_write_text(path, json.dumps({"restore": r, "stages": stages}, indent=2, default=str))
-    return {
-        "metrics": {"restored_exact": r["restored_exact"], "update_identical": not r["update_differs"],
-                    "rollout_identical": not r["rollout_differs"],
-                    "uninterrupted_exact": r["before_checkpoint_exact"] and r["uninterrupted_exact"],
-                    "restored_sync_ok": r["restored_sync_ok"],
-                    "restored_optimizer_updates": r["restored_optimizer_updates"],
-                    "stages": len(stages), "exact_stages": sum(s["exact"] for s in stages)},
-        "details": {"restore": r, "stages": stages},
-        "evidence": [str(path)] + ([r["checkpoint"]] if r["checkpoint"] else []),
-    }
+    return Measurement(
+        metrics={"restored_exact": r["restored_exact"], "update_identical": not r["update_differs"],
+                 "rollout_identical": not r["rollout_differs"],
+                 "uninterrupted_exact": r["before_checkpoint_exact"] and r["uninterrupted_exact"],
+                 "restored_sync_ok": r["restored_sync_ok"],
+                 "restored_optimizer_updates": r["restored_optimizer_updates"],
+                 "stages": len(stages), "exact_stages": sum(s["exact"] for s in stages)},
+        details={"restore": r, "stages": stages},
+        evidence=[str(path)] + ([r["checkpoint"]] if r["checkpoint"] else []),
+    )
 
 
-def judge(m: dict) -> Judgement:
-    if "unavailable" in m["details"]:
-        return Judgement("unavailable", f"rollout engine cannot sync weights in place: {m['details']['unavailable']}")
-    x, r = m["metrics"], m["details"]["restore"]
+def judge(m: Measurement) -> Judgement:
+    x, r = m.metrics, m.details["restore"]
     key = (f"restore {'identical' if x['update_identical'] and x['rollout_identical'] else 'DIFFERS'}, "
            f"{x['exact_stages']}/{x['stages']} scale-up stages diff = 0")
     if not x["uninterrupted_exact"]:
-        return Judgement("fail", f"the run before the checkpoint is not diff = 0 ({r.get('first_diff', '')}); "
-                                 "pass C5 and C8 first", key)
+        return Judgement(Verdict.FAIL, f"the run before the checkpoint is not diff = 0 "
+                                       f"({r.get('first_diff', '')}); pass C5 and C8 first", key)
     if not x["restored_sync_ok"]:
-        return Judgement("fail", "the restored process's weight sync moved or missed weights", key)
+        return Judgement(Verdict.FAIL, "the restored process's weight sync moved or missed weights", key)
     if not x["restored_exact"]:
-        return Judgement("fail", f"first step after restore: train differs from rollout ({r['restored_diff']})", key)
+        return Judgement(Verdict.FAIL, f"first step after restore: train differs from rollout "
+                                       f"({r['restored_diff']})", key)
     if not x["rollout_identical"]:
-        return Judgement("fail", f"first step after restore samples differently from the uninterrupted run "
-                                 f"(e.g. {r['rollout_differs'][0]}): the restored weights are not the saved ones", key)
+        return Judgement(Verdict.FAIL, f"first step after restore samples differently from the uninterrupted run "
+                                       f"(e.g. {r['rollout_differs'][0]}): the restored weights are not the saved "
+                                       "ones", key)
     if x["restored_optimizer_updates"] != 1 or not x["update_identical"]:
-        return Judgement("fail", f"first update after restore differs from the uninterrupted run in "
-                                 f"{len(r['update_differs'])} tensor(s) (e.g. {(r['update_differs'] or ['?'])[0]}); "
-                                 f"optimizer state restored: {r['restore'].get('optimizer_state')}", key)
+        return Judgement(Verdict.FAIL, f"first update after restore differs from the uninterrupted run in "
+                                       f"{len(r['update_differs'])} tensor(s) "
+                                       f"(e.g. {(r['update_differs'] or ['?'])[0]}); "
+                                       f"optimizer state restored: {r['restore'].get('optimizer_state')}", key)
     if x["stages"] == 0:
-        return Judgement("fail", "restore is identical, but scale_up lists no stage: add the larger model / longer "
-                                 "context stages C9 must re-run C5 on", key)
+        return Judgement(Verdict.FAIL, "restore is identical, but scale_up lists no stage: add the larger model / "
+                                       "longer context stages C9 must re-run C5 on", key)
     if x["exact_stages"] < x["stages"]:
-        s = next(s for s in m["details"]["stages"] if not s["exact"])
-        return Judgement("fail", f"scale-up stage {s['stage']!r} ({s['layers']} layers, prompts up to "
-                                 f"{s['prompt_len']}): {s['diff']}", key)
-    return Judgement("pass", "first step after a fresh-process restore reproduces the uninterrupted run bit for bit "
-                             "with diff = 0, and diff = 0 at every scale-up stage", key)
+        s = next(s for s in m.details["stages"] if not s["exact"])
+        return Judgement(Verdict.FAIL, f"scale-up stage {s['stage']!r} ({s['layers']} layers, prompts up to "
+                                       f"{s['prompt_len']}): {s['diff']}", key)
+    return Judgement(Verdict.PASS, "first step after a fresh-process restore reproduces the uninterrupted run bit for "
+                                   "bit with diff = 0, and diff = 0 at every scale-up stage", key)
 
 
 GATE = Gate(

@@ -202,11 +202,11 @@ def explain(gate_id):
     con.print(f"[bold]{g.id} — {g.title}[/] (step {g.step})")
     con.print(f"\n[bold]Measures[/]: {g.measures}")
     con.print(f"[bold]Passes when[/]: {g.pass_condition}")
-    if g.available:
+    if g.implemented_by:
+        con.print(f"[yellow]unavailable: implemented by a later release ({g.implemented_by})[/]")
+    else:
         con.print("[bold]Pass condition as code[/]:")
         con.print(textwrap.indent(inspect.getsource(g.judge), "    "), markup=False)
-    else:
-        con.print(f"[yellow]unavailable: implemented by a later release ({g.implemented_by})[/]")
     if g.inputs:
         con.print(f"[bold]Inputs[/]: {', '.join(g.inputs)}")
     if g.artifacts:

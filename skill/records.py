@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import time
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
 
+from tic.gates.base import Verdict
 from tic.harness.measure.fingerprint import environment_fingerprint  # noqa: F401 - every record carries it
-
-Verdict = Literal["pass", "fail", "unavailable", "error", "skipped"]
 
 
 class GateResult(BaseModel):
@@ -41,7 +40,7 @@ class GateResult(BaseModel):
 
     @property
     def passed(self) -> bool:
-        return self.verdict == "pass"
+        return self.verdict == Verdict.PASS
 
     def age_s(self) -> float:
         t = datetime.fromisoformat(self.started_at)

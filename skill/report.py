@@ -10,11 +10,13 @@ from xml.etree import ElementTree as ET
 from rich.console import Console
 from rich.table import Table
 
+from tic.gates.base import Verdict
 from tic.skill.records import GateResult
 from tic.core.fsio import atomic_write_text
 
-STYLE = {"pass": "bold green", "fail": "bold red", "error": "bold magenta", "unavailable": "yellow",
-         "skipped": "dim"}
+STYLE = {Verdict.PASS: "bold green", Verdict.FAIL: "bold red", Verdict.ERROR: "bold magenta",
+         Verdict.UNAVAILABLE: "yellow", Verdict.SKIPPED: "dim"}
+NOT_A_RESULT = (Verdict.UNAVAILABLE, Verdict.SKIPPED)  # JUnit's "skipped": nothing was compared
 
 
 def console() -> Console:
@@ -60,17 +62,17 @@ def print_json(payload: dict) -> None:
 
 def write_junit(path: Path, results: list[GateResult]) -> None:
     suite = ET.Element("testsuite", name="tic", tests=str(len(results)),
-                       failures=str(sum(r.verdict == "fail" for r in results)),
-                       errors=str(sum(r.verdict == "error" for r in results)),
-                       skipped=str(sum(r.verdict in ("unavailable", "skipped") for r in results)),
+                       failures=str(sum(r.verdict == Verdict.FAIL for r in results)),
+                       errors=str(sum(r.verdict == Verdict.ERROR for r in results)),
+                       skipped=str(sum(r.verdict in NOT_A_RESULT for r in results)),
                        time=f"{sum(r.duration_s for r in results):.3f}")
     for r in results:
         case = ET.SubElement(suite, "testcase", classname="tic.ladder", name=f"{r.gate} {r.title}",
                              time=f"{r.duration_s:.3f}")
-        if r.verdict == "fail":
+        if r.verdict == Verdict.FAIL:
             ET.SubElement(case, "failure", message=r.reason).text = json.dumps(r.metrics, default=str)
-        elif r.verdict == "error":
+        elif r.verdict == Verdict.ERROR:
             ET.SubElement(case, "error", message=r.reason).text = r.details.get("traceback", "")
-        elif r.verdict in ("unavailable", "skipped"):
+        elif r.verdict in NOT_A_RESULT:
             ET.SubElement(case, "skipped", message=r.reason)
     atomic_write_text(Path(path), ET.tostring(suite, encoding="unicode", xml_declaration=True))

@@ -7,7 +7,7 @@ import traceback
 
 import tic
 from tic.gates import REGISTRY, gate_range
-from tic.gates.base import UNAVAILABLE, Gate
+from tic.gates.base import Gate, Measurement, Verdict
 from tic.harness.measure.metrics import NonFiniteLogprob
 from tic.skill.context import GateContext
 from tic.core.errors import TicInputError, raised_at
@@ -16,7 +16,7 @@ from tic.skill.preflight import validate_run
 from tic.skill.records import GateResult, environment_fingerprint
 
 
-def _locate(gate: Gate, ctx: GateContext, measured: dict) -> tuple[dict | None, list[str]]:
+def _locate(gate: Gate, ctx: GateContext, measured: Measurement) -> tuple[dict | None, list[str]]:
     """On a failed consistency gate, run the locator and return its findings (or why it could not)."""
     if not (gate.locate_on_fail and ctx.cfg.locate.enabled):
         return None, []
@@ -40,24 +40,18 @@ def _layouts(ctx: GateContext) -> dict:
 
 def run_gate(gate: Gate, ctx: GateContext, save: bool = True) -> GateResult:
     t0 = time.perf_counter()
-    base = dict(gate=gate.id, title=gate.title, config_hash=ctx.cfg.config_hash(), tic_version=tic.__version__)
-    if not gate.available:
-        res = GateResult(**base, verdict="unavailable", reason=UNAVAILABLE,
-                         details={"implemented_by": gate.implemented_by})
-        if save:
-            ctx.state.save(res)
-        return res
     details: dict = {}
     evidence: list[str] = []
     metrics: dict = {}
     try:
         measured = gate.measure(ctx)
-        j = gate.judge(measured)
-        verdict, reason, key = j.verdict, j.reason, j.key_figure
-        metrics = measured.get("metrics", {})
-        details = measured.get("details", {})
-        evidence = list(measured.get("evidence", []))
-        if verdict == "fail":
+        metrics, details, evidence = dict(measured.metrics), dict(measured.details), list(measured.evidence)
+        if measured.unavailable:  # measured nothing here: never judged, never a pass
+            verdict, reason, key = Verdict.UNAVAILABLE, measured.unavailable, ""
+        else:
+            j = gate.judge(measured)
+            verdict, reason, key = j.verdict, j.reason, j.key_figure
+        if verdict == Verdict.FAIL:
             found, ev = _locate(gate, ctx, measured)
             if found is not None:
                 details["locate"] = found
@@ -65,21 +59,21 @@ def run_gate(gate: Gate, ctx: GateContext, save: bool = True) -> GateResult:
     except TicInputError:
         raise
     except NonFiniteLogprob as e:
-        verdict, reason, key = "fail", f"non-finite logprob: {e}", "NaN/Inf"
+        verdict, reason, key = Verdict.FAIL, f"non-finite logprob: {e}", "NaN/Inf"
     except Exception as e:
-        verdict, reason, key = "error", f"{type(e).__name__}: {e}", ""
+        verdict, reason, key = Verdict.ERROR, f"{type(e).__name__}: {e}", ""
         details = {"traceback": traceback.format_exc()}
     try:
         mhash = ctx.model_hash if gate.needs_model else ""
     except TicInputError:
         mhash = ""
     inputs = input_hashes(ctx.cfg, reads_of(gate))
-    res = GateResult(**base, verdict=verdict, reason=reason, key_figure=key, metrics=metrics, details=details,
-                     evidence=evidence, model_hash=mhash, inputs=inputs,
-                     environment={**environment_fingerprint(), "parallel": _layouts(ctx)},
-                     duration_s=round(time.perf_counter() - t0, 3))
+    res = GateResult(gate=gate.id, title=gate.title, verdict=verdict, reason=reason, key_figure=key, metrics=metrics,
+                     details=details, evidence=evidence, config_hash=ctx.cfg.config_hash(), model_hash=mhash,
+                     inputs=inputs, environment={**environment_fingerprint(), "parallel": _layouts(ctx)},
+                     tic_version=tic.__version__, duration_s=round(time.perf_counter() - t0, 3))
     if save:
-        if verdict == "pass" and gate.locate_on_fail and ctx.state.clear_locate(gate.id):
+        if verdict == Verdict.PASS and gate.locate_on_fail and ctx.state.clear_locate(gate.id):
             res.details["locate_cleared"] = f"removed the previous failure's {ctx.state.locate_dir(gate.id)}"
         ctx.state.save(res)
     return res
@@ -95,11 +89,11 @@ def run_ladder(ctx: GateContext, start: str = "C0", stop: str = "C10", keep_goin
     blocked_by = None
     for gate in gate_range(start, stop):
         if blocked_by is not None:
-            res = GateResult(gate=gate.id, title=gate.title, verdict="skipped",
+            res = GateResult(gate=gate.id, title=gate.title, verdict=Verdict.SKIPPED,
                              reason=f"not run: {blocked_by} did not pass (use --keep-going)")
         else:
             res = run_gate(gate, ctx)
-            if res.verdict in ("fail", "error") and not keep_going:
+            if res.verdict in (Verdict.FAIL, Verdict.ERROR) and not keep_going:
                 blocked_by = gate.id
         results.append(res)
         if on_result:
@@ -108,22 +102,22 @@ def run_ladder(ctx: GateContext, start: str = "C0", stop: str = "C10", keep_goin
 
 
 def exit_code(results: list[GateResult]) -> int:
-    if any(r.verdict == "error" for r in results):
+    if any(r.verdict == Verdict.ERROR for r in results):
         return 3
-    return 0 if results and all(r.verdict == "pass" for r in results) else 1
+    return 0 if results and all(r.verdict == Verdict.PASS for r in results) else 1
 
 
 def unavailable_hint(results: list[GateResult]) -> str | None:
     """When the only non-passing gates are unavailable ones: say so, and which --from/--to ranges hold only gates
     this release measures (an unavailable gate is never a pass, so the exit code stays 1)."""
-    if not results or any(r.verdict not in ("pass", "unavailable") for r in results):
+    if not results or any(r.verdict not in (Verdict.PASS, Verdict.UNAVAILABLE) for r in results):
         return None
-    missing = [r.gate for r in results if r.verdict == "unavailable"]
+    missing = [r.gate for r in results if r.verdict == Verdict.UNAVAILABLE]
     if not missing:
         return None
     runs, cur = [], []
     for r in results:
-        if r.verdict == "pass":
+        if r.verdict == Verdict.PASS:
             cur.append(r.gate)
         elif cur:
             runs.append(cur)

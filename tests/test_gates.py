@@ -232,3 +232,20 @@ def test_unavailable_gate_is_never_a_pass(example, workdir, monkeypatch):
     ctx = GateContext(load_config(example("tiny-qwen3") / "tic.yaml"))
     r = run_gate(declared, ctx)
     assert r.verdict == "unavailable" and "later release" in r.reason and exit_code([r]) == 1
+
+
+def test_a_gate_that_cannot_measure_here_is_unavailable_and_never_judged(example, workdir):
+    from tic.gates.base import Gate, Judgement, Measurement
+    from tic.skill.runner import exit_code
+
+    def judge(m):
+        raise AssertionError("a measurement of nothing was judged")
+
+    gate = Gate(id="C8", title="cannot here", step=4, measures="", pass_condition="", inputs=[], artifacts=[],
+                guide="", measure=lambda ctx: Measurement(unavailable="this engine cannot"), judge=judge,
+                needs_model=False)
+    r = run_gate(gate, GateContext(load_config(example("tiny-qwen3") / "tic.yaml")), save=False)
+    assert r.verdict == "unavailable" and r.reason == "this engine cannot" and exit_code([r]) == 1
+    assert json.loads(r.model_dump_json())["verdict"] == "unavailable"  # records keep the plain value
+    with pytest.raises(ValueError, match="pass or fail"):  # unavailable is said one way: by the measurement
+        Judgement("unavailable", "a judge may not say it")

@@ -190,21 +190,22 @@ def test_locate_command_bad_gate(tmp_path, monkeypatch, capsys):
 
 
 def test_gate_without_mismatch_is_not_localised_but_does_not_raise(tmp_path, monkeypatch):
+    from tic.gates.base import Measurement
     from tic.harness.locate.search import locate_for_gate
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config(DENSE / "tic.yaml")
     cfg.state_dir = tmp_path / ".tic"
     ctx = GateContext(cfg)
-    got = locate_for_gate(ctx, "C5", {"metrics": {"first_mismatch": None}})
+    got = locate_for_gate(ctx, "C5", Measurement(metrics={"first_mismatch": None}))
     assert got["status"].startswith("not localised")
-    got = locate_for_gate(ctx, "C9", {"metrics": {"first_mismatch": {"sequence": 0, "position": 0}}})
+    got = locate_for_gate(ctx, "C9", Measurement(metrics={"first_mismatch": {"sequence": 0, "position": 0}}))
     assert "no locator recipe" in got["status"]
 
 
 def test_a_broken_locator_keeps_the_verdict_and_says_where_it_broke(tmp_path, monkeypatch):
     import tic.harness.locate.search as locate_mod
-    from tic.gates.base import Gate, Judgement
+    from tic.gates.base import Gate, Judgement, Measurement
     from tic.skill.runner import run_gate
 
     def broken(ctx, gate_id, measured, strict=False):
@@ -215,7 +216,7 @@ def test_a_broken_locator_keeps_the_verdict_and_says_where_it_broke(tmp_path, mo
     cfg = load_config(DENSE / "tic.yaml")
     cfg.state_dir = tmp_path / ".tic"
     gate = Gate(id="C5", title="t", step=3, measures="", pass_condition="", inputs=[], artifacts=[], guide="",
-                measure=lambda ctx: {"metrics": {}}, judge=lambda m: Judgement("fail", "planted", "x"),
+                measure=lambda ctx: Measurement(), judge=lambda m: Judgement("fail", "planted", "x"),
                 locate_on_fail=True)
     res = run_gate(gate, GateContext(cfg), save=False)
     assert res.verdict == "fail"

@@ -239,10 +239,10 @@ def test_c9_without_scale_up_stages_does_not_pass(small, monkeypatch):
     ctx = ctx_of(small)
     from tic.gates import c9
 
-    monkeypatch.setattr(c9, "_restore", lambda ctx: {
+    monkeypatch.setattr(c9, "_restore", lambda ctx: ({
         "before_checkpoint_exact": True, "uninterrupted_exact": True, "restored_exact": True, "restored_diff": "",
         "restored_sync_ok": True, "restored_optimizer_updates": 1, "restore": {}, "rollout_differs": [],
-        "update_differs": [], "checkpoint": ""})
+        "update_differs": [], "checkpoint": ""}, None))
     res = run_gate(get("C9"), ctx)
     assert res.verdict == "fail" and "scale_up lists no stage" in res.reason
 

@@ -31,7 +31,7 @@ def main() -> None:
     ctx = GateContext(cfg)
     gate = get("C5")
     measured = gate.measure(ctx)
-    print("C5", gate.judge(measured).verdict, measured["metrics"].get("first_mismatch"), flush=True)
+    print("C5", gate.judge(measured).verdict, measured.metrics.get("first_mismatch"), flush=True)
     try:
         found = locate_for_gate(ctx, "C5", measured, strict=True)
         out = {"ok": True, "found": found}

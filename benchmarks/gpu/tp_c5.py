@@ -20,7 +20,7 @@ def main() -> int:
     ctx = GateContext(load_config(cfg_path))
     m = c5.measure(ctx)
     j = c5.judge(m)
-    x = m["metrics"]
+    x = m.metrics
     rec = {"config": cfg_path, "rollout_parallel": ctx.cfg.rollout.parallel.describe(), "verdict": j.verdict,
            "reason": j.reason, "key": j.key_figure, "metrics": {k: v for k, v in x.items() if not isinstance(v, list)}}
     print(json.dumps(rec, indent=1, default=str))

@@ -718,8 +718,8 @@ def _expected(fm: dict, a: str, b: str) -> dict:
     return {"a": fm.get(a), "b": fm.get(b)}
 
 
-def sides_for_gate(ctx, gate_id: str, measured: dict) -> tuple[Side, Side, int, dict | None]:
-    fm = (measured or {}).get("metrics", {}).get("first_mismatch")
+def sides_for_gate(ctx, gate_id: str, measured) -> tuple[Side, Side, int, dict | None]:
+    fm = measured.metrics.get("first_mismatch") if measured is not None else None
     if not fm:
         raise TicInputError(f"{gate_id} reports no first mismatch: nothing to localise")
     sp = ctx.sampling
@@ -760,7 +760,7 @@ def sides_for_gate(ctx, gate_id: str, measured: dict) -> tuple[Side, Side, int, 
     raise TicInputError(f"no locator recipe for gate {gate_id} (C3, C4, C5, C6)")
 
 
-def locate_for_gate(ctx, gate_id: str, measured: dict, strict: bool = False) -> dict:
+def locate_for_gate(ctx, gate_id: str, measured, strict: bool = False) -> dict:
     """What the runner calls when C3/C4/C5 fail: localise the gate's first mismatch, return the findings.
 
     When the comparison cannot be rerun (a dump, an engine without capture, no first mismatch) the gate's

@@ -162,7 +162,7 @@ def rl_engines(ctx, gate: str) -> tuple[Engine, Engine, str | None]:
     try:
         rollout.weight_storage()
     except NotImplementedError as e:
-        return rollout, train, str(e)
+        return rollout, train, f"rollout engine cannot sync weights in place: {e}"
     return rollout, train, None
 
 
