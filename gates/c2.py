@@ -8,11 +8,17 @@ import json
 
 from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.harness.model.cut import CUT_RECORD
-from tic.harness.model.cut_check import check_cut, cut_dir_for
+from tic.harness.model.cut_check import CutRequest, check_cut, cut_dir_for
 from tic.core.fsio import atomic_write_text
 
+
+def cut_request(cfg, state) -> CutRequest:
+    """tic.yaml's cut: section; without cut.out, tic's own cut among C2's artifacts in the state directory."""
+    return CutRequest.from_config(cfg.cut, cfg.resolve, state.artifacts_dir("C2") / "cut")
+
+
 def measure(ctx) -> Measurement:
-    cut_dir = cut_dir_for(ctx)
+    cut_dir = cut_dir_for(cut_request(ctx.cfg, ctx.state), ctx.model_dir, ctx.model_hash)
     r = check_cut(ctx.model_dir, cut_dir)
     path = ctx.artifacts("C2") / "check.json"
     atomic_write_text(path, json.dumps({**r, "cut_dir": str(cut_dir)}, indent=2, default=str))

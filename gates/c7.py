@@ -22,9 +22,9 @@ def _finite(x):
 
 
 def thresholds(ctx) -> tuple[float, float]:
-    dtype = ctx.dtype
+    dtype = ctx.model.dtype
     if dtype == "auto":
-        c = ctx.model_config
+        c = ctx.model.config
         dtype = str(c.get("dtype") or c.get("torch_dtype") or "float32")
     cos, rel = DEFAULT_THRESHOLDS["float32" if dtype == "float32" else "low"]
     g = ctx.cfg.gradients

@@ -19,7 +19,8 @@ def _row(version: int, samples, m: dict) -> dict:
 
 
 def measure(ctx) -> Measurement:
-    res, why = with_rl_engines(ctx, "C8", lambda rollout, train: _updates(ctx, rollout, train))
+    res, why = with_rl_engines(ctx.private_engine("rollout", "C8"), ctx.private_engine("train", "C8"),
+                               lambda rollout, train: _updates(ctx, rollout, train))
     return Measurement(unavailable=why) if why else res
 
 

@@ -18,7 +18,8 @@ from tic.harness.measure.rl import (PolicyGradientTrainer, equal_tensors, rollou
 
 def _restore(ctx) -> tuple[dict | None, str | None]:
     """(the restore's record, None) on the gate's own engines; (None, why) when the rollout engine cannot sync."""
-    return with_rl_engines(ctx, "C9", lambda rollout, train: _restore_with(ctx, rollout, train))
+    return with_rl_engines(ctx.private_engine("rollout", "C9"), ctx.private_engine("train", "C9"),
+                           lambda rollout, train: _restore_with(ctx, rollout, train))
 
 
 def _restore_with(ctx, rollout, train) -> dict:

@@ -8,9 +8,13 @@ from __future__ import annotations
 from functools import cached_property
 from pathlib import Path
 
-from tic.harness.engines.base import Engine, Sample, Sampling
-from tic.config.schema import TicConfig
+from tic.config.schema import EngineConfig, TicConfig
+from tic.core.env import env_overlay
 from tic.core.errors import TicInputError
+from tic.harness.engines import build_engine, engine_class
+from tic.harness.engines.base import Engine, Sample, Sampling
+from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE
+from tic.harness.model.facts import ModelFacts, vocab_size
 from tic.skill.state import LadderState
 
 
@@ -70,16 +74,12 @@ class GateContext:
 
     @property
     def vocab_size(self) -> int:
-        c = self.model_config
-        text = c.get("text_config") if isinstance(c.get("text_config"), dict) else {}
-        v = c.get("vocab_size") or text.get("vocab_size")
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise TicInputError("model config.json has no vocab_size")
-        return v
+        return vocab_size(self.model_config)
 
-    @property
-    def dtype(self) -> str:
-        return self.cfg.model.dtype if self.cfg.model is not None else "auto"
+    @cached_property
+    def model(self) -> ModelFacts:
+        """What engines know of the model under test (its weights generated on first use)."""
+        return ModelFacts(self.model_dir, self.cfg.model.dtype, self.model_config)
 
     # -- inputs -----------------------------------------------------------------------------------------
     @property
@@ -97,11 +97,25 @@ class GateContext:
         return random_prompts(p.count, self.vocab_size, p.min_len, p.max_len, p.seed)
 
     # -- engines ----------------------------------------------------------------------------------------
+    def _rollout_kv_block_size(self) -> int:
+        """The KV page size of the configured rollout as vLLM resolved it, its engine built first if it is not
+        yet: a training side on vLLM's kernels pages its prefill K/V alike. vLLM's default for a rollout that is
+        not a vLLM engine (a dump)."""
+        if self.cfg.rollout.engine != "vllm":
+            return DEFAULT_KV_BLOCK_SIZE
+        return self.rollout_engine().kv_block_size
+
+    def _build(self, side: str, side_cfg: EngineConfig | None = None, shared_model: bool = True) -> Engine:
+        side_cfg = side_cfg if side_cfg is not None else getattr(self.cfg, side)
+        model = None if side_cfg.engine == "dump" else self.model  # a dump reads no model
+        # (a rollout side on vLLM's kernels is refused before any engine is built: check_kernels)
+        on_vllm_kernels = side_cfg.engine == "hf" and side_cfg.kernels == "vllm" and side != "rollout"
+        pages = self._rollout_kv_block_size() if on_vllm_kernels else DEFAULT_KV_BLOCK_SIZE
+        return build_engine(side, side_cfg, model, self.cfg.resolve, shared_model, pages)
+
     def engine(self, side: str) -> Engine:
         if side not in self._engines:
-            from tic.harness.engines import build_engine
-
-            self._engines[side] = build_engine(self, side)
+            self._engines[side] = self._build(side)
         return self._engines[side]
 
     def rollout_engine(self) -> Engine:
@@ -114,20 +128,16 @@ class GateContext:
         """The train engine with some layout fields changed (C6); the model itself is shared."""
         key = "train " + repr(sorted(changes.items()))
         if key not in self._engines:
-            from tic.harness.engines import build_engine
-
             if self.cfg.train.engine == "dump":
                 raise TicInputError("C6 needs a live train engine (hf), not a dump")
-            self._engines[key] = build_engine(self, "train", self.cfg.train.model_copy(update=changes))
+            self._engines[key] = self._build("train", self.cfg.train.model_copy(update=changes))
         return self._engines[key]
 
     def private_engine(self, side: str, gate: str) -> Engine:
         """A live engine whose model no other gate shares (C8/C9 update its weights)."""
-        from tic.harness.engines import build_engine
-
         if getattr(self.cfg, side).engine == "dump":
             raise TicInputError(f"{gate} needs a live {side} engine, not a dump")
-        return build_engine(self, side, shared_model=False)
+        return self._build(side, shared_model=False)
 
     # -- C1/C10: the baseline and the consistent rollout ----------------------------------------------------
     @property
@@ -145,10 +155,6 @@ class GateContext:
     def perf_side(self, which: str) -> tuple[Engine, dict[str, str]]:
         """('baseline' | 'consistent') -> (rollout engine, env vars it runs under). The baseline is the
         configured rollout with perf.baseline's changes (default: the engine's consistency switch off)."""
-        from tic.harness.engines import build_engine, engine_class
-        from tic.harness.measure.perf import env_overlay
-        from tic.config.schema import EngineConfig
-
         r = self.cfg.rollout
         if r.engine == "dump":
             raise TicInputError("C1/C10 measure a live rollout engine, not a dump")
@@ -171,7 +177,7 @@ class GateContext:
         key = f"perf {which}"
         if key not in self._engines:
             with env_overlay(env):
-                self._engines[key] = build_engine(self, "rollout", side_cfg)
+                self._engines[key] = self._build("rollout", side_cfg)
         return self._engines[key], env
 
     # -- C9: a fresh process, and the scale-up stages --------------------------------------------------------

@@ -3,23 +3,16 @@ record, recomputed by `tic status`, so a changed input marks the record stale ev
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from tic.core.content_hash import file_hash, files_hash
 from tic.config.schema import TicConfig
+from tic.gates.c2 import cut_request
+from tic.skill.state import LadderState
 
 ALL_READS = ("model", "rollout", "train", "prompts", "layouts", "cut")
 
 
 def reads_of(gate) -> tuple[str, ...]:
     return ALL_READS if gate.reads is None else tuple(gate.reads)
-
-
-def cut_dir(cfg: TicConfig) -> Path:
-    section = cfg.cut
-    if section is not None and section.out is not None:
-        return cfg.resolve(section.out)
-    return Path(cfg.state_dir) / "artifacts" / "C2" / "cut"
 
 
 def _hash(fn, arg) -> str:
@@ -44,7 +37,7 @@ def input_hashes(cfg: TicConfig, reads: tuple[str, ...]) -> dict[str, str]:
             if path.is_file():
                 out[f"{side} dump"] = _hash(file_hash, path)
     if "cut" in reads:
-        d = cut_dir(cfg)
+        d = cut_request(cfg, LadderState(cfg.state_path)).out
         files = sorted(f for f in d.glob("*") if f.is_file()) if d.is_dir() else []
         if files:
             out["cut"] = _hash(files_hash, files)

@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 
 from tic.core.errors import TicInputError
+from tic.gates.c2 import cut_request
+from tic.harness.model.cut_check import must_build
 from tic.skill.fingerprint import reads_of
 
 
@@ -96,9 +98,7 @@ def check_dumps(ctx, reads: set[str]) -> None:
 
 
 def check_cut(ctx) -> None:
-    from tic.harness.model.cut_check import cut_target
-
-    cut_target(ctx)
+    must_build(cut_request(ctx.cfg, ctx.state), ctx.model_dir, ctx.model_hash)
 
 
 def validate_run(ctx, gates) -> None:

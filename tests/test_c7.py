@@ -392,23 +392,20 @@ def test_a_training_side_on_vllm_kernels_is_built_with_the_rollouts_page_size(ex
     import os
     from types import SimpleNamespace
 
-    from tic.harness.engines import build_engine
-
     _cpu_vllm_provider(monkeypatch)
     monkeypatch.setattr(hf, "require_vllm", lambda device: None)  # the model stays on CPU
     ex = example("tiny-qwen3")
-    model_dir = GateContext(load_config(ex / "tic-consistent.yaml")).model_dir
-    cfg = load_config(ex / "tic-consistent.yaml")
+    ctx = GateContext(load_config(ex / "tic-consistent.yaml"))  # built on CPU kernels, then switched to vLLM's
+    cfg = ctx.cfg
     cfg.rollout.engine, cfg.train.kernels = "vllm", "vllm"
     asked = []
-    ctx = SimpleNamespace(cfg=cfg, model_dir=model_dir, dtype="float32",
-                          rollout_engine=lambda: asked.append("rollout") or SimpleNamespace(kv_block_size=32))
+    monkeypatch.setattr(ctx, "rollout_engine", lambda: asked.append("rollout") or SimpleNamespace(kv_block_size=32))
     hf._MODELS.clear()
     try:
-        engine = build_engine(ctx, "train", shared_model=False)
+        engine = ctx.private_engine("train", "C8")
         assert asked == ["rollout"] and engine.model._tic_provider.kv_block_size == 32
         cfg.rollout.dump, cfg.rollout.engine = Path("rollout.jsonl"), "dump"  # records: vLLM's default pages
-        assert build_engine(ctx, "train", shared_model=False).model._tic_provider.kv_block_size == 16
+        assert ctx.private_engine("train", "C8").model._tic_provider.kv_block_size == 16
     finally:
         hf._MODELS.clear()
     assert asked == ["rollout"] and "TIC_VLLM_BLOCK_SIZE" not in os.environ

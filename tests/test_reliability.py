@@ -294,23 +294,29 @@ def _ctx(cfg_path):
 
 def test_stale_cut_is_rebuilt(setup, workdir):
     """The C2 cut is reused only for the same model content and the same cut settings."""
-    from tic.harness.model.cut_check import cut_dir_for, cut_target
+    from tic.gates.c2 import cut_request
+    from tic.harness.model.cut_check import cut_dir_for, must_build
+
+    def cut(cfg_path, build=False):
+        ctx = _ctx(cfg_path)
+        req = cut_request(ctx.cfg, ctx.state)
+        return (cut_dir_for if build else must_build)(req, ctx.model_dir, ctx.model_hash)
 
     model, write_config = setup
     cfg = write_config("cut: {layers: [0, 1]}\n")
-    out = cut_dir_for(_ctx(cfg))
+    out = cut(cfg, build=True)
     assert json.loads((out / "cut.json").read_text())["layers"] == [0, 1]
-    assert cut_target(_ctx(cfg)) == (out, False)
+    assert cut(cfg) is False
     cfg = write_config("cut: {layers: [1, 2]}\n")
-    assert cut_target(_ctx(cfg)) == (out, True)
-    cut_dir_for(_ctx(cfg))
+    assert cut(cfg) is True
+    assert cut(cfg, build=True) == out
     assert json.loads((out / "cut.json").read_text())["layers"] == [1, 2]
-    assert cut_target(_ctx(cfg)) == (out, False)
+    assert cut(cfg) is False
     shard = next(model.glob("*.safetensors"))  # change the last bytes (lm_head's data lies somewhere in there)
     data = bytearray(shard.read_bytes())
     data[-4:] = bytes(4)
     shard.write_bytes(bytes(data))
-    assert cut_target(_ctx(cfg)) == (out, True)
+    assert cut(cfg) is True
 
 
 def test_status_reads_only_its_own_record_names_and_shows_unreadable(setup, workdir, tic):

@@ -368,8 +368,6 @@ def test_checkpoint_weights_are_the_saved_checkpoints_names_and_values(example):
 def test_vllm_baseline_side_is_vllm_with_its_defaults_in_an_engine_process_of_its_own(example, workdir, monkeypatch):
     """The consistent side keeps its mode settings; the baseline drops them and the switch, and both sides keep
     what C1/C10 need of either (an engine core of its own) and every other option."""
-    import tic.harness.engines as engines
-
     ex = example("tiny-qwen3")
     (ex / "v.yaml").write_text(
         "model: {path: ., generate: {seed: 0}}\n"
@@ -377,7 +375,7 @@ def test_vllm_baseline_side_is_vllm_with_its_defaults_in_an_engine_process_of_it
         "{mode: 0}, cudagraph_mode: FULL_DECODE_ONLY, max_num_seqs: 32}}\n")
     ctx = GateContext(load_config(ex / "v.yaml"))
     built = {}
-    monkeypatch.setattr(engines, "build_engine", lambda c, side, side_cfg: built.setdefault(len(built), side_cfg))
+    monkeypatch.setattr(GateContext, "_build", lambda self, side, side_cfg: built.setdefault(len(built), side_cfg))
     ctx.perf_side("consistent")
     ctx.perf_side("baseline")
     cons, base = built[0], built[1]

@@ -136,23 +136,21 @@ def test_replicas_take_the_gpus_this_process_was_given(monkeypatch):
 def test_perf_sides_on_ranks_run_each_rank_engine_inline(monkeypatch):
     """C1/C10 ask each rollout side for an engine process of its own (engine_process: own); vLLM rank processes
     are that already, so the ranks run their engine inline instead of refusing the option C1/C10 set."""
-    from types import SimpleNamespace
-
     from tic.harness.engines.vllm import VLLMEngine
+    from tic.harness.model.facts import ModelFacts
     from tic.config.schema import EngineConfig
 
     side = EngineConfig.model_validate({"engine": "vllm", "parallel": {"dp": 2, "ep": 2}, "patches": [],
                                         "options": {}})
     side = EngineConfig.model_validate({**side.model_dump(), **VLLMEngine.perf_changes(side)})
-    ctx = SimpleNamespace(model_config={"max_position_embeddings": 64}, model_dir=Path("."), dtype="bfloat16",
-                          vocab_size=50, cfg=SimpleNamespace(resolve=lambda p: p))
+    model = ModelFacts(Path("."), "bfloat16", {"max_position_embeddings": 64, "vocab_size": 50})
     seen = {}
 
     def init(self, engine_kwargs, dp, ep=1, tp=1, **kw):
         seen.update(engine_kwargs=engine_kwargs, dp=dp, ep=ep)
 
     monkeypatch.setattr(RankedVLLMEngine, "__init__", init)
-    RankedVLLMEngine.from_config(side, ctx)
+    RankedVLLMEngine.from_config(side, model, lambda p: p)
     assert seen["engine_kwargs"]["options"]["engine_process"] == "inline" and (seen["dp"], seen["ep"]) == (2, 2)
 
 

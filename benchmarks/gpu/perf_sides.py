@@ -40,7 +40,7 @@ def main() -> None:
     sides = {}
     for name, ch in sides_cfg.items():
         side = EngineConfig.model_validate({**r.model_dump(), **ch})
-        sides[name] = (build_engine(ctx, "rollout", side), {})
+        sides[name] = (build_engine("rollout", side, ctx.model, cfg.resolve), {})
     passes = measure_sides(sides, ctx.workload, ctx.vocab_size, cfg.perf.warmup, repeats)
     tp = {s: [x["throughput_tok_s"] for x in passes if x["side"] == s] for s in sides}
     print(f"workload: {ctx.workload.as_dict()}")

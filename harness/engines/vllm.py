@@ -18,13 +18,15 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from tic.config.schema import EngineConfig
 from tic.core.env import env_overlay
 from tic.harness.engines.base import Engine, Sample, Sampling, request_seed
 from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE
+from tic.harness.model.facts import ModelFacts
 from tic.core.errors import TicInputError
 
 # rollout.options understood by this engine, with their defaults.
@@ -342,21 +344,19 @@ class VLLMEngine(Engine):
         self._call = 0
 
     @staticmethod
-    def config_kwargs(side_cfg, ctx) -> dict:
-        """The engine's arguments from a rollout config, all but the layout (one engine, or each rank's)."""
-        c = ctx.model_config
-        text = c.get("text_config", c)
+    def config_kwargs(side_cfg: EngineConfig, model: ModelFacts, resolve: Callable[[Path], Path]) -> dict:
+        """The engine's arguments from a rollout config, all but the layout (one engine, or each rank's);
+        resolve: a path as tic.yaml writes it (options.record) -> the file it names."""
         opts = dict(side_cfg.options)
         if opts.get("record"):
-            opts["record"] = str(ctx.cfg.resolve(Path(opts["record"])))
-        return dict(model_dir=ctx.model_dir, dtype=ctx.dtype, options=opts, batch_size=side_cfg.batch_size,
-                    max_positions=int(text.get("max_position_embeddings", 2048)), vocab_size=ctx.vocab_size,
-                    patch_names=list(side_cfg.patches))
+            opts["record"] = str(resolve(Path(opts["record"])))
+        return dict(model_dir=model.dir, dtype=model.dtype, options=opts, batch_size=side_cfg.batch_size,
+                    max_positions=model.max_positions, vocab_size=model.vocab_size, patch_names=list(side_cfg.patches))
 
     @classmethod
-    def from_config(cls, side_cfg, ctx) -> "VLLMEngine":
+    def from_config(cls, side_cfg: EngineConfig, model: ModelFacts, resolve: Callable[[Path], Path]) -> "VLLMEngine":
         p = side_cfg.parallel
-        return cls(**cls.config_kwargs(side_cfg, ctx), tp=p.tp, ep=p.ep, dp=p.dp, dcp=p.dcp)
+        return cls(**cls.config_kwargs(side_cfg, model, resolve), tp=p.tp, ep=p.ep, dp=p.dp, dcp=p.dcp)
 
     @classmethod
     def baseline_changes(cls, side_cfg) -> dict:

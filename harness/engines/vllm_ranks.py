@@ -20,11 +20,14 @@ import os
 import tempfile
 import weakref
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from tic.config.schema import EngineConfig
 from tic.core.errors import TicInputError
 from tic.core.fsio import atomic_write_text
+from tic.harness.model.facts import ModelFacts
 from tic.harness.engines.base import Engine, Sample, Sampling
 from tic.harness.engines.parallel import RankPool, free_port, rank_gpu, require_gpus
 from tic.harness.engines.ranks import DealtRequests
@@ -142,8 +145,9 @@ class RankedVLLMEngine(DealtRequests, Engine):
         os.environ[tic_patches.ENV_VAR] = ",".join(self.patches)
 
     @classmethod
-    def from_config(cls, side_cfg, ctx) -> "RankedVLLMEngine":
-        kwargs = VLLMEngine.config_kwargs(side_cfg, ctx)
+    def from_config(cls, side_cfg: EngineConfig, model: ModelFacts,
+                    resolve: Callable[[Path], Path]) -> "RankedVLLMEngine":
+        kwargs = VLLMEngine.config_kwargs(side_cfg, model, resolve)
         # engine_process: own (C1/C10 ask it of each side, so that patches and modes stay per side) is what a rank
         # process is already; in it the engine runs inline (module hooks for the locator need the model there)
         kwargs["options"] = {**kwargs["options"], "engine_process": "inline"}

@@ -156,22 +156,13 @@ class SyncReport:
         return not self.storage_moved and not self.unequal
 
 
-def rl_engines(ctx, gate: str) -> tuple[Engine, Engine, str | None]:
-    """The gate's own rollout and train engines, and why not (the rollout engine has no in-place weight sync)."""
-    rollout, train = ctx.private_engine("rollout", gate), ctx.private_engine("train", gate)
+def with_rl_engines(rollout: Engine, train: Engine, body) -> tuple[object, str | None]:
+    """(body(rollout, train), None), the rollout engine released afterwards (C8/C9 change its weights);
+    (None, why) when the rollout engine has no in-place weight sync."""
     try:
         rollout.weight_storage()
     except NotImplementedError as e:
-        return rollout, train, f"rollout engine cannot sync weights in place: {e}"
-    return rollout, train, None
-
-
-def with_rl_engines(ctx, gate: str, body) -> tuple[object, str | None]:
-    """(body(rollout, train), None) on the gate's own engines, the rollout engine released afterwards (C8/C9
-    change its weights); (None, why) when the rollout engine has no in-place weight sync."""
-    rollout, train, why = rl_engines(ctx, gate)
-    if why:
-        return None, why
+        return None, f"rollout engine cannot sync weights in place: {e}"
     try:
         return body(rollout, train), None
     finally:

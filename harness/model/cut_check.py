@@ -4,8 +4,11 @@ kept layer computes bit for bit what its source layer computes on the same hidde
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+from tic.config.schema import CutConfig
 from tic.harness.model.cut import (CUT_RECORD, cut_model, cut_settings, decoder_prefix, decoder_tensors, is_tic_cut,
                                    layer_keys, layer_signatures)
 from tic.harness.model.inventory import build_manifest, tensor_locations, tensor_table
@@ -272,43 +275,55 @@ def problems_block_fidelity(problems: list[str]) -> bool:
     return any(p.startswith("cut config declares") or p.startswith("cut record names") for p in problems)
 
 
-def cut_target(ctx) -> tuple[Path, bool]:
-    """The cut under test (`cut.out` from tic.yaml, or .tic/artifacts/C2/cut) and whether it must be (re)built.
-    A tic cut is reused only if it was cut from the configured model as it is now (content hash, recorded when
-    C2 made it) with the configured settings; otherwise it is rebuilt. Everything the build would read is checked here, and nothing
-    is written, so a bad cut setting stops a run before its first write."""
-    section = getattr(ctx.cfg, "cut", None)
-    user_out = section is not None and section.out is not None
-    out = ctx.cfg.resolve(section.out) if user_out else ctx.state.artifacts_dir("C2") / "cut"
-    full = Path(ctx.model_dir)
-    layers = section.layers if section is not None else "auto"
-    max_layers = section.max_layers if section is not None else 6
-    want = cut_settings(layers, max_layers)
+@dataclass(frozen=True)
+class CutRequest:
+    """The cut C2 checks: its directory and how it is cut. named_by_user: tic.yaml's cut.out, where a cut that
+    does not match is refused, never rebuilt (tic's own, under the state directory, is rebuilt when stale)."""
+
+    out: Path
+    layers: str | list[int] = "auto"
+    max_layers: int = 6
+    named_by_user: bool = False
+
+    @classmethod
+    def from_config(cls, section: CutConfig | None, resolve: Callable[[Path], Path], own_out: Path) -> "CutRequest":
+        """tic.yaml's cut: section (resolve: its paths -> files); own_out: where tic keeps its own cut."""
+        if section is None:
+            return cls(own_out)
+        if section.out is None:
+            return cls(own_out, section.layers, section.max_layers)
+        return cls(resolve(section.out), section.layers, section.max_layers, named_by_user=True)
+
+
+def must_build(req: CutRequest, model_dir: Path, model_hash: str) -> bool:
+    """Whether the cut under test must be (re)built. A tic cut is reused only if it was cut from the model as it is
+    now (content hash, recorded when C2 made it) with the requested settings; otherwise it is rebuilt.
+    Everything the build would read is checked here, and nothing is written, so a bad cut setting stops a run
+    before its first write."""
+    out, full = req.out, Path(model_dir)
+    want = cut_settings(req.layers, req.max_layers)
     if is_tic_cut(out):
         rec = json.loads((out / CUT_RECORD).read_bytes())
         same_source = rec.get("source") == str(full.resolve())
-        if user_out and not same_source:
+        if req.named_by_user and not same_source:
             raise TicInputError(f"cut.out {out} was cut from {rec.get('source')}, not from the configured "
                                 f"model {full}")
-        if user_out and rec.get("settings") != want:
+        if req.named_by_user and rec.get("settings") != want:
             raise TicInputError(f"cut.out {out} was cut with {rec.get('settings')}, tic.yaml asks for {want}; "
                                 "rerun `tic cut -c tic.yaml` or make cut: match the cut")
         # A cut made by `tic cut` records no source hash: C2 compares its bytes with the source instead.
-        fresh = rec.get("source_hash") == ctx.model_hash or (user_out and rec.get("source_hash") is None)
+        fresh = rec.get("source_hash") == model_hash or (req.named_by_user and rec.get("source_hash") is None)
         if same_source and rec.get("settings") == want and fresh:
-            cut_model(full, out, layers=layers, max_layers=max_layers, dry_run=True)  # settings still valid
-            return out, False
-    elif user_out and out.is_dir() and any(out.iterdir()):
-        return out, False  # a cut without record: checked, and failed for it
-    cut_model(full, out, layers=layers, max_layers=max_layers, dry_run=True)
-    return out, True
+            cut_model(full, out, layers=req.layers, max_layers=req.max_layers, dry_run=True)  # settings still valid
+            return False
+    elif req.named_by_user and out.is_dir() and any(out.iterdir()):
+        return False  # a cut without record: checked, and failed for it
+    cut_model(full, out, layers=req.layers, max_layers=req.max_layers, dry_run=True)
+    return True
 
 
-def cut_dir_for(ctx) -> Path:
+def cut_dir_for(req: CutRequest, model_dir: Path, model_hash: str) -> Path:
     """The cut under test, (re)built when absent or stale."""
-    out, build = cut_target(ctx)
-    if build:
-        section = getattr(ctx.cfg, "cut", None)
-        cut_model(ctx.model_dir, out, layers=section.layers if section is not None else "auto",
-                  max_layers=section.max_layers if section is not None else 6, source_hash=ctx.model_hash)
-    return out
+    if must_build(req, model_dir, model_hash):
+        cut_model(model_dir, req.out, layers=req.layers, max_layers=req.max_layers, source_hash=model_hash)
+    return req.out
