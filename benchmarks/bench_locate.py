@@ -41,8 +41,8 @@ def gate_case(cfg_path: Path, gate_id: str) -> dict:
 
 def planted_case() -> dict:
     ctx = GateContext(load_config(ROOT / "examples/tiny-qwen3/tic-consistent.yaml"))
-    a = HFEngine(ctx.model_dir, "float32", kernels="consistent")
-    b = HFEngine(ctx.model_dir, "float32", kernels="consistent")
+    a = HFEngine(ctx.model.dir, "float32", kernels="consistent")
+    b = HFEngine(ctx.model.dir, "float32", kernels="consistent")
     b.model = copy.deepcopy(a.model)
     b.model.model.layers[2].post_attention_layernorm.variance_epsilon = 1e-5
     sp = ctx.sampling

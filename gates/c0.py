@@ -34,7 +34,7 @@ def measure(ctx) -> Measurement:
     spec = {k for k in cfg.rollout.options if "specul" in k or k == "num_speculative_tokens"}
     if cfg.training.speculative_decoding or spec:
         rejected.append("speculative decoding / MTP: more than one token per request per step is not covered")
-    manifest = build_manifest(ctx.model_dir, ctx.model_config)
+    manifest = build_manifest(ctx.model.dir, ctx.model_config)
     path = ctx.artifacts("C0") / "manifest.json"
     atomic_write_text(path, json.dumps(manifest, indent=2))
     notes = []

@@ -5,11 +5,20 @@ still the bytes that were frozen and approved."""
 from __future__ import annotations
 
 from tic.gates.base import Gate, Judgement, Measurement, Verdict
-from tic.harness.measure.baseline import DATA_FILES, verify
+from tic.harness.engines.base import Engine
+from tic.harness.measure.baseline import DATA_FILES, baseline_dir, verify
+from tic.harness.measure.perf import side_config
+
+
+def perf_side(ctx, which: str) -> tuple[Engine, dict[str, str]]:
+    """('baseline' | 'consistent') -> (rollout engine, env vars it runs under): the side `tic baseline run`
+    measures for C1, and the two C10 compares."""
+    side_cfg, env = side_config(ctx.cfg.rollout, ctx.cfg.perf, which)
+    return ctx.side_engine(f"perf {which}", "rollout", side_cfg, env), env
 
 
 def measure(ctx) -> Measurement:
-    d = ctx.baseline_dir
+    d = baseline_dir(ctx.cfg)
     st = verify(d)
     t = st.record.get("throughput_tok_s", {})
     wl = st.record.get("workload", {})

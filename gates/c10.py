@@ -9,7 +9,8 @@ import json
 
 from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.core.fsio import atomic_write_text
-from tic.harness.measure.baseline import verify
+from tic.gates.c1 import perf_side
+from tic.harness.measure.baseline import baseline_dir, verify
 from tic.harness.measure.fingerprint import differences
 from tic.harness.measure.metrics import is_exact_match, summary
 from tic.harness.measure.perf import (Workload, measure_sides, pass_summary, side_fingerprint, spread,
@@ -19,14 +20,14 @@ from tic.harness.measure.rl import rollout_and_recompute
 
 def measure(ctx) -> Measurement:
     p = ctx.cfg.perf
-    st = verify(ctx.baseline_dir)
+    st = verify(baseline_dir(ctx.cfg))
     if not st.valid:
         return Measurement(metrics={"refused": True},
                            details={"refused": "C1 baseline not valid: " + "; ".join(st.all_problems)})
     frozen = st.record
     wl = Workload(**frozen["workload"])
-    base, base_env = ctx.perf_side("baseline")
-    cons, cons_env = ctx.perf_side("consistent")
+    base, base_env = perf_side(ctx, "baseline")
+    cons, cons_env = perf_side(ctx, "consistent")
     # through JSON, as the frozen one was stored
     fp_base = json.loads(json.dumps(side_fingerprint(base, base_env, wl, ctx.model_hash)))
     fp_cons = json.loads(json.dumps(side_fingerprint(cons, cons_env, wl, ctx.model_hash)))

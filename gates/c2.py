@@ -18,8 +18,8 @@ def cut_request(cfg, state) -> CutRequest:
 
 
 def measure(ctx) -> Measurement:
-    cut_dir = cut_dir_for(cut_request(ctx.cfg, ctx.state), ctx.model_dir, ctx.model_hash)
-    r = check_cut(ctx.model_dir, cut_dir)
+    cut_dir = cut_dir_for(cut_request(ctx.cfg, ctx.state), ctx.model.dir, ctx.model_hash)
+    r = check_cut(ctx.model.dir, cut_dir)
     path = ctx.artifacts("C2") / "check.json"
     atomic_write_text(path, json.dumps({**r, "cut_dir": str(cut_dir)}, indent=2, default=str))
     eq = sum(1 for x in r["fidelity"] if x["equal"])

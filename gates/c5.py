@@ -8,9 +8,9 @@ from tic.harness.measure.metrics import compare_dump_files, compare_logprobs, is
 
 
 def measure(ctx) -> Measurement:
-    dumps = ctx.dump_paths()
-    if dumps is not None:  # both sides recorded: stream the two files together
-        m = compare_dump_files(*dumps)
+    r, t = ctx.cfg.rollout, ctx.cfg.train
+    if r.engine == "dump" and t.engine == "dump":  # both sides recorded: stream the two files together
+        m = compare_dump_files(ctx.cfg.resolve(r.dump), ctx.cfg.resolve(t.dump))
     else:
         samples = ctx.rollout_samples()
         train = ctx.train_logprobs()

@@ -57,7 +57,7 @@ def measure(ctx) -> Measurement:
     engine = ctx.train_engine()
     routes = [engine.expert_routes(s) for s in samples]
     routing: dict = {}
-    ref = reference_gradients(ctx.model_dir, samples, ctx.sampling, adv, device=tc.device,
+    ref = reference_gradients(ctx.model.dir, samples, ctx.sampling, adv, device=tc.device,
                               routes=routes if any(routes) else None, report=routing)
     if routing:
         details["routing"] = routing

@@ -7,10 +7,18 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
-from tic.gates import c5
-from tic.gates.base import Gate, Judgement, Measurement, Verdict
+from safetensors.torch import load_file
+
+from tic.config.schema import ScaleStage, TicConfig
+from tic.core.errors import TicInputError
 from tic.core.fsio import atomic_write_text
+from tic.gates.base import Gate, Judgement, Measurement, Verdict
+from tic.gates.c5 import measure as measure_c5
+from tic.harness.model.generate import has_weights, read_model_config
 from tic.harness.measure.metrics import is_exact_match, summary
 from tic.harness.measure.rl import (PolicyGradientTrainer, equal_tensors, rollout_and_recompute, samples_as_tensors,
                                     sync_weights, with_rl_engines)
@@ -44,9 +52,7 @@ def _restore_with(ctx, rollout, train) -> dict:
     reference_update = {k: v.detach().clone() for k, v in trainer.weights().items()}
 
     fresh.mkdir(parents=True, exist_ok=True)
-    res = ctx.restore_in_fresh_process(ckpt, fresh)
-    from safetensors.torch import load_file
-
+    res = restore_in_fresh_process(ctx.cfg, ckpt, fresh)
     rollout_diff = equal_tensors(reference_rollout, load_file(str(fresh / "rollout.safetensors")))
     update_diff = equal_tensors(reference_update, load_file(str(fresh / "updated.safetensors")))
     return {"before_checkpoint_exact": is_exact_match(m0), "uninterrupted_exact": is_exact_match(m1),
@@ -56,14 +62,55 @@ def _restore_with(ctx, rollout, train) -> dict:
             "checkpoint": str(ckpt)}
 
 
+def restore_in_fresh_process(cfg: TicConfig, checkpoint: Path, out_dir: Path, timeout_s: float = 1800) -> dict:
+    """Run the first step after restoring `checkpoint` in a new Python process (tic.skill.rl_worker) with this
+    config; returns its result.json (its tensors stay in out_dir)."""
+    job = out_dir / "job.json"
+    atomic_write_text(job, json.dumps({"config": cfg.model_dump(mode="json"),
+                                       "base_dir": str(Path(cfg.base_dir).resolve()),
+                                       "checkpoint": str(checkpoint.resolve()), "out": str(out_dir.resolve())}))
+    r = subprocess.run([sys.executable, "-m", "tic.skill.rl_worker", str(job)], capture_output=True, text=True,
+                       timeout=timeout_s)
+    if r.returncode == 2:
+        raise TicInputError(r.stderr.strip().splitlines()[-1].removeprefix("tic: error: "))
+    if r.returncode != 0 or not (out_dir / "result.json").is_file():
+        tail = " | ".join(r.stderr.strip().splitlines()[-3:])
+        raise RuntimeError(f"restore process exited {r.returncode}: {tail}")
+    return json.loads((out_dir / "result.json").read_text())
+
+
+def stage_config(ctx, stage: ScaleStage, index: int) -> TicConfig:
+    """The config of one scale-up stage: another model directory and/or config.json changes (generated weights),
+    longer prompts, more generated tokens."""
+    cfg = ctx.cfg.model_copy(deep=True)
+    cfg.base_dir = ctx.cfg.base_dir
+    if cfg.model is None:
+        raise TicInputError("scale_up needs a model")
+    src = ctx.cfg.resolve(stage.model_path) if stage.model_path is not None else ctx.model_source_dir
+    if stage.config:
+        if has_weights(src) or cfg.model.generate is None:
+            raise TicInputError(f"scale_up stage {index}: config changes need generated weights (model.generate "
+                                "and no *.safetensors); point model_path at the larger model instead")
+        d = (ctx.artifacts("C9") / f"stage-{index}").resolve()
+        atomic_write_text(d / "config.json", json.dumps({**read_model_config(src), **stage.config}, indent=2))
+        src = d
+    cfg.model.path = Path(src).resolve()
+    if stage.prompt_len is not None:
+        cfg.prompts.min_len = min(cfg.prompts.min_len, stage.prompt_len)
+        cfg.prompts.max_len = stage.prompt_len
+    if stage.max_tokens is not None:
+        cfg.sampling.max_tokens = stage.max_tokens
+    return cfg
+
+
 def measure(ctx) -> Measurement:
     r, why = _restore(ctx)
     if why:
         return Measurement(unavailable=why)
     stages = []
     for i, stage in enumerate(ctx.cfg.scale_up if r["before_checkpoint_exact"] else []):
-        sub = ctx.scale_stage(stage, i)
-        m = c5.measure(sub).metrics
+        sub = ctx.with_config(stage_config(ctx, stage, i))
+        m = measure_c5(sub).metrics
         stages.append({"stage": stage.name or f"stage {i}", "model": str(sub.model_source_dir),
                        "layers": sub.model_config.get("num_hidden_layers"), "prompt_len": sub.cfg.prompts.max_len,
                        "max_tokens": sub.cfg.sampling.max_tokens, "exact": is_exact_match(m), "diff": summary(m),

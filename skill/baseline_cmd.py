@@ -23,10 +23,11 @@ def _ctx(config_path: Path):
 def measure_baseline(ctx) -> tuple[dict, list[dict]]:
     """The baseline side on the configured workload: (baseline.json record, per-request raw records)."""
     import tic
-    from tic.harness.measure.perf import measure_sides, pass_summary, side_fingerprint, spread
+    from tic.gates.c1 import perf_side
+    from tic.harness.measure.perf import Workload, measure_sides, pass_summary, side_fingerprint, spread
 
-    engine, env = ctx.perf_side("baseline")
-    wl, p = ctx.workload, ctx.cfg.perf
+    engine, env = perf_side(ctx, "baseline")
+    wl, p = Workload.from_config(ctx.cfg), ctx.cfg.perf
     passes = measure_sides({"baseline": (engine, env)}, wl, ctx.vocab_size, p.warmup, p.repeats)
     record = {
         "workload": wl.as_dict(),
@@ -50,12 +51,12 @@ def command():
 @click.option("--replace", is_flag=True, help="discard a frozen baseline (and its approval) and measure anew")
 def run_cmd(config_path, replace):
     """Measure the ordinary (non-consistent) rollout: per-request raw data and the environment fingerprint."""
-    from tic.harness.measure.baseline import FREEZE, write_baseline
+    from tic.harness.measure.baseline import FREEZE, baseline_dir, write_baseline
     from tic.core.errors import TicInputError
     from tic.skill import report
 
     ctx = _ctx(config_path)
-    d = ctx.baseline_dir
+    d = baseline_dir(ctx.cfg)
     if (d / FREEZE).exists() and not replace:
         raise TicInputError(f"{d} holds a frozen baseline; `tic baseline run --replace` discards it (and its "
                             "approval)")
@@ -71,9 +72,9 @@ def run_cmd(config_path, replace):
 @CONFIG_OPT
 def freeze_cmd(config_path):
     """Record the content hash of the baseline files; any later edit fails C1 and C10."""
-    from tic.harness.measure.baseline import freeze
+    from tic.harness.measure.baseline import baseline_dir, freeze
 
-    rec = freeze(_ctx(config_path).baseline_dir)
+    rec = freeze(baseline_dir(_ctx(config_path).cfg))
     click.echo(f"baseline frozen: {rec['hash'][:16]}; next: a person reviews it and runs "
                "`tic baseline approve --by NAME`")
 
@@ -83,9 +84,9 @@ def freeze_cmd(config_path):
 @click.option("--by", "by", required=True, help="who reviewed and approves the frozen baseline")
 def approve_cmd(config_path, by):
     """Human sign-off on the frozen baseline (its hash is recorded with the name)."""
-    from tic.harness.measure.baseline import approve
+    from tic.harness.measure.baseline import approve, baseline_dir
 
-    rec = approve(_ctx(config_path).baseline_dir, by)
+    rec = approve(baseline_dir(_ctx(config_path).cfg), by)
     click.echo(f"baseline {rec['hash'][:16]} approved by {rec['by']}")
 
 
@@ -94,9 +95,9 @@ def approve_cmd(config_path, by):
 @click.option("--json", "as_json", is_flag=True, help="print the status as JSON on stdout")
 def show_cmd(config_path, as_json):
     """Where the baseline stands: measured, frozen, approved, files unchanged."""
-    from tic.harness.measure.baseline import verify
+    from tic.harness.measure.baseline import baseline_dir, verify
 
-    st = verify(_ctx(config_path).baseline_dir)
+    st = verify(baseline_dir(_ctx(config_path).cfg))
     if as_json:
         click.echo(json.dumps({k: v for k, v in asdict(st).items() if k != "record"} | {"valid": st.valid}))
         return

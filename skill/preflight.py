@@ -98,7 +98,7 @@ def check_dumps(ctx, reads: set[str]) -> None:
 
 
 def check_cut(ctx) -> None:
-    must_build(cut_request(ctx.cfg, ctx.state), ctx.model_dir, ctx.model_hash)
+    must_build(cut_request(ctx.cfg, ctx.state), ctx.model.dir, ctx.model_hash)
 
 
 def validate_run(ctx, gates) -> None:
@@ -116,7 +116,7 @@ def validate_run(ctx, gates) -> None:
         check_loadable_config(ctx.model_source_dir)
         from tic.harness.model.inventory import tensor_locations
 
-        tensor_locations(ctx.model_dir)  # every weight header (the weights themselves are not read)
+        tensor_locations(ctx.model.dir)  # every weight header (the weights themselves are not read)
     for side in live:
         check_engine(ctx, side)
     if "rollout" in live and "prompts" in reads and cfg.prompts.source == "file":

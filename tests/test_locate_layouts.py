@@ -35,8 +35,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 def _engines():
     ctx = GateContext(load_config(DENSE / "tic-consistent.yaml"))
-    a = HFEngine(ctx.model_dir, "float32", kernels="consistent", batch_size=4, micro_batch_size=2)
-    b = HFEngine(ctx.model_dir, "float32", kernels="consistent", batch_size=4, micro_batch_size=2)
+    a = HFEngine(ctx.model.dir, "float32", kernels="consistent", batch_size=4, micro_batch_size=2)
+    b = HFEngine(ctx.model.dir, "float32", kernels="consistent", batch_size=4, micro_batch_size=2)
     a.model = copy.deepcopy(a.model)
     b.model = copy.deepcopy(a.model)
     return a, b

@@ -300,7 +300,7 @@ def test_stale_cut_is_rebuilt(setup, workdir):
     def cut(cfg_path, build=False):
         ctx = _ctx(cfg_path)
         req = cut_request(ctx.cfg, ctx.state)
-        return (cut_dir_for if build else must_build)(req, ctx.model_dir, ctx.model_hash)
+        return (cut_dir_for if build else must_build)(req, ctx.model.dir, ctx.model_hash)
 
     model, write_config = setup
     cfg = write_config("cut: {layers: [0, 1]}\n")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tic.gates import get
+from tic.gates.c1 import perf_side
 from tic.harness.measure import baseline as bl
 from tic.harness.engines import hf
 from tic.harness.engines.hf import HFEngine
@@ -49,9 +50,9 @@ def ctx_of(path, **perf) -> GateContext:
 
 def frozen_baseline(ctx: GateContext) -> None:
     record, requests = measure_baseline(ctx)
-    bl.write_baseline(ctx.baseline_dir, record, requests)
-    bl.freeze(ctx.baseline_dir)
-    bl.approve(ctx.baseline_dir, "reviewer")
+    bl.write_baseline(bl.baseline_dir(ctx.cfg), record, requests)
+    bl.freeze(bl.baseline_dir(ctx.cfg))
+    bl.approve(bl.baseline_dir(ctx.cfg), "reviewer")
 
 
 # ---- C1 ------------------------------------------------------------------------------------------------------
@@ -60,7 +61,7 @@ def test_c1_needs_run_freeze_and_approval_and_fails_after_an_edit(small, tic):
     code, out, _ = tic("gate", "C1", "-c", c, "--json")
     assert code == 1 and "no baseline" in json.loads(out)["results"][0]["reason"]
     assert tic("baseline", "run", "-c", c)[0] == 0
-    d = GateContext(load_config(small)).baseline_dir
+    d = bl.baseline_dir(load_config(small))
     reqs = [json.loads(x) for x in (d / "requests.jsonl").read_text().splitlines()]
     assert len(reqs) == 2 * 3 and {"latency_s", "output_tokens", "input_tokens"} <= set(reqs[0])
     fp = json.loads((d / "baseline.json").read_text())["fingerprint"]
@@ -93,7 +94,7 @@ def test_c1_needs_run_freeze_and_approval_and_fails_after_an_edit(small, tic):
 def test_c1_fails_when_refrozen_after_an_edit(small):
     ctx = ctx_of(small)
     frozen_baseline(ctx)
-    d = ctx.baseline_dir
+    d = bl.baseline_dir(ctx.cfg)
     rec = json.loads((d / "baseline.json").read_text())
     rec["throughput_tok_s"]["median"] *= 0.5  # someone "slows" the baseline on paper ...
     (d / "baseline.json").write_text(json.dumps(rec))
@@ -114,7 +115,7 @@ class TokenClock:
         return self.t
 
     def charge(self, ctx, side, cost, monkeypatch):
-        eng, _ = ctx.perf_side(side)
+        eng, _ = perf_side(ctx, side)
         call = eng.generate_together
 
         def timed(*a, **k):
@@ -365,20 +366,18 @@ def test_checkpoint_weights_are_the_saved_checkpoints_names_and_values(example):
     hf._MODELS.clear()
 
 
-def test_vllm_baseline_side_is_vllm_with_its_defaults_in_an_engine_process_of_its_own(example, workdir, monkeypatch):
+def test_vllm_baseline_side_is_vllm_with_its_defaults_in_an_engine_process_of_its_own(example, workdir):
     """The consistent side keeps its mode settings; the baseline drops them and the switch, and both sides keep
     what C1/C10 need of either (an engine core of its own) and every other option."""
+    from tic.harness.measure.perf import side_config
+
     ex = example("tiny-qwen3")
     (ex / "v.yaml").write_text(
         "model: {path: ., generate: {seed: 0}}\n"
         "rollout: {engine: vllm, patches: [gemm-fixed-m], options: {enforce_eager: false, compilation_config: "
         "{mode: 0}, cudagraph_mode: FULL_DECODE_ONLY, max_num_seqs: 32}}\n")
-    ctx = GateContext(load_config(ex / "v.yaml"))
-    built = {}
-    monkeypatch.setattr(GateContext, "_build", lambda self, side, side_cfg: built.setdefault(len(built), side_cfg))
-    ctx.perf_side("consistent")
-    ctx.perf_side("baseline")
-    cons, base = built[0], built[1]
+    cfg = load_config(ex / "v.yaml")
+    (cons, _), (base, _) = (side_config(cfg.rollout, cfg.perf, which) for which in ("consistent", "baseline"))
     assert cons.patches == ["gemm-fixed-m"] and cons.options["compilation_config"] == {"mode": 0}
     assert base.patches == [] and base.options == {"enforce_eager": False, "max_num_seqs": 32,
                                                    "engine_process": "own", "batch_invariant": False}

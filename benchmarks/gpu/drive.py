@@ -55,9 +55,9 @@ def main() -> None:
 
         bctx = GateContext(cfg)
         record, requests = measure_baseline(bctx)
-        bl.write_baseline(bctx.baseline_dir, record, requests)
-        bl.freeze(bctx.baseline_dir)
-        bl.approve(bctx.baseline_dir, sys.argv[sys.argv.index("--baseline-by") + 1])
+        bl.write_baseline(bl.baseline_dir(cfg), record, requests)
+        bl.freeze(bl.baseline_dir(cfg))
+        bl.approve(bl.baseline_dir(cfg), sys.argv[sys.argv.index("--baseline-by") + 1])
         print(f"[{name}] baseline frozen: {record['throughput_tok_s']}", flush=True)
     if os.environ.get("TIC_LOCATE", "1") == "0":  # the shared locator off
         cfg.locate.enabled = False

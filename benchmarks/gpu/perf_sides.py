@@ -19,7 +19,7 @@ from pathlib import Path
 def main() -> None:
     from tic.harness.engines import build_engine
     from tic.harness.engines.vllm import VLLMEngine
-    from tic.harness.measure.perf import measure_sides, spread
+    from tic.harness.measure.perf import Workload, measure_sides, spread
     from tic.config.schema import EngineConfig, load_config
     from tic.skill.context import GateContext
 
@@ -41,9 +41,9 @@ def main() -> None:
     for name, ch in sides_cfg.items():
         side = EngineConfig.model_validate({**r.model_dump(), **ch})
         sides[name] = (build_engine("rollout", side, ctx.model, cfg.resolve), {})
-    passes = measure_sides(sides, ctx.workload, ctx.vocab_size, cfg.perf.warmup, repeats)
+    passes = measure_sides(sides, Workload.from_config(cfg), ctx.vocab_size, cfg.perf.warmup, repeats)
     tp = {s: [x["throughput_tok_s"] for x in passes if x["side"] == s] for s in sides}
-    print(f"workload: {ctx.workload.as_dict()}")
+    print(f"workload: {Workload.from_config(cfg).as_dict()}")
     print("| side | tok/s median | min | max | ratio to default (median of pairs) |\n|---|---|---|---|---|")
     for s, vals in tp.items():
         ratios = [v / d for v, d in zip(vals, tp["default"]) if d > 0]

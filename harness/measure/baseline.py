@@ -20,12 +20,19 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from tic.config.schema import TicConfig
 from tic.core.errors import TicInputError
 from tic.core.fsio import atomic_write_text
 
 DATA_FILES = ("baseline.json", "requests.jsonl")
 FREEZE = "freeze.json"
 APPROVAL = "approval.json"
+
+
+def baseline_dir(cfg: TicConfig) -> Path:
+    """Where the baseline lives: perf.baseline_dir (relative to tic.yaml), or STATE_DIR/baseline."""
+    d = cfg.perf.baseline_dir
+    return Path(cfg.resolve(d)) if d is not None else cfg.state_path / "baseline"
 
 
 def _now() -> str:

@@ -12,8 +12,10 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
+from tic.config.schema import EngineConfig, PerfConfig, TicConfig
 from tic.core.env import env_overlay
 from tic.core.errors import TicInputError
+from tic.harness.engines import engine_class
 from tic.harness.engines.base import Engine, Sampling
 
 
@@ -31,12 +33,39 @@ class Workload:
     seed: int = 0
     temperature: float = 1.0
 
+    @classmethod
+    def from_config(cls, cfg: TicConfig) -> "Workload":
+        """perf:'s workload, sampled at sampling.temperature."""
+        p = cfg.perf
+        return cls(p.requests, p.input_len, p.output_len, p.concurrency, p.seed, cfg.sampling.temperature)
+
     def as_dict(self) -> dict:
         return asdict(self)
 
     def prompts(self, vocab_size: int) -> list[list[int]]:
         rng = random.Random(self.seed)
         return [[rng.randrange(vocab_size) for _ in range(self.input_len)] for _ in range(self.requests)]
+
+
+def side_config(rollout: EngineConfig, perf: PerfConfig, which: str) -> tuple[EngineConfig, dict[str, str]]:
+    """('baseline' | 'consistent') -> (its rollout config, the env vars it runs under). Both sides take what the
+    engine needs of either (its perf_changes); the baseline is the rollout with perf.baseline's changes
+    (default: the engine's consistency switch off)."""
+    if rollout.engine == "dump":
+        raise TicInputError("C1/C10 measure a live rollout engine, not a dump")
+    common = engine_class(rollout).perf_changes(rollout)
+    r = EngineConfig.model_validate({**rollout.model_dump(), **common}) if common else rollout
+    if which == "consistent":
+        return r, dict(perf.consistent_env)
+    changes = perf.baseline
+    if changes is None:
+        changes = engine_class(r).baseline_changes(r)  # from r, which holds what both sides need
+    elif "options" in common and "options" in changes:  # a user's options keep what both sides need
+        changes = {**changes, "options": {**common["options"], **changes["options"]}}
+    try:
+        return EngineConfig.model_validate({**r.model_dump(), **changes}), dict(perf.baseline_env)
+    except ValueError as e:
+        raise TicInputError(f"perf.baseline: {str(e).splitlines()[0]}") from None
 
 
 def run_pass(engine: Engine, workload: Workload, vocab_size: int, label: str, repeat: int) -> dict:

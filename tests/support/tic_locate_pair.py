@@ -18,8 +18,8 @@ from tic.skill.context import GateContext
 def engines(config: Path) -> tuple[HFEngine, HFEngine]:
     """Private model copies: a plant on one side never leaks into the other or into the model cache."""
     ctx = GateContext(load_config(config))
-    a = HFEngine(ctx.model_dir, "float32", kernels="consistent", batch_size=4, micro_batch_size=2)
-    b = HFEngine(ctx.model_dir, "float32", kernels="consistent", batch_size=4, micro_batch_size=2)
+    a = HFEngine(ctx.model.dir, "float32", kernels="consistent", batch_size=4, micro_batch_size=2)
+    b = HFEngine(ctx.model.dir, "float32", kernels="consistent", batch_size=4, micro_batch_size=2)
     a.model = copy.deepcopy(a.model)
     b.model = copy.deepcopy(a.model)
     return a, b
