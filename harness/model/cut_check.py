@@ -11,9 +11,10 @@ from typing import Callable
 from tic.config.schema import CutConfig
 from tic.harness.model.cut import (CUT_RECORD, cut_model, cut_settings, decoder_prefix, decoder_tensors, is_tic_cut,
                                    layer_keys, layer_signatures)
-from tic.harness.model.inventory import build_manifest, tensor_locations, tensor_table
-from tic.harness.model.layer_structure import (auto_class_for, first_difference, layer_structure,
-                                               loaded_layers, text_config)
+from tic.harness.model.generate import read_model_config
+from tic.harness.model.inventory import LAYER_RE, build_manifest, tensor_locations, tensor_table
+from tic.harness.model.layer_structure import (ModelStructure, auto_class_for, first_difference, layer_structure,
+                                               loaded_layers, model_structure, text_config)
 from tic.harness.model.vllm_load import vllm_available, vllm_generates
 from tic.core.errors import TicInputError
 
@@ -47,8 +48,6 @@ def decoder_layers(model, n: int):
 
 
 def _relative_keys(keys) -> set[str]:
-    from tic.harness.model.inventory import LAYER_RE
-
     out = set()
     for k in keys:
         m = LAYER_RE.search(k)
@@ -118,124 +117,188 @@ def layer_fidelity(full, cut, kept: list[int], n_full: int, vocab: int, seq_len:
 
 
 # --- the check -------------------------------------------------------------------------------------------
-def check_cut(full_dir: Path, cut_dir: Path) -> dict:
-    """Every C2 measurement on a full model and its cut; problems is empty only when the cut is faithful."""
-    from tic.harness.model.generate import read_model_config
+@dataclass(frozen=True, eq=False)
+class ModelFiles:
+    """A model as its files describe it, no weight loaded: config.json, the layer structure transformers builds
+    from it on meta (None when it cannot), the tensor table, the decoder layers' tensor-name prefix and their
+    tensors by layer index, and C0's manifest."""
 
-    full_dir, cut_dir = Path(full_dir), Path(cut_dir)
-    full_cfg, cut_cfg = read_model_config(full_dir), read_model_config(cut_dir)
-    problems: list[str] = []
-    rec_path = cut_dir / CUT_RECORD
-    try:
-        rec = json.loads(rec_path.read_text())
-        kept = [int(i) for i in rec["layers"]]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
-        return {"problems": [f"{rec_path}: missing or malformed cut record; the source of each layer is unknown"],
-                "layers": [], "fidelity": [], "full_classes": [], "missing_classes": []}
-    from tic.harness.model.layer_structure import model_structure
+    dir: Path
+    config: dict
+    structure: ModelStructure | None
+    table: dict[str, dict]
+    prefix: str
+    layers: dict[int, dict[str, dict]]
+    manifest: dict
 
+
+def read_pair(full_dir: Path, full_cfg: dict, cut_dir: Path, cut_cfg: dict,
+              problems: list[str]) -> tuple[ModelFiles, ModelFiles]:
+    """The full model and its cut from their files; a cut config transformers cannot build is a problem."""
     full_struct = model_structure(full_cfg)
-    n_full = full_struct.n
     try:
         cut_struct = model_structure(cut_cfg)
     except Exception as e:  # noqa: BLE001 - a cut config transformers cannot build is a failed cut
         cut_struct = None
         problems.append(f"the cut config does not build with transformers: {str(e).splitlines()[0][:200]}")
     ft, ct = tensor_table(full_dir), tensor_table(cut_dir)
-    fp = decoder_prefix(list(ft), n_full, full_struct.path)
+    fp = decoder_prefix(list(ft), full_struct.n, full_struct.path)
     try:
         cp = decoder_prefix(list(ct), cut_struct.n, cut_struct.path) if cut_struct else fp
     except TicInputError:
         cp = fp
-    full_man = build_manifest(full_dir, text_config(full_cfg), fp)
-    cut_man = build_manifest(cut_dir, text_config(cut_cfg), cp)
+    return (ModelFiles(full_dir, full_cfg, full_struct, ft, fp, decoder_tensors(ft, fp),
+                       build_manifest(full_dir, text_config(full_cfg), fp)),
+            ModelFiles(cut_dir, cut_cfg, cut_struct, ct, cp, decoder_tensors(ct, cp),
+                       build_manifest(cut_dir, text_config(cut_cfg), cp)))
+
+
+def recorded_layers(cut_dir: Path) -> tuple[dict, list[int]] | None:
+    """The cut record and the source layer of each cut layer; None when the record is missing or malformed."""
+    try:
+        rec = json.loads((cut_dir / CUT_RECORD).read_text())
+        return rec, [int(i) for i in rec["layers"]]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def count_problems(full: ModelFiles, cut: ModelFiles, kept: list[int]) -> tuple[list[int], list[str]]:
+    """The kept layers that exist in the full model, and problems with the layer counts."""
+    n_full, problems = full.structure.n, []
     if any(not 0 <= i < n_full for i in kept):
         problems.append(f"cut record names layers {kept} but the full model has {n_full}")
         kept = [i for i in kept if 0 <= i < n_full]
-    n_cut = cut_struct.n if cut_struct else cut_man["num_layers"]
+    n_cut = cut.structure.n if cut.structure else cut.manifest["num_layers"]
     if n_cut != len(kept):
         problems.append(f"cut config declares {n_cut} layers, cut record keeps {len(kept)}")
-    # 1. coverage: operator classes (C0 manifest) and every layer kind the full model builds
-    missing = sorted(set(full_man["operator_classes"]) - set(cut_man["operator_classes"]))
-    if missing:
-        problems.append(f"cut manifest lacks operator classes of the full model: {', '.join(missing)}")
-    fl, cl = decoder_tensors(ft, fp), decoder_tensors(ct, cp)
-    full_sigs = layer_signatures(full_struct, fl)
-    full_keys = layer_keys(full_struct, fl)
-    cut_keys = layer_keys(cut_struct, cl) if cut_struct else []
-    name_of = dict(zip(full_keys, full_sigs))
-    missing_kinds = [k for k in dict.fromkeys(full_keys) if k not in set(cut_keys)]
-    if missing_kinds and cut_struct:
-        missing += [f"kind {name_of[k]}" for k in missing_kinds]
-    full_tr = {(a, b) for a, b in zip(full_keys, full_keys[1:]) if a != b}
-    cut_tr = {(a, b) for a, b in zip(cut_keys, cut_keys[1:]) if a != b}
-    missing_tr = sorted(f"{name_of[a]} -> {name_of[b]}" for a, b in full_tr - cut_tr)
-    # 2. per-layer tensors, shapes, dtypes and structure equal the source layer's
+    return kept, problems
+
+
+def missing_kinds(full: ModelFiles, cut: ModelFiles) -> tuple[list[str], list[str], list[str]]:
+    """Layer kinds (structure and tensors) of the full model the cut lacks, the transitions between kinds it
+    lacks, and the problem naming the first lacking kind with its source layers."""
+    full_keys = layer_keys(full.structure, full.layers)
+    name_of = dict(zip(full_keys, layer_signatures(full.structure, full.layers)))
+    cut_keys = layer_keys(cut.structure, cut.layers) if cut.structure else []
+    lacking = [k for k in dict.fromkeys(full_keys) if k not in set(cut_keys)] if cut.structure else []
+
+    def transitions(keys: list) -> set:
+        return {(a, b) for a, b in zip(keys, keys[1:]) if a != b}
+
+    missing_tr = sorted(f"{name_of[a]} -> {name_of[b]}" for a, b in transitions(full_keys) - transitions(cut_keys))
+    problem = [f"the cut lacks a layer kind of the full model: [{name_of[lacking[0]]}] (source layers "
+               f"{[i for i, k in enumerate(full_keys) if k == lacking[0]]})"] if lacking else []
+    return [f"kind {name_of[k]}" for k in lacking], missing_tr, problem
+
+
+def layer_problems(full: ModelFiles, cut: ModelFiles, kept: list[int]) -> list[str]:
+    """Each kept layer's tensors, shapes, dtypes and structure against its source layer's."""
+    out = []
     for j, i in enumerate(kept):
-        src, got = fl.get(i, {}), cl.get(j, {})
-        for name in sorted(set(src) - set(got)):
-            problems.append(f"cut layer {j} (source {i}): tensor {name} missing")
-        for name in sorted(set(got) - set(src)):
-            problems.append(f"cut layer {j} (source {i}): extra tensor {name}")
+        src, got, where = full.layers.get(i, {}), cut.layers.get(j, {}), f"cut layer {j} (source {i})"
+        out += [f"{where}: tensor {name} missing" for name in sorted(set(src) - set(got))]
+        out += [f"{where}: extra tensor {name}" for name in sorted(set(got) - set(src))]
         for name in sorted(set(src) & set(got)):
             a, b = src[name], got[name]
             if (a["dtype"], a["shape"]) != (b["dtype"], b["shape"]):
-                problems.append(f"cut layer {j} (source {i}): {name} is {b['dtype']}{b['shape']}, source "
-                                f"{a['dtype']}{a['shape']}")
-        if cut_struct and j < cut_struct.n and cut_struct.layers[j] != full_struct.layers[i]:
-            problems.append(f"cut layer {j} (source {i}) differs from source in structure: "
-                            f"{first_difference(cut_struct.layers[j], full_struct.layers[i])} (stale per-layer config?)")
-    if missing_kinds and cut_struct:  # after the per-layer problems, which usually say why
-        problems.append(f"the cut lacks a layer kind of the full model: [{name_of[missing_kinds[0]]}] (source layers "
-                        f"{[i for i, k in enumerate(full_keys) if k == missing_kinds[0]]})")
-    for name in sorted(set(full_man["non_layer_tensors"]) - set(cut_man["non_layer_tensors"])):
-        if not name.startswith(("mtp.", "model.mtp.")):
-            problems.append(f"non-layer tensor {name} missing from the cut")
-    for name in sorted(set(full_man["non_layer_tensors"]) & set(cut_man["non_layer_tensors"])):
-        if (ft[name]["dtype"], ft[name]["shape"]) != (ct[name]["dtype"], ct[name]["shape"]):
-            problems.append(f"non-layer tensor {name}: {ct[name]['dtype']}{ct[name]['shape']} vs source "
-                            f"{ft[name]['dtype']}{ft[name]['shape']}")
-    # 2b. every kept tensor's bytes equal the source's (a cut of another version of the model fails here)
-    problems += differing_bytes(full_dir, cut_dir, kept, fp, cp)
-    # 3. loads; 4. fidelity
-    full, finfo = load_hf(full_dir)
+                out.append(f"{where}: {name} is {b['dtype']}{b['shape']}, source {a['dtype']}{a['shape']}")
+        built, source = (cut.structure.layers[j] if cut.structure and j < cut.structure.n else None,
+                         full.structure.layers[i])
+        if built is not None and built != source:
+            out.append(f"{where} differs from source in structure: {first_difference(built, source)} "
+                       "(stale per-layer config?)")
+    return out
+
+
+def non_layer_problems(full: ModelFiles, cut: ModelFiles) -> list[str]:
+    """Tensors outside the decoder layers (embeddings, final norm, head): present, same dtypes and shapes."""
+    fn, cn = set(full.manifest["non_layer_tensors"]), set(cut.manifest["non_layer_tensors"])
+    out = [f"non-layer tensor {name} missing from the cut" for name in sorted(fn - cn)
+           if not name.startswith(("mtp.", "model.mtp."))]
+    for name in sorted(fn & cn):
+        a, b = full.table[name], cut.table[name]
+        if (a["dtype"], a["shape"]) != (b["dtype"], b["shape"]):
+            out.append(f"non-layer tensor {name}: {b['dtype']}{b['shape']} vs source {a['dtype']}{a['shape']}")
+    return out
+
+
+def loading_problems(full_info: dict, cut_info: dict) -> list[str]:
+    """What transformers said loading the cut: weights missing, shapes mismatched, weights its model ignores."""
+    out = []
+    if cut_info["missing_keys"]:
+        out.append(f"cut loads with missing weights (randomly initialised): {sorted(cut_info['missing_keys'])[:3]}")
+    if cut_info["mismatched_keys"]:
+        out.append(f"cut loads with mismatched shapes: {sorted(cut_info['mismatched_keys'])[:3]}")
+    extra = _relative_keys(cut_info["unexpected_keys"]) - _relative_keys(full_info["unexpected_keys"])
+    if extra:
+        out.append(f"cut has weights its model ignores: {sorted(extra)[:3]}")
+    return out
+
+
+def loaded_fidelity(full_dir: Path, cut_dir: Path, kept: list[int], n_full: int, problems: list[str]) -> list[dict]:
+    """Both models loaded with transformers: each kept layer is built like its source and computes its bits on the
+    same hidden states (fidelity rows; none when the cut does not load or its layers do not line up)."""
+    full, full_info = load_hf(full_dir)
     if full is None:
-        raise TicInputError(f"the full model {full_dir} " + finfo[0])
-    cut, cinfo = load_hf(cut_dir)
-    rows: list[dict] = []
+        raise TicInputError(f"the full model {full_dir} " + full_info[0])
+    cut, cut_info = load_hf(cut_dir)
     if cut is None:
-        problems.append("cut " + cinfo[0])
-    else:
-        if cinfo["missing_keys"]:
-            problems.append(f"cut loads with missing weights (randomly initialised): {sorted(cinfo['missing_keys'])[:3]}")
-        if cinfo["mismatched_keys"]:
-            problems.append(f"cut loads with mismatched shapes: {sorted(cinfo['mismatched_keys'])[:3]}")
-        extra = _relative_keys(cinfo["unexpected_keys"]) - _relative_keys(finfo["unexpected_keys"])
-        if extra:
-            problems.append(f"cut has weights its model ignores: {sorted(extra)[:3]}")
-        if len(kept) and not problems_block_fidelity(problems):
-            fl_mods, cl_mods = decoder_layers(full, n_full), decoder_layers(cut, len(kept))
-            for j, i in enumerate(kept):
-                a, b = module_signature(cl_mods[j]), module_signature(fl_mods[i])
-                if a != b:
-                    problems.append(f"cut layer {j} (source {i}) is built differently: {first_difference(a, b)[:300]}")
-            vocab = full.config.get_text_config().vocab_size
-            window = getattr(full.config.get_text_config(), "sliding_window", None)
-            seq_len = max(FIDELITY_MIN_LEN, min(int(window) + 8, 512)) if isinstance(window, int) else FIDELITY_MIN_LEN
-            rows = layer_fidelity(full, cut, kept, n_full, vocab, seq_len)
-            for r in rows:
-                if not r["equal"]:
-                    problems.append(f"cut layer {r['cut_layer']} (source {r['source_layer']}) is not bitwise equal "
-                                    f"to its source on the same hidden states ({r['why']})")
-    # 5. the rollout engine loads the cut and generates (where vLLM and a GPU are there)
-    engines = ["hf"]
-    if not problems and vllm_available():
-        engines.append("vllm")
-        why = vllm_generates(cut_dir)
-        if why:
-            problems.append(f"the cut does not load and generate in vLLM: {why}")
-    return {"problems": problems, "layers": kept, "fidelity": rows, "full_classes": full_man["operator_classes"],
-            "missing_classes": missing, "missing_transitions": missing_tr, "full_layers": n_full,
+        problems.append("cut " + cut_info[0])
+        return []
+    problems.extend(loading_problems(full_info, cut_info))
+    if not kept or problems_block_fidelity(problems):
+        return []
+    fl_mods, cl_mods = decoder_layers(full, n_full), decoder_layers(cut, len(kept))
+    for j, i in enumerate(kept):
+        a, b = module_signature(cl_mods[j]), module_signature(fl_mods[i])
+        if a != b:
+            problems.append(f"cut layer {j} (source {i}) is built differently: {first_difference(a, b)[:300]}")
+    text = full.config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    seq_len = max(FIDELITY_MIN_LEN, min(int(window) + 8, 512)) if isinstance(window, int) else FIDELITY_MIN_LEN
+    rows = layer_fidelity(full, cut, kept, n_full, text.vocab_size, seq_len)
+    problems.extend(f"cut layer {r['cut_layer']} (source {r['source_layer']}) is not bitwise equal to its source on "
+                    f"the same hidden states ({r['why']})" for r in rows if not r["equal"])
+    return rows
+
+
+def engines_checked(cut_dir: Path, problems: list[str]) -> list[str]:
+    """The rollout engine loads the cut and generates, where vLLM and a GPU are there (only a cut with no problem)."""
+    if problems or not vllm_available():
+        return ["hf"]
+    why = vllm_generates(cut_dir)
+    if why:
+        problems.append(f"the cut does not load and generate in vLLM: {why}")
+    return ["hf", "vllm"]
+
+
+def check_cut(full_dir: Path, cut_dir: Path) -> dict:
+    """Every C2 measurement on a full model and its cut; problems is empty only when the cut is faithful."""
+    full_dir, cut_dir = Path(full_dir), Path(cut_dir)
+    full_cfg, cut_cfg = read_model_config(full_dir), read_model_config(cut_dir)
+    recorded = recorded_layers(cut_dir)
+    if recorded is None:
+        return {"problems": [f"{cut_dir / CUT_RECORD}: missing or malformed cut record; the source of each layer "
+                             "is unknown"], "layers": [], "fidelity": [], "full_classes": [], "missing_classes": []}
+    rec, kept = recorded
+    problems: list[str] = []
+    full, cut = read_pair(full_dir, full_cfg, cut_dir, cut_cfg, problems)
+    kept, counts = count_problems(full, cut, kept)
+    problems += counts
+    # 1. coverage: operator classes (C0 manifest) and every layer kind the full model builds
+    missing = sorted(set(full.manifest["operator_classes"]) - set(cut.manifest["operator_classes"]))
+    if missing:
+        problems.append(f"cut manifest lacks operator classes of the full model: {', '.join(missing)}")
+    kinds, missing_tr, kind_problem = missing_kinds(full, cut)
+    # 2. per-layer tensors, shapes, dtypes and structure; the lacking kind after them, which usually say why;
+    # every kept tensor's bytes equal the source's (a cut of another version of the model fails here)
+    problems += layer_problems(full, cut, kept) + kind_problem + non_layer_problems(full, cut)
+    problems += differing_bytes(full_dir, cut_dir, kept, full.prefix, cut.prefix)
+    # 3. loads; 4. fidelity; 5. the rollout engine loads and generates
+    rows = loaded_fidelity(full_dir, cut_dir, kept, full.structure.n, problems)
+    engines = engines_checked(cut_dir, problems)
+    return {"problems": problems, "layers": kept, "fidelity": rows, "full_classes": full.manifest["operator_classes"],
+            "missing_classes": missing + kinds, "missing_transitions": missing_tr, "full_layers": full.structure.n,
             "explanation": rec.get("explanation", []), "notes": rec.get("notes", []), "engines_checked": engines}
 
 
