@@ -13,7 +13,11 @@ from pathlib import Path
 
 from tic.core.errors import TicInputError
 from tic.gates.c2 import cut_request
+from tic.harness.engines.dump import check_dump, iter_dump, pair_with_dump
+from tic.harness.engines.vllm import check_options
 from tic.harness.model.cut_check import must_build
+from tic.harness.model.generate import check_loadable_config
+from tic.harness.model.inventory import tensor_locations
 from tic.skill.fingerprint import reads_of
 
 
@@ -46,8 +50,6 @@ def check_engine(ctx, side: str) -> None:
     if c.engine == "vllm":
         if side != "rollout":
             raise TicInputError(f"{side}.engine: vllm is a rollout engine; use hf or dump")
-        from tic.harness.engines.vllm import check_options
-
         check_options(c.options)
         if not torch.cuda.is_available():
             raise TicInputError("rollout.engine is vllm but torch sees no CUDA GPU (vLLM needs one)")
@@ -64,8 +66,6 @@ def check_engine(ctx, side: str) -> None:
 def check_records_fit_model(ctx, path: Path) -> None:
     """A rollout dump a live train engine will score: every sequence needs a prompt (the first response token
     is predicted from it) and token ids inside the model's vocabulary."""
-    from tic.harness.engines.dump import iter_dump
-
     vocab = ctx.vocab_size
     for i, s in enumerate(iter_dump(path)):
         where = s.meta.get("source", f"{path} record {i}")
@@ -78,8 +78,6 @@ def check_records_fit_model(ctx, path: Path) -> None:
 
 
 def check_dumps(ctx, reads: set[str]) -> None:
-    from tic.harness.engines.dump import check_dump, iter_dump, pair_with_dump
-
     cfg = ctx.cfg
     dumps = {side: cfg.resolve(getattr(cfg, side).dump) for side in ("rollout", "train")
              if side in reads and getattr(cfg, side).engine == "dump"}
@@ -111,11 +109,7 @@ def validate_run(ctx, gates) -> None:
     if "model" in reads or "cut" in reads or live:
         ctx.model_config  # noqa: B018 - config.json checked (UTF-8, model_type, sizes)
         ctx.vocab_size  # noqa: B018
-        from tic.harness.model.generate import check_loadable_config
-
         check_loadable_config(ctx.model_source_dir)
-        from tic.harness.model.inventory import tensor_locations
-
         tensor_locations(ctx.model.dir)  # every weight header (the weights themselves are not read)
     for side in live:
         check_engine(ctx, side)

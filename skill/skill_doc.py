@@ -8,7 +8,9 @@ skill cannot name a gate, pass condition or guide that tic does not have.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
+
+from tic.gates import REGISTRY
+from tic.skill.skill_install import SKILL_FILE, package_root
 
 BEGIN = "<!-- ladder table: generated from tic.gates.REGISTRY by `python -m tic.skill.skill_doc --write` -->"
 END = "<!-- end of ladder table -->"
@@ -16,8 +18,6 @@ STEPS = {1: "target", 2: "small model, inference", 3: "training", 4: "RL, full m
 
 
 def ladder_table() -> str:
-    from tic.gates import REGISTRY
-
     rows = ["| gate | step | checks | passes when | in this release | guide |", "|---|---|---|---|---|---|"]
     for g in REGISTRY:
         status = "unavailable (never a pass)" if g.implemented_by else "measured"
@@ -41,8 +41,6 @@ def with_table(skill_md: str) -> str:
 
 def main(argv: list[str]) -> int:
     if argv == ["--write"]:
-        from tic.skill.skill_install import SKILL_FILE, package_root
-
         path = package_root() / SKILL_FILE
         text = path.read_text()
         if table_in(text) is None:

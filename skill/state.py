@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from tic.core.fsio import atomic_write_text
+from tic.gates import REGISTRY
 from tic.skill.records import GateResult
 
 UNREADABLE = "unreadable"
@@ -64,7 +65,5 @@ class LadderState:
         """Records of the named gates (default: every registered gate); only files tic names itself are read,
         so a backup such as C5.old.json is never taken for C5."""
         if gate_ids is None:
-            from tic.gates import REGISTRY
-
             gate_ids = [g.id for g in REGISTRY]
         return {g: r for g in gate_ids if (r := self.read(g)) is not None}

@@ -1,4 +1,5 @@
-"""Engine factory: a side's config ('rollout' | 'train') -> engine. vLLM is imported only when asked for."""
+"""Engine factory: a side's config ('rollout' | 'train') -> engine. vLLM itself is imported only when a vLLM engine
+is built (tic.harness.engines.vllm)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from tic.harness.engines.base import Engine, Sample, Sampling
 from tic.harness.engines.dump import DumpEngine
 from tic.harness.engines.hf import HFEngine
 from tic.harness.engines.hf_ranks import RankedHFEngine, check_options
+from tic.harness.engines.vllm import VLLMEngine
+from tic.harness.engines.vllm_ranks import RankedVLLMEngine
 from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE
 from tic.harness.model.facts import ModelFacts
 
@@ -22,9 +25,7 @@ def engine_class(side_cfg: EngineConfig) -> type[Engine]:
     if side_cfg.engine == "hf":
         return HFEngine
     if side_cfg.engine == "vllm":
-        from tic.harness.engines import vllm
-
-        return vllm.VLLMEngine
+        return VLLMEngine
     return DumpEngine
 
 
@@ -50,13 +51,6 @@ def build_engine(side: str, side_cfg: EngineConfig, model: ModelFacts | None, re
         if side != "rollout":
             raise TicInputError("vllm is a rollout engine; use train.engine: hf or dump")
         if par.dp > 1:  # one rank process per DP rank, each with its own in-process engine
-            from tic.harness.engines.vllm_ranks import RankedVLLMEngine
-
             return RankedVLLMEngine.from_config(side_cfg, model, resolve)
-        try:
-            from tic.harness.engines.vllm import VLLMEngine
-        except ImportError as e:
-            raise TicInputError(f"rollout.engine is vllm but vLLM cannot be imported ({e}); "
-                                "install tic[vllm] on a GPU machine") from None
-        return VLLMEngine.from_config(side_cfg, model, resolve)
+        return VLLMEngine.from_config(side_cfg, model, resolve)  # vLLM itself is imported when it is built
     raise TicInputError(f"{side}.engine: unknown engine {side_cfg.engine!r}")

@@ -10,6 +10,8 @@ import subprocess
 from importlib import metadata
 from typing import Any
 
+from tic import patches
+
 # Environment variables that change numerics, kernel choice, threading or transport.
 NUMERIC_ENV_PREFIXES = ("NCCL_", "CUBLAS_", "CUDNN_", "NVIDIA_TF32", "TORCH_", "VLLM_", "OMP_", "MKL_",
                         "OPENBLAS_", "CUDA_", "PYTORCH_", "TRITON_", "DG_", "DEEPEP_", "NVSHMEM_", "UCX_",
@@ -57,8 +59,6 @@ def _gpu() -> dict[str, Any]:
 
 def active_patches() -> list[str]:
     """Bundled patches active in this process, read back from the patched objects (not from a setting)."""
-    from tic import patches
-
     return sorted(patches.active())
 
 

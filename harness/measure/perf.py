@@ -17,6 +17,7 @@ from tic.core.env import env_overlay
 from tic.core.errors import TicInputError
 from tic.harness.engines import engine_class
 from tic.harness.engines.base import Engine, Sampling
+from tic.harness.measure.fingerprint import environment_fingerprint
 
 
 # The clock every pass is timed with; tests replace it with a deterministic one (a timed test on a shared
@@ -106,8 +107,6 @@ def spread(values: list[float]) -> dict:
 def side_fingerprint(engine: Engine, env: dict[str, str], workload: Workload, model_hash: str) -> dict:
     """Everything a rollout's speed and numerics depend on: environment (with this side's env vars), engine
     settings, model and workload."""
-    from tic.harness.measure.fingerprint import environment_fingerprint
-
     own = engine.process_environment()
     environment = environment_fingerprint({**own.get("env", {}), **env})
     if "patches" in own:

@@ -16,6 +16,7 @@ import torch
 from tic.core.errors import TicInputError
 from tic.core.fsio import atomic_write_text
 from tic.harness.engines.base import Engine, Sample, Sampling
+from tic.harness.engines.hf import padded_batch
 from tic.harness.measure.metrics import compare_logprobs
 
 
@@ -28,8 +29,6 @@ def synthetic_reward(samples: list[Sample]) -> torch.Tensor:
 
 def response_logprobs(engine, samples: list[Sample], sampling: Sampling) -> list[torch.Tensor]:
     """Differentiable logprob of every response token: the train engine's padded layout, with autograd."""
-    from tic.harness.engines.hf import padded_batch
-
     model = engine.model
     out: list[torch.Tensor | None] = [None] * len(samples)
     for group in engine.micro_batches(len(samples)):  # the engine's micro-batches, in its sequence order
