@@ -334,6 +334,26 @@ def test_status_reads_only_its_own_record_names_and_shows_unreadable(setup, work
     assert gates["C0"]["verdict"] == "pass"
 
 
+def test_status_sees_a_changed_cut_from_any_working_directory(setup, workdir, tic, tmp_path, monkeypatch):
+    """tic's own cut lies in the state directory beside tic.yaml, wherever `tic status` runs from: unchanged it is
+    current, changed it is stale (the hash used to look for it relative to the working directory)."""
+    _, write_config = setup
+    cfg = write_config("cut: {layers: [0, 1]}\n")
+    assert tic("gate", "C2", "-c", str(cfg))[0] == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+
+    def stale():
+        out = tic("status", "-c", str(cfg), "--json")[1]
+        return {g["gate"]: g for g in json.loads(out)["gates"]}["C2"]["stale"]
+
+    assert stale() == "no"
+    cut_config = workdir / ".tic" / "artifacts" / "C2" / "cut" / "config.json"
+    cut_config.write_text(cut_config.read_text() + "\n")
+    assert "inputs changed (cut)" in stale()
+
+
 def test_status_marks_changed_dumps_and_prompts_stale(setup, workdir, tic):
     _, write_config = setup
     r = write_dump(workdir / "r.jsonl", records())
