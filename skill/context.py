@@ -102,10 +102,7 @@ class GateContext:
 
     def _build(self, side: str, side_cfg: EngineConfig, shared_model: bool = True) -> Engine:
         model = None if side_cfg.engine == "dump" else self.model  # a dump reads no model
-        # (a rollout side on vLLM's kernels is refused before any engine is built: check_kernels)
-        on_vllm_kernels = side_cfg.engine == "hf" and side_cfg.kernels == "vllm" and side != "rollout"
-        pages = self._rollout_kv_block_size() if on_vllm_kernels else DEFAULT_KV_BLOCK_SIZE
-        return build_engine(side, side_cfg, model, self.cfg.resolve, shared_model, pages)
+        return build_engine(side, side_cfg, model, self.cfg.resolve, shared_model, self._rollout_kv_block_size)
 
     def side_engine(self, name: str, side: str, side_cfg: EngineConfig, env: dict[str, str] | None = None) -> Engine:
         """The engine `name` for one side's config, built once per run (under `env`, when given): the train

@@ -411,6 +411,18 @@ def test_a_training_side_on_vllm_kernels_is_built_with_the_rollouts_page_size(ex
     assert asked == ["rollout"] and "TIC_VLLM_BLOCK_SIZE" not in os.environ
 
 
+
+def test_a_refused_training_side_on_vllm_kernels_starts_no_rollout_engine(example, monkeypatch):
+    """The rollout's page size is asked for only after the train side's own checks pass."""
+    ctx = GateContext(load_config(example("tiny-qwen3") / "tic-consistent.yaml"))
+    ctx.cfg.rollout.engine, ctx.cfg.train.kernels = "vllm", "vllm"
+    ctx.cfg.train.options = {"no_such_option": 1}
+    asked = []
+    monkeypatch.setattr(ctx, "rollout_engine", lambda: asked.append("rollout"))
+    with pytest.raises(TicInputError, match="unknown hf option"):
+        ctx.train_engine()
+    assert asked == []
+
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 32,
          "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "hidden_act": "silu", "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,

@@ -30,11 +30,13 @@ def engine_class(side_cfg: EngineConfig) -> type[Engine]:
 
 
 def build_engine(side: str, side_cfg: EngineConfig, model: ModelFacts | None, resolve: Callable[[Path], Path],
-                 shared_model: bool = True, kv_block_size: int = DEFAULT_KV_BLOCK_SIZE) -> Engine:
+                 shared_model: bool = True,
+                 rollout_kv_block_size: Callable[[], int] = lambda: DEFAULT_KV_BLOCK_SIZE) -> Engine:
     """model: the model under test (None for a dump engine, which reads none). resolve: a path as tic.yaml
     writes it -> the file it names (TicConfig.resolve). shared_model=False: the engine gets a model object of its
-    own (hf; C8/C9 change its weights). kv_block_size: the KV page size a train side on vLLM's kernels pages its
-    prefill K/V in, the rollout's as vLLM resolved it (FA3 picks its key tile from the paging)."""
+    own (hf; C8/C9 change its weights). rollout_kv_block_size: the rollout's KV page size as vLLM resolved it,
+    asked only for a train side on vLLM's kernels and only after this side's own checks (a refused side starts
+    no rollout engine); that side pages its prefill K/V alike (FA3 picks its key tile from the paging)."""
     if side_cfg.engine == "dump":
         return DumpEngine(resolve(side_cfg.dump), side)
     assert model is not None, f"a live {side} engine needs the model under test"
@@ -44,6 +46,9 @@ def build_engine(side: str, side_cfg: EngineConfig, model: ModelFacts | None, re
         if par.tp > 1 or par.cp > 1 or par.dcp > 1:
             raise TicInputError(f"{side}.parallel: the hf engine runs data and expert parallel ranks only "
                                 f"(tp={par.tp}, cp={par.cp}, dcp={par.dcp}); C0 says which layouts are covered")
+        # (a rollout side on vLLM's kernels is refused before any engine is built: tic.skill.context.check_kernels)
+        kv_block_size = rollout_kv_block_size() if side_cfg.kernels == "vllm" and side != "rollout" \
+            else DEFAULT_KV_BLOCK_SIZE
         if par.dp > 1 or par.ep > 1:  # rank processes: CPU (gloo, DP and EP) or one GPU each (DP)
             return RankedHFEngine.from_config(side_cfg, model.dir, model.dtype, kv_block_size)
         return HFEngine.from_config(side_cfg, model.dir, model.dtype, shared_model, kv_block_size)
