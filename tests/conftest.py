@@ -10,6 +10,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
+# what running an example in place leaves beside it (generated weights, each config's state): never copied
+EXAMPLE_OUTPUTS = shutil.ignore_patterns("weights", ".tic", ".tic-*")
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -34,7 +36,7 @@ def model_with_weights(tmp_path_factory):
     from tic.harness.model.generate import generate_model
 
     d = tmp_path_factory.mktemp("model") / "tiny"
-    shutil.copytree(EXAMPLES / "tiny-qwen3", d)
+    shutil.copytree(EXAMPLES / "tiny-qwen3", d, ignore=EXAMPLE_OUTPUTS)
     w = generate_model(d, seed=0, out_dir=d / "w")
     for f in w.iterdir():
         if f.suffix == ".safetensors":
@@ -75,7 +77,7 @@ def example(tmp_path):
 
     def copy(name: str) -> Path:
         dst = tmp_path / "ex" / name
-        shutil.copytree(EXAMPLES / name, dst, ignore=shutil.ignore_patterns("weights"))
+        shutil.copytree(EXAMPLES / name, dst, ignore=EXAMPLE_OUTPUTS)
         return dst
 
     return copy

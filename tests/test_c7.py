@@ -23,7 +23,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 def _ctx(tmp, name):
     ex = tmp / name
-    shutil.copytree(EXAMPLES / name, ex, ignore=shutil.ignore_patterns("weights"))
+    shutil.copytree(EXAMPLES / name, ex, ignore=shutil.ignore_patterns("weights", ".tic", ".tic-*"))
     cfg = load_config(ex / "tic-consistent.yaml")
     cfg.prompts.count, cfg.prompts.max_len, cfg.sampling.max_tokens = 3, 10, 6
     cfg.locate.enabled = False
