@@ -22,6 +22,7 @@ class Verdict(str, Enum):
     UNAVAILABLE = "unavailable"  # not measured here (Measurement.unavailable says why): never a pass
     ERROR = "error"  # measure or judge raised
     SKIPPED = "skipped"  # not run: an earlier gate of the climb did not pass
+    WAITING = "waiting"  # nothing wrong, a step is still to be taken (C1: the baseline, a person's approval)
 
     def __str__(self) -> str:
         return self.value
@@ -40,8 +41,8 @@ class Measurement:
 
 @dataclass(frozen=True)
 class Judgement:
-    """What judge returns: pass or fail (the other verdicts come from the runner), the reason and the figure a
-    table shows for it."""
+    """What judge returns: pass, fail or waiting (a step outside tic is still to be taken: C1's baseline, a person's
+    approval; the other verdicts come from the runner), the reason and the figure a table shows for it."""
 
     verdict: Verdict
     reason: str
@@ -49,8 +50,8 @@ class Judgement:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verdict", Verdict(self.verdict))
-        if self.verdict not in (Verdict.PASS, Verdict.FAIL):
-            raise ValueError(f"a judge says pass or fail, not {self.verdict.value}; a gate that cannot measure "
+        if self.verdict not in (Verdict.PASS, Verdict.FAIL, Verdict.WAITING):
+            raise ValueError(f"a judge says pass, fail or waiting, not {self.verdict.value}; a gate that cannot measure "
                              "returns Measurement(unavailable=why)")
 
 

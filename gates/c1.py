@@ -23,7 +23,7 @@ def measure(ctx) -> Measurement:
     t = st.record.get("throughput_tok_s", {})
     wl = st.record.get("workload", {})
     return Measurement(
-        metrics={"exists": st.exists, "frozen": st.frozen, "approved": st.approved,
+        metrics={"exists": st.exists, "frozen": st.frozen, "approved": st.approved, "waiting": st.waiting,
                  "problems": len(st.all_problems), "median_tok_s": t.get("median"),
                  "passes": t.get("n"), "requests": wl.get("requests")},
         details={"directory": str(d), "hash": st.hash, "approved_by": st.approved_by,
@@ -40,6 +40,8 @@ def judge(m: Measurement) -> Judgement:
     if x["exists"] and x["frozen"] and x["approved"] and x["problems"] == 0:
         return Judgement(Verdict.PASS, f"baseline {d['hash'][:12]} frozen, approved by {d['approved_by']}, files "
                                        "unchanged since", key)
+    if x["waiting"]:  # nothing is wrong yet: the climb goes on, the exit code says a step is outstanding
+        return Judgement(Verdict.WAITING, f"waiting: {d['problems'][0]}", key)
     return Judgement(Verdict.FAIL, "; ".join(d["problems"]) or "baseline not frozen and approved", key)
 
 

@@ -22,7 +22,7 @@ def measure(ctx) -> Measurement:
     p = ctx.cfg.perf
     st = verify(baseline_dir(ctx.cfg))
     if not st.valid:
-        return Measurement(metrics={"refused": True},
+        return Measurement(metrics={"refused": True, "waiting": st.waiting},
                            details={"refused": "C1 baseline not valid: " + "; ".join(st.all_problems)})
     frozen = st.record
     wl = Workload(**frozen["workload"])
@@ -64,6 +64,8 @@ def measure(ctx) -> Measurement:
 
 def judge(m: Measurement) -> Judgement:
     x, d = m.metrics, m.details
+    if x.get("waiting"):
+        return Judgement(Verdict.WAITING, f"waiting for C1: {d['refused']}", "no comparison")
     if x["refused"]:
         return Judgement(Verdict.FAIL, f"refused: {d['refused']}", "no comparison")
     key = (f"ratio {x['ratio_median']:.3f} (min {x['ratio_min']:.3f}, max {x['ratio_max']:.3f}, "

@@ -20,7 +20,8 @@ Exit codes:
   0  every gate run passed
   1  a gate failed, or is unavailable / skipped (never counted as a pass)
   2  usage error or bad input (config, dump, model files); .tic/ is left untouched
-  3  internal error"""
+  3  internal error
+  4  nothing failed, but a gate is waiting (C1/C10: the baseline to run or freeze, or a person's approval)"""
 
 CONFIG_OPT = click.option("-c", "--config", "config_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
                           help="tic.yaml to use [default: ./tic.yaml]; results go to .tic/ beside it")
@@ -62,13 +63,13 @@ def _stdout_reserved(as_json: bool):
 
 def _finish(results, as_json: bool, junit: Path | None, title: str) -> None:
     from tic.skill import report
-    from tic.skill.runner import exit_code, unavailable_hint
+    from tic.skill.runner import exit_code, unavailable_hint, waiting_hint
 
     code = exit_code(results)
     report.console().print(report.ladder_table(results, title))
-    hint = unavailable_hint(results)
-    if hint:
-        report.console().print(hint, markup=False)
+    for hint in (unavailable_hint(results), waiting_hint(results)):
+        if hint:
+            report.console().print(hint, markup=False, soft_wrap=True)
     if junit:
         report.write_junit(junit, results)
     if as_json:

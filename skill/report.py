@@ -15,8 +15,8 @@ from tic.skill.records import GateResult
 from tic.core.fsio import atomic_write_text
 
 STYLE = {Verdict.PASS: "bold green", Verdict.FAIL: "bold red", Verdict.ERROR: "bold magenta",
-         Verdict.UNAVAILABLE: "yellow", Verdict.SKIPPED: "dim"}
-NOT_A_RESULT = (Verdict.UNAVAILABLE, Verdict.SKIPPED)  # JUnit's "skipped": nothing was compared
+         Verdict.UNAVAILABLE: "yellow", Verdict.SKIPPED: "dim", Verdict.WAITING: "cyan"}
+NOT_A_RESULT = (Verdict.UNAVAILABLE, Verdict.SKIPPED, Verdict.WAITING)  # JUnit's "skipped": nothing was compared
 
 
 def console() -> Console:

@@ -101,10 +101,24 @@ def run_ladder(ctx: GateContext, start: str = "C0", stop: str = "C10", keep_goin
     return results
 
 
+EXIT_WAITING = 4  # nothing failed; a gate waits for a step (C1's baseline, a person's approval)
+
+
 def exit_code(results: list[GateResult]) -> int:
     if any(r.verdict == Verdict.ERROR for r in results):
         return 3
-    return 0 if results and all(r.verdict == Verdict.PASS for r in results) else 1
+    if results and all(r.verdict == Verdict.PASS for r in results):
+        return 0
+    if results and all(r.verdict in (Verdict.PASS, Verdict.WAITING) for r in results):
+        return EXIT_WAITING
+    return 1
+
+
+def waiting_hint(results: list[GateResult]) -> str | None:
+    """The steps the waiting gates wait for, one line each, when waiting is all that keeps the exit code off 0."""
+    if exit_code(results) != EXIT_WAITING:
+        return None
+    return "\n".join(f"{r.gate} {r.reason}" for r in results if r.verdict == Verdict.WAITING)
 
 
 def unavailable_hint(results: list[GateResult]) -> str | None:
@@ -130,4 +144,4 @@ def unavailable_hint(results: list[GateResult]) -> str | None:
             + (f"; to run only measured gates: {ranges}" if ranges else "") + ".")
 
 
-__all__ = ["run_gate", "run_ladder", "exit_code", "validate_run", "unavailable_hint", "REGISTRY"]
+__all__ = ["run_gate", "run_ladder", "exit_code", "validate_run", "unavailable_hint", "waiting_hint", "REGISTRY"]

@@ -199,11 +199,11 @@ def test_stock_ladder_reports_real_divergences(example, workdir, tic, tmp_path):
     assert 0 < rec["C5"]["metrics"]["equal_fraction"] < 1
     assert rec["C2"]["verdict"] == "pass"
     assert rec["C7"]["verdict"] == "fail" and "train.kernels is stock" in rec["C7"]["reason"]
-    assert rec["C1"]["verdict"] == "fail" and "no baseline" in rec["C1"]["reason"]
+    assert rec["C1"]["verdict"] == "waiting" and "no baseline" in rec["C1"]["reason"]
     for g in ("C8", "C9"):  # not diff = 0 before any update: they stop at the first compare
         assert rec[g]["verdict"] == "fail", rec[g]["reason"]
         assert "not diff = 0" in rec[g]["reason"] or "version 0" in rec[g]["reason"]
-    assert rec["C10"]["verdict"] == "fail" and rec["C10"]["reason"].startswith("refused: C1 baseline")
+    assert rec["C10"]["verdict"] == "waiting" and rec["C10"]["reason"].startswith("waiting for C1: C1 baseline")
     assert "<testsuite" in junit.read_text() and "failure" in junit.read_text()
     assert "C5" in err  # the table goes to stderr
 
@@ -249,3 +249,27 @@ def test_a_gate_that_cannot_measure_here_is_unavailable_and_never_judged(example
     assert json.loads(r.model_dump_json())["verdict"] == "unavailable"  # records keep the plain value
     with pytest.raises(ValueError, match="pass or fail"):  # unavailable is said one way: by the measurement
         Judgement("unavailable", "a judge may not say it")
+
+
+def test_plain_ladder_climbs_past_a_waiting_c1(example, workdir, tic):
+    """C1 without a baseline waits (a step to take, not a failure): the climb goes on past it, exit 4."""
+    hf._MODELS.clear()
+    ex = example("tiny-qwen3")
+    code, out, err = tic("ladder", "-c", str(ex / "tic.yaml"), "--to", "C2", "--json")
+    v = {r["gate"]: r["verdict"] for r in json.loads(out)["results"]}
+    assert code == 4 and v == {"C0": "pass", "C1": "waiting", "C2": "pass"}, out
+    assert "waiting" in err and "tic baseline run" in err
+
+
+def test_a_failure_outranks_waiting_in_the_exit_code():
+    from tic.skill.records import GateResult
+    from tic.skill.runner import exit_code
+
+    def res(*verdicts):
+        return [GateResult(gate=f"C{i}", title="", verdict=v, reason="") for i, v in enumerate(verdicts)]
+
+    assert exit_code(res("pass", "waiting")) == 4
+    assert exit_code(res("pass", "waiting", "fail")) == 1
+    assert exit_code(res("waiting", "skipped")) == 1
+    assert exit_code(res("waiting", "error")) == 3
+    assert exit_code(res("pass")) == 0

@@ -59,7 +59,8 @@ def frozen_baseline(ctx: GateContext) -> None:
 def test_c1_needs_run_freeze_and_approval_and_fails_after_an_edit(small, tic):
     c = str(small)
     code, out, _ = tic("gate", "C1", "-c", c, "--json")
-    assert code == 1 and "no baseline" in json.loads(out)["results"][0]["reason"]
+    r = json.loads(out)["results"][0]
+    assert code == 4 and r["verdict"] == "waiting" and "no baseline" in r["reason"]  # a step to take, no failure
     assert tic("baseline", "run", "-c", c)[0] == 0
     d = bl.baseline_dir(load_config(small))
     reqs = [json.loads(x) for x in (d / "requests.jsonl").read_text().splitlines()]
@@ -67,11 +68,13 @@ def test_c1_needs_run_freeze_and_approval_and_fails_after_an_edit(small, tic):
     fp = json.loads((d / "baseline.json").read_text())["fingerprint"]
     assert fp["engine"]["kernels"] == "stock" and "env" in fp["environment"] and "packages" in fp["environment"]
     code, out, _ = tic("gate", "C1", "-c", c, "--json")
-    assert code == 1 and "not frozen" in json.loads(out)["results"][0]["reason"]
+    assert code == 4 and "not frozen" in json.loads(out)["results"][0]["reason"]
     assert tic("baseline", "approve", "--by", "ann", "-c", c)[0] == 2  # nothing frozen to approve
     assert tic("baseline", "freeze", "-c", c)[0] == 0
     code, out, _ = tic("gate", "C1", "-c", c, "--json")
-    assert code == 1 and "not approved" in json.loads(out)["results"][0]["reason"]
+    assert code == 4 and "not approved" in json.loads(out)["results"][0]["reason"]
+    code, out, _ = tic("gate", "C10", "-c", c, "--json")
+    assert code == 4 and json.loads(out)["results"][0]["verdict"] == "waiting"  # waits with C1, runs nothing
     assert tic("baseline", "approve", "--by", "ann", "-c", c)[0] == 0
     code, out, _ = tic("gate", "C1", "-c", c, "--json")
     assert code == 0, out
@@ -85,7 +88,7 @@ def test_c1_needs_run_freeze_and_approval_and_fails_after_an_edit(small, tic):
     (d / "requests.jsonl").write_text("\n".join([json.dumps(r0, sort_keys=True)] + lines[1:]) + "\n")
     code, out, _ = tic("gate", "C1", "-c", c, "--json")
     r = json.loads(out)["results"][0]
-    assert code == 1 and "requests.jsonl changed after the freeze" in r["reason"]
+    assert code == 1 and r["verdict"] == "fail" and "requests.jsonl changed after the freeze" in r["reason"]
     code, out, _ = tic("gate", "C10", "-c", c, "--json")
     r = json.loads(out)["results"][0]
     assert code == 1 and r["reason"].startswith("refused: C1 baseline not valid")

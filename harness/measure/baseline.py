@@ -108,6 +108,7 @@ class BaselineStatus:
     problems: list[str] = field(default_factory=list)  # the files: missing, unreadable, edited after freezing
     approval_problems: list[str] = field(default_factory=list)
     record: dict = field(default_factory=dict)
+    next_step: str = ""  # the first step not yet taken (run, freeze, a person's approval), when one is missing
 
     @property
     def all_problems(self) -> list[str]:
@@ -116,6 +117,11 @@ class BaselineStatus:
     @property
     def valid(self) -> bool:
         return self.exists and self.frozen and self.approved and not self.all_problems
+
+    @property
+    def waiting(self) -> bool:
+        """Nothing is wrong with what exists; only a step is still to be taken (C1/C10 wait, they do not fail)."""
+        return bool(self.next_step) and self.all_problems == [self.next_step]
 
 
 def _read_json(path: Path, problems: list[str]) -> dict | None:
@@ -144,12 +150,15 @@ def verify(directory: Path) -> BaselineStatus:
     st = BaselineStatus(str(directory))
     st.exists = (directory / "baseline.json").is_file()
     if not st.exists:
-        st.problems.append(f"no baseline in {directory} (`tic baseline run`)")
+        st.next_step = f"no baseline in {directory} (`tic baseline run`)"
+        st.problems.append(st.next_step)
         return st
     rec = _read_json(directory / "baseline.json", st.problems)
     st.record = rec or {}
     fr = _read_step(directory / FREEZE, "baseline not frozen (`tic baseline freeze`)", st.problems)
     if fr is None:
+        if not (directory / FREEZE).is_file():
+            st.next_step = st.problems[-1]
         return st
     st.frozen = True
     st.hash = str(fr.get("hash", ""))
@@ -166,6 +175,8 @@ def verify(directory: Path) -> BaselineStatus:
     ap = _read_step(directory / APPROVAL, "frozen baseline not approved (`tic baseline approve --by NAME`)",
                     st.approval_problems)
     if ap is None:
+        if not (directory / APPROVAL).is_file():
+            st.next_step = st.approval_problems[-1]
         return st
     st.approved_by = str(ap.get("by", ""))
     if ap.get("hash") != st.hash:
