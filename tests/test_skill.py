@@ -316,6 +316,61 @@ def test_every_quoted_tic_command_parses():
     assert checked > 20
 
 
+README = REPO / "README.md"
+
+
+def readme_commands() -> tuple[list[str], list[str]]:
+    """README.md's quoted tic commands: (concrete ones, synopses with [optional] parts or a|b choices)."""
+    text = README.read_text()
+    spans = re.findall(r"`(tic [^`]+)`", text)
+    for block in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M):
+        for line in block.splitlines():
+            spans += [p.split("#")[0].strip().removeprefix(".venv/bin/") for p in line.split("&&")
+                      if p.strip().startswith((".venv/bin/tic ", "tic "))]
+    synopses = [s for s in spans if "[" in s or "\\|" in s]
+    return [s for s in spans if s not in synopses], synopses
+
+
+def synopsis_errors(line: str) -> list[str]:
+    """A synopsis names a command that exists and only options it (or one of its subcommands) takes."""
+    from tic.skill.cli import cli
+
+    words = [w.strip("[]") for w in line.replace("\\|", " ").split()[1:]]
+    cmd, leaves = cli, [cli]
+    while isinstance(cmd, click.Group) and words and words[0] in cmd.commands:
+        # below the top: more than one named is a choice of subcommands (run|freeze)
+        named = [w for w in words if w in cmd.commands] if cmd is not cli else words[:1]
+        leaves = [cmd.commands[w] for w in named]
+        words = [w for w in words if w not in named]
+        if len(named) > 1:
+            break
+        cmd = leaves[0]
+    if cmd is cli:
+        return [f"`{line}`: no such command"]
+    known = {o for c in leaves for p in c.params for o in [*p.opts, *p.secondary_opts]}
+    return [f"`{line}`: {w} is not an option of `tic {' | '.join(c.name for c in leaves)}`" for w in words
+            if w.startswith("-") and w.split("=")[0] not in known]
+
+
+def test_every_readme_command_parses():
+    concrete, synopses = readme_commands()
+    assert len(concrete) > 8 and len(synopses) > 4
+    assert any(c.startswith("tic ladder -c examples/tiny-qwen3/tic.yaml") for c in concrete)
+    for line in concrete:
+        words = [PLACEHOLDERS.get(w, w) for w in shlex.split(line)[1:]]
+        try:
+            parse_cli(words)
+        except click.ClickException as e:
+            pytest.fail(f"README.md: `{line}` does not parse: {e.format_message()}")
+    assert [e for line in synopses for e in synopsis_errors(line)] == []
+
+
+def test_readme_synopsis_check_catches_a_wrong_option():
+    assert synopsis_errors("tic ladder -c tic.yaml [--form CN]")
+    assert synopsis_errors("tic frobnicate [--to CN]")
+    assert synopsis_errors("tic skill install --target claude\\|agents [--project\\|--user]") == []
+
+
 def test_command_parser_rejects_a_wrong_command():
     with pytest.raises(click.ClickException):
         parse_cli(["ladder", "--form", "C3"])
