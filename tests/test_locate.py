@@ -305,3 +305,17 @@ def test_identical_operator_sequences_never_end_in_different_operators():
     assert found["a_call"] == 0 and found["paired_by"] == "same sequence", found
     diff = operator_difference(found, a, b, "A", "B")
     assert diff.kind == "same operator, arguments that differ" and diff.argument == 1, diff
+
+
+def test_without_matplotlib_the_report_says_there_is_no_chart(tmp_path, monkeypatch):
+    """The chart is the `chart` extra: without matplotlib, no divergence.png, and one note in report.md."""
+    import sys
+
+    from tic.harness.locate import report
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    table = [{"stage": "model.layers.0", "max_ulp": 3, "equal": False, "first_divergent": True}]
+    assert report.write_chart(tmp_path / "divergence.png", table, "C5") == ""
+    assert not (tmp_path / "divergence.png").exists()
+    monkeypatch.delitem(sys.modules, "matplotlib")
+    assert report.write_chart(tmp_path / "divergence.png", table, "C5") == str(tmp_path / "divergence.png")

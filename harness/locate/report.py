@@ -12,6 +12,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from tic.core.fsio import atomic_write_bytes, atomic_write_text
 
 TEMPLATES = Path(__file__).parent / "templates"
+NO_CHART = "no chart: matplotlib is not installed (`pip install 'tic-consistency[chart]'`)"
 
 # what a gate's record keeps of a finding (details.locate)
 GATE_KEYS = ("status", "first_divergent_layer", "culprit_module", "first_operator", "operator_args",
@@ -33,6 +34,8 @@ def write(finding, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     out = record(finding)
     out["chart"] = write_chart(out_dir / "divergence.png", out["layers"], out["gate"])
+    if not out["chart"]:
+        out["chart_note"] = NO_CHART
     out["report"] = str(out_dir / "report.md")
     atomic_write_text(out_dir / "locate.json", json.dumps(out, indent=2, default=str))
     atomic_write_text(Path(out["report"]), render_report(out))
@@ -49,8 +52,12 @@ def gate_summary(out: dict) -> dict:
 
 
 def write_chart(path: Path, table: list[dict], gate: str) -> str:
-    """The per-stage bar chart (max ulp distance; red: the first divergent stage, green: bitwise equal)."""
-    import matplotlib
+    """The per-stage bar chart (max ulp distance; red: the first divergent stage, green: bitwise equal); "" when
+    matplotlib (the `chart` extra) is not installed: the table in report.md says the same."""
+    try:
+        import matplotlib
+    except ImportError:
+        return ""
 
     matplotlib.use("Agg")
     import io
