@@ -11,6 +11,16 @@ import click
 
 CONFIG_OPT = click.option("-c", "--config", "config_path", default="tic.yaml", show_default=True,
                           type=click.Path(dir_okay=False, path_type=Path), help="tic.yaml to use")
+JSON_OPT = click.option("--json", "as_json", is_flag=True, help="print a machine-readable record on stdout")
+
+
+def _done(as_json: bool, line: str, record: dict) -> None:
+    """The outcome: one line for a person, or (--json) the record on stdout and the line on stderr."""
+    from tic.skill import report
+
+    click.echo(line, err=as_json)
+    if as_json:
+        report.print_json(record)
 
 
 def _ctx(config_path: Path):
@@ -49,7 +59,8 @@ def command():
 @command.command("run")
 @CONFIG_OPT
 @click.option("--replace", is_flag=True, help="discard a frozen baseline (and its approval) and measure anew")
-def run_cmd(config_path, replace):
+@JSON_OPT
+def run_cmd(config_path, replace, as_json):
     """Measure the ordinary (non-consistent) rollout: per-request raw data and the environment fingerprint."""
     from tic.harness.measure.baseline import FREEZE, baseline_dir, write_baseline
     from tic.core.errors import TicInputError
@@ -64,30 +75,37 @@ def run_cmd(config_path, replace):
         record, requests = measure_baseline(ctx)
     write_baseline(d, record, requests, replace=replace)
     t = record["throughput_tok_s"]
-    click.echo(f"baseline written to {d}: {len(requests)} request records, median {t['median']:.1f} tok/s "
-               f"(min {t['min']:.1f}, max {t['max']:.1f}); next: `tic baseline freeze`")
+    _done(as_json, f"baseline written to {d}: {len(requests)} request records, median {t['median']:.1f} tok/s "
+                   f"(min {t['min']:.1f}, max {t['max']:.1f}); next: `tic baseline freeze`",
+          {"directory": str(d), "requests": len(requests), "throughput_tok_s": t, "next": "tic baseline freeze"})
 
 
 @command.command("freeze")
 @CONFIG_OPT
-def freeze_cmd(config_path):
+@JSON_OPT
+def freeze_cmd(config_path, as_json):
     """Record the content hash of the baseline files; any later edit fails C1 and C10."""
     from tic.harness.measure.baseline import baseline_dir, freeze
 
-    rec = freeze(baseline_dir(_ctx(config_path).cfg))
-    click.echo(f"baseline frozen: {rec['hash'][:16]}; next: a person reviews it and runs "
-               "`tic baseline approve --by NAME`")
+    d = baseline_dir(_ctx(config_path).cfg)
+    rec = freeze(d)
+    _done(as_json, f"baseline frozen: {rec['hash'][:16]}; next: a person reviews it and runs "
+                   "`tic baseline approve --by NAME`",
+          {"directory": str(d), "hash": rec["hash"], "next": "a person runs tic baseline approve --by NAME"})
 
 
 @command.command("approve")
 @CONFIG_OPT
 @click.option("--by", "by", required=True, help="who reviewed and approves the frozen baseline")
-def approve_cmd(config_path, by):
+@JSON_OPT
+def approve_cmd(config_path, by, as_json):
     """Human sign-off on the frozen baseline (its hash is recorded with the name)."""
     from tic.harness.measure.baseline import approve, baseline_dir
 
-    rec = approve(baseline_dir(_ctx(config_path).cfg), by)
-    click.echo(f"baseline {rec['hash'][:16]} approved by {rec['by']}")
+    d = baseline_dir(_ctx(config_path).cfg)
+    rec = approve(d, by)
+    _done(as_json, f"baseline {rec['hash'][:16]} approved by {rec['by']}",
+          {"directory": str(d), "hash": rec["hash"], "by": rec["by"]})
 
 
 @command.command("show")

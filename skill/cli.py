@@ -84,7 +84,8 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-@click.group(epilog=EXIT_CODES, context_settings={"help_option_names": ["-h", "--help"]})
+# wide enough that `tic --help` shows each command's first sentence whole
+@click.group(epilog=EXIT_CODES, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
 @click.version_option(tic.__version__, prog_name="tic")
 def cli():
     """tic: train-inference consistency gates C0-C10 (rollout and training must give bitwise-identical
@@ -98,7 +99,7 @@ def cli():
 @JSON_OPT
 @JUNIT_OPT
 def gate(gate_id, config_path, as_json, junit):
-    """Run one gate (e.g. `tic gate C5`) and record its result in .tic/."""
+    """Run one gate (`tic gate C5`) and record its result in the state folder (.tic/ beside tic.yaml)."""
     from tic.gates import get
     from tic.skill import report
     from tic.skill.runner import run_gate, validate_run
@@ -119,7 +120,7 @@ def gate(gate_id, config_path, as_json, junit):
 @JSON_OPT
 @JUNIT_OPT
 def ladder(config_path, start, stop, keep_going, as_json, junit):
-    """Climb the ladder in order; a failure stops the climb unless --keep-going."""
+    """Climb the ladder in order; a failure stops the climb unless --keep-going (a waiting C1 does not)."""
     from tic.gates import gate_range
     from tic.skill import report
     from tic.skill.runner import run_ladder, validate_run
@@ -193,12 +194,20 @@ def status(config_path, as_json):
 
 @cli.command()
 @click.argument("gate_id")
-def explain(gate_id):
+@JSON_OPT
+def explain(gate_id, as_json):
     """What a gate measures, its exact pass condition (words and code), its inputs and its guide."""
     from tic.gates import get
     from tic.skill import report
 
     g = get(gate_id)
+    guide = Path(tic.__file__).parent / g.guide
+    if as_json:
+        report.print_json({"gate": g.id, "title": g.title, "step": g.step, "measures": g.measures,
+                           "pass_condition": g.pass_condition, "implemented_by": g.implemented_by,
+                           "pass_condition_code": None if g.implemented_by else inspect.getsource(g.judge),
+                           "inputs": list(g.inputs), "artifacts": list(g.artifacts), "guide": str(guide)})
+        return
     con = report.console()
     con.print(f"[bold]{g.id} — {g.title}[/] (step {g.step})")
     con.print(f"\n[bold]Measures[/]: {g.measures}")
@@ -212,7 +221,6 @@ def explain(gate_id):
         con.print(f"[bold]Inputs[/]: {', '.join(g.inputs)}")
     if g.artifacts:
         con.print(f"[bold]Artifacts[/]: {', '.join(g.artifacts)}")
-    guide = Path(tic.__file__).parent / g.guide
     con.print(f"[bold]Guide[/]: {guide}")
     if guide.is_file():
         con.print("")

@@ -38,17 +38,22 @@ def list_(as_json):
 
 @command.command("show")
 @click.argument("name")
-def show(name):
+@click.option("--json", "as_json", is_flag=True, help="print the metadata as JSON")
+def show(name, as_json):
     """One patch's metadata: symptom, fix, gate, guide, cost, target versions."""
     from tic import patches
+    from tic.skill import report
 
     p = patches.get(name)
+    if as_json:
+        report.print_json(p.describe())
+        return
     for k, v in p.describe().items():
         click.echo(f"{k}: {v}")
 
 
 @command.command("status")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="print the patches' state as JSON")
 def status(as_json):
     """Which patches are active in this environment, verified from inside vLLM: loads vLLM's general plugins
     (as every vLLM process does) with this environment's TIC_PATCHES and reads the patched objects back."""

@@ -124,3 +124,30 @@ def test_json_stdout_gets_no_text_buffered_during_the_run():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert r.stdout == "{}\n"
     assert "buffered noise" in r.stderr and "more buffered noise" in r.stderr
+
+
+def test_every_command_takes_json_and_has_help():
+    """README: all commands take --json; `tic --help` shows each command's first sentence whole."""
+    import click
+
+    from tic.skill.cli import cli
+
+    def leaves(cmd, path):
+        if isinstance(cmd, click.Group):
+            for name, sub in cmd.commands.items():
+                yield from leaves(sub, [*path, name])
+        else:
+            yield " ".join(path), cmd
+
+    found = dict(leaves(cli, []))
+    assert {"gate", "ladder", "explain", "patch show", "baseline run", "baseline approve", "skill install"} <= set(found)
+    for name, cmd in found.items():
+        assert "--json" in {o for p in cmd.params for o in p.opts}, f"tic {name} lacks --json"
+        assert cmd.help, f"tic {name} has no help"
+        assert all(p.help for p in cmd.params if isinstance(p, click.Option)), f"tic {name}: an option lacks help"
+
+
+def test_explain_json(tic):
+    code, out, _ = tic("explain", "C5", "--json")
+    rec = json.loads(out)
+    assert code == 0 and rec["gate"] == "C5" and "def judge" in rec["pass_condition_code"]
