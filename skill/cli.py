@@ -162,7 +162,8 @@ def status(config_path, as_json):
 
         src = cfg.resolve(cfg.model.path) if cfg.model is not None else None
         if src is not None and src.is_dir() and (has_weights(src) or cfg.model.generate is not None):
-            mhash = model_hash(resolve_model_dir(cfg))
+            weights = resolve_model_dir(cfg, generate=False)  # status writes nothing: weights not generated, no hash
+            mhash = model_hash(weights) if weights is not None else None
     except TicInputError:
         mhash = None
     rows, out = [], []

@@ -151,3 +151,19 @@ def test_explain_json(tic):
     code, out, _ = tic("explain", "C5", "--json")
     rec = json.loads(out)
     assert code == 0 and rec["gate"] == "C5" and "def judge" in rec["pass_condition_code"]
+
+
+def test_status_writes_nothing_not_even_generated_weights(example, workdir, tic, tree_hash, tmp_path, monkeypatch):
+    """`tic status` reads only: on a model whose weights are not generated yet it generates none (no model
+    hash then), and once they exist it hashes them."""
+    cache = tmp_path / "empty-cache"
+    monkeypatch.setenv("TIC_CACHE", str(cache))
+    hf._MODELS.clear()
+    ex = example("tiny-qwen3")
+    before = tree_hash(ex)
+    code, out, _ = tic("status", "-c", str(ex / "tic.yaml"), "--json")
+    assert code == 0 and json.loads(out)["model_hash"] is None
+    assert tree_hash(ex) == before and not cache.exists()
+    assert tic("gate", "C0", "-c", str(ex / "tic.yaml"))[0] == 0
+    code, out, _ = tic("status", "-c", str(ex / "tic.yaml"), "--json")
+    assert code == 0 and json.loads(out)["model_hash"]

@@ -89,6 +89,15 @@ def check_loadable_config(model_dir: Path) -> None:
                             f"{msg[:300]}") from None
 
 
+def generated_dir(config_dir: Path, seed: int, init_std: float | None = None) -> Path:
+    """Where generate_model caches the weights of config_dir/config.json drawn from `seed` (generated or not)."""
+    import torch
+
+    raw = (config_dir / "config.json").read_bytes()
+    key = hashlib.sha256(raw + f"|seed={seed}|std={init_std}|torch={torch.__version__}".encode()).hexdigest()[:16]
+    return cache_root() / "models" / key
+
+
 def generate_model(config_dir: Path, seed: int, init_std: float | None = None, out_dir: Path | None = None) -> Path:
     """Build the model of config_dir/config.json with weights drawn from `seed`; save as safetensors."""
     import torch
@@ -96,9 +105,7 @@ def generate_model(config_dir: Path, seed: int, init_std: float | None = None, o
 
     from tic.harness.model.layer_structure import auto_class_for
 
-    raw = (config_dir / "config.json").read_bytes()
-    key = hashlib.sha256(raw + f"|seed={seed}|std={init_std}|torch={torch.__version__}".encode()).hexdigest()[:16]
-    out_dir = out_dir or cache_root() / "models" / key
+    out_dir = out_dir or generated_dir(config_dir, seed, init_std)
     if has_weights(out_dir):
         return out_dir
     read_model_config(config_dir)
@@ -177,8 +184,9 @@ def quantize_block_fp8(model_dir: Path, out_dir: Path, block: tuple[int, int] = 
     return out_dir
 
 
-def resolve_model_dir(cfg) -> Path:
-    """The directory engines load: the configured one, or its generated-weights cache."""
+def resolve_model_dir(cfg, generate: bool = True) -> Path | None:
+    """The directory engines load: the configured one, or its generated-weights cache (generate=False: None when
+    those weights are not generated yet, and nothing is written)."""
     model_dir = cfg.resolve(cfg.model.path)
     if not model_dir.is_dir():
         raise TicInputError(f"model directory not found: {model_dir}")
@@ -186,7 +194,11 @@ def resolve_model_dir(cfg) -> Path:
         return model_dir
     if cfg.model.generate is None:
         raise TicInputError(f"no *.safetensors in {model_dir} (add 'generate: {{seed: 0}}' to build random weights)")
-    return generate_model(model_dir, cfg.model.generate.seed, cfg.model.generate.init_std)
+    gen = cfg.model.generate
+    if not generate:
+        cached = generated_dir(model_dir, gen.seed, gen.init_std)
+        return cached if has_weights(cached) else None
+    return generate_model(model_dir, gen.seed, gen.init_std)
 
 
 def model_hash(model_dir: Path) -> str:
