@@ -123,7 +123,8 @@ def measure(ctx) -> Measurement:
                  "uninterrupted_exact": r["before_checkpoint_exact"] and r["uninterrupted_exact"],
                  "restored_sync_ok": r["restored_sync_ok"],
                  "restored_optimizer_updates": r["restored_optimizer_updates"],
-                 "stages": len(stages), "exact_stages": sum(s["exact"] for s in stages)},
+                 "stages": len(stages), "exact_stages": sum(s["exact"] for s in stages),
+                 "stages_configured": len(ctx.cfg.scale_up)},
         details={"restore": r, "stages": stages},
         evidence=[str(path)] + ([r["checkpoint"]] if r["checkpoint"] else []),
     )
@@ -131,8 +132,12 @@ def measure(ctx) -> Measurement:
 
 def judge(m: Measurement) -> Judgement:
     x, r = m.metrics, m.details["restore"]
-    key = (f"restore {'identical' if x['update_identical'] and x['rollout_identical'] else 'DIFFERS'}, "
-           f"{x['exact_stages']}/{x['stages']} scale-up stages diff = 0")
+    # the figure names only what ran: no restore verdict when the run before it already differs, no 0/0 stages
+    restore = ("restore not compared (not diff = 0 before it)" if not x["uninterrupted_exact"] else
+               f"restore {'identical' if x['update_identical'] and x['rollout_identical'] else 'DIFFERS'}")
+    stages = (f"{x['exact_stages']}/{x['stages']} scale-up stages diff = 0" if x["stages"] else
+              "scale-up not run" if x.get("stages_configured") else "no scale-up stage configured")
+    key = f"{restore}, {stages}"
     if not x["uninterrupted_exact"]:
         return Judgement(Verdict.FAIL, f"the run before the checkpoint is not diff = 0 "
                                        f"({r.get('first_diff', '')}); pass C5 and C8 first", key)

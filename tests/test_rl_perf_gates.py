@@ -385,3 +385,22 @@ def test_vllm_baseline_side_is_vllm_with_its_defaults_in_an_engine_process_of_it
     assert base.patches == [] and base.options == {"enforce_eager": False, "max_num_seqs": 32,
                                                    "engine_process": "own", "batch_invariant": False}
     assert cons.options["engine_process"] == "own"
+
+
+def test_c9_key_figure_names_only_what_ran():
+    from tic.gates.base import Measurement
+    from tic.gates.c9 import judge
+
+    base = {"restored_exact": True, "update_identical": True, "rollout_identical": True, "restored_sync_ok": True,
+            "restored_optimizer_updates": 1, "stages": 2, "exact_stages": 2, "stages_configured": 2}
+    restore = {"first_diff": "token 3", "restored_diff": "", "rollout_differs": [], "update_differs": [],
+               "restore": {}}
+
+    def key(**metrics):
+        return judge(Measurement(metrics={**base, **metrics}, details={"restore": restore, "stages": []})).key_figure
+
+    assert key(uninterrupted_exact=True) == "restore identical, 2/2 scale-up stages diff = 0"
+    nothing_ran = key(uninterrupted_exact=False, stages=0, exact_stages=0)
+    assert "identical" not in nothing_ran and "0/0" not in nothing_ran and "not run" in nothing_ran
+    assert key(uninterrupted_exact=True, stages=0, exact_stages=0, stages_configured=0).endswith("no scale-up "
+                                                                                                 "stage configured")
