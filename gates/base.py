@@ -51,8 +51,8 @@ class Judgement:
     def __post_init__(self) -> None:
         object.__setattr__(self, "verdict", Verdict(self.verdict))
         if self.verdict not in (Verdict.PASS, Verdict.FAIL, Verdict.WAITING):
-            raise ValueError(f"a judge says pass, fail or waiting, not {self.verdict.value}; a gate that cannot measure "
-                             "returns Measurement(unavailable=why)")
+            raise ValueError(f"a judge says pass, fail or waiting, not {self.verdict.value}; a gate that cannot "
+                             "measure returns Measurement(unavailable=why)")
 
 
 @dataclass

@@ -71,7 +71,7 @@ def run_cmd(config_path, replace, as_json):
     if (d / FREEZE).exists() and not replace:
         raise TicInputError(f"{d} holds a frozen baseline; `tic baseline run --replace` discards it (and its "
                             "approval)")
-    with report.console().status("measuring the baseline rollout ..."):
+    with report.progress("measuring the baseline rollout ...", as_json):
         record, requests = measure_baseline(ctx)
     write_baseline(d, record, requests, replace=replace)
     t = record["throughput_tok_s"]

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import click
+import contextlib
 from contextlib import contextmanager
 
 import tic
@@ -107,7 +108,7 @@ def gate(gate_id, config_path, as_json, junit):
     g = get(gate_id)
     ctx = _context(config_path)
     validate_run(ctx, [g])
-    with _stdout_reserved(as_json), report.console().status(f"running {g.id} ..."):
+    with _stdout_reserved(as_json), report.progress(f"running {g.id} ...", as_json):
         res = run_gate(g, ctx)
     _finish([res], as_json, junit, f"tic gate {g.id}")
 
@@ -130,11 +131,14 @@ def ladder(config_path, start, stop, keep_going, as_json, junit):
     validate_run(ctx, gates)  # and every input those gates read
     con = report.console()
 
-    def progress(r):
-        con.print(f"  {r.gate:<4} {r.verdict:<11} {r.key_figure}")
-
     con.print(f"tic ladder {start}..{stop} on {config_path or 'tic.yaml'}")
-    with _stdout_reserved(as_json):
+    ids = [g.id for g in gates]
+    with _stdout_reserved(as_json), report.progress(f"running {ids[0]} ...", as_json, con) as spinner:
+        def progress(r):
+            con.print(f"  {r.gate:<4} {r.verdict:<11} {r.key_figure}")
+            if r.gate != ids[-1]:
+                spinner.update(f"running {ids[ids.index(r.gate) + 1]} ...")
+
         results = run_ladder(ctx, start, stop, keep_going, on_result=progress, validate=False)
     _finish(results, as_json, junit, f"tic ladder ({config_path or 'tic.yaml'})")
 
@@ -152,6 +156,8 @@ def status(config_path, as_json):
     from tic.skill.fingerprint import input_hashes, reads_of
     from tic.skill.state import UNREADABLE, LadderState
 
+    spinner = contextlib.ExitStack()  # closed before the table prints
+    spinner.enter_context(report.progress("reading the records and hashing their inputs ...", as_json))
     cfg = load_config(config_path)
     state = LadderState(cfg.state_path)
     recs = state.all()
@@ -162,7 +168,7 @@ def status(config_path, as_json):
 
         src = cfg.resolve(cfg.model.path) if cfg.model is not None else None
         if src is not None and src.is_dir() and (has_weights(src) or cfg.model.generate is not None):
-            weights = resolve_model_dir(cfg, generate=False)  # status writes nothing: weights not generated, no hash
+            weights = resolve_model_dir(cfg, generate=False)  # writes nothing: not generated yet, no hash
             mhash = model_hash(weights) if weights is not None else None
     except TicInputError:
         mhash = None
@@ -188,6 +194,7 @@ def status(config_path, as_json):
         rows.append((g.id, g.title, r, stale))
         out.append({"gate": g.id, "verdict": r.verdict if r else "not run", "key_figure": r.key_figure if r else "",
                     "age_s": round(r.age_s()) if r else None, "stale": stale or None})
+    spinner.close()
     report.console().print(report.status_table(rows))
     if as_json:
         report.print_json({"config_hash": chash, "model_hash": mhash, "gates": out})
@@ -245,7 +252,8 @@ def compare(rollout, train, as_json):
     cfg = parse_config({"rollout": {"engine": "dump", "dump": str(rollout.resolve())},
                         "train": {"engine": "dump", "dump": str(train.resolve())},
                         "locate": {"enabled": False}}, Path.cwd(), "tic compare")
-    res = run_gate(get("C5"), GateContext(cfg), save=False)
+    with report.progress("comparing the dumps ...", as_json):
+        res = run_gate(get("C5"), GateContext(cfg), save=False)
     res.gate, res.title = "compare", f"{rollout} vs {train}"
     res.evidence = [str(rollout), str(train)]
     report.console().print(report.ladder_table([res], "tic compare"))

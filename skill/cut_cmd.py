@@ -72,12 +72,16 @@ def command(model_dir, out_dir, layers, max_layers, config_path, fsync, no_check
         layers = section.layers if section is not None else "auto"
     if max_layers is None:
         max_layers = section.max_layers if section is not None else 6
-    rec = cut_model(Path(model_dir), Path(out_dir), layers=layers, max_layers=max_layers, fsync=fsync)
+    from tic.skill import report
+
+    with report.progress(f"cutting {model_dir} ...", as_json):
+        rec = cut_model(Path(model_dir), Path(out_dir), layers=layers, max_layers=max_layers, fsync=fsync)
     problems = None
     if not no_check:
         from tic.harness.model.cut_check import check_cut
 
-        check = check_cut(Path(model_dir), Path(out_dir))
+        with report.progress("checking the cut (C2's checks) ...", as_json):
+            check = check_cut(Path(model_dir), Path(out_dir))
         problems = check["problems"]
         rec["check"] = {"problems": problems, "engines_checked": check.get("engines_checked", ["hf"])}
     if as_json:

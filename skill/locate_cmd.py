@@ -41,7 +41,7 @@ def command(config_path, gate_id, as_json):
     ctx = GateContext(load_config(config_path))
     validate_run(ctx, [gate])  # every input checked before the locator writes anything
     con = report.console()
-    with con.status(f"measuring {gate_id} ..."):
+    with report.progress(f"measuring {gate_id} ...", as_json, con):
         measured = gate.measure(ctx)
         verdict = gate.judge(measured)
     if verdict.verdict == "pass":
@@ -51,7 +51,7 @@ def command(config_path, gate_id, as_json):
         if as_json:
             report.print_json({"gate": gate_id, "status": "no divergence"})
         sys.exit(0)
-    with con.status(f"localising {gate_id}: {verdict.reason} ..."):
+    with report.progress(f"localising {gate_id}: {verdict.reason} ...", as_json, con):
         found = locate_for_gate(ctx, gate_id, measured, strict=True)
     con.print(f"{gate_id}: {verdict.reason}")
     for row in found["layers"]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -54,6 +55,20 @@ def status_table(rows: list[tuple[str, str, GateResult | str | None, str]]) -> T
         else:
             t.add_row(gid, title, f"[{STYLE.get(r.verdict, '')}]{r.verdict}[/]", r.key_figure, _age(r.age_s()), stale)
     return t
+
+
+def progress(text: str, as_json: bool = False, con: Console | None = None):
+    """A spinner on stderr while a step runs (`with progress(...) as p: p.update(...)`); nothing with --json or
+    when stderr is not a terminal (logs and CI get the result lines only)."""
+    con = con or console()  # the console that prints meanwhile, so its lines go above the spinner
+    if as_json or not con.is_terminal:
+        return _NoProgress()
+    return con.status(text)
+
+
+class _NoProgress(contextlib.nullcontext):
+    def update(self, *args, **kwargs) -> None:
+        pass
 
 
 def print_json(payload: dict) -> None:

@@ -140,7 +140,8 @@ def test_every_command_takes_json_and_has_help():
             yield " ".join(path), cmd
 
     found = dict(leaves(cli, []))
-    assert {"gate", "ladder", "explain", "patch show", "baseline run", "baseline approve", "skill install"} <= set(found)
+    assert {"gate", "ladder", "explain", "patch show", "baseline run", "baseline approve",
+            "skill install"} <= set(found)
     for name, cmd in found.items():
         assert "--json" in {o for p in cmd.params for o in p.opts}, f"tic {name} lacks --json"
         assert cmd.help, f"tic {name} has no help"
@@ -167,3 +168,19 @@ def test_status_writes_nothing_not_even_generated_weights(example, workdir, tic,
     assert tic("gate", "C0", "-c", str(ex / "tic.yaml"))[0] == 0
     code, out, _ = tic("status", "-c", str(ex / "tic.yaml"), "--json")
     assert code == 0 and json.loads(out)["model_hash"]
+
+
+def test_progress_only_on_a_terminal_and_never_with_json():
+    import io
+
+    from rich.console import Console
+    from rich.status import Status
+
+    from tic.skill import report
+
+    tty = Console(file=io.StringIO(), force_terminal=True)
+    assert isinstance(report.progress("running C3 ...", False, tty), Status)
+    assert not isinstance(report.progress("running C3 ...", True, tty), Status)
+    assert not isinstance(report.progress("running C3 ...", False, Console(file=io.StringIO())), Status)
+    with report.progress("x", True, tty) as p:
+        p.update("y")  # the same calls work when it is off
