@@ -67,6 +67,9 @@ def progress(text: str, as_json: bool = False, con: Console | None = None):
 
 
 class _NoProgress(contextlib.nullcontext):
+    def __enter__(self):
+        return self
+
     def update(self, *args, **kwargs) -> None:
         pass
 
