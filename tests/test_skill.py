@@ -155,6 +155,25 @@ def test_every_path_the_documents_quote_exists():
     assert missing == []
 
 
+def test_every_path_a_shipped_guide_quotes_is_in_the_installed_skill(tmp_path):
+    """SKILL.md and the guides, as installed: every repository path they quote (not only their links) is a file
+    or folder of the installed skill, so an agent that reads it can open it."""
+    plan = plan_install(tmp_path / "skills")
+    apply_install(plan)
+    guides = [plan.dest / "SKILL.md", *sorted((plan.dest / "guides").rglob("*.md"))]
+    missing = []
+    for d in guides:
+        for path in QUOTED_PATH.findall(d.read_text()):
+            path = path.rstrip(".")
+            if any(re.fullmatch(r"[A-Z_]+(\.\w+)?", part) for part in path.split("/")):
+                continue  # a placeholder (.tic/artifacts/CN/...)
+            if not (list(plan.dest.glob(path.rstrip("/"))) if "*" in path else (plan.dest / path).exists()):
+                missing.append(f"{d.relative_to(plan.dest)}: {path}")
+    assert missing == []
+    examples = {p.parent.name for p in (plan.dest / "examples").rglob("*.json")}
+    assert all((plan.dest / "examples" / e / "tic.yaml").is_file() for e in examples), examples
+
+
 def test_a_broken_link_is_reported(tmp_path):
     root = tmp_path / "pkg"
     (root / "guides").mkdir(parents=True)
