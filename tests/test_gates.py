@@ -186,6 +186,7 @@ def test_sequence_orders_are_fixed_permutations():
 
 
 # ---- stock kernels: the real CPU divergences -----------------------------------------------------------------
+@pytest.mark.slow
 def test_stock_ladder_reports_real_divergences(example, workdir, tic, tmp_path):
     hf._MODELS.clear()
     ex = example("tiny-qwen3")
@@ -208,6 +209,7 @@ def test_stock_ladder_reports_real_divergences(example, workdir, tic, tmp_path):
     assert "C5" in err  # the table goes to stderr
 
 
+@pytest.mark.slow
 def test_consistent_ladder_exits_0_over_c3_c7(example, workdir, tic):
     hf._MODELS.clear()
     ex = example("tiny-qwen3")

@@ -236,6 +236,7 @@ def test_install_cli_targets_dry_run_and_foreign_folder(tmp_path, monkeypatch, t
     assert tic("skill", "install")[0] == 2  # neither --dir nor --target
 
 
+@pytest.mark.slow
 def test_the_wheel_ships_every_linked_file(tmp_path):
     """Build the wheel from a copy of the tree (pip, no dependencies, no isolation), unpack it, install the skill
     from the unpacked package: every linked file is there and the result validates."""
@@ -401,6 +402,7 @@ def walkthrough_block() -> list[str]:
     return [ln for ln in block.splitlines() if ln.strip()]
 
 
+@pytest.mark.slow
 def test_walkthrough_reaches_c5_pass(example, monkeypatch, tic):
     """Runs SKILL.md's walkthrough block line by line in a copy of the embedded example: each `tic` line must
     exit as its comment says, `cat` lines name files that exist, other lines run in the shell. Sizes are cut
