@@ -10,8 +10,7 @@ import textwrap
 from pathlib import Path
 
 import click
-import contextlib
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import tic
 from tic.core.errors import EXIT_INPUT, EXIT_INTERNAL, TicInputError
@@ -156,7 +155,7 @@ def status(config_path, as_json):
     from tic.skill.fingerprint import input_hashes, reads_of
     from tic.skill.state import UNREADABLE, LadderState
 
-    spinner = contextlib.ExitStack()  # closed before the table prints
+    spinner = ExitStack()  # closed before the table prints
     spinner.enter_context(report.progress("reading the records and hashing their inputs ...", as_json))
     cfg = load_config(config_path)
     state = LadderState(cfg.state_path)
