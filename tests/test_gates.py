@@ -249,7 +249,7 @@ def test_a_gate_that_cannot_measure_here_is_unavailable_and_never_judged(example
     r = run_gate(gate, GateContext(load_config(example("tiny-qwen3") / "tic.yaml")), save=False)
     assert r.verdict == "unavailable" and r.reason == "this engine cannot" and exit_code([r]) == 1
     assert json.loads(r.model_dump_json())["verdict"] == "unavailable"  # records keep the plain value
-    with pytest.raises(ValueError, match="pass or fail"):  # unavailable is said one way: by the measurement
+    with pytest.raises(ValueError, match="pass, fail or waiting"):  # unavailable is said one way: by the measurement
         Judgement("unavailable", "a judge may not say it")
 
 

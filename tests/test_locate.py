@@ -317,5 +317,4 @@ def test_without_matplotlib_the_report_says_there_is_no_chart(tmp_path, monkeypa
     table = [{"stage": "model.layers.0", "max_ulp": 3, "equal": False, "first_divergent": True}]
     assert report.write_chart(tmp_path / "divergence.png", table, "C5") == ""
     assert not (tmp_path / "divergence.png").exists()
-    monkeypatch.delitem(sys.modules, "matplotlib")
-    assert report.write_chart(tmp_path / "divergence.png", table, "C5") == str(tmp_path / "divergence.png")
+    # (with matplotlib the chart is a PNG: test_planted_divergence_is_localised)
