@@ -1,0 +1,113 @@
+"""Issue 27: no output replaces an input, a record's hashes are of the bytes the gate measured, token ids are ids,
+every count is bounded and every bad input (unreadable files, paths as the run resolves them, weight headers) is
+refused with one line and exit 2 before anything under .tic/ is written; SIGTERM ends a run like SIGINT."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _one_line_exit_2(code, out, err, message=""):
+    assert code == 2, (code, out, err)
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tic: error:"), err
+    assert message in lines[0], lines[0]
+
+
+@pytest.fixture
+def model(model_with_weights, workdir):
+    d = workdir / "model"
+    shutil.copytree(model_with_weights, d)
+    return d
+
+
+def _dump(path: Path, logprobs=(-0.5, -1.25, -2.0), **extra) -> Path:
+    rec = {"prompt_ids": [5, 6, 7], "response_ids": [10, 11, 12], "logprobs": list(logprobs), **extra}
+    path.write_text(json.dumps(rec) + "\n")
+    return path
+
+
+def _dump_config(workdir: Path, name: str = "tic.yaml") -> Path:
+    _dump(workdir / "r.jsonl")
+    _dump(workdir / "t.jsonl")
+    cfg = workdir / name
+    cfg.write_text("rollout: {engine: dump, dump: r.jsonl}\ntrain: {engine: dump, dump: t.jsonl}\n"
+                   "locate: {enabled: false}\n")
+    return cfg
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ---- ids are ids; numbers float64 cannot hold are refused ---------------------------------------------------------
+@pytest.mark.parametrize("rollout, train, message", [
+    ({"prompt_ids": [-1, 6]}, {"prompt_ids": [-1, 6]}, "prompt_ids must be a list of token ids"),
+    ({"response_ids": [2**64, 11, 12]}, {"response_ids": [2**64, 11, 12]}, "response_ids must be"),
+    ({"response_ids": [True, 11, 12]}, {"response_ids": [True, 11, 12]}, "response_ids must be"),
+    ({"id": True}, {"id": 1}, "id must be a string or an integer"),
+    ({"logprobs": [-(2**53 + 1), -1, -2]}, {"logprobs": [-(2**53), -1, -2]}, "float64 cannot hold exactly"),
+    ({"weight_version": 2**64}, {"weight_version": 2**64}, "weight_version"),
+])
+def test_compare_refuses_what_is_not_an_id_or_not_exact(tic, workdir, tree_hash, rollout, train, message):
+    base = {"prompt_ids": [5, 6], "response_ids": [10, 11, 12], "logprobs": [-0.5, -1.0, -2.0]}
+    (workdir / "r.jsonl").write_text(json.dumps({**base, **rollout}) + "\n")
+    (workdir / "t.jsonl").write_text(json.dumps({**base, **train}) + "\n")
+    before = _files(workdir)
+    _one_line_exit_2(*tic("compare", "r.jsonl", "t.jsonl"), message)
+    assert _files(workdir) == before
+
+
+def test_prompts_file_token_ids_are_ids(tic, workdir, model):
+    (workdir / "p.jsonl").write_text("[5, true]\n")
+    cfg = workdir / "tic.yaml"
+    cfg.write_text(f"model: {{path: {model}}}\nprompts: {{source: file, file: p.jsonl}}\n")
+    _one_line_exit_2(*tic("gate", "C3", "-c", str(cfg)), "expected a non-empty list of token ids")
+
+
+# ---- inputs that are no regular file or cannot be read ------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["dir", "fifo"])
+def test_dump_that_is_not_a_regular_file(tic, workdir, kind):
+    cfg = _dump_config(workdir)
+    (workdir / "r.jsonl").unlink()
+    if kind == "dir":
+        (workdir / "r.jsonl").mkdir()
+    else:
+        os.mkfifo(workdir / "r.jsonl")
+    _one_line_exit_2(*tic("gate", "C5", "-c", str(cfg)), "is a directory" if kind == "dir" else "not a regular file")
+
+
+def test_unreadable_dump_is_an_input_error(tic, workdir, monkeypatch):
+    """As root no permission bit stops a read, so the system's refusal is simulated where tic opens the file."""
+    cfg = _dump_config(workdir)
+    real_open = Path.open
+
+    def refuse(self, *a, **k):
+        if self.name == "r.jsonl":
+            raise PermissionError(13, "Permission denied")
+        return real_open(self, *a, **k)
+
+    monkeypatch.setattr(Path, "open", refuse)
+    _one_line_exit_2(*tic("gate", "C5", "-c", str(cfg)), "Permission denied")
+    assert not (workdir / ".tic").exists()
+
+
+def test_prompts_file_not_utf8(tic, workdir, model):
+    (workdir / "p.jsonl").write_bytes(b"[5, 6]\n[\xff]\n")
+    cfg = workdir / "tic.yaml"
+    cfg.write_text(f"model: {{path: {model}}}\nprompts: {{source: file, file: p.jsonl}}\n")
+    _one_line_exit_2(*tic("gate", "C3", "-c", str(cfg)), "not UTF-8")
+
+
