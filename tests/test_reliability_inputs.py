@@ -77,6 +77,66 @@ def test_prompts_file_token_ids_are_ids(tic, workdir, model):
     _one_line_exit_2(*tic("gate", "C3", "-c", str(cfg)), "expected a non-empty list of token ids")
 
 
+# ---- the model's files: checked before anything is written --------------------------------------------------------
+def test_generated_model_too_large_for_memory(tic, workdir, monkeypatch):
+    """config.json with only model_type: transformers' default sizes (billions of parameters) would be
+    allocated. Measured on the meta device first; here the machine is made small rather than the model big."""
+    d = workdir / "m"
+    d.mkdir()
+    cfg_json = json.loads((REPO / "examples" / "tiny-qwen3" / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg_json))
+    real_sysconf = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda k: 1 if k == "SC_PHYS_PAGES" else real_sysconf(k))
+    cfg = workdir / "tic.yaml"
+    cfg.write_text("model: {path: m, generate: {seed: 0}}\n")
+    _one_line_exit_2(*tic("gate", "C0", "-c", str(cfg)), "state the model's sizes")
+    assert not (workdir / ".tic").exists()
+
+
+def _rewrite_header(shard: Path, change) -> None:
+    data = shard.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    change(header)
+    hb = json.dumps(header).encode()
+    hb += b" " * (-len(hb) % 8)
+    shard.write_bytes(struct.pack("<Q", len(hb)) + hb + data[8 + n:])
+
+
+def _first_tensor(h):
+    return h[next(k for k in h if k != "__metadata__")]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda h: _first_tensor(h).update(shape=[3] + _first_tensor(h)["shape"]), "data_offsets span"),
+    (lambda h: _first_tensor(h).update(dtype="Q7"), "unknown dtype 'Q7'"),
+])
+def test_weight_header_checked_before_any_record(tic, workdir, model, change, message):
+    cfg = workdir / "tic.yaml"
+    cfg.write_text(f"model: {{path: {model}}}\n")
+    code, _, err = tic("gate", "C0", "-c", str(cfg))
+    assert code == 0, err
+    _rewrite_header(model / "model.safetensors", change)
+    before = _files(workdir / ".tic")
+    _one_line_exit_2(*tic("ladder", "--to", "C2", "-c", str(cfg)), message)
+    assert _files(workdir / ".tic") == before
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.update(rope_theta=float("nan")), "not valid JSON"),
+    (lambda c: c.update(hidden_act="swishy"), "hidden_act \"swishy\" is not an activation"),
+])
+def test_model_config_refused_in_preflight(tic, workdir, model, change, message):
+    """Refused before C0 writes its record (the old code found these only where a gate builds the model)."""
+    c = json.loads((model / "config.json").read_text())
+    change(c)
+    (model / "config.json").write_text(json.dumps(c))
+    cfg = workdir / "tic.yaml"
+    cfg.write_text(f"model: {{path: {model}}}\n")
+    _one_line_exit_2(*tic("ladder", "--to", "C3", "-c", str(cfg)), message)
+    assert not (workdir / ".tic").exists()
+
+
 # ---- inputs that are no regular file or cannot be read ------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["dir", "fifo"])
 def test_dump_that_is_not_a_regular_file(tic, workdir, kind):
