@@ -77,6 +77,29 @@ def test_prompts_file_token_ids_are_ids(tic, workdir, model):
     _one_line_exit_2(*tic("gate", "C3", "-c", str(cfg)), "expected a non-empty list of token ids")
 
 
+# ---- every count bounded, before any work -------------------------------------------------------------------------
+@pytest.mark.parametrize("body, message", [
+    ("training: {updates: 100000000}\n", "training.updates"),
+    ("perf: {output_len: 100000000}\n", "perf.output_len"),
+    ("perf: {requests: 100000000}\n", "perf.requests"),
+    ("scale_up: [{max_tokens: 100000000}]\n", "scale_up.0.max_tokens"),
+    ("scale_up: [{prompt_len: 100000000}]\n", "scale_up.0.prompt_len"),
+])
+def test_counts_are_capped(tic, workdir, model, body, message):
+    cfg = workdir / "tic.yaml"
+    cfg.write_text(f"model: {{path: {model}}}\n" + body)
+    _one_line_exit_2(*tic("ladder", "-c", str(cfg)), message)
+    assert not (workdir / ".tic").exists()
+
+
+def test_max_tokens_past_the_models_positions(tic, workdir, model):
+    """max_position_embeddings of the tiny model is 512: a typo such as 100000 ran on (killed at 150 s)."""
+    cfg = workdir / "tic.yaml"
+    cfg.write_text(f"model: {{path: {model}}}\nsampling: {{max_tokens: 100000}}\n")
+    _one_line_exit_2(*tic("gate", "C3", "-c", str(cfg)), "past the model's max_position_embeddings 512")
+    assert not (workdir / ".tic").exists()
+
+
 # ---- the model's files: checked before anything is written --------------------------------------------------------
 def test_generated_model_too_large_for_memory(tic, workdir, monkeypatch):
     """config.json with only model_type: transformers' default sizes (billions of parameters) would be
@@ -135,6 +158,31 @@ def test_model_config_refused_in_preflight(tic, workdir, model, change, message)
     cfg.write_text(f"model: {{path: {model}}}\n")
     _one_line_exit_2(*tic("ladder", "--to", "C3", "-c", str(cfg)), message)
     assert not (workdir / ".tic").exists()
+
+
+# ---- the state directory as the run resolves it -------------------------------------------------------------------
+def test_state_dir_is_checked_relative_to_tic_yaml(tic, workdir):
+    """The run puts state_dir beside tic.yaml; the old check looked in the working directory (exit 3 later)."""
+    sub = workdir / "sub"
+    sub.mkdir()
+    cfg = _dump_config(sub)
+    (sub / "st").write_text("a file, not a folder")
+    cfg.write_text(cfg.read_text() + "state_dir: st\n")
+    _one_line_exit_2(*tic("gate", "C5", "-c", str(cfg)), "is not a directory")
+    assert (sub / "st").read_text() == "a file, not a folder"
+
+
+def test_dangling_state_symlink(tic, workdir):
+    cfg = _dump_config(workdir)
+    (workdir / ".tic").symlink_to(workdir / "nowhere")
+    _one_line_exit_2(*tic("gate", "C5", "-c", str(cfg)), "symbolic link to nothing")
+    assert not (workdir / "nowhere").exists()
+
+
+def test_record_path_that_is_a_directory(tic, workdir):
+    cfg = _dump_config(workdir)
+    (workdir / ".tic" / "results" / "C5.json").mkdir(parents=True)
+    _one_line_exit_2(*tic("gate", "C5", "-c", str(cfg)), "is not a regular file")
 
 
 # ---- inputs that are no regular file or cannot be read ------------------------------------------------------------
