@@ -8,7 +8,7 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from tic.core.errors import TicInputError
 from tic.core.strict_yaml import load_yaml_file
@@ -278,6 +278,11 @@ class TicConfig(Strict):
 
     # set by load_config, not by the user
     base_dir: Path = Field(Path("."), exclude=True)
+    _source_file: Path | None = PrivateAttr(None)  # the tic.yaml read, an input no output may replace
+
+    @property
+    def source_file(self) -> Path | None:
+        return self._source_file
 
     def resolve(self, p: Path | None) -> Path | None:
         if p is None:
@@ -378,4 +383,6 @@ def load_config(path: str | Path | None = None) -> TicConfig:
     path = find_config() if path is None else Path(path)
     if not path.is_file():
         raise TicInputError(f"config file not found: {path}")
-    return parse_config(load_yaml_file(path), path.resolve().parent, str(path))
+    cfg = parse_config(load_yaml_file(path), path.resolve().parent, str(path))
+    cfg._source_file = path.resolve()
+    return cfg

@@ -104,7 +104,7 @@ def gate(gate_id, config_path, as_json, junit):
 
     g = get(gate_id)
     ctx = _context(config_path)
-    validate_run(ctx, [g])
+    validate_run(ctx, [g], {"--junit": junit})
     with _stdout_reserved(as_json), report.console().status(f"running {g.id} ..."):
         res = run_gate(g, ctx)
     _finish([res], as_json, junit, f"tic gate {g.id}")
@@ -125,7 +125,7 @@ def ladder(config_path, start, stop, keep_going, as_json, junit):
 
     gates = gate_range(start, stop)  # validate the range before touching anything
     ctx = _context(config_path)
-    validate_run(ctx, gates)  # and every input those gates read
+    validate_run(ctx, gates, {"--junit": junit})  # every input those gates read; no output on an input
     con = report.console()
 
     def progress(r):

@@ -19,6 +19,7 @@ from tic.harness.model.cut_check import must_build
 from tic.harness.model.generate import check_loadable_config
 from tic.harness.model.inventory import tensor_locations
 from tic.skill.fingerprint import reads_of
+from tic.skill.outputs import check_outputs
 
 
 def check_state_dir(state_dir: Path, gate_ids=()) -> None:
@@ -121,8 +122,9 @@ def check_positions(ctx) -> None:
                             f"= {need} positions, past the model's max_position_embeddings {limit}")
 
 
-def validate_run(ctx, gates) -> None:
-    """Raise TicInputError for the first bad input any of these gates would read; write nothing."""
+def validate_run(ctx, gates, outputs: dict[str, Path] | None = None) -> None:
+    """Raise TicInputError for the first bad input any of these gates would read, or for an output (`outputs`:
+    what -> file, e.g. {"--junit": path}) that would replace an input; write nothing."""
     check_state_dir(ctx.cfg.state_path, [g.id for g in gates])
     gates = [g for g in gates if not g.implemented_by]  # a later release's gate reads nothing
     reads: set[str] = {r for g in gates for r in reads_of(g)}
@@ -145,3 +147,4 @@ def validate_run(ctx, gates) -> None:
     for g in gates:
         if g.validate is not None:
             g.validate(ctx)
+    check_outputs(ctx, reads, [g.id for g in gates], outputs or {})

@@ -52,6 +52,67 @@ def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+# ---- outputs never replace inputs ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("target", ["tic.yaml", "r.jsonl", "t.jsonl", ".tic/results/C5.json"])
+@pytest.mark.parametrize("command", [["gate", "C5"], ["ladder", "--from", "C5", "--to", "C5"]])
+def test_junit_never_replaces_an_input(tic, workdir, command, target):
+    cfg = _dump_config(workdir)
+    code, _, err = tic("gate", "C5", "-c", str(cfg))
+    assert code == 0, err
+    before = _files(workdir)
+    _one_line_exit_2(*tic(*command, "-c", str(cfg), "--junit", str(workdir / target)), "--junit")
+    assert _files(workdir) == before
+
+
+def test_junit_through_a_symlink_or_hard_link_to_an_input(tic, workdir):
+    cfg = _dump_config(workdir)
+    (workdir / "via-symlink.xml").symlink_to(workdir / "r.jsonl")
+    os.link(workdir / "t.jsonl", workdir / "via-hardlink.xml")
+    before = _files(workdir)
+    for name in ("via-symlink.xml", "via-hardlink.xml"):
+        _one_line_exit_2(*tic("gate", "C5", "-c", str(cfg), "--junit", str(workdir / name)), "an input")
+    assert _files(workdir) == before
+
+
+@pytest.mark.parametrize("target", ["model/config.json", "model/model.safetensors", "model/extra.safetensors"])
+def test_junit_never_writes_into_the_model(tic, workdir, model, target):
+    cfg = workdir / "tic.yaml"
+    cfg.write_text(f"model: {{path: {model}}}\n")
+    before = _files(workdir)
+    _one_line_exit_2(*tic("gate", "C0", "-c", str(cfg), "--junit", str(workdir / target)), "--junit")
+    assert _files(workdir) == before
+
+
+def test_junit_beside_the_model_files_is_allowed(tic, workdir, model):
+    """The examples keep tic.yaml in the model folder: a report written there replaces no input."""
+    cfg = model / "tic.yaml"
+    cfg.write_text("model: {path: .}\n")
+    code, _, err = tic("gate", "C0", "-c", str(cfg), "--junit", str(model / "report.xml"))
+    assert code == 0, err
+    assert (model / "report.xml").read_text().startswith("<?xml")
+
+
+@pytest.mark.parametrize("out", ["model", "."])
+def test_cut_out_naming_the_model_or_holding_it(tic, workdir, model, tree_hash, out):
+    cfg = workdir / "tic.yaml"
+    cfg.write_text(f"model: {{path: model}}\ncut: {{out: '{out}'}}\n")
+    before = _files(workdir)
+    _one_line_exit_2(*tic("gate", "C2", "-c", str(cfg)), "cut.out")
+    assert _files(workdir) == before
+
+
+def test_state_dir_whose_results_hold_an_input(tic, workdir):
+    (workdir / "st" / "results").mkdir(parents=True)
+    _dump(workdir / "st" / "results" / "C5.json")
+    _dump(workdir / "t.jsonl")
+    cfg = workdir / "tic.yaml"
+    cfg.write_text("rollout: {engine: dump, dump: st/results/C5.json}\ntrain: {engine: dump, dump: t.jsonl}\n"
+                   "state_dir: st\nlocate: {enabled: false}\n")
+    before = _files(workdir)
+    _one_line_exit_2(*tic("gate", "C5", "-c", str(cfg)), "the rollout dump")
+    assert _files(workdir) == before
+
+
 # ---- ids are ids; numbers float64 cannot hold are refused ---------------------------------------------------------
 @pytest.mark.parametrize("rollout, train, message", [
     ({"prompt_ids": [-1, 6]}, {"prompt_ids": [-1, 6]}, "prompt_ids must be a list of token ids"),
