@@ -113,6 +113,48 @@ def test_state_dir_whose_results_hold_an_input(tic, workdir):
     assert _files(workdir) == before
 
 
+# ---- a record's hashes are of the bytes measured ------------------------------------------------------------------
+def test_dump_edited_while_the_gate_reads_it_records_nothing(tic, workdir, monkeypatch):
+    """An RL framework still writing its dump: the file changes while C5 measures. No pass may be recorded on
+    hashes of the edited file (the old code hashed after measuring: exit 0, and `tic status` said not stale)."""
+    from tic.gates import c5
+
+    cfg = _dump_config(workdir)
+    measure = c5.GATE.measure
+
+    def measure_then_edit(ctx):
+        m = measure(ctx)
+        _dump(workdir / "t.jsonl", logprobs=(-0.5, -1.25, -2.5))  # the producer's next write
+        return m
+
+    monkeypatch.setattr(c5.GATE, "measure", measure_then_edit)
+    _one_line_exit_2(*tic("gate", "C5", "-c", str(cfg)), "changed while the gate read it")
+    assert not (workdir / ".tic" / "results" / "C5.json").exists()
+    monkeypatch.setattr(c5.GATE, "measure", measure)
+    code, _, err = tic("gate", "C5", "-c", str(cfg))
+    assert code == 1, err  # the files as they are now differ: a fail, never the earlier pass
+
+
+def test_model_edited_while_the_gate_reads_it_records_nothing(tic, workdir, model, monkeypatch):
+    from tic.gates import c0
+
+    cfg = workdir / "tic.yaml"
+    cfg.write_text(f"model: {{path: {model}}}\n")
+    measure = c0.GATE.measure
+
+    def measure_then_edit(ctx):
+        m = measure(ctx)
+        shard = model / "model.safetensors"
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 1
+        shard.write_bytes(bytes(data))
+        return m
+
+    monkeypatch.setattr(c0.GATE, "measure", measure_then_edit)
+    _one_line_exit_2(*tic("gate", "C0", "-c", str(cfg)), "the model changed")
+    assert not (workdir / ".tic" / "results" / "C0.json").exists()
+
+
 # ---- ids are ids; numbers float64 cannot hold are refused ---------------------------------------------------------
 @pytest.mark.parametrize("rollout, train, message", [
     ({"prompt_ids": [-1, 6]}, {"prompt_ids": [-1, 6]}, "prompt_ids must be a list of token ids"),
