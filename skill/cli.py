@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import signal
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import click
@@ -299,7 +301,13 @@ for _mod in EXTRA_COMMANDS:
     cli.add_command(_m.command)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM as Ctrl-C: `finally` blocks run, so no half-written file survives
+
+
 def main(argv=None) -> None:
+    in_main_thread = threading.current_thread() is threading.main_thread()  # only there can a handler be set
+    previous = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
     try:
         cli.main(args=argv, standalone_mode=False)
     except click.exceptions.Exit as e:
@@ -320,6 +328,9 @@ def main(argv=None) -> None:
         if os.environ.get("TIC_DEBUG"):
             raise
         sys.exit(EXIT_INTERNAL)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

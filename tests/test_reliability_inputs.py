@@ -322,3 +322,32 @@ def test_prompts_file_not_utf8(tic, workdir, model):
     _one_line_exit_2(*tic("gate", "C3", "-c", str(cfg)), "not UTF-8")
 
 
+# ---- SIGTERM like SIGINT: no partial cache entry ------------------------------------------------------------------
+def test_sigterm_while_generating_leaves_no_partial_cache_entry(tmp_path):
+    """The weights are being saved when SIGTERM arrives: exit as for Ctrl-C (2), the cache holds no partial
+    model (the old code died on the signal, leaving its half-written temporary folder)."""
+    cache = tmp_path / "cache"
+    model = tmp_path / "m"
+    model.mkdir()
+    shutil.copy(REPO / "examples" / "tiny-qwen3" / "config.json", model / "config.json")
+    (tmp_path / "tic.yaml").write_text("model: {path: m, generate: {seed: 0}}\n")
+    script = textwrap.dedent("""
+        import os, signal, time
+        import transformers
+        def save_then_signal(self, path, **kw):
+            os.makedirs(path, exist_ok=True)
+            open(os.path.join(path, "model.safetensors"), "wb").write(b"partial")
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+        transformers.PreTrainedModel.save_pretrained = save_then_signal
+        from tic.skill.cli import main
+        main(["gate", "C0", "-c", "tic.yaml"])
+    """)
+    env = {**os.environ, "TIC_CACHE": str(cache)}
+    p = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert p.returncode != -signal.SIGTERM
+    left = [str(x.relative_to(cache)) for x in cache.rglob("*") if x.is_file()] if cache.exists() else []
+    assert left == []
+    assert not (tmp_path / ".tic").exists()
