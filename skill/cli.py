@@ -312,8 +312,9 @@ def main(argv=None) -> None:
         cli.main(args=argv, standalone_mode=False)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
-    except click.ClickException as e:
-        e.show()
+    except click.ClickException as e:  # a usage error too: one line, like every other bad input
+        message = " ".join(line.strip() for line in e.format_message().splitlines() if line.strip())
+        click.echo(f"tic: error: {message}", err=True)
         sys.exit(EXIT_INPUT)
     except click.exceptions.Abort:
         sys.exit(EXIT_INPUT)
