@@ -53,3 +53,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
+
+
+def read_input_text(path: Path, what: str) -> str:
+    """A whole input file as UTF-8 text; unreadable or not UTF-8 is one clear input error."""
+    with open_input(path, what) as f:
+        try:
+            raw = f.read()
+        except OSError as e:
+            raise TicInputError(f"{what} {path}: cannot read ({e.strerror or e})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TicInputError(f"{path}: not UTF-8 text (byte {e.start})") from None

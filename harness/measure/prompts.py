@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from tic.core.errors import TicInputError
-from tic.core.fsio import open_input
+from tic.core.fsio import read_input_text
 from tic.harness.engines.dump import is_token_id
 
 
@@ -21,15 +21,7 @@ def random_prompts(count: int, vocab_size: int, min_len: int, max_len: int, seed
 
 
 def file_prompts(path: Path, vocab_size: int) -> list[list[int]]:
-    with open_input(path, "prompts file") as f:
-        try:
-            raw = f.read()
-        except OSError as e:
-            raise TicInputError(f"prompts file {path}: cannot read ({e.strerror or e})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise TicInputError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    text = read_input_text(path, "prompts file")
     out = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
