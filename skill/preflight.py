@@ -32,6 +32,8 @@ def check_state_dir(state_dir: Path, gate_ids=()) -> None:
             raise TicInputError(f"state_dir: {p} is a symbolic link to nothing ({os.readlink(p)})")
         if p.exists() and not p.is_dir():
             raise TicInputError(f"state_dir: {p} exists and is not a directory")
+        if p.is_dir() and not os.access(p, os.W_OK | os.X_OK):  # else found only when the first record is saved
+            raise TicInputError(f"state_dir: {p} is not writable")
     for g in gate_ids:
         rec = root / "results" / f"{g}.json"
         if rec.is_symlink() or (rec.exists() and not rec.is_file()):

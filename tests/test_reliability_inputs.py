@@ -289,6 +289,17 @@ def test_record_path_that_is_a_directory(tic, workdir):
 
 
 # ---- inputs that are no regular file or cannot be read ------------------------------------------------------------
+def test_read_only_results_folder(tic, workdir, monkeypatch):
+    """Found only after measuring before (exit 3). As root no mode bit refuses a write: os.access says no."""
+    cfg = _dump_config(workdir)
+    results = workdir / ".tic" / "results"
+    results.mkdir(parents=True)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != results and real_access(p, mode))
+    _one_line_exit_2(*tic("gate", "C5", "-c", str(cfg)), "is not writable")
+    assert not any(results.iterdir())
+
+
 @pytest.mark.parametrize("kind", ["dir", "fifo"])
 def test_dump_that_is_not_a_regular_file(tic, workdir, kind):
     cfg = _dump_config(workdir)
