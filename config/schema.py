@@ -8,7 +8,7 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from tic.core.errors import TicInputError
 from tic.core.strict_yaml import load_yaml_file
@@ -193,20 +193,20 @@ class TrainingConfig(Strict):
 
     updates_per_step: int = Field(1, ge=1, le=MAX_COUNT, description="optimizer updates per RL step (the method needs 1)")
     speculative_decoding: bool = False
-    updates: int = Field(2, ge=1, description="C8: consecutive RL updates, each followed by weight sync")
+    updates: int = Field(2, ge=1, le=MAX_COUNT, description="C8: consecutive RL updates, each followed by weight sync")
     lr: float = Field(1e-3, gt=0, description="C8/C9: AdamW learning rate of the policy-gradient step")
 
 
 class PerfConfig(Strict):
     """C1/C10: the rollout workload measured for throughput, and what makes the baseline."""
 
-    requests: int = Field(16, ge=1, description="requests per measured pass")
-    input_len: int = Field(32, ge=1, description="prompt tokens per request")
-    output_len: int = Field(32, ge=1, description="generated tokens per request")
-    concurrency: int = Field(8, ge=1, description="requests submitted together (one engine batch)")
+    requests: int = Field(16, ge=1, le=MAX_COUNT, description="requests per measured pass")
+    input_len: int = Field(32, ge=1, le=MAX_COUNT, description="prompt tokens per request")
+    output_len: int = Field(32, ge=1, le=MAX_COUNT, description="generated tokens per request")
+    concurrency: int = Field(8, ge=1, le=MAX_COUNT, description="requests submitted together (one engine batch)")
     seed: int = 0
-    warmup: int = Field(1, ge=0, description="unmeasured passes per side before timing")
-    repeats: int = Field(3, ge=1, description="C10: measured passes per side, alternating baseline/consistent")
+    warmup: int = Field(1, ge=0, le=MAX_COUNT, description="unmeasured passes per side before timing")
+    repeats: int = Field(3, ge=1, le=MAX_COUNT, description="C10: measured passes per side, alternating baseline/consistent")
     floor: float = Field(0.70, gt=0, description="C10: least consistent/baseline throughput ratio (median)")
     baseline: dict[str, Any] | None = Field(
         None, description="rollout.* changes that make the baseline (default: the engine's consistency "
@@ -224,8 +224,8 @@ class ScaleStage(Strict):
     model_path: Path | None = Field(None, description="another model directory (e.g. the full model)")
     config: dict[str, Any] = Field(default_factory=dict,
                                    description="config.json changes for generated weights, e.g. num_hidden_layers")
-    prompt_len: int | None = Field(None, ge=1, description="longest prompt (prompts.max_len) at this stage")
-    max_tokens: int | None = Field(None, ge=1, description="generated tokens per request at this stage")
+    prompt_len: int | None = Field(None, ge=1, le=MAX_COUNT, description="longest prompt (prompts.max_len) at this stage")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_COUNT, description="generated tokens per request at this stage")
 
 
 class GradientsConfig(Strict):
@@ -278,6 +278,11 @@ class TicConfig(Strict):
 
     # set by load_config, not by the user
     base_dir: Path = Field(Path("."), exclude=True)
+    _source_file: Path | None = PrivateAttr(None)  # the tic.yaml read, an input no output may replace
+
+    @property
+    def source_file(self) -> Path | None:
+        return self._source_file
 
     def resolve(self, p: Path | None) -> Path | None:
         if p is None:
@@ -378,4 +383,6 @@ def load_config(path: str | Path | None = None) -> TicConfig:
     path = find_config() if path is None else Path(path)
     if not path.is_file():
         raise TicInputError(f"config file not found: {path}")
-    return parse_config(load_yaml_file(path), path.resolve().parent, str(path))
+    cfg = parse_config(load_yaml_file(path), path.resolve().parent, str(path))
+    cfg._source_file = path.resolve()
+    return cfg

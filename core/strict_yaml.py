@@ -9,6 +9,7 @@ from yaml.constructor import ConstructorError
 from yaml.nodes import MappingNode
 
 from tic.core.errors import TicInputError
+from tic.core.fsio import read_input_text
 
 
 class StrictSafeLoader(yaml.SafeLoader):
@@ -48,14 +49,7 @@ def _where(err: yaml.YAMLError) -> str:
 def load_yaml_file(path: Path):
     """Parse a YAML file strictly; any problem is a one-line TicInputError naming the file."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise TicInputError(f"{path}: cannot read ({e.strerror or e})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise TicInputError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    text = read_input_text(path, "config file")
     try:
         return yaml.load(text, Loader=StrictSafeLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import signal
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import click
@@ -106,7 +108,7 @@ def gate(gate_id, config_path, as_json, junit):
 
     g = get(gate_id)
     ctx = _context(config_path)
-    validate_run(ctx, [g])
+    validate_run(ctx, [g], {"--junit": junit})
     with _stdout_reserved(as_json), report.progress(f"running {g.id} ...", as_json):
         res = run_gate(g, ctx)
     _finish([res], as_json, junit, f"tic gate {g.id}")
@@ -127,7 +129,7 @@ def ladder(config_path, start, stop, keep_going, as_json, junit):
 
     gates = gate_range(start, stop)  # validate the range before touching anything
     ctx = _context(config_path)
-    validate_run(ctx, gates)  # and every input those gates read
+    validate_run(ctx, gates, {"--junit": junit})  # every input those gates read; no output on an input
     con = report.console()
 
     con.print(f"tic ladder {start}..{stop} on {config_path or 'tic.yaml'}")
@@ -316,13 +318,20 @@ for _mod in EXTRA_COMMANDS:
     cli.add_command(_m.command)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM as Ctrl-C: `finally` blocks run, so no half-written file survives
+
+
 def main(argv=None) -> None:
+    in_main_thread = threading.current_thread() is threading.main_thread()  # only there can a handler be set
+    previous = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
     try:
         cli.main(args=argv, standalone_mode=False)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
-    except click.ClickException as e:
-        e.show()
+    except click.ClickException as e:  # a usage error too: one line, like every other bad input
+        message = " ".join(line.strip() for line in e.format_message().splitlines() if line.strip())
+        click.echo(f"tic: error: {message}", err=True)
         sys.exit(EXIT_INPUT)
     except click.exceptions.Abort:
         sys.exit(EXIT_INPUT)
@@ -337,6 +346,9 @@ def main(argv=None) -> None:
         if os.environ.get("TIC_DEBUG"):
             raise
         sys.exit(EXIT_INTERNAL)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

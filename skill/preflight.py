@@ -19,15 +19,25 @@ from tic.harness.model.cut_check import must_build
 from tic.harness.model.generate import check_loadable_config
 from tic.harness.model.inventory import tensor_locations
 from tic.skill.fingerprint import reads_of
+from tic.skill.outputs import check_outputs
 
 
-def check_state_dir(state_dir: Path) -> None:
+def check_state_dir(state_dir: Path, gate_ids=()) -> None:
     """The state directory and the folders tic writes in it must be directories (or not exist yet), under a
-    writable directory."""
+    writable directory; each record the run writes must be a file (or not exist yet). Pass the state directory
+    as the run resolves it (cfg.state_path: relative to tic.yaml's folder)."""
     root = Path(state_dir)
     for p in (root, root / "results", root / "artifacts"):
+        if p.is_symlink() and not p.exists():
+            raise TicInputError(f"state_dir: {p} is a symbolic link to nothing ({os.readlink(p)})")
         if p.exists() and not p.is_dir():
             raise TicInputError(f"state_dir: {p} exists and is not a directory")
+        if p.is_dir() and not os.access(p, os.W_OK | os.X_OK):  # else found only when the first record is saved
+            raise TicInputError(f"state_dir: {p} is not writable")
+    for g in gate_ids:
+        rec = root / "results" / f"{g}.json"
+        if rec.is_symlink() or (rec.exists() and not rec.is_file()):
+            raise TicInputError(f"state_dir: the record {rec} exists and is not a regular file")
     first = root
     while not first.exists():
         if first.parent == first:
@@ -99,9 +109,25 @@ def check_cut(ctx) -> None:
     must_build(cut_request(ctx.cfg, ctx.state), ctx.model.dir, ctx.model_hash)
 
 
-def validate_run(ctx, gates) -> None:
-    """Raise TicInputError for the first bad input any of these gates would read; write nothing."""
-    check_state_dir(ctx.cfg.state_dir)
+def check_positions(ctx) -> None:
+    """A live rollout writes prompt + max_tokens positions: past the model's max_position_embeddings the run
+    would go on outside what the model was made for (and, for a typo such as max_tokens: 900000, for hours)."""
+    text = ctx.model_config.get("text_config", ctx.model_config)
+    limit = text.get("max_position_embeddings") if isinstance(text, dict) else None
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return
+    p = ctx.cfg.prompts
+    longest = max(map(len, ctx.prompts)) if p.source == "file" else p.max_len
+    need = longest + ctx.cfg.sampling.max_tokens
+    if need > limit:
+        raise TicInputError(f"prompts of up to {longest} tokens + sampling.max_tokens {ctx.cfg.sampling.max_tokens} "
+                            f"= {need} positions, past the model's max_position_embeddings {limit}")
+
+
+def validate_run(ctx, gates, outputs: dict[str, Path] | None = None) -> None:
+    """Raise TicInputError for the first bad input any of these gates would read, or for an output (`outputs`:
+    what -> file, e.g. {"--junit": path}) that would replace an input; write nothing."""
+    check_state_dir(ctx.cfg.state_path, [g.id for g in gates])
     gates = [g for g in gates if not g.implemented_by]  # a later release's gate reads nothing
     reads: set[str] = {r for g in gates for r in reads_of(g)}
     cfg = ctx.cfg
@@ -115,9 +141,12 @@ def validate_run(ctx, gates) -> None:
         check_engine(ctx, side)
     if "rollout" in live and "prompts" in reads and cfg.prompts.source == "file":
         ctx.prompts  # noqa: B018 - the prompts file, each token inside the vocabulary
+    if "rollout" in live and "prompts" in reads:
+        check_positions(ctx)
     check_dumps(ctx, reads)
     if "cut" in reads:
         check_cut(ctx)
     for g in gates:
         if g.validate is not None:
             g.validate(ctx)
+    check_outputs(ctx, reads, [g.id for g in gates], outputs or {})

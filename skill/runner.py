@@ -9,6 +9,7 @@ import tic
 from tic.gates import REGISTRY, gate_range
 from tic.gates.base import Gate, Measurement, Verdict
 from tic.harness.measure.metrics import NonFiniteLogprob
+from tic.harness.model import generate
 from tic.skill.context import GateContext
 from tic.core.errors import TicInputError, raised_at
 from tic.skill.fingerprint import input_hashes, reads_of
@@ -38,11 +39,35 @@ def _layouts(ctx: GateContext) -> dict:
     return {side: getattr(ctx.cfg, side).parallel.model_dump() for side in ("rollout", "train")}
 
 
+BUILT = ("cut",)  # inputs a gate of the run builds itself (C2 cuts, then checks, the cut): hashed as built
+
+
+def _read_hashes(gate: Gate, ctx: GateContext, fresh: bool = False) -> tuple[str, dict[str, str]]:
+    """(model hash, input hashes) of what the gate reads; fresh: the model hashed again, not the run's first."""
+    try:
+        mhash = (generate.model_hash(ctx.model.dir) if fresh else ctx.model_hash) if gate.needs_model else ""
+    except TicInputError:
+        mhash = ""
+    return mhash, input_hashes(ctx.cfg, reads_of(gate))
+
+
+def _refuse_changed_during(gate: Gate, before: tuple[str, dict], after: tuple[str, dict]) -> None:
+    """A record's hashes must be of the bytes the gate measured: hashed before, hashed again after, and a file
+    that changed meanwhile (a dump its producer was still writing) makes the run an input error, not a record."""
+    changed = ["the model"] if before[0] != after[0] else []
+    changed += sorted(k for k in set(before[1]) | set(after[1])
+                      if k not in BUILT and before[1].get(k) != after[1].get(k))
+    if changed:
+        raise TicInputError(f"{gate.id}: {', '.join(changed)} changed while the gate read it, so no result is "
+                            "recorded; rerun once the files are complete")
+
+
 def run_gate(gate: Gate, ctx: GateContext, save: bool = True) -> GateResult:
     t0 = time.perf_counter()
     details: dict = {}
     evidence: list[str] = []
     metrics: dict = {}
+    read_before = _read_hashes(gate, ctx)
     try:
         measured = gate.measure(ctx)
         metrics, details, evidence = dict(measured.metrics), dict(measured.details), list(measured.evidence)
@@ -63,11 +88,9 @@ def run_gate(gate: Gate, ctx: GateContext, save: bool = True) -> GateResult:
     except Exception as e:
         verdict, reason, key = Verdict.ERROR, f"{type(e).__name__}: {e}", ""
         details = {"traceback": traceback.format_exc()}
-    try:
-        mhash = ctx.model_hash if gate.needs_model else ""
-    except TicInputError:
-        mhash = ""
-    inputs = input_hashes(ctx.cfg, reads_of(gate))
+    read_after = _read_hashes(gate, ctx, fresh=True)
+    _refuse_changed_during(gate, read_before, read_after)
+    mhash, inputs = read_before[0], {**read_before[1], **{k: read_after[1][k] for k in BUILT if k in read_after[1]}}
     res = GateResult(gate=gate.id, title=gate.title, verdict=verdict, reason=reason, key_figure=key, metrics=metrics,
                      details=details, evidence=evidence, config_hash=ctx.cfg.config_hash(), model_hash=mhash,
                      inputs=inputs, environment={**environment_fingerprint(), "parallel": _layouts(ctx)},

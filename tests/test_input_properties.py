@@ -216,3 +216,106 @@ def test_mutated_dumps_exit_0_1_or_2(space, monkeypatch, tic, tree_hash, pair):
     if code == 2:
         assert len(err.strip().splitlines()) == 1
     assert tree_hash(d) == before
+
+
+# ---- issue 27: outputs never name an input; exit 0 only on valid ids --------------------------------------------
+TARGETS = ["tic.yaml", "model/config.json", "model/model.safetensors", "model/new.safetensors", "prompts.jsonl",
+           "r.jsonl", "t.jsonl", "link-to-r", "hard-to-t", "model", ".", "fresh.xml", "state/results/C0.json",
+           "state/results", "sub/fresh.xml", "model/report.xml"]
+RUN_INPUTS = {"C5": ["tic.yaml", "r.jsonl", "t.jsonl"],
+              "C0": ["tic.yaml", "model/config.json", "model/model.safetensors", "prompts.jsonl"]}
+RUN_INPUTS["C2"] = RUN_INPUTS["C0"]
+
+
+def _names_an_input(d: Path, target: str, inputs: list[str]) -> bool:
+    real = Path(os.path.realpath(d / target))
+    if real.exists() and any(real == Path(os.path.realpath(d / i)) or os.path.samefile(real, d / i) for i in inputs):
+        return True
+    return "model/config.json" in inputs and real.suffix == ".safetensors" and real.parent == (d / "model").resolve()
+
+
+@fast(64)
+@given(writer=st.sampled_from(["junit C0", "junit C5", "state_dir C0", "cut.out C2"]),
+       target=st.sampled_from(TARGETS))
+def test_outputs_never_replace_inputs(space, monkeypatch, tic, tree_hash, writer, target):
+    """Every writer pointed at every kind of path: an input is never replaced (exit 2, one line), and whatever
+    the exit, each input file stays byte for byte as it was; never exit 3."""
+    d, _ = space
+    monkeypatch.chdir(d)
+    for name in ("r.jsonl", "t.jsonl"):
+        (d / name).write_text("".join(json.dumps(r) + "\n" for r in records()))
+    for link, to, make in (("link-to-r", "r.jsonl", os.symlink), ("hard-to-t", "t.jsonl", os.link)):
+        if not os.path.lexists(d / link):
+            make(d / to, d / link)
+    shutil.rmtree(d / "state", ignore_errors=True)
+    shutil.rmtree(d / "sub", ignore_errors=True)
+    kind, gate = writer.split()
+    body = ("rollout: {engine: dump, dump: r.jsonl}\ntrain: {engine: dump, dump: t.jsonl}\nlocate: {enabled: false}\n"
+            if gate == "C5" else "model: {path: model}\nprompts: {source: file, file: prompts.jsonl}\n")
+    body += "state_dir: state\n" if kind != "state_dir" else f"state_dir: '{target}'\n"
+    if kind == "cut.out":
+        body += f"cut: {{out: '{target}'}}\n"
+    (d / "tic.yaml").write_text(body)
+    inputs = {i: (d / i).read_bytes() for i in RUN_INPUTS[gate]}
+    if kind == "junit":
+        code, _, err = tic("gate", gate, "-c", "tic.yaml", "--junit", target)
+    elif kind == "cut.out":  # the preflight alone: C2 itself loads the model twice
+        code = _validate_gates(d / "tic.yaml", ["C2"])
+        err = ""
+    else:
+        code, _, err = tic("gate", gate, "-c", "tic.yaml")
+    assert code in (0, 1, 2), err
+    if code == 2 and err:
+        assert len(err.strip().splitlines()) == 1, err
+    assert {i: (d / i).read_bytes() for i in RUN_INPUTS[gate]} == inputs
+    if kind in ("junit", "cut.out") and _names_an_input(d, target, RUN_INPUTS[gate]):
+        assert code == 2, (writer, target)
+
+
+def _validate_gates(cfg_path: Path, gate_ids: list[str]) -> int:
+    from tic.config.schema import load_config
+    from tic.gates import get
+    from tic.skill.context import GateContext
+    from tic.skill.preflight import validate_run
+
+    try:
+        validate_run(GateContext(load_config(cfg_path)), [get(g) for g in gate_ids])
+    except TicInputError as e:
+        assert str(e).strip() and len(str(e).splitlines()) == 1
+        return 2
+    return 0
+
+
+ID_VALUES = [0, 5, -1, 2**53, 2**53 + 1, 2**63 - 1, 2**63, 2**64, True, False, 1.0, "5", None]
+
+
+def _valid_id(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
+
+
+@fast(150)
+@given(where=st.sampled_from(["prompt_ids", "response_ids", "id", "logprobs"]), value=st.sampled_from(ID_VALUES),
+       both=st.booleans())
+def test_compare_passes_only_on_ids_that_are_ids(space, monkeypatch, tic, where, value, both):
+    """exit 0 only on valid input: a token id that is not one (negative, past int64, a bool, a float), a record
+    id true (which would pair with 1), a logprob float64 cannot hold exactly: exit 2 with one line, never 0."""
+    d, _ = space
+    monkeypatch.chdir(d)
+    sides = [records(1), records(1)]
+    for recs in sides if both else sides[:1]:
+        if where == "id":
+            recs[0]["id"] = value
+        elif where == "logprobs":
+            recs[0]["logprobs"][0] = -value if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+        else:
+            recs[0][where][0] = value
+    for name, recs in zip(("r.jsonl", "t.jsonl"), sides):
+        (d / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    code, _, err = tic("compare", "r.jsonl", "t.jsonl")
+    assert code in (0, 1, 2), err
+    valid = {"id": value is None or isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)),
+             "logprobs": (isinstance(value, (int, float)) and not isinstance(value, bool)
+                          and float(-value) == -value),
+             }.get(where, _valid_id(value))
+    if not valid:
+        assert code == 2 and len(err.strip().splitlines()) == 1, (where, value, code, err)

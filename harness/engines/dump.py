@@ -29,13 +29,22 @@ import torch
 
 from tic.harness.engines.base import Engine, Sample, Sampling
 from tic.core.errors import TicInputError
+from tic.core.fsio import open_input
 
 REQUIRED = ("prompt_ids", "response_ids", "logprobs")
 KNOWN = set(REQUIRED) | {"mask", "weight_version", "id"}
 
 
+INT64_MAX = 2**63 - 1
+
+
+def is_token_id(v) -> bool:
+    """A token id: an integer (never a bool) in [0, 2^63), so it fits the int64 tensors engines build."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= INT64_MAX
+
+
 def _int_list(v) -> bool:
-    return isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+    return isinstance(v, list) and all(is_token_id(i) for i in v)
 
 
 def _reject_constant(name: str):
@@ -59,9 +68,9 @@ def parse_line(line: str, where: str) -> Sample:
     if unknown:
         raise TicInputError(f"{where}: unknown field '{unknown[0]}'")
     if not _int_list(obj["prompt_ids"]):
-        raise TicInputError(f"{where}: prompt_ids must be a list of integers")
+        raise TicInputError(f"{where}: prompt_ids must be a list of token ids (integers in [0, 2^63))")
     if not _int_list(obj["response_ids"]) or not obj["response_ids"]:
-        raise TicInputError(f"{where}: response_ids must be a non-empty list of integers")
+        raise TicInputError(f"{where}: response_ids must be a non-empty list of token ids (integers in [0, 2^63))")
     lps = obj["logprobs"]
     if not isinstance(lps, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lps):
         raise TicInputError(f"{where}: logprobs must be a list of numbers")
@@ -73,6 +82,8 @@ def parse_line(line: str, where: str) -> Sample:
             v = float(x)
         except OverflowError:
             raise TicInputError(f"{where}: logprob {j} is an integer too large for a float") from None
+        if isinstance(x, int) and int(v) != x:  # two such integers that differ in the file would compare equal
+            raise TicInputError(f"{where}: logprob {j} is the integer {x}, which float64 cannot hold exactly")
         if not math.isfinite(v):
             raise TicInputError(f"{where}: logprob {j} is {v}")
         if v > 0:
@@ -84,24 +95,35 @@ def parse_line(line: str, where: str) -> Sample:
             raise TicInputError(f"{where}: mask must be a list of {n} values 0/1")
         mask = torch.tensor([bool(x) for x in m])
     wv = obj.get("weight_version")
-    if wv is not None and (not isinstance(wv, int) or isinstance(wv, bool)):
+    if wv is not None and (not isinstance(wv, int) or isinstance(wv, bool) or abs(wv) > INT64_MAX):
         raise TicInputError(f"{where}: weight_version must be an integer")
     sid = obj.get("id")
-    if sid is not None and not isinstance(sid, (str, int)):
-        raise TicInputError(f"{where}: id must be a string or an integer")
+    if sid is not None and (isinstance(sid, bool) or not isinstance(sid, (str, int))):
+        raise TicInputError(f"{where}: id must be a string or an integer")  # true would pair with 1
     return Sample(obj["prompt_ids"], obj["response_ids"], torch.tensor([float(x) for x in lps], dtype=torch.float64),
                   mask, wv, sid,
                   meta={"source": where})
 
 
+def _read_lines(f, path: Path) -> Iterator[tuple[int, bytes]]:
+    n = 0
+    while True:
+        try:
+            raw = f.readline()
+        except OSError as e:
+            raise TicInputError(f"dump file {path}: cannot read ({e.strerror or e})") from None
+        if not raw:
+            return
+        n += 1
+        yield n, raw
+
+
 def _lines(path: Path) -> Iterator[tuple[int, int, str]]:
     """(line number, byte offset, text) of each non-blank line, read one at a time."""
     path = Path(path)
-    if not path.is_file():
-        raise TicInputError(f"dump file not found: {path}")
     offset = 0
-    with path.open("rb") as f:
-        for n, raw in enumerate(f, 1):
+    with open_input(path, "dump file") as f:
+        for n, raw in _read_lines(f, path):
             start, offset = offset, offset + len(raw)
             try:
                 line = raw.decode("utf-8")

@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 
 from tic.core.errors import TicInputError
+from tic.core.fsio import read_input_text
+from tic.harness.engines.dump import is_token_id
 
 
 def random_prompts(count: int, vocab_size: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
@@ -19,19 +21,17 @@ def random_prompts(count: int, vocab_size: int, min_len: int, max_len: int, seed
 
 
 def file_prompts(path: Path, vocab_size: int) -> list[list[int]]:
-    if not path.is_file():
-        raise TicInputError(f"prompts file not found: {path}")
+    text = read_input_text(path, "prompts file")
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TicInputError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise TicInputError(f"{path}:{n}: not valid JSON ({getattr(e, 'msg', e)})") from None
         ids = obj.get("prompt_ids") if isinstance(obj, dict) else obj
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool)
-                                                            for i in ids):
+        if not isinstance(ids, list) or not ids or not all(is_token_id(i) for i in ids):
             raise TicInputError(f"{path}:{n}: expected a non-empty list of token ids")
         bad = [i for i in ids if not 0 <= i < vocab_size]
         if bad:

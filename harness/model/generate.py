@@ -43,6 +43,24 @@ def _check_sizes(cfg: dict, path: Path, where: str = "") -> None:
                                 f"got {val}")
 
 
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _check_activations(cfg: dict, path: Path, where: str = "") -> None:
+    """Activation names (hidden_act, hidden_activation, ...) must be ones transformers implements: an unknown one
+    fails only when the model is built, after records were written."""
+    for key, val in cfg.items():
+        if isinstance(val, dict) and key.endswith("_config"):
+            _check_activations(val, path, f"{where}{key}.")
+        elif key in ("hidden_act", "hidden_activation") and val is not None:
+            from transformers.activations import ACT2CLS
+
+            if not isinstance(val, str) or val not in ACT2CLS:
+                raise TicInputError(f"{path}: {where}{key} {json.dumps(val)} is not an activation transformers "
+                                    f"knows ({', '.join(sorted(ACT2CLS)[:6])}, ...)")
+
+
 def read_model_config(model_dir: Path) -> dict:
     """config.json parsed and checked: UTF-8 JSON object, a model_type transformers knows (or remote code via
     auto_map), counts and sizes non-negative integers."""
@@ -50,13 +68,13 @@ def read_model_config(model_dir: Path) -> dict:
     if not path.is_file():
         raise TicInputError(f"model directory has no config.json: {model_dir}")
     try:
-        cfg = json.loads(path.read_bytes().decode("utf-8"))
+        cfg = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_reject_constant)
     except UnicodeDecodeError as e:
         raise TicInputError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise TicInputError(f"{path}: not valid JSON ({getattr(e, 'msg', e)})") from None
     except OSError as e:
         raise TicInputError(f"{path}: cannot read ({e.strerror or e})") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError, as is NaN / Infinity
+        raise TicInputError(f"{path}: not valid JSON ({getattr(e, 'msg', e)})") from None
     if not isinstance(cfg, dict) or "model_type" not in cfg:
         raise TicInputError(f"{path}: no model_type")
     mt = cfg["model_type"]
@@ -71,6 +89,7 @@ def read_model_config(model_dir: Path) -> dict:
             raise TicInputError(f"{path}: model_type {mt!r} is not one transformers {transformers.__version__} "
                                 "knows (and config.json has no auto_map for remote code)")
     _check_sizes(cfg, path)
+    _check_activations(cfg, path)
     return cfg
 
 
@@ -115,6 +134,13 @@ def generate_model(config_dir: Path, seed: int, init_std: float | None = None, o
     dtype = getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
+    with torch.device("meta"):  # sizes left to transformers' defaults can mean billions of parameters
+        need = sum(p.numel() for p in auto_class_for(config).from_config(config, dtype=torch.float32).parameters()) * 4
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > memory // 2:
+        raise TicInputError(f"{config_dir / 'config.json'}: generating its weights takes {need / 2**30:.1f} GiB "
+                            f"(float32), more than half of this machine's {memory / 2**30:.1f} GiB; state the model's "
+                            "sizes (hidden_size, num_hidden_layers, vocab_size, ...) in config.json")
     torch.manual_seed(seed)
     model = auto_class_for(config).from_config(config, dtype=torch.float32)
     model = model.to(dtype)

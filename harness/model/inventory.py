@@ -16,6 +16,10 @@ from tic.harness.model.families import family, int_field, layer_kinds
 from tic.core.errors import TicInputError
 
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
+# bits per element of each dtype the safetensors format defines (safetensors' Dtype enum)
+DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6,
+              "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+              "C64": 64, "F64": 64, "I64": 64, "U64": 64}
 QUANT_SUFFIXES = ("weight_scale_inv", "weight_scale_2", "weight_scale", "input_scale", "weight_zero_point",
                   "qweight", "scales", "qzeros")
 
@@ -57,6 +61,16 @@ def _check_entry(path: Path, name: str, info) -> None:
         raise TicInputError(f"{path}: tensor {name!r}: shape is not a list of non-negative integers")
     if not ints(info["data_offsets"]) or len(info["data_offsets"]) != 2:
         raise TicInputError(f"{path}: tensor {name!r}: data_offsets is not [start, end]")
+    bits = DTYPE_BITS.get(info["dtype"])
+    if bits is None:
+        raise TicInputError(f"{path}: tensor {name!r}: unknown dtype {info['dtype']!r}")
+    s, e = info["data_offsets"]
+    n = 1
+    for d in info["shape"]:
+        n *= d
+    if n * bits != 8 * (e - s):
+        raise TicInputError(f"{path}: tensor {name!r}: shape {info['shape']} of {info['dtype']} needs "
+                            f"{n * bits / 8:g} bytes but data_offsets span {e - s}")
 
 
 def weight_files(model_dir: Path) -> list[Path]:
