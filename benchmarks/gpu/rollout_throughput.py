@@ -54,6 +54,8 @@ def side_spec(name: str) -> tuple[dict, dict]:
     if name.startswith("only:"):
         return KEEP_KERNELS, {"TIC_PATCHES": name[5:].replace("+", ","), "VLLM_BATCH_INVARIANT": "0"}
     return SIDES[name]
+
+
 GiB = 1 << 30
 TOTAL_GIB = 139.8  # an H200's memory as torch reports it
 
@@ -229,7 +231,7 @@ def main() -> int:
         for res in measure_model(shape, layers, names, works, a.rounds, int(a.kv_gb * GiB), a.memory_gb, model_dir):
             results.append(res)
             print(json.dumps(res), flush=True)
-    print(f"\n| model (layers) | workload | side | default tok/s | side tok/s | side / default: median (min-max) |")
+    print("\n| model (layers) | workload | side | default tok/s | side tok/s | side / default: median (min-max) |")
     print("|---|---|---|---|---|---|")
     for r in results:
         med = lambda v: statistics.median(v)  # noqa: E731
