@@ -24,7 +24,7 @@ import yaml
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 
-PATCHES = ("fa3-fixed-tile", "rmsnorm-fixed-block", "gemm-fixed-m")  # the C3/C4 patches, rollout side
+PATCHES = ("fa3-fixed-tile", "rmsnorm-fixed-block", "gemm-fixed-order")  # the C3/C4 patches, rollout side
 SLOT_ORDER = "moe-slot-order-sum"  # the EP merge patch (parallel layouts)
 
 # Rollout modes: vLLM options on top of the workload's.
