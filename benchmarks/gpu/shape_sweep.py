@@ -247,6 +247,8 @@ def _located(rec: dict) -> str:
     loc = (rec.get("details") or {}).get("locate") or {}
     if not loc:
         return ""
+    if loc.get("first_divergent_layer") is None and loc.get("status"):
+        return f"{rec['gate']}: {loc['status']}"  # the locator did not run (or found nothing): why, in its words
     rep = loc.get("repro_check") or {}
     repro = "repro exits 1" if rep.get("reproduces") else "no repro"
     return (f"{rec['gate']}: layer {loc.get('first_divergent_layer')}, {loc.get('culprit_module')}, "
