@@ -8,7 +8,7 @@ import json
 from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.harness.engines.vllm import mode_refusals
 from tic.harness.model.inventory import build_manifest
-from tic.harness.kernels.modules import coverage_problems
+from tic.harness.kernels.coverage import KERNELS, coverage_problems, coverage_table, format_table
 from tic.harness.model.layer_structure import build_meta
 from tic.harness.engines.parallel import COVERED, layout_refusals
 from tic.core.fsio import atomic_write_text
@@ -25,9 +25,8 @@ def measure(ctx) -> Measurement:
                                     getattr(side_cfg, "patches", ()))
     if cfg.rollout.engine == "vllm":
         rejected += mode_refusals(cfg.rollout.options, cfg.train.kernels if cfg.train.engine == "hf" else "stock")
-    if cfg.train.engine == "hf" and cfg.train.kernels in ("consistent", "vllm"):
-        rejected += [f"train.kernels: {cfg.train.kernels}: the kernel wrappers do not cover {p}"
-                     for p in coverage_problems(build_meta(ctx.model_config))]
+    coverage = kernel_coverage(cfg, build_meta(ctx.model_config))
+    rejected += coverage["not_covered"]
     if cfg.training.updates_per_step > 1:
         rejected.append(f"training.updates_per_step={cfg.training.updates_per_step}: from the second mini-batch "
                         "on, training weights differ from sampling weights, which diff = 0 does not cover")
@@ -37,7 +36,7 @@ def measure(ctx) -> Measurement:
     manifest = build_manifest(ctx.model.dir, ctx.model_config)
     path = ctx.artifacts("C0") / "manifest.json"
     atomic_write_text(path, json.dumps(manifest, indent=2))
-    notes = []
+    notes = list(coverage["table_lines"])
     if not manifest["family_known"]:
         notes.append(f"model_type {manifest['model_type']!r} has no family entry; classes come from tensor names")
     if manifest["mtp_layers"]:
@@ -49,10 +48,23 @@ def measure(ctx) -> Measurement:
         metrics={"layers": manifest["num_layers"], "operator_classes": len(manifest["operator_classes"]),
                  "rejected": len(rejected)},
         details={"rejected": rejected, "notes": notes, "layouts": layouts, "layouts_covered": COVERED,
+                 "kernel_coverage": coverage["table"],
                  "operator_classes": manifest["operator_classes"],
                  "dtypes": manifest["dtypes"], "quantization_config": manifest["quantization_config"]},
         evidence=[str(path)],
     )
+
+
+def kernel_coverage(cfg, meta_model) -> dict:
+    """The per-layer table of what the kernel wrappers cover (coverage.py) and its text lines; when a side runs
+    through the wrappers (kernels consistent or vllm on an hf engine), one refusal line per module and operator
+    that side's kernels lack."""
+    table = coverage_table(meta_model)
+    wrapped = sorted({getattr(cfg, side).kernels for side in ("rollout", "train")
+                      if getattr(cfg, side).engine == "hf" and getattr(cfg, side).kernels in KERNELS})
+    return {"table": table, "table_lines": ["kernel coverage: " + ln for ln in format_table(table)],
+            "not_covered": [f"kernels: {k} does not cover {p}" for k in wrapped
+                            for p in coverage_problems(meta_model, k)]}
 
 
 def judge(m: Measurement) -> Judgement:

@@ -81,6 +81,7 @@ def _in_pages(t: torch.Tensor, pages, block_size: int) -> torch.Tensor:
 
 class VLLMProvider(KernelProvider):
     name = "vllm"
+    kernels = "vllm"
     fuse_projections = True
 
     def __init__(self, kv_block_size: int = DEFAULT_KV_BLOCK_SIZE):
