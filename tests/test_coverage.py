@@ -160,3 +160,78 @@ def test_fidelity_fails_a_wrapper_computing_w_instead_of_1_plus_w(example, workd
                                  "model.layers.0.input_layernorm (Gemma3RMSNorm)")
     assert run_gate(get("C3"), ctx).verdict == "pass"  # the plant is invisible to the consistency gates
     hf._MODELS.clear()
+
+
+# ---- kernels: vllm plumbing for the new classes, on CPU with stand-ins for vLLM's kernels --------------------
+def _cpu_vllm_provider(monkeypatch):
+    from tic.harness.kernels.vllm_provider import VLLMProvider
+
+    monkeypatch.setattr(VLLMProvider, "_load_vllm", lambda self: None)
+    prov = VLLMProvider(4)
+    prov.fa_version = 3
+    return prov
+
+
+def test_vllm_provider_passes_the_window_and_softcap_to_flash_attention(monkeypatch):
+    """A sliding, softcapped layer: the provider hands FlashAttention window_size (window - 1, 0) and softcap
+    over the layout of the windowed mask; a stand-in kernel honouring both gives the CPU kernel's values."""
+    from tic.harness.kernels import autograd as ag
+    from tic.harness.kernels.consistent_cpu import CPUProvider
+    from tic.harness.kernels.vllm_provider import VLLMProvider
+
+    calls = []
+
+    def varlen(q, k, v, cu_seqlens_q, seqused_k, softmax_scale, block_table, window_size=(-1, -1), softcap=0.0,
+               **kw):
+        calls.append((window_size, softcap))
+        outs, cu = [], cu_seqlens_q.tolist()
+        for s, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+            ks, vs = (torch.cat([c[blk] for blk in block_table[s].tolist()])[:int(seqused_k[s])] for c in (k, v))
+            outs.append(ag.attention_ref(q[a:b].transpose(0, 1)[None], ks.transpose(0, 1)[None],
+                                         vs.transpose(0, 1)[None], None, softmax_scale, softcap or None,
+                                         window_size[0] + 1 if window_size[0] >= 0 else None)[0])
+        return torch.cat(outs).to(q.dtype)
+
+    monkeypatch.setattr(VLLMProvider, "_find_varlen_attention", staticmethod(lambda: varlen))
+    prov = _cpu_vllm_provider(monkeypatch)
+    ar = torch.arange(9)
+    causal = ar[None, :] <= ar[:, None]
+    left = causal & (ar[None, :] >= 2) & (ar[:, None] >= 2)
+    mask = torch.stack([causal, left])[:, None] & (ar[:, None] - ar[None, :] < 3)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 9, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    got = prov.attention(q, k, v, mask, 0.35, softcap=5.0, window=3)
+    want = CPUProvider().attention(q, k, v, mask, 0.35, softcap=5.0, window=3)
+    valid = mask[:, 0].diagonal(dim1=1, dim2=2)
+    assert calls == [((2, 0), 5.0)] and torch.allclose(got[valid], want[valid], rtol=1e-5, atol=1e-6)
+    with pytest.raises(Exception, match="sliding window of 4"):
+        prov.attention(q, k, v, mask, 0.35, window=4)  # a mask of another window is refused, never run
+
+
+def test_vllm_provider_gemma_norm_runs_vllms_forward_static_on_vllms_layout(monkeypatch):
+    """The (1 + w) norm goes to GemmaRMSNorm.forward_static (stand-in: the same arithmetic) with the rows vLLM's
+    Gemma layers pass ([tokens, hidden]; [tokens, heads, head_dim] for q/k), the add+norm returning the sum."""
+    from tic.harness.kernels.consistent_cpu import CPUProvider
+
+    prov = _cpu_vllm_provider(monkeypatch)
+    shapes = []
+
+    def forward_static(weight, eps, x, residual):
+        shapes.append(tuple(x.shape))
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float()))
+        return out.to(x.dtype) if residual is None else (out.to(x.dtype), residual)
+
+    prov._gemma_norm = forward_static
+    g = torch.Generator().manual_seed(1)
+    x, r, w = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g), torch.randn(16, generator=g)
+    heads = torch.randn(2, 5, 4, 16, generator=g)
+    cpu = CPUProvider()
+    assert torch.equal(prov.rms_norm(x, w, 1e-6, offset=1.0), cpu.rms_norm(x, w, 1e-6, offset=1.0))
+    assert torch.equal(prov.rms_norm(heads, w, 1e-6, offset=1.0), cpu.rms_norm(heads, w, 1e-6, offset=1.0))
+    got, total = prov.add_rms_norm(x, r, w, 1e-6, offset=1.0)
+    want, want_total = cpu.add_rms_norm(x, r, w, 1e-6, offset=1.0)
+    assert torch.equal(got, want) and torch.equal(total, want_total)
+    assert shapes == [(10, 16), (10, 4, 16), (10, 16)]
