@@ -102,14 +102,14 @@ def test_a_class_one_provider_lacks_is_named_with_the_field(monkeypatch):
 
 def test_c0_prints_the_table_and_fails_an_uncovered_layer(example, workdir, tic):
     ex = example("tiny-gemma3")
-    code, out, err = tic("gate", "C0", "-c", str(ex / "tic-consistent.yaml"), "--json")
+    code, out, err = tic("gate", "C0", "-c", str(ex / "tic.yaml"), "--json")
     rec = json.loads(out)["results"][0]
     assert code == 0 and rec["verdict"] == "pass"
     assert len(rec["details"]["kernel_coverage"]) == 5
     assert "C0 kernel coverage: model.layers.0 (Gemma3DecoderLayer): " in err and "-> consistent, vllm" in err
     cfg = json.loads((ex / "config.json").read_text())
     (ex / "config.json").write_text(json.dumps({**cfg, "hidden_activation": "relu"}))
-    code, out, err = tic("gate", "C0", "-c", str(ex / "tic-consistent.yaml"), "--json")
+    code, out, err = tic("gate", "C0", "-c", str(ex / "tic.yaml"), "--json")
     rec = json.loads(out)["results"][0]
     assert code == 1 and rec["verdict"] == "fail"
     assert ("kernels: consistent does not cover model.layers.{0,1,2,3}.mlp (Gemma3MLP): a gated MLP whose "
@@ -120,7 +120,7 @@ def test_c0_prints_the_table_and_fails_an_uncovered_layer(example, workdir, tic)
 # ---- the new families on the consistent CPU kernels: C3-C7 --------------------------------------------------
 def small_ctx(example, name: str) -> GateContext:
     hf._MODELS.clear()
-    cfg = load_config(example(name) / "tic-consistent.yaml")
+    cfg = load_config(example(name) / "tic.yaml")
     cfg.prompts.count, cfg.prompts.max_len, cfg.sampling.max_tokens = 3, 12, 6
     cfg.layouts.batch_sizes, cfg.layouts.probes = [3], 1
     cfg.locate.enabled = False
