@@ -44,6 +44,14 @@ def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
     assert all(c in REGISTRY for r in rows for c in r["operator_classes"])
 
 
+def test_inventory_reads_mistrals_window_on_every_layer():
+    from tic.harness.model.families import layer_kinds
+
+    cfg = json.loads((EXAMPLES / "tiny-mistral-sliding" / "config.json").read_text())
+    assert {k["attention"] for k in layer_kinds(cfg)} == {"sliding"}
+    assert {k["attention"] for k in layer_kinds({**cfg, "sliding_window": None})} == {"full"}
+
+
 def test_gemma3_full_layer_reads_full_attention():
     rows = coverage_table(meta_of("tiny-gemma3"))
     assert "attention:full" in rows[2]["operator_classes"] and "attention:sliding" not in rows[2]["operator_classes"]
