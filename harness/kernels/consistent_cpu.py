@@ -98,7 +98,8 @@ class CPUProvider(KernelProvider):
 
     def add_rms_norm(self, x, residual, w, eps, offset: float = 0.0):
         total = x + residual
-        return self.rms_norm(total, w, eps, offset), total
+        # the offset as a keyword only when set: a provider built on this one may know only w * x_hat (a plant)
+        return self.rms_norm(total, w, eps, **({"offset": offset} if offset else {})), total
 
     def cos_sin_cache(self, rotary, config, n, dtype, device, layer_type=None):
         return hf_cos_sin_cache(rotary, n, dtype, device, layer_type)

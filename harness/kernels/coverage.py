@@ -143,7 +143,7 @@ def norm_variant(m) -> str | None:
     of w * x_hat and (1 + w) * x_hat it computes; None for neither."""
     d = int(m.weight.shape[-1])
     probe = copy.copy(m)  # shallow: the module's settings, a CPU weight of its own, the class's own forward
-    probe._parameters, probe._buffers, probe._forward_hooks = dict(probe._parameters), dict(probe._buffers), {}
+    probe._parameters = dict(probe._parameters)
     w = torch.linspace(0.25, 0.75, d, dtype=torch.float32)
     probe._parameters["weight"] = nn.Parameter(w, requires_grad=False)
     x = _probe_input(d)
@@ -351,10 +351,15 @@ def read_coverage(model: nn.Module) -> list[LayerCoverage]:
     return layers + [read_model(model)]
 
 
+def problem_lines(coverage: list[LayerCoverage], kernels: str) -> list[str]:
+    """What `kernels` does not implement of a model read by read_coverage, one line per module and missing
+    operator (the same line for several layers once, their indices grouped)."""
+    return per_layer_once([p for cov in coverage for p in cov.problems(kernels)])
+
+
 def coverage_problems(model: nn.Module, kernels: str = "consistent") -> list[str]:
-    """What `kernels` does not implement of this HF causal LM, one line per module and missing operator (the
-    same line for several layers once, their indices grouped); empty when `apply` covers every operator."""
-    return per_layer_once([p for cov in read_coverage(model) for p in cov.problems(kernels)])
+    """problem_lines of this HF causal LM: empty when `apply` covers every operator."""
+    return problem_lines(read_coverage(model), kernels)
 
 
 def coverage_table(model: nn.Module) -> list[dict]:

@@ -35,7 +35,7 @@ from tic.config.schema import BackwardConfig
 from tic.harness.kernels.autograd import Backward, Ops
 from tic.harness.kernels.coverage import (attention_softcap, attention_window, final_norm, is_attention,
                                           is_decoder_layer, is_gated_mlp, is_moe_block, is_rmsnorm, norm_eps,
-                                          per_layer_once, read_coverage, rotary_modules, rotary_per_layer_type)
+                                          problem_lines, read_coverage, rotary_modules, rotary_per_layer_type)
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.stand_ins import stands_for
 
@@ -124,7 +124,7 @@ def _linear_forward(self, x):
 
 
 def _rmsnorm_forward(self, x, residual=None):
-    eps, offset = norm_eps(self), self._tic_norm_offset
+    eps, offset = norm_eps(self), getattr(self, "_tic_norm_offset", 0.0)
     if residual is not None:
         return self._tic_ops.add_rms_norm(x, residual, self.weight, eps, offset)
     return self._tic_ops.rms_norm(x, self.weight, eps, offset)
@@ -277,7 +277,9 @@ def _wrap_rotary(model: nn.Module, provider, dtype, cfg) -> dict:
 
 
 def _wrap_logits(model: nn.Module, cfg) -> None:
-    """Final logit softcapping moved from the model's forward into lm_head's, through the wrappers' softcap."""
+    """Final logit softcapping moved from the model's forward into lm_head's, through the wrappers' softcap (on
+    CPU one row at a time). The wrapped model's config then reads None there: the value lives in lm_head, and a
+    wrapped model is never saved."""
     cap = getattr(cfg, "final_logit_softcapping", None)
     head = model.get_output_embeddings()
     if cap is None or head is None:
@@ -320,7 +322,7 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None) ->
             raise TicInputError(f"model already runs {done.name} kernels")
         return model
     coverage = read_coverage(model)
-    problems = per_layer_once([p for cov in coverage for p in cov.problems(provider.kernels)])
+    problems = problem_lines(coverage, provider.kernels)
     if problems:
         raise TicInputError(f"kernels: {provider.kernels} does not cover: " + "; ".join(problems))
     variants = {name: v for cov in coverage for name, v in cov.variants.items()}
