@@ -25,7 +25,7 @@ def measure(ctx) -> Measurement:
                                     getattr(side_cfg, "patches", ()))
     if cfg.rollout.engine == "vllm":
         rejected += mode_refusals(cfg.rollout.options, cfg.train.kernels if cfg.train.engine == "hf" else "stock")
-    coverage = kernel_coverage(cfg, build_meta(ctx.model_config))
+    coverage = kernel_coverage(cfg, ctx.model_config)
     rejected += coverage["not_covered"]
     if cfg.training.updates_per_step > 1:
         rejected.append(f"training.updates_per_step={cfg.training.updates_per_step}: from the second mini-batch "
@@ -55,13 +55,16 @@ def measure(ctx) -> Measurement:
     )
 
 
-def kernel_coverage(cfg, meta_model) -> dict:
-    """The per-layer table of what the kernel wrappers cover (coverage.py) and its text lines; when a side runs
-    through the wrappers (kernels consistent or vllm on an hf engine), one refusal line per module and operator
-    that side's kernels lack."""
-    table = coverage_table(meta_model)
+def kernel_coverage(cfg, model_config: dict) -> dict:
+    """When a side runs through tic's kernel wrappers (kernels consistent or vllm on an hf engine): the per-layer
+    table of what they cover (coverage.py, the model built on the meta device), its text lines, and one refusal
+    line per module and operator that side's kernels lack. Nothing otherwise: the table is about the wrappers."""
     wrapped = sorted({getattr(cfg, side).kernels for side in ("rollout", "train")
                       if getattr(cfg, side).engine == "hf" and getattr(cfg, side).kernels in KERNELS})
+    if not wrapped:
+        return {"table": [], "table_lines": [], "not_covered": []}
+    meta_model = build_meta(model_config)
+    table = coverage_table(meta_model)
     return {"table": table, "table_lines": ["kernel coverage: " + ln for ln in format_table(table)],
             "not_covered": [f"kernels: {k} does not cover {p}" for k in wrapped
                             for p in coverage_problems(meta_model, k)]}
