@@ -52,9 +52,11 @@ def test_inventory_reads_mistrals_window_on_every_layer():
     assert {k["attention"] for k in layer_kinds({**cfg, "sliding_window": None})} == {"full"}
 
 
-def test_gemma3_full_layer_reads_full_attention():
+def test_full_and_sliding_layers_of_one_model_read_apart():
     rows = coverage_table(meta_of("tiny-gemma3"))
     assert "attention:full" in rows[2]["operator_classes"] and "attention:sliding" not in rows[2]["operator_classes"]
+    rows = coverage_table(meta_of("tiny-qwen3", use_sliding_window=True, sliding_window=4, max_window_layers=2))
+    assert [("attention:sliding" in r["operator_classes"]) for r in rows[:4]] == [False, False, True, True]
 
 
 class OffsetRMSNorm(nn.Module):
