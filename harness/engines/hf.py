@@ -9,6 +9,7 @@ same forward also trains (policy_gradients).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -16,10 +17,12 @@ import torch
 from tic.config.schema import BackwardConfig
 from tic.harness.engines.base import Engine, Sample, Sampling, request_seed
 from tic.harness.engines.batches import micro_batches
+from tic.harness.kernels.fp8 import attach_checkpoint, unquantized_config
 from tic.harness.kernels.modules import apply, capture_routes
 from tic.harness.kernels.providers import provider_for
 from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE
 from tic.harness.kernels.vllm_provider import require_vllm
+from tic.harness.model.layer_structure import quiet_transformers
 from tic.core.errors import TicInputError
 
 _MODELS: dict[tuple, torch.nn.Module] = {}
@@ -49,9 +52,13 @@ def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", att
     elif device != "cpu" and not torch.cuda.is_available():
         raise TicInputError(f"device {device!r} asked for but torch sees no CUDA GPU")
     kwargs = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype)}
+    kwargs.update(unquantized_config(model_dir))  # block FP8: master weights from codes * scales, below
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, attn_implementation="eager" if kernels in WRAPPED_KERNELS else attn, **kwargs)
+        # a block-FP8 checkpoint's scales are names the unquantized model does not have: no load report for them
+        with quiet_transformers() if "config" in kwargs else contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, attn_implementation="eager" if kernels in WRAPPED_KERNELS else attn, **kwargs)
+        quant = attach_checkpoint(model, model_dir)
     except (OSError, ValueError, KeyError) as e:
         raise TicInputError(f"cannot load model from {model_dir}: {str(e).splitlines()[0]}") from None
     if device != "cpu":
@@ -59,7 +66,7 @@ def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", att
     model.eval()
     model.requires_grad_(trainable)
     if kernels in WRAPPED_KERNELS:
-        apply(model, provider_for(kernels, kv_block_size), backward)
+        apply(model, provider_for(kernels, kv_block_size), backward, quant)
     if shared:
         _MODELS[key] = model
     return model

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tic.harness.kernels import fp8_cpu
 from tic.harness.kernels.rope import hf_cos_sin_cache, rotate_neox
 from tic.harness.kernels.spec import KernelProvider
 
@@ -130,6 +131,25 @@ class CPUProvider(KernelProvider):
 
     def log_softmax(self, logits):
         return row_log_softmax(logits.float())
+
+    # -- block FP8 (tic.harness.kernels.fp8): dynamic per-token-group activations, the block-scaled GEMM ---------
+    def fp8_linear(self, x, wq, ws, b, block):
+        return fp8_cpu.fp8_linear(x, wq, ws, b, block)
+
+    def fp8_moe_experts(self, x, weights, ids, gu_q, gu_s, d_q, d_s, block):
+        """moe_experts' merge rule over FP8 expert GEMMs: each expert's input quantized per token, SiLU*mul
+        rounded once, then quantized again for the down projection (method 4.4)."""
+        dtype, outs = x.dtype, []
+        for t in range(x.shape[0]):
+            r = x[t:t + 1]
+            acc = torch.zeros(1, x.shape[1], dtype=torch.float32)
+            for slot in range(ids.shape[1]):
+                e = int(ids[t, slot])
+                h = self.silu_and_mul(fp8_cpu.fp8_linear(r, gu_q[e], gu_s[e], None, block))
+                h = fp8_cpu.fp8_linear(h, d_q[e], d_s[e], None, block)
+                acc = acc + (h * weights[t, slot].to(dtype)).to(torch.float32)
+            outs.append(acc.to(dtype))
+        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])
 
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

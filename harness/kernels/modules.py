@@ -24,7 +24,8 @@ from torch import nn
 
 from tic.core.errors import TicInputError
 from tic.config.schema import BackwardConfig
-from tic.harness.kernels.autograd import Backward, Ops
+from tic.harness.kernels.autograd import OPS, Backward, Ops
+from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.stand_ins import stands_for
 
@@ -294,10 +295,11 @@ def _per_layer_once(problems: list[str]) -> list[str]:
             for k, v in groups.items()]
 
 
-def apply(model: nn.Module, provider, backward: BackwardConfig | None = None) -> nn.Module:
+def apply(model: nn.Module, provider, backward: BackwardConfig | None = None, quant=None) -> nn.Module:
     """Patch an HF causal LM in place so every operator runs through `provider` with a surrogate backward (run as
     `backward` says: tic.yaml train.backward). Idempotent for one provider; raises TicInputError for what the
-    wrappers do not cover."""
+    wrappers do not cover. quant: the block-FP8 copies of a quantized model's weights (tic.harness.kernels.fp8),
+    whose linears and experts then run the provider's FP8 kernels."""
     done = getattr(model, "_tic_provider", None)
     if done is not None:
         if done is not provider:
@@ -307,7 +309,7 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None) ->
     if problems:
         raise TicInputError(f"{provider.name} kernel wrappers do not cover: " + "; ".join(problems))
     register_attention()
-    ops = Ops(provider, Backward(backward))
+    ops = Ops(provider, Backward(backward), {**OPS, **FP8_OPS} if quant is not None else None, quant)  # fp8
     cfg = model.config.get_text_config()
     stream, routes = ResidualStream(), RouteLog()
     dtype = next(model.parameters()).dtype
