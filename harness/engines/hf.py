@@ -165,7 +165,9 @@ class HFEngine(Engine):
         return dict(self.model.named_parameters())
 
     def weight_storage(self) -> dict[str, tuple[int, tuple, str]]:
-        return {k: (t.data_ptr(), tuple(t.shape), str(t.dtype)) for k, t in self._weights().items()}
+        quant = getattr(getattr(self.model, "_tic_ops", None), "quant", None)  # block-FP8 copies move not either
+        return {**{k: (t.data_ptr(), tuple(t.shape), str(t.dtype)) for k, t in self._weights().items()},
+                **(quant.storage() if quant is not None else {})}
 
     @torch.no_grad()
     def load_weights_inplace(self, weights, version: int) -> dict:
@@ -184,6 +186,9 @@ class HFEngine(Engine):
         refreshed = [n for n, m in self.model.named_modules() if callable(getattr(m, "tic_refresh_derived", None))]
         for n in refreshed:
             self.model.get_submodule(n).tic_refresh_derived()
+        quant = getattr(getattr(self.model, "_tic_ops", None), "quant", None)
+        if quant is not None:  # block FP8: the new weights' codes and scales, written over the old ones
+            refreshed += quant.refresh()
         self.weight_version = version
         return {"copied": len(seen), "missing": sorted(set(own) - seen), "refreshed": refreshed,
                 "version": version}

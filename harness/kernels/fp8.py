@@ -29,6 +29,7 @@ from tic.harness.model.quantize import (block_size_of, check_block_size, dequant
 
 @dataclass
 class _Copy:
+    name: str
     ref: weakref.ref
     version: int
     ptr: int
@@ -45,12 +46,34 @@ class QuantizedCopies:
         self._joined: dict[tuple, tuple] = {}  # weight ids -> (their states, concatenated codes and scales)
         self.requantized = 0  # copies rebuilt from a changed master weight (tests and benchmarks read it)
 
-    def register(self, w: torch.Tensor, codes: torch.Tensor | None = None, scales: torch.Tensor | None = None):
-        """Quantize w from now on; (codes, scales) from a checkpoint stand for w as it is now (else the rule's)."""
+    def register(self, name: str, w: torch.Tensor, codes: torch.Tensor | None = None,
+                 scales: torch.Tensor | None = None):
+        """Quantize w (the model's parameter `name`) from now on; (codes, scales) from a checkpoint stand for w as
+        it is now (else the rule's)."""
         if codes is None:
             codes, scales = quantize_weight_blocks(w.detach(), self.block)
-        self._copies[id(w)] = _Copy(weakref.ref(w), w._version, w.data_ptr(), codes.to(w.device),
+        self._copies[id(w)] = _Copy(name, weakref.ref(w), w._version, w.data_ptr(), codes.to(w.device),
                                     scales.to(w.device, torch.float32))
+
+    def refresh(self) -> list[str]:
+        """Requantize, in place, every copy whose master weight changed (a weight sync); their names."""
+        stale = [c for c in self._copies.values() if c.ref() is not None and self._stale(c, c.ref())]
+        for c in stale:
+            self.get(c.ref())
+        return [c.name for c in stale]
+
+    def storage(self) -> dict[str, tuple[int, tuple, str]]:
+        """(address, shape, dtype) of every copy's codes and scales, by '<parameter>.fp8_codes' / '.fp8_scales'."""
+        return {f"{c.name}.fp8_{part}": (t.data_ptr(), tuple(t.shape), str(t.dtype))
+                for c in self._copies.values() for part, t in (("codes", c.codes), ("scales", c.scales))}
+
+    def copies(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Parameter name -> its (codes, scales) as held now."""
+        return {c.name: (c.codes, c.scales) for c in self._copies.values()}
+
+    @staticmethod
+    def _stale(c: _Copy, w: torch.Tensor) -> bool:
+        return c.version != w._version or c.ptr != w.data_ptr()
 
     def covers(self, weights) -> bool:
         return all(self._entry(w) is not None for w in weights)
@@ -62,7 +85,7 @@ class QuantizedCopies:
     def get(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """w's (codes, scales), requantized in place first when w changed since they were made."""
         c = self._entry(w)
-        if c.version != w._version or c.ptr != w.data_ptr():
+        if self._stale(c, w):
             codes, scales = quantize_weight_blocks(w.detach(), self.block)
             c.codes.copy_(codes)
             c.scales.copy_(scales)
@@ -154,7 +177,7 @@ def attach_checkpoint(model: nn.Module, model_dir: Path) -> QuantizedCopies | No
         if name in params:
             w = params[name]
             w.copy_(dequantize_weight_blocks(codes, scales, block, w.dtype))
-            quant.register(w, codes, scales)
+            quant.register(name, w, codes, scales)
             continue
         target = _expert_target(params, name)
         if target is None:
@@ -162,11 +185,11 @@ def attach_checkpoint(model: nn.Module, model_dir: Path) -> QuantizedCopies | No
         pname, e, half = target
         experts.setdefault(pname, {})[(e, half)] = (codes, scales)
     for pname, parts in experts.items():
-        _attach_experts(quant, params[pname], parts, block)
+        _attach_experts(quant, pname, params[pname], parts, block)
     return quant
 
 
-def _attach_experts(quant: QuantizedCopies, w: nn.Parameter, parts: dict, block) -> None:
+def _attach_experts(quant: QuantizedCopies, name: str, w: nn.Parameter, parts: dict, block) -> None:
     """One fused expert tensor from its per-expert (and, for gate_up, per-half) checkpoint pairs."""
     E = w.shape[0]
     halves = sorted({h for _, h in parts}, key=lambda h: -1 if h is None else h)
@@ -175,4 +198,4 @@ def _attach_experts(quant: QuantizedCopies, w: nn.Parameter, parts: dict, block)
     codes = torch.stack([torch.cat([parts[(e, h)][0] for h in halves]) for e in range(E)])
     scales = torch.stack([torch.cat([parts[(e, h)][1] for h in halves]) for e in range(E)])
     w.copy_(dequantize_weight_blocks(codes, scales, block, w.dtype))
-    quant.register(w, codes, scales)
+    quant.register(name, w, codes, scales)
