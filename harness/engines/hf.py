@@ -33,14 +33,15 @@ WRAPPED_KERNELS = ("consistent", "vllm")  # kernels that run through tic's autog
 
 def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa", device: str = "cpu",
                kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, backward: BackwardConfig | None = None,
-               trainable: bool = False, shared: bool = True):
+               trainable: bool = False, shared: bool = True, kv_cache_dtype: str = "auto"):
     """The model, cached per configuration. trainable=True gives a separate copy whose parameters take
     gradients (C7), so the inference copy the gates share is never touched. shared=False loads an object
     of its own, outside the cache (C8/C9 change its weights; the other gates' models must not see that).
-    kv_block_size: kernels vllm, the rollout's KV page size (tic.harness.kernels.vllm_provider); backward: how the
-    wrappers' surrogate backward runs (tic.yaml train.backward)."""
+    kv_block_size, kv_cache_dtype: kernels vllm, the rollout's KV page size and cache dtype
+    (tic.harness.kernels.vllm_provider); backward: how the wrappers' surrogate backward runs (tic.yaml
+    train.backward)."""
     backward = backward if backward is not None else BackwardConfig()
-    key = (str(model_dir), dtype, kernels, attn, device, kv_block_size, backward, trainable)
+    key = (str(model_dir), dtype, kernels, attn, device, kv_block_size, backward, trainable, kv_cache_dtype)
     if shared and key in _MODELS:
         return _MODELS[key]
     from transformers import AutoModelForCausalLM
@@ -66,7 +67,7 @@ def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", att
     model.eval()
     model.requires_grad_(trainable)
     if kernels in WRAPPED_KERNELS:
-        apply(model, provider_for(kernels, kv_block_size), backward, quant)
+        apply(model, provider_for(kernels, kv_block_size, kv_cache_dtype), backward, quant)
     if shared:
         _MODELS[key] = model
     return model
@@ -125,14 +126,16 @@ class HFEngine(Engine):
     def __init__(self, model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa",
                  batch_size: int = 8, micro_batch_size: int = 4, padding_side: str = "right",
                  packing: bool = False, device: str = "cpu", shared_model: bool = True, order: str = "given",
-                 kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, backward: BackwardConfig | None = None):
+                 kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, backward: BackwardConfig | None = None,
+                 kv_cache_dtype: str = "auto"):
         self.model_dir = Path(model_dir)
         self.kernels = kernels
         self.dtype = dtype
         self.attn = attn
         self.device = torch.device(device)
         self._load_args = (self.model_dir, dtype, kernels, attn, device, kv_block_size, backward)
-        self.model = load_model(*self._load_args, shared=shared_model)
+        self._kv_cache_dtype = kv_cache_dtype
+        self.model = load_model(*self._load_args, shared=shared_model, kv_cache_dtype=kv_cache_dtype)
         self.batch_size = batch_size
         self.micro_batch_size = micro_batch_size
         self.padding_side = padding_side
@@ -146,7 +149,7 @@ class HFEngine(Engine):
         return cls(model_dir, dtype, side_cfg.kernels, side_cfg.attn_implementation, side_cfg.batch_size,
                    side_cfg.micro_batch_size, side_cfg.padding_side, side_cfg.packing,
                    getattr(side_cfg, "device", "cpu"), shared_model, getattr(side_cfg, "order", "given"),
-                   kv_block_size, side_cfg.backward)
+                   kv_block_size, side_cfg.backward, side_cfg.options.get("kv_cache_dtype", "auto"))
 
     @classmethod
     def baseline_changes(cls, side_cfg) -> dict:
@@ -283,7 +286,7 @@ class HFEngine(Engine):
     # -- training: gradients through the same forward ------------------------------------------------------
     def trainable_model(self):
         """The trainable copy of this engine's model (cached) that policy_gradients runs."""
-        return load_model(*self._load_args, trainable=True)
+        return load_model(*self._load_args, trainable=True, kv_cache_dtype=self._kv_cache_dtype)
 
     def policy_gradients(self, samples: list[Sample], sampling: Sampling,
                          advantages: list[float]) -> dict[str, torch.Tensor]:
