@@ -91,6 +91,11 @@ def _check_divisible(name: str, t: torch.Tensor, block: tuple[int, int]) -> None
                             "block-FP8 layers refuse it); choose sizes divisible by weight_block_size")
 
 
+def block_fp8_config(block: tuple[int, int] = (128, 128)) -> dict:
+    """config.json's quantization_config of a block-FP8 checkpoint, as Qwen3-*-FP8 spell it."""
+    return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)}
+
+
 def write_block_fp8(model_dir: Path, out_dir: Path, block: tuple[int, int] = (128, 128)) -> Path:
     """A block-FP8 checkpoint of the model in model_dir (its weights are the master weights), quantized by the
     deployment rule, into out_dir (files that are not weights copied as they are)."""
@@ -117,8 +122,7 @@ def write_block_fp8(model_dir: Path, out_dir: Path, block: tuple[int, int] = (12
         if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json",
                                                                                  "model.safetensors.index.json"):
             shutil.copy2(p, out_dir / p.name)
-    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                  "weight_block_size": list(block)}
+    cfg["quantization_config"] = block_fp8_config(block)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     return out_dir
 
