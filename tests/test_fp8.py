@@ -220,3 +220,24 @@ def test_synced_rollout_copies_equal_the_trainers_bitwise(fp8_ctx):
         assert torch.equal(mine[name][0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(mine[name][1], s), name
     assert train.model._tic_ops.quant.requantized > 0
 
+
+
+# ---- C7: the STE gradients against plain transformers following the FP8 forward ----------------------------------
+def _c7(ctx):
+    for k in [k for k in hf._MODELS if k[-1]]:  # the trainable copies: C7 backward runs a fresh one
+        del hf._MODELS[k]
+    return ctx.train_engine().trainable_model()
+
+
+def test_c7_passes_on_the_fp8_model_and_fails_on_a_planted_fp8_backward(fp8_ctx):
+    from tic.harness.testing.backward_plants import planted_fault
+
+    fp8_ctx.cfg.prompts.count, fp8_ctx.cfg.sampling.max_tokens = 3, 4
+    _c7(fp8_ctx)
+    res = run_gate(get("C7"), fp8_ctx)
+    assert res.verdict == "pass", res.reason
+    for op, fault in (("fp8_linear", lambda g: (-g[0], *g[1:])),  # the input gradient's sign flipped
+                      ("fp8_moe_experts", lambda g: (*g[:3], torch.zeros_like(g[3]), g[4]))):  # gate_up's lost
+        with planted_fault(_c7(fp8_ctx), op, grads=fault):
+            res = run_gate(get("C7"), fp8_ctx)
+        assert res.verdict == "fail", (op, res.reason)

@@ -41,7 +41,7 @@ def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", att
     (tic.harness.kernels.vllm_provider); backward: how the wrappers' surrogate backward runs (tic.yaml
     train.backward)."""
     backward = backward if backward is not None else BackwardConfig()
-    key = (str(model_dir), dtype, kernels, attn, device, kv_block_size, backward, trainable, kv_cache_dtype)
+    key = (str(model_dir), dtype, kernels, attn, device, kv_block_size, kv_cache_dtype, backward, trainable)
     if shared and key in _MODELS:
         return _MODELS[key]
     from transformers import AutoModelForCausalLM
