@@ -241,3 +241,13 @@ def test_c7_passes_on_the_fp8_model_and_fails_on_a_planted_fp8_backward(fp8_ctx)
         with planted_fault(_c7(fp8_ctx), op, grads=fault):
             res = run_gate(get("C7"), fp8_ctx)
         assert res.verdict == "fail", (op, res.reason)
+
+
+def test_bf16_masters_do_not_round_trip_to_the_checkpoints_scales():
+    """Why the loaded copy is the checkpoint's own: codes x scales rounded to bfloat16 requantize to scales a
+    rounding apart (float32 masters would round trip), so a training side that requantized them would not run
+    the rollout's weights."""
+    q, s = quantize_weight_blocks(torch.randn(64, 64, generator=torch.Generator().manual_seed(5)) * 0.02, BLOCK)
+    _, s_bf16 = quantize_weight_blocks(dequantize_weight_blocks(q, s, BLOCK, torch.bfloat16), BLOCK)
+    _, s_f32 = quantize_weight_blocks(dequantize_weight_blocks(q, s, BLOCK, torch.float32), BLOCK)
+    assert not torch.equal(s_bf16, s) and torch.equal(s_f32, s)

@@ -130,3 +130,20 @@ def test_fp8_kv_cache_round_trip_through_the_cache_kernel_and_the_same_attention
     plain = CPUProvider().attention(q, k, v, mask, 0.35)
     assert not torch.allclose(got[valid], plain[valid], rtol=1e-3, atol=1e-4)  # the round trip is not skipped
     assert bool(prov._layout(mask, 2, 6, "cpu", 4)[1].row_pages) == (batch == "right-padded")
+
+
+@pytest.mark.parametrize("rollout, train, refused", [("fp8", None, True), (None, "fp8", True), ("fp8", "fp8", False),
+                                                     ("fp8_e4m3", "fp8", False), (None, None, False)])
+def test_a_train_side_on_vllm_kernels_must_name_the_rollouts_kv_cache_dtype(example, workdir, tic, rollout, train,
+                                                                            refused):
+    """Refused (one line, exit 2) when the two differ; otherwise the next refusal on this CPU machine is the GPU's."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    ex = example("tiny-qwen3")
+    opt = lambda v: f", options: {{kv_cache_dtype: {v}}}" if v else ""  # noqa: E731
+    (ex / "kv.yaml").write_text("model: {path: ., generate: {seed: 0}}\n"
+                                f"rollout: {{engine: vllm{opt(rollout)}}}\n"
+                                f"train: {{engine: hf, kernels: vllm, device: cuda{opt(train)}}}\n")
+    code, _, err = tic("gate", "C5", "-c", str(ex / "kv.yaml"))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert ("kv_cache_dtype" in err) == refused, err
