@@ -59,11 +59,11 @@ def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", att
         with quiet_transformers() if "config" in kwargs else contextlib.nullcontext():
             model = AutoModelForCausalLM.from_pretrained(
                 model_dir, attn_implementation="eager" if kernels in WRAPPED_KERNELS else attn, **kwargs)
-        quant = attach_checkpoint(model, model_dir)
+        if device != "cpu":
+            model.to(device)
+        quant = attach_checkpoint(model, model_dir)  # after the move: each copy sits beside its master weight
     except (OSError, ValueError, KeyError) as e:
         raise TicInputError(f"cannot load model from {model_dir}: {str(e).splitlines()[0]}") from None
-    if device != "cpu":
-        model.to(device)
     model.eval()
     model.requires_grad_(trainable)
     if kernels in WRAPPED_KERNELS:

@@ -9,7 +9,8 @@ the tensors already held, so their addresses stay (what a rollout's in-place wei
 
 The two operators, `fp8_linear` and `fp8_moe_experts`, take the master weights as their autograd inputs: the
 forward value is the provider's FP8 kernel on the copies, the gradient is the unquantized operator's
-(quantization treated as identity), so C7's reference is the model without quantization.
+(quantization treated as identity). C7 checks it against plain transformers following the FP8 forward
+(tic.harness.measure.fp8_reference).
 """
 
 from __future__ import annotations

@@ -83,8 +83,8 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
                                                  **unquantized_config(model_dir))
-    fp8_reference.install(model, model_dir)  # block FP8: the FP8 forward's values, the float32 graph's gradient
     model.to(device).train(False)
+    fp8_reference.install(model, model_dir)  # block FP8: the FP8 forward's values, the float32 graph's gradient
     model.requires_grad_(True)
     pin = RoutingPin(model)
     n_tokens = sum(int(s.mask.sum()) if s.mask is not None else len(s.response_ids) for s in samples)
