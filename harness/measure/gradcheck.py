@@ -80,9 +80,12 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
 
     from tic.harness.kernels.fp8 import unquantized_config
     from tic.harness.measure import fp8_reference
+    from tic.harness.model.layer_structure import quiet_transformers
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
-                                                 **unquantized_config(model_dir))
+    fp8 = unquantized_config(model_dir)
+    with quiet_transformers() if fp8 else contextlib.nullcontext():  # no load report for a checkpoint's scales
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
+                                                     **fp8)
     model.to(device).train(False)
     fp8_reference.install(model, model_dir)  # block FP8: the FP8 forward's values, the float32 graph's gradient
     model.requires_grad_(True)
