@@ -147,3 +147,13 @@ class CPUProvider(KernelProvider):
             return fp8_cpu.fp8_linear(h, d_q[e], d_s[e], None, block)
 
         return self._combine_slots(x, weights, ids, expert)
+
+
+def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 softmax, top-k by a stable descending sort (a tie goes to the lower expert id), renormalised."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    w = probs.gather(-1, ids)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, ids
