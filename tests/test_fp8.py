@@ -251,3 +251,28 @@ def test_bf16_masters_do_not_round_trip_to_the_checkpoints_scales():
     _, s_bf16 = quantize_weight_blocks(dequantize_weight_blocks(q, s, BLOCK, torch.bfloat16), BLOCK)
     _, s_f32 = quantize_weight_blocks(dequantize_weight_blocks(q, s, BLOCK, torch.float32), BLOCK)
     assert not torch.equal(s_bf16, s) and torch.equal(s_f32, s)
+
+
+def test_checkpoint_weights_for_an_fp8_rollout_are_codes_and_scales_as_the_checkpoint_holds_them(fp8_ctx):
+    """What a vLLM rollout (checkpoint format) is sent: before any update the checkpoint's own tensors, bitwise;
+    after one, the deployment rule applied to each expert's and projection's new master weights."""
+    from tic.harness.measure.rl import PolicyGradientTrainer, rollout_and_recompute
+    from tic.harness.model.quantize import read_block_fp8
+
+    train = fp8_ctx.private_engine("train", "t")
+    trainer = PolicyGradientTrainer(train, 1e-3)
+    stored = read_block_fp8(fp8_ctx.model.dir)
+    sent = trainer.checkpoint_weights()
+    for name, (q, s) in stored.items():
+        assert torch.equal(sent[name].view(torch.uint8), q.view(torch.uint8)), name
+        assert torch.equal(sent[name[: -len(".weight")] + ".weight_scale_inv"], s), name
+    assert sent["lm_head.weight"].dtype == torch.float32  # unquantized weights as they are
+    samples, _, _ = rollout_and_recompute(train, train, fp8_ctx.prompts[:2], fp8_ctx.sampling, 0)
+    trainer.step(samples, fp8_ctx.sampling)
+    sent = trainer.checkpoint_weights()
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    master = train.model.get_parameter("model.layers.1.mlp.experts.gate_up_proj")[3, 32:]
+    q, s = quantize_weight_blocks(master.detach(), BLOCK)
+    assert torch.equal(sent[name].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(sent[name[: -len(".weight")] + ".weight_scale_inv"], s)
+    assert not torch.equal(s, stored[name][1])
