@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tic.harness.kernels.mamba import MambaCPUKernels
 from tic.harness.kernels.rope import hf_cos_sin_cache, rotate_neox
 from tic.harness.kernels.spec import KernelProvider
 
@@ -68,7 +69,7 @@ def rowwise_attention(module, query, key, value, attention_mask, scaling, dropou
     return out, None
 
 
-class CPUProvider(KernelProvider):
+class CPUProvider(MambaCPUKernels, KernelProvider):  # Mamba-2 kernels: tic.harness.kernels.mamba
     """tic's consistent CPU kernels: each token row through the same call with the same shapes."""
 
     name = "cpu"

@@ -24,6 +24,7 @@ from torch import nn
 
 from tic.core.errors import TicInputError
 from tic.config.schema import BackwardConfig
+from tic.harness.kernels import mamba_modules  # tic: Mamba-2 mixers (hybrids), issue 31
 from tic.harness.kernels.autograd import Backward, Ops
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.stand_ins import stands_for
@@ -159,8 +160,9 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
         position_ids = torch.arange(past, past + T, device=q.device)[None].expand(B, T)
     positions = position_ids.expand(B, T).reshape(-1)
-    table = self._tic_rope.for_positions(position_ids, q.device)
-    q, k = ops.rotary(q.reshape(B * T, -1, D), k.reshape(B * T, -1, D), positions, table)
+    if self._tic_rope is not None:  # tic: attention without rotary (NemotronH), issue 31
+        table = self._tic_rope.for_positions(position_ids, q.device)
+        q, k = ops.rotary(q.reshape(B * T, -1, D), k.reshape(B * T, -1, D), positions, table)
     q, k, v = q.reshape(B, T, -1, D).transpose(1, 2), k.reshape(B, T, -1, D).transpose(1, 2), v.transpose(1, 2)
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx)
@@ -232,6 +234,13 @@ def _is_attention(m) -> bool:
         and hasattr(m, "head_dim") and hasattr(m, "layer_idx")
 
 
+def _takes_rope(attention) -> bool:
+    """Whether this attention applies rotary embeddings from a rotary module (NemotronH's has none)."""
+    import inspect
+
+    return "position_embeddings" in inspect.signature(type(attention).forward).parameters
+
+
 def _is_decoder_layer(m) -> bool:
     return all(hasattr(m, a) for a in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"))
 
@@ -252,20 +261,26 @@ def coverage_problems(model: nn.Module) -> list[str]:
     will do."""
     cfg = model.config.get_text_config()
     problems = []
-    other = sorted({t for t in (getattr(cfg, "layer_types", None) or []) if t != "full_attention"})
+    layer_types = getattr(cfg, "layer_types", None) or []
+    hybrid = mamba_modules.covered_layer_types(model, layer_types)  # tic: issue 31
+    other = sorted({t for t in layer_types if t != "full_attention" and t not in hybrid})
     if other:
         problems.append(f"config layer_types {', '.join(other)} (the wrappers cover full attention only)")
     rotary = [n for n, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")]
-    if len(rotary) != 1:
+    if len(rotary) > 1 or (not rotary and any(_takes_rope(m) for m in model.modules() if _is_attention(m))):
         problems.append(f"rotary embeddings: {len(rotary)} modules ({', '.join(rotary) or 'none'}), the wrappers "
                         "use one table for all layers")
     for name, m in model.named_modules():
         kind = type(m).__name__
-        if _is_moe_block(m):
+        if mamba_modules.is_mixer(m):  # tic: issue 31
+            problems += mamba_modules.mixer_problems(name, m)
+        elif _is_moe_block(m):
             if any(hasattr(m, a) for a in ("shared_expert", "shared_experts")):
                 problems.append(f"{name} ({kind}): shared experts")
             if "SiLU" not in _act_name(m.experts):
                 problems.append(f"{name} ({kind}): activation {_act_name(m.experts) or 'unknown'}")
+        elif hasattr(m, "experts") and hasattr(m, "gate"):  # e.g. NemotronH's sigmoid-routed MoE (issue 31)
+            problems.append(f"{name} ({kind}): a MoE block of a layout the wrappers do not implement")
         elif _is_gated_mlp(m):
             if "SiLU" not in _act_name(m):
                 problems.append(f"{name} ({kind}): activation {_act_name(m) or 'unknown'}")
@@ -276,10 +291,16 @@ def coverage_problems(model: nn.Module) -> list[str]:
                     problems.append(f"{name}.{norm_name} ({type(norm).__name__}): a norm over "
                                     f"{_norm_features(norm)} features (the whole projection); the wrappers "
                                     f"normalise each head of {m.head_dim}")
-    final = getattr(getattr(model, "model", model), "norm", None)
+    final = _final_norm(model)
     if final is None or not _is_rmsnorm(final):
         problems.append("final norm (model.model.norm)")
     return _per_layer_once(problems)
+
+
+def _final_norm(model: nn.Module):
+    """The norm after the last layer: `norm` (decoders) or `norm_f` (Mamba-2, NemotronH) of the base model."""
+    base = getattr(model, "base_model", getattr(model, "model", model))
+    return getattr(base, "norm", None) or getattr(base, "norm_f", None)
 
 
 def _per_layer_once(problems: list[str]) -> list[str]:
@@ -312,12 +333,16 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None) ->
     stream, routes = ResidualStream(), RouteLog()
     dtype = next(model.parameters()).dtype
     rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
-    rope = RopeTable(rotary[0], dtype, provider, cfg)
-    rotary[0]._tic_orig_forward, rotary[0]._tic_rope = rotary[0].forward, rope
-    rotary[0].forward = types.MethodType(_rotary_module_forward, rotary[0])
+    rope = RopeTable(rotary[0], dtype, provider, cfg) if rotary else None
+    if rotary:
+        rotary[0]._tic_orig_forward, rotary[0]._tic_rope = rotary[0].forward, rope
+        rotary[0].forward = types.MethodType(_rotary_module_forward, rotary[0])
+    layout = mamba_modules.install(model)  # tic: issue 31
     for name, m in list(model.named_modules()):
         m._tic_ops = ops
-        if _is_moe_block(m):
+        if mamba_modules.is_mixer(m):  # tic: issue 31
+            mamba_modules.wrap_mixer(m, layout)
+        elif _is_moe_block(m):
             m._tic_name, m._tic_routes = name, routes
             m.forward = types.MethodType(_moe_forward, m)
         elif _is_gated_mlp(m):
@@ -332,7 +357,7 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None) ->
             m.forward = types.MethodType(_linear_forward, m)
         elif _is_rmsnorm(m):
             m.forward = types.MethodType(_rmsnorm_forward, m)
-    final = getattr(model, "model", model).norm
+    final = _final_norm(model)
     final._tic_stream = stream
     final.forward = types.MethodType(_final_norm_forward, final)
     for sub in model.modules():
