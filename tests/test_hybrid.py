@@ -106,3 +106,41 @@ def test_mixers_the_wrapper_does_not_implement_are_named(example):
     model.backbone.layers[1].mixer.activation = "gelu"
     problems = coverage_problems(model)
     assert any("backbone.layers.1.mixer" in p and "conv activation gelu" in p for p in problems), problems
+
+
+def test_locator_names_the_mixer_that_decodes_by_the_single_step_recurrence(tmp_path, monkeypatch):
+    """Decode side A (the plant in layer 3's mixer) against score side B: the first divergent layer and module."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+    from tic_locate_pair import engines
+
+    from tic.harness.engines.base import Sampling
+    from tic.harness.locate.hf_capture import HFCaptureRunner
+    from tic.harness.locate import report
+    from tic.harness.locate.search import Side, locate
+
+    monkeypatch.chdir(tmp_path)
+    a, b = engines(Path(__file__).resolve().parent.parent / "examples" / "tiny-nemotron-h" / "tic-consistent.yaml")
+    plant_single_step_decode(a.model.model.layers[3].mixer)
+    upto = 6
+    samples = a.generate([[5, 17, 99, 3, 250, 31], [7, 8, 9], [100, 2, 77, 13, 14]],
+                         Sampling(temperature=1.0, max_tokens=upto + 1, seed=0), [0, 1, 2])
+    ra, rb = HFCaptureRunner(a), HFCaptureRunner(b)
+    found = locate(Side("decode", ra, lambda spec: ra.decode(samples, 0, upto, spec)),
+                   Side("score", rb, lambda spec: rb.score(samples, 0, spec)), tmp_path / "out", "plant", upto)
+    res = report.write(found, tmp_path / "out")
+    assert res["first_divergent_layer"] == "model.layers.3", res["status"]
+    assert res["culprit_module"] == "model.layers.3.mixer", res["status"]
+
+
+def test_a_provider_without_mamba_kernels_is_refused_in_one_line(example):
+    from tic.core.errors import TicInputError
+    from tic.harness.kernels.modules import apply
+    from tic.harness.kernels.spec import KernelProvider
+
+    ctx = GateContext(load_config(example("tiny-mamba2") / "tic-consistent.yaml"))
+    model = hf.load_model(ctx.model.dir, "float32", kernels="stock", attn="eager", shared=False)
+    with pytest.raises(TicInputError, match="no Mamba-2 mixer kernels"):
+        apply(model, KernelProvider())

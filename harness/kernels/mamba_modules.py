@@ -192,10 +192,14 @@ def covered_layer_types(model: nn.Module, layer_types) -> set[str]:
     return covered
 
 
-def install(model: nn.Module) -> SequenceLayout | None:
-    """The layout the model's mixers read, fed by hooks on the model's forward; None for a model without mixers."""
+def install(model: nn.Module, provider) -> SequenceLayout | None:
+    """The layout the model's mixers read, fed by hooks on the model's forward; None for a model without mixers.
+    A provider without the Mamba-2 kernels (spec.py) is refused here, before any module is patched."""
     if not any(is_mixer(m) for m in model.modules()):
         return None
+    if not callable(getattr(provider, "mamba_scan", None)):
+        raise TicInputError(f"{provider.name} kernels have no Mamba-2 mixer kernels yet (this model has Mamba-2 "
+                            "layers); use kernels: consistent")
     layout = SequenceLayout()
     model.register_forward_pre_hook(layout.before, with_kwargs=True)
     model.register_forward_hook(layout.after, with_kwargs=True)

@@ -327,6 +327,7 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None) ->
     problems = coverage_problems(model)
     if problems:
         raise TicInputError(f"{provider.name} kernel wrappers do not cover: " + "; ".join(problems))
+    layout = mamba_modules.install(model, provider)  # tic: issue 31
     register_attention()
     ops = Ops(provider, Backward(backward))
     cfg = model.config.get_text_config()
@@ -337,7 +338,6 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None) ->
     if rotary:
         rotary[0]._tic_orig_forward, rotary[0]._tic_rope = rotary[0].forward, rope
         rotary[0].forward = types.MethodType(_rotary_module_forward, rotary[0])
-    layout = mamba_modules.install(model)  # tic: issue 31
     for name, m in list(model.named_modules()):
         m._tic_ops = ops
         if mamba_modules.is_mixer(m):  # tic: issue 31
