@@ -109,7 +109,8 @@ def test_mixers_the_wrapper_does_not_implement_are_named(example):
 
 
 def test_locator_names_the_mixer_that_decodes_by_the_single_step_recurrence(tmp_path, monkeypatch):
-    """Decode side A (the plant in layer 3's mixer) against score side B: the first divergent layer and module."""
+    """Decode side A (the plant in layer 3's mixer) against score side B: the first divergent layer and module, and
+    a repro of the mixer that shows the difference in a fresh process (exit 1)."""
     import sys
     from pathlib import Path
 
@@ -133,6 +134,8 @@ def test_locator_names_the_mixer_that_decodes_by_the_single_step_recurrence(tmp_
     res = report.write(found, tmp_path / "out")
     assert res["first_divergent_layer"] == "model.layers.3", res["status"]
     assert res["culprit_module"] == "model.layers.3.mixer", res["status"]
+    assert res["repro"] and res["repro_check"]["reproduces"] and res["repro_check"]["exit_code"] == 1, res["status"]
+    assert "DIFFERS model.layers.3.mixer" in res["repro_check"]["output"]
 
 
 def test_a_provider_without_mamba_kernels_is_refused_in_one_line(example):

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tic.harness.kernels.autograd import Op
+from tic.harness.kernels.stand_ins import stands_for
 
 
 # -- consistent CPU kernels ---------------------------------------------------------------------------------------
@@ -83,8 +84,10 @@ def cpu_mamba_conv(u, window, w, bias):
     w [C, 1, K] (nn.Conv1d's depthwise weight), bias [C] | None -> [n, C] in u's dtype."""
     K = w.shape[-1]
     full = torch.cat([window.to(u.dtype), u])
-    rows = [F.silu(F.conv1d(full[i:i + K].t()[None], w, bias, groups=w.shape[0])[0, :, 0])[None]
-            for i in range(u.shape[0])]
+    rows = []
+    for i in range(u.shape[0]):
+        rows.append(F.silu(F.conv1d(full[i:i + K].t()[None], w, bias, groups=w.shape[0])[0, :, 0])[None])
+        stands_for(u[i:i + 1], rows[-1])  # a window of several tokens: the output row is its newest token's
     return torch.cat(rows) if rows else u.new_zeros(u.shape)
 
 

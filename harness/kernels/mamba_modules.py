@@ -58,9 +58,10 @@ class SequenceLayout:
     def after(self, module, args, kwargs, output):
         self.mask = self.positions = None
 
-    def rows(self, B: int, T: int, carried: list) -> list[list[tuple[list[int], int]]]:
-        """Per row, its sequences in this forward: (columns, position of the first one). Without position ids a
-        row continues what it carries (or starts at 0)."""
+    def rows(self, B: int, T: int, carried: list) -> list[list[tuple[int, int, int]]]:
+        """Per row, its sequences in this forward: (first column, end column, position of the first token). A
+        sequence's tokens are contiguous columns (left or right padding, packing); without position ids a row
+        continues what it carries (or starts at 0)."""
         mask = self.mask
         if mask is not None and (mask.dim() != 2 or mask.shape[0] != B or mask.shape[1] < T):
             raise TicInputError(f"mamba mixer: a 2-D attention mask [batch, past + {T}] is needed, got "
@@ -72,17 +73,19 @@ class SequenceLayout:
         pos = pos.expand(B, T).tolist() if pos is not None else None
         out = []
         for b in range(B):
-            seqs: list[tuple[list[int], int]] = []
+            seqs: list[list[int]] = []
             for t in range(T):
                 if not valid[b][t]:
                     continue
                 p = pos[b][t] if pos is not None else None
+                if seqs and p != 0 and seqs[-1][1] != t:
+                    raise TicInputError(f"mamba mixer: row {b} has padding inside a sequence (column {t})")
                 if not seqs or p == 0:
                     first = p if p is not None else (carried[b].length if carried[b] is not None else 0)
-                    seqs.append(([t], first))
+                    seqs.append([t, t + 1, first])
                 else:
-                    seqs[-1][0].append(t)
-            out.append(seqs)
+                    seqs[-1][1] = t + 1
+            out.append([tuple(q) for q in seqs])
         return out
 
 
@@ -139,27 +142,26 @@ def _mixer_forward(self, hidden_states, cache=None, attention_mask=None, cache_p
         kwargs.get("past_key_values")
     ops: Ops = self._tic_ops
     Bsz, T, _ = hidden_states.shape
-    I, H, P = self.intermediate_size, self.num_heads, self.head_dim
+    I, H = self.intermediate_size, self.num_heads
     proj = self.in_proj(hidden_states)
     gate, xBC, dt = proj.split([I, self.conv_dim, H], dim=-1)
     carried = _carried_states(cache, self.layer_idx, Bsz)
-    index, ys = [], []
+    rows = []
     for b, seqs in enumerate(self._tic_layout.rows(Bsz, T, carried)):
-        for cols, first in seqs:
+        pieces, col = [], 0
+        for c0, c1, first in seqs:
             start = carried[b] if first > 0 else _fresh(self, hidden_states)
             if start is None or start.length != first:
                 raise TicInputError(f"mamba mixer (layer {self.layer_idx}): row {b} continues a sequence at position "
                                     f"{first}, but the cache carries {start.length if start else 'nothing'}")
-            at = torch.tensor(cols, device=proj.device)
-            y, state = _sequence(self, ops, xBC[b].index_select(0, at), dt[b].index_select(0, at), start)
-            index.append(at + b * T)
-            ys.append(y.reshape(len(cols), I))
+            y, state = _sequence(self, ops, xBC[b, c0:c1], dt[b, c0:c1], start)
+            # pieces in column order (padding zeros): the locator follows each token's values through a cat
+            pieces += [proj.new_zeros(c0 - col, I, dtype=torch.float32), y.reshape(c1 - c0, I)]
+            col = c1
             if cache is not None:
                 carried[b] = state
-    flat = torch.zeros(Bsz * T, I, dtype=torch.float32, device=proj.device)
-    if ys:
-        flat = flat.index_copy(0, torch.cat(index), torch.cat(ys))
-    normed = run(ops, "gated_rms_norm", flat.reshape(Bsz, T, I), gate, self.norm.weight,
+        rows.append(torch.cat(pieces + [proj.new_zeros(T - col, I, dtype=torch.float32)]))
+    normed = run(ops, "gated_rms_norm", torch.stack(rows), gate, self.norm.weight,
                  group_size=int(self.norm.group_size), eps=float(self.norm.variance_epsilon),
                  out_dtype=hidden_states.dtype)
     return self.out_proj(normed)
