@@ -102,7 +102,7 @@ def test_decode_carries_the_mixer_state_in_the_hf_cache(example):
 
 def test_mixers_the_wrapper_does_not_implement_are_named(example):
     ctx = GateContext(load_config(example("tiny-mamba2") / "tic-consistent.yaml"))
-    model = hf.load_model(ctx.model.dir, "float32", kernels="stock", attn="eager", shared=False)
+    model = hf.load_model(ctx.model.dir, "float32", kernels="stock", shared=False)  # sdpa asked: eager
     model.backbone.layers[1].mixer.activation = "gelu"
     problems = coverage_problems(model)
     assert any("backbone.layers.1.mixer" in p and "conv activation gelu" in p for p in problems), problems
@@ -144,6 +144,6 @@ def test_a_provider_without_mamba_kernels_is_refused_in_one_line(example):
     from tic.harness.kernels.spec import KernelProvider
 
     ctx = GateContext(load_config(example("tiny-mamba2") / "tic-consistent.yaml"))
-    model = hf.load_model(ctx.model.dir, "float32", kernels="stock", attn="eager", shared=False)
+    model = hf.load_model(ctx.model.dir, "float32", kernels="stock", shared=False)  # sdpa asked: eager
     with pytest.raises(TicInputError, match="no Mamba-2 mixer kernels"):
         apply(model, KernelProvider())
