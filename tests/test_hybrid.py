@@ -147,3 +147,21 @@ def test_a_provider_without_mamba_kernels_is_refused_in_one_line(example):
     model = hf.load_model(ctx.model.dir, "float32", kernels="stock", shared=False)  # sdpa asked: eager
     with pytest.raises(TicInputError, match="no Mamba-2 mixer kernels"):
         apply(model, KernelProvider())
+
+
+def test_nemotron_h_moe_blocks_are_named_as_not_covered():
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, NemotronHConfig
+
+    cfg = json.loads((Path(__file__).resolve().parent.parent / "examples" / "tiny-nemotron-h" / "config.json")
+                     .read_text())
+    cfg.update(hybrid_override_pattern="ME*", num_hidden_layers=3, n_routed_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=16, moe_shared_expert_intermediate_size=16)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            NemotronHConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}))
+    problems = coverage_problems(model)
+    assert any("model.layers.1.mixer (NemotronHMoE)" in p for p in problems), problems
+    assert not any("layers.0" in p or "layers.2" in p for p in problems), problems  # the mixer and attention are
