@@ -164,4 +164,4 @@ def test_nemotron_h_moe_blocks_are_named_as_not_covered():
             NemotronHConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}))
     problems = coverage_problems(model)
     assert any("model.layers.1.mixer (NemotronHMoE)" in p for p in problems), problems
-    assert not any("layers.0" in p or "layers.2" in p for p in problems), problems  # the mixer and attention are
+    assert not any("layers.0" in p or "layers.2" in p for p in problems), problems  # mixer and attention: covered
