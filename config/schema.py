@@ -132,6 +132,9 @@ class EngineConfig(Strict):
             unknown = [n for n in self.patches if n not in known]
             if unknown:
                 raise ValueError(f"unknown patch {unknown[0]!r}; bundled patches: {', '.join(sorted(known))}")
+            why = patches.conflict(list(self.patches))
+            if why:
+                raise ValueError(why)
             targets = {known[n].target for n in self.patches}
             if self.engine not in targets:
                 raise ValueError(f"patches target {', '.join(sorted(targets))}, not engine {self.engine!r}")

@@ -41,12 +41,26 @@ def get(name: str) -> Patch:
     return reg[name]
 
 
+def conflict(names: list[str]) -> str | None:
+    """Why `names` cannot be active together (two patches that replace the same function), or None."""
+    reg = registry()
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if a in reg and b in reg and (b in reg[a].excludes or a in reg[b].excludes):
+                return f"patches {a} and {b} replace the same vLLM function; list one of them"
+    return None
+
+
 def parse_names(text: str | None) -> list[str]:
-    """TIC_PATCHES: names separated by commas or spaces; unknown names are an input error."""
-    names = [n for n in (text or "").replace(",", " ").split() if n]
+    """TIC_PATCHES: names separated by commas or spaces; unknown names, or two that exclude each other, are an
+    input error."""
+    names = list(dict.fromkeys(n for n in (text or "").replace(",", " ").split() if n))
     for n in names:
         get(n)
-    return list(dict.fromkeys(names))
+    why = conflict(names)
+    if why:
+        raise TicInputError(why)
+    return names
 
 
 def apply(names: list[str]) -> list[str]:
@@ -54,6 +68,9 @@ def apply(names: list[str]) -> list[str]:
     A patch whose target is not installed at a supported version is refused before anything changes."""
     reg = registry()
     wanted = [get(n) for n in names]
+    why = conflict(names)
+    if why:
+        raise TicInputError(why)
     for p in wanted:
         p.check_target()
     for p in reg.values():

@@ -23,6 +23,7 @@ class Patch:
     fix: str                    # what it changes, in one or two sentences
     guide: str                  # the guide that names it, relative to the package root
     cost: str                   # measured cost, or what it costs in principle until measured
+    excludes: tuple = ()        # patches that change the same function and so cannot be active with this one
     _apply: Callable[[], None] = field(repr=False, default=lambda: None)
     _revert: Callable[[], None] = field(repr=False, default=lambda: None)
     _is_applied: Callable[[], bool] = field(repr=False, default=lambda: False)

@@ -10,7 +10,7 @@ from tic.config.schema import load_config
 from tic.gates import get
 from tic.harness.engines import hf
 from tic.harness.kernels.mamba import cpu_mamba_scan, mamba_scan_ref
-from tic.harness.kernels.modules import coverage_problems
+from tic.harness.kernels.coverage import coverage_problems
 from tic.harness.testing.mamba_plants import plant_single_step_decode
 from tic.skill.context import GateContext
 from tic.skill.runner import run_gate
@@ -138,15 +138,12 @@ def test_locator_names_the_mixer_that_decodes_by_the_single_step_recurrence(tmp_
     assert "DIFFERS model.layers.3.mixer" in res["repro_check"]["output"]
 
 
-def test_a_provider_without_mamba_kernels_is_refused_in_one_line(example):
-    from tic.core.errors import TicInputError
-    from tic.harness.kernels.modules import apply
-    from tic.harness.kernels.spec import KernelProvider
-
+def test_kernels_without_the_mamba_kernels_are_refused_in_one_line(example):
     ctx = GateContext(load_config(example("tiny-mamba2") / "tic-consistent.yaml"))
-    model = hf.load_model(ctx.model.dir, "float32", kernels="stock", shared=False)  # sdpa asked: eager
-    with pytest.raises(TicInputError, match="no Mamba-2 mixer kernels"):
-        apply(model, KernelProvider())
+    model = hf.load_model(ctx.model.dir, "float32", kernels="stock", shared=False)
+    assert coverage_problems(model, "vllm") == [
+        "backbone.layers.{0,1,2} (Mamba2Block): mixer:mamba2 is not implemented by kernels: vllm (config "
+        "layer_types='mamba')"]
 
 
 def test_nemotron_h_moe_blocks_are_named_as_not_covered():

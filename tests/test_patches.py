@@ -20,7 +20,7 @@ from tic.core.errors import TicInputError
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 from tic_fake_vllm import make_fake_vllm  # noqa: E402
-ALL = sorted(patches.registry())
+ALL = sorted(n for n in patches.registry() if n != "gemm-fixed-m")  # gemm-fixed-order excludes it
 
 def _define_block_dependent_rmsnorm():
     """A CPU stand-in for vLLM's `_C.fused_add_rms_norm` with the launcher's flaw made loud: below 256 rows the
@@ -93,7 +93,8 @@ def _define_row_count_dependent_rms_norm():
 
 def test_registry_metadata_is_complete():
     reg = patches.registry()
-    assert set(reg) == {"fa3-fixed-tile", "gemm-fixed-m", "moe-slot-order-sum", "rmsnorm-fixed-block"}
+    assert set(reg) == {"fa3-fixed-tile", "gemm-fixed-m", "gemm-fixed-order", "moe-slot-order-sum",
+                        "rmsnorm-fixed-block"}
     for name, p in reg.items():
         assert p.target == "vllm" and p.gate in {f"C{i}" for i in range(11)}
         assert p.symptom and p.fix and p.cost
@@ -180,6 +181,77 @@ def test_gemm_fixed_m_gives_every_row_the_same_gemm_whatever_the_batch(fake_vllm
     assert torch.equal(plain[:128], stock(None, x[:128].clone(), w))
     for lo, hi in ((0, 1), (3, 50), (127, 129), (250, 300)):
         assert torch.equal(gemm(None, x[lo:hi].clone(), w), plain[lo:hi])
+
+
+def test_patches_that_replace_the_same_function_are_refused_together(fake_vllm, tmp_path):
+    from tic.config.schema import load_config
+    from tic.core.errors import TicInputError
+
+    with pytest.raises(TicInputError, match="replace the same vLLM function"):
+        patches.parse_names("gemm-fixed-m gemm-fixed-order")
+    with pytest.raises(TicInputError, match="replace the same vLLM function"):
+        patches.apply(["gemm-fixed-order", "gemm-fixed-m"])
+    assert patches.active() == []  # refused before anything changed
+    cfg = tmp_path / "tic.yaml"
+    cfg.write_text("rollout: {engine: vllm, patches: [gemm-fixed-m, gemm-fixed-order]}\n")
+    with pytest.raises(Exception, match="replace the same vLLM function"):
+        load_config(cfg)
+
+
+def test_gemm_fixed_order_hands_vllm_tics_gemm_eager_and_as_a_custom_op(fake_vllm, monkeypatch):
+    from vllm.model_executor.layers import utils
+    from tic.patches.vllm import fixed_order_gemm
+
+    seen = []
+
+    def rowwise(x, weight, bias=None):  # stands for the Triton GEMM on CPU: one row at a time
+        seen.append(x.shape[0])
+        y = torch.stack([r @ weight.t() for r in x.reshape(-1, x.shape[-1])]).view(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
+
+    monkeypatch.setattr(fixed_order_gemm, "linear", rowwise)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(37, 24, generator=g), torch.randn(8, 24, generator=g)
+    patches.apply(["gemm-fixed-order"])
+    gemm = utils.dispatch_unquantized_gemm()
+    assert gemm.__name__ == "tic_gemm" and torch.equal(gemm(None, x, w), rowwise(x, w))
+    assert torch.equal(torch.ops.tic.linear_fixed_order(x, w, None), rowwise(x, w))
+    assert seen[0] == 37
+    patches.apply([])
+    assert utils.dispatch_unquantized_gemm().__name__ == "default_unquantized_gemm"
+
+
+def test_fixed_order_gemm_takes_the_fastest_tile_with_the_reference_bits(monkeypatch):
+    """The tile choice: a candidate whose bits differ from the reference tile's is never taken, whatever its
+    speed; the fastest equal one is, once per size class and weight shape; during a CUDA graph capture an
+    unmeasured class runs the reference tile."""
+    import sys
+    import types
+
+    from tic.patches.vllm import fixed_order_gemm as fog
+
+    fast_wrong, slow, fast = fog.Tile(16, 32, 128, 4, 4), fog.Tile(16, 64, 128, 4, 4), fog.Tile(16, 128, 128, 4, 4)
+    speed = {fast_wrong: 1.0, slow: 3.0, fast: 2.0, fog.REFERENCE: 9.0}
+    current = []
+
+    def run(x2, weight, bias, tile):
+        current.append(tile)
+        y = x2 @ weight.t()
+        return y + 1e-3 if tile == fast_wrong else y
+
+    testing = types.SimpleNamespace(do_bench=lambda fn, **kw: (fn(), speed[current[-1]])[1])
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(testing=testing))
+    monkeypatch.setitem(sys.modules, "triton.testing", testing)
+    monkeypatch.setattr(fog, "run", run)
+    monkeypatch.setattr(fog, "_chosen", {})
+    monkeypatch.setattr(fog, "CANDIDATES", ((16, (fast_wrong, slow, fast)), (1 << 62, (slow,))))
+    w = torch.randn(8, 24)
+    assert fog.tile_for(5, w, torch.float32, False) == fast
+    n = len(current)
+    assert fog.tile_for(16, w, torch.float32, False) == fast and len(current) == n  # measured once per class
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert fog.tile_for(100, w, torch.float32, False) == fog.REFERENCE
 
 
 def test_gemm_fixed_m_custom_op_runs_where_the_dispatcher_never_ran(fake_vllm):

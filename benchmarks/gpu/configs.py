@@ -24,7 +24,7 @@ import yaml
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 
-PATCHES = ("fa3-fixed-tile", "rmsnorm-fixed-block", "gemm-fixed-m")  # the C3/C4 patches, rollout side
+PATCHES = ("fa3-fixed-tile", "rmsnorm-fixed-block", "gemm-fixed-order")  # the C3/C4 patches, rollout side
 SLOT_ORDER = "moe-slot-order-sum"  # the EP merge patch (parallel layouts)
 
 # Rollout modes: vLLM options on top of the workload's.
@@ -116,6 +116,10 @@ def _variants() -> dict[str, Variant]:
                           patches=subset, batch_invariant=bi, train="hf")
     # training on vLLM's kernels against the patched eager rollout (C5-C7)
     for m in ("dense", "moe", "big", "llama"):
+        v[f"t-{m}-eager"] = Variant(f"{m}, patched eager rollout, training on vLLM's kernels", m)
+    # Gemma-style models (sliding and full layers, (1 + w) norms, GELU-tanh; gemma2 also softcaps attention and
+    # the final logits): FlashAttention's window and softcap, GemmaRMSNorm, gelu_tanh_and_mul on the training side
+    for m in ("gemma3", "gemma2"):
         v[f"t-{m}-eager"] = Variant(f"{m}, patched eager rollout, training on vLLM's kernels", m)
     v["t-dense-bi"] = Variant("dense, batch-invariant rollout without patches, training on vLLM's kernels",
                               "dense", patches=(), batch_invariant=True, locate=False)

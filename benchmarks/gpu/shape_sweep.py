@@ -12,8 +12,9 @@ Each (shape, rollout mode, variant) is one tic.yaml under WORK, run by run_gates
 - the training side: transformers on vLLM's kernels (train: {kernels: vllm});
 - modes: eager (enforce_eager), graph (CUDA graphs of the decode steps, compilation mode 0 / FULL_DECODE_ONLY),
   compiled (vLLM's default mode 3 / FULL_AND_PIECEWISE with its CUDA kernels kept: custom_ops [all], vllm_c norms);
-- variants: patched (rollout.patches: tic's three vLLM patches), stock (none), previous (the patched config run
-  on another tic tree, --previous-pythonpath, e.g. the release before a patch change: its with/without run).
+- variants: patched (rollout.patches: tic's three vLLM patches), stock (none), no-gemm (the patches less the dense
+  GEMM one: its with/without run), previous (the patched config run on another tic tree, --previous-pythonpath,
+  e.g. the release before a patch change: its with/without run).
 Eager runs C0, C3-C7; the CUDA-graph modes run C0, C3-C5 (C6 and C7 compare the training side with itself and
 are the eager run's). Runs share the GPU: a run starts when its estimated memory fits beside the running ones.
 Weights are generated once per shape (seeded, tic's model cache) and removed when the shape's runs are done.
@@ -44,7 +45,7 @@ PATCHES = list(TIC_PATCHES)
 # the sweep's modes: graph = CUDA graphs of the decode steps without torch.compile; compiled = vLLM's default
 # compilation with its CUDA kernels kept
 MODES = {"eager": "eager", "graph": "decode-graphs", "compiled": "compiled"}
-VARIANTS = ("patched", "stock", "previous")
+VARIANTS = ("patched", "stock", "no-gemm", "previous")
 ROLLOUT_GATES = "C0,C3,C4,C5"
 ALL_GATES = "C0,C3,C4,C5,C6,C7"
 GATE_COLUMNS = ("C0", "C3", "C4", "C5", "C6", "C7")
@@ -92,7 +93,10 @@ def run_config(s: Shape, mode: str, variant: str, w: dict, model_dir: Path) -> d
     kv = w["requests"] * w["model_len"] * kv_bytes_per_token(s)
     options = {"max_model_len": w["model_len"], "kv_cache_memory_bytes": int(1.2 * kv) + (256 << 20),
                "gpu_memory_utilization": round(min(0.9, (2 * s.params() + 1.2 * kv + 3 * GiB) / (140 * GiB)), 3)}
-    return tic_yaml(f"{s.slug}-{mode}-{variant}", model_dir, MODES[mode], [] if variant == "stock" else PATCHES,
+    patches = {"stock": ()}.get(variant, PATCHES)
+    if variant == "no-gemm":
+        patches = tuple(p for p in PATCHES if not p.startswith("gemm-"))
+    return tic_yaml(f"{s.slug}-{mode}-{variant}", model_dir, MODES[mode], patches,
                     requests=w["requests"], min_len=w["min_len"], max_len=w["max_len"], tokens=w["tokens"],
                     options=options)
 
@@ -243,6 +247,8 @@ def _located(rec: dict) -> str:
     loc = (rec.get("details") or {}).get("locate") or {}
     if not loc:
         return ""
+    if loc.get("first_divergent_layer") is None and loc.get("status"):
+        return f"{rec['gate']}: {loc['status']}"  # the locator did not run (or found nothing): why, in its words
     rep = loc.get("repro_check") or {}
     repro = "repro exits 1" if rep.get("reproduces") else "no repro"
     return (f"{rec['gate']}: layer {loc.get('first_divergent_layer')}, {loc.get('culprit_module')}, "

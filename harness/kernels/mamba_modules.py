@@ -26,12 +26,6 @@ from tic.core.errors import TicInputError
 from tic.harness.kernels.autograd import KernelFunction, Ops
 from tic.harness.kernels.mamba import MAMBA_OPS
 
-# layer types a Mamba-2 mixer implements (config layer_types / NemotronH layers_block_type)
-MIXER_LAYER_TYPES = ("mamba", "mamba2", "linear_attention")
-# NemotronH's MLP block: linears through the wrappers, its activation (relu2) elementwise and exact on any layout
-PLAIN_BLOCK_TYPES = ("mlp",)
-
-
 def is_mixer(m: nn.Module) -> bool:
     return all(hasattr(m, a) for a in ("in_proj", "conv1d", "A_log", "dt_bias", "D", "out_proj", "norm")) \
         and isinstance(m.conv1d, nn.Conv1d)
@@ -168,40 +162,24 @@ def _mixer_forward(self, hidden_states, cache=None, attention_mask=None, cache_p
 
 
 # -- coverage and installation -------------------------------------------------------------------------------------
-def mixer_problems(name: str, m: nn.Module) -> list[str]:
-    """What of this mixer the wrapper does not implement."""
-    problems, kind = [], type(m).__name__
+def mixer_problems(m: nn.Module) -> list[str]:
+    """What of this mixer the wrapper does not implement (tic.harness.kernels.coverage names the module)."""
+    problems = []
     if getattr(m, "activation", "silu") not in ("silu", "swish"):
-        problems.append(f"{name} ({kind}): conv activation {m.activation}")
+        problems.append(f"conv activation {m.activation} (the wrapper runs SiLU)")
     want = m.intermediate_size + m.conv_dim + m.num_heads
     if m.in_proj.out_features != want:
-        problems.append(f"{name} ({kind}): in_proj of {m.in_proj.out_features} features (the wrapper splits "
-                        f"gate | conv input | dt = {want}; an extra MLP branch is not covered)")
+        problems.append(f"in_proj of {m.in_proj.out_features} features (the wrapper splits gate | conv input | dt "
+                        f"= {want}; an extra MLP branch is not covered)")
     if not hasattr(m.norm, "group_size"):
-        problems.append(f"{name} ({kind}): norm {type(m.norm).__name__} without groups (the wrapper runs the gated "
-                        "grouped RMSNorm)")
+        problems.append(f"norm {type(m.norm).__name__} without groups (the wrapper runs the gated grouped RMSNorm)")
     return problems
 
 
-def covered_layer_types(model: nn.Module, layer_types) -> set[str]:
-    """The config layer types the hybrid wrappers cover here: the mixer types when every such layer holds a Mamba-2
-    mixer this module wraps, and NemotronH's plain MLP blocks."""
-    mixers = sum(1 for m in model.modules() if is_mixer(m))
-    needing = sum(1 for t in layer_types if t in MIXER_LAYER_TYPES)
-    covered = set(PLAIN_BLOCK_TYPES)
-    if mixers and mixers == needing:
-        covered |= set(MIXER_LAYER_TYPES)
-    return covered
-
-
-def install(model: nn.Module, provider) -> SequenceLayout | None:
-    """The layout the model's mixers read, fed by hooks on the model's forward; None for a model without mixers.
-    A provider without the Mamba-2 kernels (spec.py) is refused here, before any module is patched."""
+def install(model: nn.Module) -> SequenceLayout | None:
+    """The layout the model's mixers read, fed by hooks on the model's forward; None for a model without mixers."""
     if not any(is_mixer(m) for m in model.modules()):
         return None
-    if not callable(getattr(provider, "mamba_scan", None)):
-        raise TicInputError(f"{provider.name} kernels have no Mamba-2 mixer kernels yet (this model has Mamba-2 "
-                            "layers); use kernels: consistent")
     layout = SequenceLayout()
     model.register_forward_pre_hook(layout.before, with_kwargs=True)
     model.register_forward_hook(layout.after, with_kwargs=True)

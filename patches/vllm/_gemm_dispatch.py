@@ -1,0 +1,58 @@
+"""The hook the dense-GEMM patches share: vLLM's unquantized GEMM dispatch, swapped for one that hands out tic's GEMM.
+
+vLLM's linear layers ask `dispatch_unquantized_gemm()` for their GEMM; the swapped dispatch returns tic's in place
+of vLLM's default (F.linear), and leaves other platforms' GEMMs (ROCm, CPU) alone. Inside torch.compile (vLLM's
+graph mode) tic's GEMM is a custom op, so Inductor keeps it as one opaque call instead of choosing a GEMM itself.
+"""
+
+# no `from __future__ import annotations`: torch.library reads the custom op's annotations as types
+from tic.patches._swap import swap_hooks
+
+HOME = "vllm.model_executor.layers.utils"
+ATTR = "dispatch_unquantized_gemm"
+_ops: dict = {}
+
+
+def _custom_op(qualname: str, linear):
+    if qualname in _ops:
+        return _ops[qualname]
+    import typing
+
+    import torch
+
+    @torch.library.custom_op(qualname, mutates_args=())
+    def op(x: torch.Tensor, weight: torch.Tensor, bias: typing.Optional[torch.Tensor]) -> torch.Tensor:
+        return linear(x, weight, bias)
+
+    @op.register_fake
+    def _(x, weight, bias):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    _ops[qualname] = op
+    return op
+
+
+def dispatch_swap(name: str, qualname: str, linear, on_vllm_gemm=None) -> dict:
+    """A Patch's apply/revert/is_applied that makes vLLM's default unquantized GEMM `linear(x, weight, bias)`
+    (registered as the custom op `qualname`); `on_vllm_gemm(gemm)` sees the GEMM it replaces."""
+    def make(original_dispatch):
+        import torch
+
+        op = _custom_op(qualname, linear)
+
+        def tic_gemm(layer, x, weight, bias=None):
+            # eager calls skip the custom op's dispatch, which costs host time on every linear
+            if torch.compiler.is_compiling():
+                return op(x, weight, bias)
+            return linear(x, weight, bias)
+
+        def dispatch():
+            chosen = original_dispatch()
+            if chosen.__name__ != "default_unquantized_gemm":
+                return chosen
+            if on_vllm_gemm is not None:
+                on_vllm_gemm(chosen)
+            return tic_gemm
+        return dispatch
+
+    return swap_hooks(name, (HOME, ATTR, make, "vllm."))

@@ -1,0 +1,34 @@
+"""Dense (unquantized) linear layers through one fixed-K-order GEMM for every batch size, in one launch.
+
+cuBLAS picks its kernel, tile and split-K from the problem shape, so a token's row is summed over K in another
+order when its batch has another number of rows (C3 fails in a projection, `aten.linear`). The method's rule for
+dense GEMM is one accumulation order for every M (reference 4.1). This patch replaces vLLM's default unquantized
+GEMM with tic's Triton GEMM (fixed_order_gemm.py): no split-K, K walked upwards in one MMA chain, so a row's
+value does not depend on its batch-mates while the tile, and so the speed, may follow the batch size. It runs
+the whole batch in one launch, where gemm-fixed-m ran one cuBLAS call per 128 rows.
+"""
+
+from tic.patches.base import Patch
+from tic.patches.vllm._gemm_dispatch import dispatch_swap
+
+NAME = "gemm-fixed-order"
+
+
+def linear_fixed_order(x, weight, bias=None):
+    from tic.patches.vllm.fixed_order_gemm import linear
+
+    return linear(x, weight, bias)
+
+
+PATCH = Patch(
+    name=NAME, target="vllm", versions=">=0.26.0,<0.27", gate="C3",
+    symptom="C3 (or C4) fails in an MLP or attention projection (e.g. mlp.down_proj), first operator aten.linear "
+            "/ aten.mm: the same row differs between a GEMM of few rows and one of many",
+    fix="every unquantized vLLM linear (and the lm_head) runs tic's Triton GEMM: no split-K, one K order for "
+        "every batch size, the tile chosen by speed among tiles proven to give the same bits",
+    guide="guides/C3.md",
+    cost="measured per projection against cuBLAS in benchmarks/gpu/gemm_order_probe.py and end to end in "
+         "docs/results/rollout-throughput.md",
+    excludes=("gemm-fixed-m",),
+    **dispatch_swap(NAME, "tic::linear_fixed_order", linear_fixed_order),
+)
