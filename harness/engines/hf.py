@@ -53,6 +53,8 @@ def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", att
     elif device != "cpu" and not torch.cuda.is_available():
         raise TicInputError(f"device {device!r} asked for but torch sees no CUDA GPU")
     kwargs = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype)}
+    if attn == "sdpa" and not _supports_sdpa(model_dir):
+        attn = "eager"  # a model without attention (Mamba-2) refuses sdpa; eager is its only implementation
     kwargs.update(unquantized_config(model_dir))  # block FP8: master weights from codes * scales, below
     try:
         # a block-FP8 checkpoint's scales are names the unquantized model does not have: no load report for them
@@ -71,6 +73,16 @@ def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", att
     if shared:
         _MODELS[key] = model
     return model
+
+
+def _supports_sdpa(model_dir: Path) -> bool:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        return bool(getattr(AutoModelForCausalLM._model_mapping[type(config)], "_supports_sdpa", True))
+    except (OSError, ValueError, KeyError):
+        return True  # from_pretrained below reports what is wrong with the model
 
 
 def padded_batch(seqs: list[list[int]], side: str, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tic.harness.kernels import fp8_cpu
+from tic.harness.kernels.mamba import MambaCPUKernels
 from tic.harness.kernels.rope import hf_cos_sin_cache, rotate_neox
 from tic.harness.kernels.spec import KernelProvider
 
@@ -74,7 +75,7 @@ def rowwise_attention(module, query, key, value, attention_mask, scaling, dropou
     return out, None
 
 
-class CPUProvider(KernelProvider):
+class CPUProvider(MambaCPUKernels, KernelProvider):  # Mamba-2 kernels: tic.harness.kernels.mamba
     """tic's consistent CPU kernels: each token row through the same call with the same shapes."""
 
     name = "cpu"

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tic.harness.kernels import mamba_modules  # tic: Mamba-2 hybrids, issue 31
+
 KERNELS = ("consistent", "vllm")  # tic.yaml train.kernels values that run through the wrappers
 _BOTH = frozenset(KERNELS)
 
@@ -57,6 +59,12 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("embedding:scaled", "token embedding times a constant in the model dtype (Gemma sqrt(hidden))"),
     OperatorClass("embedding:tied", "lm_head shares the embedding's weight"),
     OperatorClass("logits:softcap", "final logits cap * tanh(z / cap) (Gemma-2 final_logit_softcapping)"),
+    # tic: Mamba-2 hybrids (issue 31); tic.harness.kernels.mamba holds the kernels, mamba_modules the wrapper
+    OperatorClass("decoder:hybrid_block", "norm, one mixer (Mamba-2, attention or MLP), residual add (Mamba-2, "
+                                          "NemotronH)"),
+    OperatorClass("mixer:mamba2", "Mamba-2 mixer: causal conv, chunked scan whose decode replays prefill's "
+                                  "chunks, gated grouped RMSNorm", frozenset({"consistent"})),
+    OperatorClass("mlp:relu2", "up, relu(x)^2, down (NemotronH)", frozenset({"consistent"})),
 ]}
 
 DECODER_NORMS = {("input_layernorm", "post_attention_layernorm"): "decoder:two_norm",
@@ -314,7 +322,9 @@ def read_model(model: nn.Module) -> LayerCoverage:
     cov = LayerCoverage("model", type(model).__name__)
     _read_embedding(cov, model)
     rotary = rotary_modules(model)
-    if len(rotary) != 1:
+    if not rotary and not any(_takes_rope(m) for m in model.modules() if is_attention(m)):
+        pass  # tic: no rotary, and no attention that takes one (Mamba-2, NemotronH), issue 31
+    elif len(rotary) != 1:
         cov.refusals.append(Refusal("rotary", ", ".join(type(m).__name__ for _, m in rotary) or "none",
                                     f"{len(rotary)} rotary modules ({', '.join(n for n, _ in rotary) or 'none'}); "
                                     "the wrappers read one rotary module"))
@@ -334,17 +344,60 @@ def read_model(model: nn.Module) -> LayerCoverage:
 
 
 def final_norm(model: nn.Module) -> nn.Module | None:
-    return getattr(getattr(model, "model", model), "norm", None)
+    base = getattr(model, "base_model", getattr(model, "model", model))
+    return getattr(base, "norm", None) or getattr(base, "norm_f", None)  # norm_f: Mamba-2, NemotronH
 
 
 def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if is_decoder_layer(m)]
 
 
+# -- tic: Mamba-2 / NemotronH blocks (norm, mixer, residual), issue 31 ------------------------------------------
+def _takes_rope(attention) -> bool:
+    """Whether this attention applies rotary embeddings from a rotary module (NemotronH's has none)."""
+    return "position_embeddings" in inspect.signature(type(attention).forward).parameters
+
+
+def is_hybrid_block(m) -> bool:
+    return set(dict(m.named_children())) == {"norm", "mixer"} and not is_decoder_layer(m)
+
+
+def _read_block_mixer(cov: LayerCoverage, name: str, m, cfg) -> None:
+    kind = type(m).__name__
+    if mamba_modules.is_mixer(m):
+        cov.classes["mixer:mamba2"] = ("layer_types", "mamba")
+        cov.refusals += [Refusal(name, kind, why) for why in mamba_modules.mixer_problems(m)]
+    elif is_attention(m):
+        _read_attention(cov, name, m, cfg)
+    elif all(isinstance(getattr(m, a, None), nn.Linear) for a in ("up_proj", "down_proj")) \
+            and not hasattr(m, "gate_proj"):
+        x = _probe_input(16).reshape(-1)
+        act = getattr(m, "act_fn", None)
+        with torch.no_grad():
+            relu2 = act is not None and torch.equal(act(x), torch.relu(x).square())
+        if relu2:
+            cov.classes["mlp:relu2"] = ("mlp_hidden_act", getattr(cfg, "mlp_hidden_act", None))
+        else:
+            cov.refusals.append(Refusal(name, kind, "an ungated MLP whose activation is not relu^2"))
+    else:
+        cov.refusals.append(Refusal(name, kind, "a block mixer that is neither Mamba-2, attention nor an MLP "
+                                    "(e.g. NemotronH's sigmoid-routed MoE)"))
+
+
+def read_hybrid_block(name: str, block: nn.Module, cfg) -> LayerCoverage:
+    cov = LayerCoverage(name, type(block).__name__)
+    cov.classes["decoder:hybrid_block"] = (None, None)
+    _read_norm(cov, f"{name}.norm", block.norm)
+    _read_block_mixer(cov, f"{name}.mixer", block.mixer, cfg)
+    cov.classes["linear"] = (None, None)
+    return cov
+
+
 def read_coverage(model: nn.Module) -> list[LayerCoverage]:
     """Per decoder layer, then the model's own modules: the operator classes used and what is refused."""
     cfg = model.config.get_text_config()
-    layers = [read_layer(n, m, cfg) for n, m in decoder_layers(model)]
+    layers = [read_layer(n, m, cfg) if is_decoder_layer(m) else read_hybrid_block(n, m, cfg)
+              for n, m in model.named_modules() if is_decoder_layer(m) or is_hybrid_block(m)]
     if not layers:
         layers = [LayerCoverage("model.layers", "none", refusals=[Refusal(
             "model.layers", type(model).__name__, "no decoder layer with self_attn, mlp and input_layernorm")])]

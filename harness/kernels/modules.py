@@ -32,6 +32,7 @@ from torch import nn
 
 from tic.core.errors import TicInputError
 from tic.config.schema import BackwardConfig
+from tic.harness.kernels import mamba_modules  # tic: Mamba-2 mixers (hybrids), issue 31
 from tic.harness.kernels.autograd import OPS, Backward, Ops
 from tic.harness.kernels.coverage import (attention_softcap, attention_window, final_norm, is_attention,
                                           is_decoder_layer, is_gated_mlp, is_moe_block, is_rmsnorm, norm_eps,
@@ -209,8 +210,9 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
         position_ids = torch.arange(past, past + T, device=q.device)[None].expand(B, T)
     positions = position_ids.expand(B, T).reshape(-1)
-    table = self._tic_rope.for_positions(position_ids, q.device)
-    q, k = ops.rotary(q.reshape(B * T, -1, D), k.reshape(B * T, -1, D), positions, table)
+    if self._tic_rope is not None:  # tic: attention without rotary (NemotronH), issue 31
+        table = self._tic_rope.for_positions(position_ids, q.device)
+        q, k = ops.rotary(q.reshape(B * T, -1, D), k.reshape(B * T, -1, D), positions, table)
     q, k, v = q.reshape(B, T, -1, D).transpose(1, 2), k.reshape(B, T, -1, D).transpose(1, 2), v.transpose(1, 2)
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx)
@@ -269,6 +271,8 @@ def register_attention() -> None:
 def _wrap_rotary(model: nn.Module, provider, dtype, cfg) -> dict:
     """The rotary table(s), by layer type (None: the one table of all layers), and the rotary module patched to
     read them."""
+    if not rotary_modules(model):  # tic: a model without rotary (Mamba-2, NemotronH), issue 31
+        return {}
     rotary = rotary_modules(model)[0][1]
     types_ = sorted(set(getattr(cfg, "layer_types", None) or [])) if rotary_per_layer_type(rotary) else [None]
     ropes = {t: RopeTable(rotary, dtype, provider, cfg, t) for t in types_}
@@ -292,8 +296,10 @@ def _wrap_logits(model: nn.Module, cfg) -> None:
             c.final_logit_softcapping = None  # now applied once, in lm_head
 
 
-def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, cfg) -> None:
-    if is_moe_block(m):
+def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, cfg, layout=None) -> None:
+    if mamba_modules.is_mixer(m):  # tic: issue 31
+        mamba_modules.wrap_mixer(m, layout)
+    elif is_moe_block(m):
         m._tic_name, m._tic_routes = name, routes
         m.forward = types.MethodType(_moe_forward, m)
     elif is_gated_mlp(m):
@@ -333,9 +339,10 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None, qu
     cfg = model.config.get_text_config()
     stream, routes = ResidualStream(), RouteLog()
     ropes = _wrap_rotary(model, provider, next(model.parameters()).dtype, cfg)
+    layout = mamba_modules.install(model)  # tic: the sequences Mamba-2 mixers read, issue 31
     for name, m in list(model.named_modules()):
         m._tic_ops = ops
-        _wrap_module(name, m, variants.get(name), ropes, stream, routes, cfg)
+        _wrap_module(name, m, variants.get(name), ropes, stream, routes, cfg, layout)
     _wrap_logits(model, cfg)
     final = final_norm(model)
     final._tic_stream = stream

@@ -19,6 +19,12 @@ Shapes (T = tokens of any leading shape, flattened by the caller where a kernel 
   moe_route(logits [T, E], top_k, renormalize) -> (weights float32 [T, k], ids int64 [T, k])
   moe_experts(x [T, H], weights [T, k], ids [T, k], gate_up [E, 2I, H], down [E, H, I]) -> [T, H]
   log_softmax(logits [T, V]) -> float32 [T, V]
+Mamba-2 (one sequence per call; tic.harness.kernels.mamba says what the scan computes):
+  mamba_conv(u [n, C], window [K-1, C], w [C, 1, K], bias [C] | None) -> silu(causal depthwise conv) [n, C]
+  mamba_scan(x [n, H, P], dt [n, H], B/C [n, G, N], A_log/dt_bias/D [H], state float32 [H, P, N],
+             buf_x [m, H, P], buf_dt [m, H], buf_B [m, G, N], chunk_size, dt_min, dt_max)
+      -> (y float32 [n, H, P], the start state of the chunk the sequence ends in)
+  gated_rms_norm(y [.., D], gate [.., D], w [D], group_size, eps, out_dtype) -> [.., D]
 """
 
 from __future__ import annotations

@@ -1,0 +1,193 @@
+"""Route HF Mamba-2 mixers (Mamba2Mixer, NemotronHMamba2Mixer) through the kernel wrappers (tic.harness.kernels.mamba).
+
+The patched mixer runs in_proj and out_proj as the wrappers' linear, then per sequence the causal conv and the
+chunked scan, then the gated grouped RMSNorm. A sequence is found from the forward's own inputs, which a
+pre-hook on the model reads (`SequenceLayout`): the 2-D attention mask says which columns hold tokens (left or
+right padding), position ids restarting at 0 say where a packed sequence starts (HF's own torch path would carry
+the state across them). Each sequence's conv window and scan state start at zeros, so its chunk boundaries sit
+at multiples of chunk_size from its first token whatever row, column or batch it sits in.
+
+Decode: the state a row carries between steps lives on the HF cache object the forward was given (attribute
+`_tic_mamba`, one `RowState` per layer and row): the conv's last K-1 inputs, the start state of the current
+chunk, and the current chunk's tokens so far (x, B, dt before softplus). A decode step runs the same scan kernel
+from that state, so token t's output comes from the same operations whether it was prefilled or decoded (the
+module docstring of tic.harness.kernels.mamba says why). HF's own conv_states / ssm_states slots are not used:
+they hold the single-step recurrence's state, which this scan does not keep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tic.core.errors import TicInputError
+from tic.harness.kernels.autograd import KernelFunction, Ops
+from tic.harness.kernels.mamba import MAMBA_OPS
+
+def is_mixer(m: nn.Module) -> bool:
+    return all(hasattr(m, a) for a in ("in_proj", "conv1d", "A_log", "dt_bias", "D", "out_proj", "norm")) \
+        and isinstance(m.conv1d, nn.Conv1d)
+
+
+def run(ops: Ops, name: str, *tensors, **kw):
+    """One Mamba operator through the autograd wrapper; a test's own Ops table may replace it by name."""
+    return KernelFunction.apply(ops.table.get(name) or MAMBA_OPS[name], ops, kw, *tensors)
+
+
+# -- the sequences of one forward ---------------------------------------------------------------------------------
+class SequenceLayout:
+    """The attention mask (2-D, [B, past + T]) and position ids [B, T] of the forward running now, None outside."""
+
+    def __init__(self):
+        self.mask = self.positions = None
+
+    def before(self, module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        self.mask = mask if isinstance(mask, torch.Tensor) else None
+        pos = kwargs.get("position_ids")
+        self.positions = pos if isinstance(pos, torch.Tensor) else None
+
+    def after(self, module, args, kwargs, output):
+        self.mask = self.positions = None
+
+    def rows(self, B: int, T: int, carried: list) -> list[list[tuple[int, int, int]]]:
+        """Per row, its sequences in this forward: (first column, end column, position of the first token). A
+        sequence's tokens are contiguous columns (left or right padding, packing); without position ids a row
+        continues what it carries (or starts at 0)."""
+        mask = self.mask
+        if mask is not None and (mask.dim() != 2 or mask.shape[0] != B or mask.shape[1] < T):
+            raise TicInputError(f"mamba mixer: a 2-D attention mask [batch, past + {T}] is needed, got "
+                                f"{tuple(mask.shape)}")
+        valid = mask[:, -T:].bool().tolist() if mask is not None else [[True] * T for _ in range(B)]
+        pos = self.positions
+        if pos is not None and tuple(pos.shape[-1:]) != (T,):
+            raise TicInputError(f"mamba mixer: position ids of shape {tuple(pos.shape)} for {T} tokens")
+        pos = pos.expand(B, T).tolist() if pos is not None else None
+        out = []
+        for b in range(B):
+            seqs: list[list[int]] = []
+            for t in range(T):
+                if not valid[b][t]:
+                    continue
+                p = pos[b][t] if pos is not None else None
+                if seqs and p != 0 and seqs[-1][1] != t:
+                    raise TicInputError(f"mamba mixer: row {b} has padding inside a sequence (column {t})")
+                if not seqs or p == 0:
+                    first = p if p is not None else (carried[b].length if carried[b] is not None else 0)
+                    seqs.append([t, t + 1, first])
+                else:
+                    seqs[-1][1] = t + 1
+            out.append([tuple(q) for q in seqs])
+        return out
+
+
+@dataclass
+class RowState:
+    """What one row's sequence carries into its next step, for one mixer (module docstring)."""
+    length: int  # tokens of the sequence so far
+    window: torch.Tensor  # [K-1, conv_dim] the conv's last inputs
+    state: torch.Tensor  # [H, P, N] float32, the current chunk's start state
+    buf_x: torch.Tensor  # [m, H, P] the current chunk's tokens (m < chunk_size)
+    buf_dt: torch.Tensor  # [m, H]
+    buf_B: torch.Tensor  # [m, G, N]
+
+
+def _fresh(mixer, like: torch.Tensor) -> RowState:
+    H, P, N, G = mixer.num_heads, mixer.head_dim, mixer.ssm_state_size, mixer.n_groups
+    z = lambda *s, dt=like.dtype: torch.zeros(*s, dtype=dt, device=like.device)  # noqa: E731
+    return RowState(0, z(mixer.conv_kernel_size - 1, mixer.conv_dim), z(H, P, N, dt=torch.float32), z(0, H, P),
+                    z(0, H), z(0, G, N))
+
+
+def _carried_states(cache, layer_idx: int, B: int) -> list:
+    if cache is None:
+        return [None] * B
+    store = cache.__dict__.setdefault("_tic_mamba", {})
+    rows = store.get(layer_idx)
+    if rows is None or len(rows) != B:
+        rows = store[layer_idx] = [None] * B
+    return rows
+
+
+def _sequence(mixer, ops: Ops, xBC, dt, start: RowState):
+    """(y float32 [n, H, P], the RowState after it) of one sequence's tokens xBC [n, conv_dim], dt [n, H]."""
+    I, G, N = mixer.intermediate_size, mixer.n_groups, mixer.ssm_state_size
+    H, P, n = mixer.num_heads, mixer.head_dim, xBC.shape[0]
+    conv = run(ops, "mamba_conv", xBC, start.window, mixer.conv1d.weight, mixer.conv1d.bias)
+    x, B, C = conv.split([I, G * N, G * N], dim=-1)
+    x, B, C = x.reshape(n, H, P), B.reshape(n, G, N), C.reshape(n, G, N)
+    lo, hi = (float(v) for v in getattr(mixer, "time_step_limit", (0.0, float("inf"))))
+    y, state = run(ops, "mamba_scan", x, dt, B, C, mixer.A_log, mixer.dt_bias, mixer.D, start.state, start.buf_x,
+                   start.buf_dt, start.buf_B, chunk_size=int(mixer.chunk_size), dt_min=lo, dt_max=hi)
+    K, Q = mixer.conv_kernel_size, int(mixer.chunk_size)
+    window = torch.cat([start.window, xBC.detach()])[xBC.shape[0]:] if K > 1 else start.window
+    total = start.buf_x.shape[0] + n
+    keep = total % Q
+    buf = [torch.cat([old, new.detach()])[total - keep:] for old, new in
+           ((start.buf_x, x), (start.buf_dt, dt), (start.buf_B, B))]
+    return y, RowState(start.length + n, window, state.detach(), *buf)
+
+
+def _mixer_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
+    """The mixer on the wrappers (module docstring); HF passes the cache as `cache` (5.2x) or `cache_params`."""
+    cache = cache if cache is not None else cache_params if cache_params is not None else \
+        kwargs.get("past_key_values")
+    ops: Ops = self._tic_ops
+    Bsz, T, _ = hidden_states.shape
+    I, H = self.intermediate_size, self.num_heads
+    proj = self.in_proj(hidden_states)
+    gate, xBC, dt = proj.split([I, self.conv_dim, H], dim=-1)
+    carried = _carried_states(cache, self.layer_idx, Bsz)
+    rows = []
+    for b, seqs in enumerate(self._tic_layout.rows(Bsz, T, carried)):
+        pieces, col = [], 0
+        for c0, c1, first in seqs:
+            start = carried[b] if first > 0 else _fresh(self, hidden_states)
+            if start is None or start.length != first:
+                raise TicInputError(f"mamba mixer (layer {self.layer_idx}): row {b} continues a sequence at position "
+                                    f"{first}, but the cache carries {start.length if start else 'nothing'}")
+            y, state = _sequence(self, ops, xBC[b, c0:c1], dt[b, c0:c1], start)
+            # pieces in column order (padding zeros): the locator follows each token's values through a cat
+            pieces += [proj.new_zeros(c0 - col, I, dtype=torch.float32), y.reshape(c1 - c0, I)]
+            col = c1
+            if cache is not None:
+                carried[b] = state
+        rows.append(torch.cat(pieces + [proj.new_zeros(T - col, I, dtype=torch.float32)]))
+    normed = run(ops, "gated_rms_norm", torch.stack(rows), gate, self.norm.weight,
+                 group_size=int(self.norm.group_size), eps=float(self.norm.variance_epsilon),
+                 out_dtype=hidden_states.dtype)
+    return self.out_proj(normed)
+
+
+# -- coverage and installation -------------------------------------------------------------------------------------
+def mixer_problems(m: nn.Module) -> list[str]:
+    """What of this mixer the wrapper does not implement (tic.harness.kernels.coverage names the module)."""
+    problems = []
+    if getattr(m, "activation", "silu") not in ("silu", "swish"):
+        problems.append(f"conv activation {m.activation} (the wrapper runs SiLU)")
+    want = m.intermediate_size + m.conv_dim + m.num_heads
+    if m.in_proj.out_features != want:
+        problems.append(f"in_proj of {m.in_proj.out_features} features (the wrapper splits gate | conv input | dt "
+                        f"= {want}; an extra MLP branch is not covered)")
+    if not hasattr(m.norm, "group_size"):
+        problems.append(f"norm {type(m.norm).__name__} without groups (the wrapper runs the gated grouped RMSNorm)")
+    return problems
+
+
+def install(model: nn.Module) -> SequenceLayout | None:
+    """The layout the model's mixers read, fed by hooks on the model's forward; None for a model without mixers."""
+    if not any(is_mixer(m) for m in model.modules()):
+        return None
+    layout = SequenceLayout()
+    model.register_forward_pre_hook(layout.before, with_kwargs=True)
+    model.register_forward_hook(layout.after, with_kwargs=True)
+    return layout
+
+
+def wrap_mixer(m: nn.Module, layout: SequenceLayout) -> None:
+    import types
+
+    m._tic_layout = layout
+    m.forward = types.MethodType(_mixer_forward, m)

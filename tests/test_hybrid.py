@@ -1,0 +1,164 @@
+"""Mamba-2 hybrids on tic's consistent CPU kernels: the mixer's decode replays prefill's chunked scan bit for bit,
+C3-C7 pass on a Mamba-2 model and a NemotronH-style hybrid, and a planted single-step decode fails C4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tic.config.schema import load_config
+from tic.gates import get
+from tic.harness.engines import hf
+from tic.harness.kernels.mamba import cpu_mamba_scan, mamba_scan_ref
+from tic.harness.kernels.coverage import coverage_problems
+from tic.harness.testing.mamba_plants import plant_single_step_decode
+from tic.skill.context import GateContext
+from tic.skill.runner import run_gate
+
+MODELS = ("tiny-mamba2", "tiny-nemotron-h")
+
+
+def _scan_inputs(n: int, H=4, P=3, G=2, N=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return r(n, H, P), r(n, H), r(n, G, N), r(n, G, N), r(H) * 0.5, r(H) * 0.5, r(H)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 7])
+def test_scan_decode_replays_prefill_bit_for_bit(chunk):
+    """Prefill n tokens at once, or a prefix then one token per call from the carried chunk state: the same bits."""
+    n, (x, dt, B, C, A_log, dt_bias, D) = 11, _scan_inputs(11)
+    H, P, N = x.shape[1], x.shape[2], B.shape[2]
+    lim = dict(chunk_size=chunk, dt_min=0.0, dt_max=float("inf"))
+    zero = lambda *s: torch.zeros(*s)  # noqa: E731
+    full, _ = cpu_mamba_scan(x, dt, B, C, A_log, dt_bias, D, zero(H, P, N), zero(0, H, P), zero(0, H),
+                             zero(0, B.shape[1], N), **lim)
+    for prefix in (1, 5):
+        y, S = cpu_mamba_scan(x[:prefix], dt[:prefix], B[:prefix], C[:prefix], A_log, dt_bias, D, zero(H, P, N),
+                              zero(0, H, P), zero(0, H), zero(0, B.shape[1], N), **lim)
+        ys = [y]
+        for t in range(prefix, n):
+            lo = t // chunk * chunk  # the current chunk's tokens before t
+            y, S = cpu_mamba_scan(x[t:t + 1], dt[t:t + 1], B[t:t + 1], C[t:t + 1], A_log, dt_bias, D, S,
+                                  x[lo:t], dt[lo:t], B[lo:t], **lim)
+            ys.append(y)
+        assert torch.equal(torch.cat(ys), full)
+    ref, _ = mamba_scan_ref(x, dt, B, C, A_log, dt_bias, D, zero(H, P, N), zero(0, H, P), zero(0, H),
+                            zero(0, B.shape[1], N), **lim)
+    assert torch.allclose(full, ref, atol=1e-5, rtol=1e-5)  # the same recurrence, another rounding order
+
+
+@pytest.fixture
+def hybrid_ctx(example, workdir, request):
+    hf._MODELS.clear()
+    cfg = load_config(example(request.param) / "tic-consistent.yaml")
+    cfg.prompts.count, cfg.sampling.max_tokens = 5, 10  # prompts of 4-24 tokens: several chunks of 4
+    cfg.layouts.batch_sizes, cfg.layouts.probes = [3], 1
+    cfg.locate.enabled = False
+    yield GateContext(cfg)
+    hf._MODELS.clear()
+
+
+@pytest.mark.parametrize("hybrid_ctx", MODELS, indirect=True)
+def test_hybrid_passes_c3_to_c7(hybrid_ctx):
+    """C6's layouts: micro-batch 1, left padding, packing, shuffled order."""
+    for gate in ("C3", "C4", "C5", "C6", "C7"):
+        res = run_gate(get(gate), hybrid_ctx)
+        assert res.verdict == "pass", (gate, res.reason)
+    rollout = hybrid_ctx.rollout_engine().model
+    assert not coverage_problems(rollout)
+
+
+@pytest.mark.parametrize("hybrid_ctx", ["tiny-nemotron-h"], indirect=True)
+def test_c4_fails_when_one_mixer_decodes_by_the_single_step_recurrence(hybrid_ctx):
+    model = hybrid_ctx.rollout_engine().model
+    plant_single_step_decode(model.model.layers[3].mixer)
+    res = run_gate(get("C4"), hybrid_ctx)
+    assert res.verdict == "fail" and res.metrics["equal_fraction"] < 1 and res.metrics["max"] > 0
+
+
+def test_decode_carries_the_mixer_state_in_the_hf_cache(example):
+    """Prefill then decode through transformers' own cache: the cache object carries each mixer's row state, and
+    every decoded token's logits equal the whole sequence's prefill."""
+    from transformers import DynamicCache
+
+    from tic.harness.engines.hf import cache_kwargs
+
+    ctx = GateContext(load_config(example("tiny-nemotron-h") / "tic-consistent.yaml"))
+    model = hf.load_model(ctx.model.dir, "float32", kernels="consistent", shared=False)
+    ids = torch.tensor([[5, 9, 33, 2, 71, 18, 4, 90, 61, 7, 12]])
+    with torch.no_grad():
+        whole = model(input_ids=ids, use_cache=False).logits
+        cache = DynamicCache(config=model.config)
+        steps = [model(input_ids=ids[:, :6], position_ids=torch.arange(6)[None], use_cache=True,
+                       **cache_kwargs(model, cache)).logits]
+        for t in range(6, ids.shape[1]):
+            steps.append(model(input_ids=ids[:, t:t + 1], position_ids=torch.tensor([[t]]), use_cache=True,
+                               **cache_kwargs(model, cache)).logits)
+    assert torch.equal(torch.cat(steps, dim=1), whole)
+    carried = cache._tic_mamba
+    assert sorted(carried) == [0, 3] and carried[0][0].length == ids.shape[1]
+
+
+def test_mixers_the_wrapper_does_not_implement_are_named(example):
+    ctx = GateContext(load_config(example("tiny-mamba2") / "tic-consistent.yaml"))
+    model = hf.load_model(ctx.model.dir, "float32", kernels="stock", shared=False)  # sdpa asked: eager
+    model.backbone.layers[1].mixer.activation = "gelu"
+    problems = coverage_problems(model)
+    assert any("backbone.layers.1.mixer" in p and "conv activation gelu" in p for p in problems), problems
+
+
+def test_locator_names_the_mixer_that_decodes_by_the_single_step_recurrence(tmp_path, monkeypatch):
+    """Decode side A (the plant in layer 3's mixer) against score side B: the first divergent layer and module, and
+    a repro of the mixer that shows the difference in a fresh process (exit 1)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+    from tic_locate_pair import engines
+
+    from tic.harness.engines.base import Sampling
+    from tic.harness.locate.hf_capture import HFCaptureRunner
+    from tic.harness.locate import report
+    from tic.harness.locate.search import Side, locate
+
+    monkeypatch.chdir(tmp_path)
+    a, b = engines(Path(__file__).resolve().parent.parent / "examples" / "tiny-nemotron-h" / "tic-consistent.yaml")
+    plant_single_step_decode(a.model.model.layers[3].mixer)
+    upto = 6
+    samples = a.generate([[5, 17, 99, 3, 250, 31], [7, 8, 9], [100, 2, 77, 13, 14]],
+                         Sampling(temperature=1.0, max_tokens=upto + 1, seed=0), [0, 1, 2])
+    ra, rb = HFCaptureRunner(a), HFCaptureRunner(b)
+    found = locate(Side("decode", ra, lambda spec: ra.decode(samples, 0, upto, spec)),
+                   Side("score", rb, lambda spec: rb.score(samples, 0, spec)), tmp_path / "out", "plant", upto)
+    res = report.write(found, tmp_path / "out")
+    assert res["first_divergent_layer"] == "model.layers.3", res["status"]
+    assert res["culprit_module"] == "model.layers.3.mixer", res["status"]
+    assert res["repro"] and res["repro_check"]["reproduces"] and res["repro_check"]["exit_code"] == 1, res["status"]
+    assert "DIFFERS model.layers.3.mixer" in res["repro_check"]["output"]
+
+
+def test_kernels_without_the_mamba_kernels_are_refused_in_one_line(example):
+    ctx = GateContext(load_config(example("tiny-mamba2") / "tic-consistent.yaml"))
+    model = hf.load_model(ctx.model.dir, "float32", kernels="stock", shared=False)
+    assert coverage_problems(model, "vllm") == [
+        "backbone.layers.{0,1,2} (Mamba2Block): mixer:mamba2 is not implemented by kernels: vllm (config "
+        "layer_types='mamba')"]
+
+
+def test_nemotron_h_moe_blocks_are_named_as_not_covered():
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, NemotronHConfig
+
+    cfg = json.loads((Path(__file__).resolve().parent.parent / "examples" / "tiny-nemotron-h" / "config.json")
+                     .read_text())
+    cfg.update(hybrid_override_pattern="ME*", num_hidden_layers=3, n_routed_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=16, moe_shared_expert_intermediate_size=16)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            NemotronHConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}))
+    problems = coverage_problems(model)
+    assert any("model.layers.1.mixer (NemotronHMoE)" in p for p in problems), problems
+    assert not any("layers.0" in p or "layers.2" in p for p in problems), problems  # mixer and attention: covered
