@@ -59,6 +59,11 @@ class AttentionShape:
         return cls(heads, groups, head_dim)
 
 
+def num_experts(cfg: dict) -> int:
+    """Routed experts per MoE layer (0: dense); transformers writes num_experts or num_local_experts by release."""
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+
+
 def check_family(cfg: dict) -> None:
     """One line for a config this converter does not cover (before any weight is read)."""
     kind = cfg.get("model_type")
