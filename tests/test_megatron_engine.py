@@ -84,3 +84,26 @@ def test_policy_gradients_carry_checkpoint_names(megatron_ctx):
     want = hf.HFEngine(ctx.model.dir, "float32", "consistent").policy_gradients(samples, ctx.sampling, adv)
     assert set(got) == set(want)
     assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-6) for k in want)
+
+
+def test_c7_checks_megatron_gradients_against_the_reference(megatron_ctx):
+    res = run_gate(get("C7"), megatron_ctx())
+    assert res.verdict == "pass", res.reason
+    assert res.metrics["tensors"] > 0
+
+
+def test_c0_lists_the_megatron_limits(megatron_ctx):
+    res = run_gate(get("C0"), megatron_ctx(parallel={"dp": 2, "ep": 2}))
+    assert res.verdict == "fail"
+    assert any("train.engine megatron runs one process" in r for r in res.details["rejected"])
+
+
+def test_cli_refuses_a_megatron_rollout_and_tp_before_writing(example, workdir, tic):
+    ex = example("tiny-qwen3")
+    text = (ex / "tic-consistent.yaml").read_text()
+    for old, new, why in (("train:\n  engine: hf", "train:\n  engine: megatron\n  parallel: {tp: 2}", "TP>1"),
+                          ("rollout:\n  engine: hf", "rollout:\n  engine: megatron", "megatron is a train engine")):
+        (ex / "m.yaml").write_text(text.replace(old, new).replace("state_dir: .tic-consistent", "state_dir: .tic-m"))
+        code, _, err = tic("gate", "C5", "-c", str(ex / "m.yaml"))
+        assert code == 2 and why in err, err
+        assert not (ex / ".tic-m").exists()

@@ -136,8 +136,8 @@ class MegatronCausalLM(nn.Module):
                             position_embedding_type="none",
                             share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings")))
         for name, m in self.gpt.named_modules():
-            if hasattr(m, "top_k") and hasattr(m, "router"):
-                m.name = f"gpt.{name}"
+            if hasattr(m, "top_k") and hasattr(m, "router"):  # routes under the HF block's name (C7 pins them)
+                m.name = f"model.layers.{name.split('.')[2]}.mlp"
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False, **_):
         B, T = input_ids.shape
