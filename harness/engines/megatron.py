@@ -151,7 +151,7 @@ class MegatronCausalLM(nn.Module):
             self.batch.positions = self.batch.mask = None
         w = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights \
             else self.gpt.output_layer.weight
-        return SimpleNamespace(logits=self._tic_ops.linear(h.transpose(0, 1), [w], [None]))
+        return SimpleNamespace(logits=self._tic_ops.linear(h.transpose(0, 1).contiguous(), [w], [None]))
 
     def load_hf(self, hf: dict[str, torch.Tensor]) -> None:
         missing, unexpected = self.gpt.load_state_dict(hf_to_megatron(hf, self.model_cfg), strict=False)

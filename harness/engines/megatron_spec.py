@@ -100,6 +100,12 @@ class TicResidualAdd(nn.Module):
         return out
 
 
+def _batch_first(t: torch.Tensor) -> torch.Tensor:
+    """[T, B, H] <-> [B, T, H], contiguous: the layout the HF path hands each kernel (some pick their path by
+    stride and alignment)."""
+    return t.transpose(0, 1).contiguous()
+
+
 def _linear(shared: TicShared, x, weights: list, biases: list):
     """One GEMM over the concatenated weights when the provider fuses projections, else one per weight (the
     HF wrapping's two paths)."""
@@ -124,7 +130,7 @@ class TicSelfAttention(nn.Module):
 
     def forward(self, hidden_states, attention_mask=None, **_):
         sh, ops, s = self.shared, self.shared.ops, self.shape
-        x = hidden_states.transpose(0, 1)  # [B, T, H]
+        x = _batch_first(hidden_states)
         B, T, D = x.shape[0], x.shape[1], s.head_dim
         weights = list(split_qkv(self.linear_qkv.weight, s))
         biases = list(split_qkv(self.linear_qkv.bias, s)) if self.linear_qkv.bias is not None else [None] * 3
@@ -138,7 +144,7 @@ class TicSelfAttention(nn.Module):
         q, k, v = q.reshape(B, T, -1, D).transpose(1, 2), k.reshape(B, T, -1, D).transpose(1, 2), v.transpose(1, 2)
         out = ops.attention(q, k, v, sh.batch.mask, self.scale)
         out = ops.linear(out.reshape(B, T, -1), [self.linear_proj.weight], [None])
-        return out.transpose(0, 1), None
+        return _batch_first(out), None
 
 
 class TicMLP(nn.Module):
@@ -153,10 +159,10 @@ class TicMLP(nn.Module):
 
     def forward(self, hidden_states, padding_mask=None, **_):
         sh = self.shared
-        x = hidden_states.transpose(0, 1)
+        x = _batch_first(hidden_states)
         gate, up = self.linear_fc1.weight.chunk(2)
         h = sh.ops.silu_and_mul(_linear(sh, x, [gate, up], [None, None]))
-        return sh.ops.linear(h, [self.linear_fc2.weight], [None]).transpose(0, 1), None
+        return _batch_first(sh.ops.linear(h, [self.linear_fc2.weight], [None])), None
 
 
 class TicExpert(nn.Module):
@@ -192,7 +198,7 @@ class TicMoE(nn.Module):
 
     def forward(self, hidden_states, padding_mask=None, **_):
         ops = self.shared.ops
-        x = hidden_states.transpose(0, 1)
+        x = _batch_first(hidden_states)
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         weights, ids = ops.moe_route(ops.linear(rows, [self.router.weight]), self.top_k, self.renormalize)
@@ -200,7 +206,7 @@ class TicMoE(nn.Module):
         if calls is not None:
             calls.setdefault(self.name, []).append(ids.detach().to("cpu"))
         gate_up, down = self.experts.stacked()
-        return ops.moe_experts(rows, weights, ids, gate_up, down).reshape(shape).transpose(0, 1), None
+        return _batch_first(ops.moe_experts(rows, weights, ids, gate_up, down).reshape(shape)), None
 
 
 def gpt_block_spec(shared: TicShared, moe_layers: list[bool], qkv_bias: bool, renormalize: bool):
