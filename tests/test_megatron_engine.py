@@ -107,3 +107,26 @@ def test_cli_refuses_a_megatron_rollout_and_tp_before_writing(example, workdir, 
         code, _, err = tic("gate", "C5", "-c", str(ex / "m.yaml"))
         assert code == 2 and why in err, err
         assert not (ex / ".tic-m").exists()
+
+
+def test_c8_syncs_megatron_weights_into_the_rollout(megatron_ctx):
+    ctx = megatron_ctx()
+    ctx.cfg.training.updates = 2
+    res = run_gate(get("C8"), ctx)
+    assert res.verdict == "pass", res.reason
+
+
+def test_c8_fails_when_the_export_is_not_the_trainers_weights(megatron_ctx, monkeypatch):
+    from tic.harness.engines.megatron import MegatronCausalLM
+
+    real = MegatronCausalLM.hf_weights
+
+    def off_by_one_ulp(self):  # the sync hands the rollout a final norm one ulp away from the trainer's
+        out = real(self)
+        out["model.norm.weight"] = torch.nextafter(out["model.norm.weight"], torch.tensor(float("inf")))
+        return out
+
+    monkeypatch.setattr(MegatronCausalLM, "hf_weights", off_by_one_ulp)
+    ctx = megatron_ctx()
+    ctx.cfg.training.updates = 2
+    assert run_gate(get("C8"), ctx).verdict == "fail"

@@ -160,8 +160,13 @@ class MegatronCausalLM(nn.Module):
             raise TicInputError(f"megatron model: converted weights do not fit (missing {missing[:2]}, "
                                 f"unexpected {unexpected[:2]})")
 
+    @torch.no_grad()
     def hf_weights(self) -> dict[str, torch.Tensor]:
-        return megatron_to_hf(dict(self.gpt.state_dict(keep_vars=True)), self.model_cfg)
+        """The weights under the checkpoint's names and layout (q/k/v and gate/up apart, one tensor per expert):
+        what a weight sync hands the rollout."""
+        state = self.gpt.state_dict()
+        return megatron_to_hf({k: v.detach() for k, v in state.items() if isinstance(v, torch.Tensor)},
+                              self.model_cfg)
 
 
 def load_megatron_model(model_dir: Path, dtype: str, kernels: str, device: str, kv_block_size: int,
