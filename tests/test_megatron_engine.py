@@ -86,8 +86,9 @@ def test_policy_gradients_carry_checkpoint_names(megatron_ctx):
     assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-6) for k in want)
 
 
-def test_c7_checks_megatron_gradients_against_the_reference(megatron_ctx):
-    res = run_gate(get("C7"), megatron_ctx())
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe"])
+def test_c7_checks_megatron_gradients_against_the_reference(megatron_ctx, name):
+    res = run_gate(get("C7"), megatron_ctx(name))
     assert res.verdict == "pass", res.reason
     assert res.metrics["tensors"] > 0
 

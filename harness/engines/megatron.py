@@ -28,7 +28,7 @@ from tic.harness.kernels.providers import provider_for
 from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE
 from tic.harness.kernels.vllm_provider import require_vllm
 from tic.harness.model.megatron_convert import (AttentionShape, check_family, hf_to_megatron, megatron_to_hf,
-                                                num_experts)
+                                                fused_expert_layout, num_experts)
 
 
 def require_megatron():
@@ -239,7 +239,9 @@ class MegatronEngine(HFEngine):
         return self.model.hf_weights()
 
     def policy_gradients(self, samples, sampling, advantages) -> dict[str, torch.Tensor]:
-        """The hf engine's policy gradients through the Megatron model, under the checkpoint's names (the
-        conversion moves gradients as it moves weights)."""
+        """The hf engine's policy gradients through the Megatron model, under the names and layout of the HF
+        model's parameters (the conversion moves gradients as it moves weights; experts fused as transformers
+        holds them), which C7's reference has."""
         grads = super().policy_gradients(samples, sampling, advantages)
-        return megatron_to_hf({k.removeprefix("gpt."): v for k, v in grads.items()}, self.model.model_cfg)
+        return fused_expert_layout(megatron_to_hf({k.removeprefix("gpt."): v for k, v in grads.items()},
+                                                  self.model.model_cfg))

@@ -184,3 +184,23 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], cfg: dict, experts: str = "seque
         raise TicInputError(f"megatron conversion: {len(left)} Megatron tensor(s) have no checkpoint place "
                             f"(expert layout {experts!r}?), first {left[0]}")
     return out
+
+
+def fused_expert_layout(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint names -> the module layout transformers 5 loads MoE experts into: per layer
+    `mlp.experts.gate_up_proj` [E, 2I, H] (each expert's [gate; up]) and `mlp.experts.down_proj` [E, H, I];
+    every other tensor unchanged. What an HF model's named_parameters (C7's reference) call them."""
+    out, layers = {}, {}
+    for name, t in hf.items():
+        head, sep, tail = name.partition(".mlp.experts.")
+        if not sep:
+            out[name] = t
+            continue
+        e, proj = tail.split(".", 1)
+        layers.setdefault(head, {})[(int(e), proj)] = t
+    for head, parts in layers.items():
+        count = 1 + max(e for e, _ in parts)
+        out[f"{head}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[(e, "gate_proj.weight")], parts[(e, "up_proj.weight")]]) for e in range(count)])
+        out[f"{head}.mlp.experts.down_proj"] = torch.stack([parts[(e, "down_proj.weight")] for e in range(count)])
+    return out
