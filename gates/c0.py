@@ -9,7 +9,7 @@ from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.harness.engines.megatron import refusals as megatron_refusals
 from tic.harness.engines.vllm import mode_refusals
 from tic.harness.model.inventory import build_manifest
-from tic.harness.kernels.modules import coverage_problems
+from tic.harness.kernels.coverage import KERNELS, coverage_problems, coverage_table, format_table
 from tic.harness.model.layer_structure import build_meta
 from tic.harness.engines.parallel import COVERED, layout_refusals
 from tic.core.fsio import atomic_write_text
@@ -29,9 +29,8 @@ def measure(ctx) -> Measurement:
                                   cfg.train.kernels if cfg.train.engine in ("hf", "megatron") else "stock")
     if cfg.train.engine == "megatron":  # the Megatron train engine's own limits (issue 32)
         rejected += megatron_refusals(cfg.train, ctx.model_config)
-    if cfg.train.engine == "hf" and cfg.train.kernels in ("consistent", "vllm"):
-        rejected += [f"train.kernels: {cfg.train.kernels}: the kernel wrappers do not cover {p}"
-                     for p in coverage_problems(build_meta(ctx.model_config))]
+    coverage = kernel_coverage(cfg, ctx.model_config)
+    rejected += coverage["not_covered"]
     if cfg.training.updates_per_step > 1:
         rejected.append(f"training.updates_per_step={cfg.training.updates_per_step}: from the second mini-batch "
                         "on, training weights differ from sampling weights, which diff = 0 does not cover")
@@ -53,10 +52,26 @@ def measure(ctx) -> Measurement:
         metrics={"layers": manifest["num_layers"], "operator_classes": len(manifest["operator_classes"]),
                  "rejected": len(rejected)},
         details={"rejected": rejected, "notes": notes, "layouts": layouts, "layouts_covered": COVERED,
+                 "kernel_coverage": coverage["table"], "show": coverage["table_lines"],
                  "operator_classes": manifest["operator_classes"],
                  "dtypes": manifest["dtypes"], "quantization_config": manifest["quantization_config"]},
         evidence=[str(path)],
     )
+
+
+def kernel_coverage(cfg, model_config: dict) -> dict:
+    """When a side runs through tic's kernel wrappers (kernels consistent or vllm on an hf engine): the per-layer
+    table of what they cover (coverage.py, the model built on the meta device), its text lines, and one refusal
+    line per module and operator that side's kernels lack. Nothing otherwise: the table is about the wrappers."""
+    wrapped = sorted({getattr(cfg, side).kernels for side in ("rollout", "train")
+                      if getattr(cfg, side).engine == "hf" and getattr(cfg, side).kernels in KERNELS})
+    if not wrapped:
+        return {"table": [], "table_lines": [], "not_covered": []}
+    meta_model = build_meta(model_config)
+    table = coverage_table(meta_model)
+    return {"table": table, "table_lines": ["kernel coverage: " + ln for ln in format_table(table)],
+            "not_covered": [f"kernels: {k} does not cover {p}" for k in wrapped
+                            for p in coverage_problems(meta_model, k)]}
 
 
 def judge(m: Measurement) -> Judgement:

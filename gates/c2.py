@@ -1,6 +1,9 @@
-"""C2: small model cut. A 4-6 layer cut of the full model stands in for it in fast loops only if it loads,
-covers every operator class, keeps each kept layer's tensors exactly, and each kept layer computes exactly
-what its source layer computes on the same hidden states."""
+"""C2: small model cut and wrapper fidelity. A 4-6 layer cut of the full model stands in for it in fast loops
+only if it loads, covers every operator class, keeps each kept layer's tensors exactly, and each kept layer
+computes exactly what its source layer computes on the same hidden states. When the training side runs through
+tic's kernel wrappers (kernels consistent or vllm), the wrapped model must also compute the stock HF model
+within a stated bound (tic.harness.measure.fidelity): a wrapper that computes another model would pass C3-C6
+bitwise, so it is refused here, before C3."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ import json
 
 from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.harness.model.cut import CUT_RECORD
+from tic.harness.engines.hf import WRAPPED_KERNELS, load_model
+from tic.harness.measure.fidelity import compare_forward, fidelity_inputs
 from tic.harness.model.cut_check import CutRequest, check_cut, cut_dir_for
 from tic.core.fsio import atomic_write_text
 
@@ -17,11 +22,30 @@ def cut_request(cfg, state) -> CutRequest:
     return CutRequest.from_config(cfg.cut, cfg.resolve, state.artifacts_dir("C2") / "cut")
 
 
+def wrapper_fidelity(ctx) -> dict | None:
+    """The training side's wrapped model against the stock HF model (eager attention, same weights, dtype and
+    device) on seeded inputs; None when the training side does not run through the wrappers."""
+    train = ctx.cfg.train
+    if train.engine != "hf" or train.kernels not in WRAPPED_KERNELS:
+        return None
+    engine = ctx.train_engine()
+    stock = load_model(engine.model_dir, engine.dtype, "stock", attn="eager", device=str(engine.device),
+                       shared=False)
+    ids, mask = fidelity_inputs(engine.vocab_size, engine.device)
+    return {"kernels": train.kernels, **compare_forward(stock, engine.model, ids, mask)}
+
+
 def measure(ctx) -> Measurement:
     cut_dir = cut_dir_for(cut_request(ctx.cfg, ctx.state), ctx.model.dir, ctx.model_hash)
     r = check_cut(ctx.model.dir, cut_dir)
+    fidelity = wrapper_fidelity(ctx)
+    if fidelity is not None and fidelity["first_parting"]:
+        r["problems"] = [f"fidelity: kernels: {fidelity['kernels']} computes another model than stock HF from "
+                         f"{fidelity['first_parting']} ({fidelity['dtype']} bound rtol {fidelity['rtol']:g}); "
+                         "guides/extend.md"] + list(r["problems"])
     path = ctx.artifacts("C2") / "check.json"
-    atomic_write_text(path, json.dumps({**r, "cut_dir": str(cut_dir)}, indent=2, default=str))
+    atomic_write_text(path, json.dumps({**r, "cut_dir": str(cut_dir), "fidelity": fidelity}, indent=2,
+                                       default=str))
     eq = sum(1 for x in r["fidelity"] if x["equal"])
     return Measurement(
         metrics={"kept_layers": len(r["layers"]), "full_layers": r.get("full_layers", 0),
@@ -29,7 +53,8 @@ def measure(ctx) -> Measurement:
                  "layers_checked": len(r["fidelity"]), "problems": len(r["problems"])},
         details={"cut_dir": str(cut_dir), "layers": r["layers"], "problems": r["problems"],
                  "missing_transitions": r.get("missing_transitions", []), "explanation": r.get("explanation", []),
-                 "notes": r.get("notes", []), "engines_checked": r.get("engines_checked", ["hf"])},
+                 "notes": r.get("notes", []), "engines_checked": r.get("engines_checked", ["hf"]),
+                 "fidelity": fidelity},
         evidence=[str(path), str(cut_dir / CUT_RECORD)],
     )
 
@@ -52,7 +77,9 @@ GATE = Gate(
     measures="a 4-6 layer cut of the full model: operator-class coverage, per-layer shapes/dtypes, layer fidelity",
     pass_condition="the cut loads; its manifest covers every operator class of the full model; per-layer shapes "
                    "and dtypes equal the source layers'; each kept layer gives bitwise identical outputs to its "
-                   "source layer on the same hidden states",
+                   "source layer on the same hidden states; with train.kernels consistent or vllm, the wrapped "
+                   "model's forward equals the stock HF model's within rtol (float32 1e-4, bf16 5e-2) of each "
+                   "module's output scale, at every decoder module and the logits",
     inputs=["model.path (the full model)", "cut: out/layers/max_layers (optional; else cut into artifacts/C2/cut)"],
     artifacts=["artifacts/C2/check.json", "artifacts/C2/cut/ (when tic.yaml has no cut.out)"],
     guide="guides/C2.md", measure=measure, judge=judge, reads=("model", "cut"))

@@ -69,6 +69,9 @@ def _finish(results, as_json: bool, junit: Path | None, title: str) -> None:
 
     code = exit_code(results)
     report.console().print(report.ladder_table(results, title))
+    for r in results:  # lines a gate asks to show below the table (C0: the per-layer kernel coverage)
+        for line in r.details.get("show", []):
+            report.console().print(f"{r.gate} {line}", markup=False, soft_wrap=True)
     for hint in (unavailable_hint(results), waiting_hint(results)):
         if hint:
             report.console().print(hint, markup=False, soft_wrap=True)

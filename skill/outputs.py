@@ -8,17 +8,11 @@ import os
 from pathlib import Path
 
 from tic.core.errors import TicInputError
+from tic.core.paths import is_within as _inside
+from tic.core.paths import real_path as _real
 from tic.gates.c2 import cut_request
 
 MODEL_FILES = ("config.json", "model.safetensors.index.json")  # with every *.safetensors: what tic reads of a model
-
-
-def _real(p: Path) -> Path:
-    return Path(os.path.realpath(p))
-
-
-def _inside(p: Path, d: Path) -> bool:
-    return p == d or d in p.parents
 
 
 def run_inputs(ctx) -> tuple[dict[Path, str], dict[Path, str]]:

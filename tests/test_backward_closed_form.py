@@ -70,6 +70,13 @@ def test_silu_and_mul():
     check("silu_and_mul", (r(2, 4, 18) * 4,))
 
 
+def test_gelu_tanh_and_mul_softcap_and_the_gemma_norm():
+    check("gelu_tanh_and_mul", (r(2, 4, 18) * 4,))
+    check("softcap", (r(3, 40) * 60,), {"cap": 30.0})
+    check("rms_norm", (r(2, 3, 16), r(16)), {"eps": 1e-6, "offset": 1.0})
+    check("add_rms_norm", (r(2, 3, 16), r(2, 3, 16), r(16)), {"eps": 1e-6, "offset": 1.0})
+
+
 @pytest.mark.parametrize("rot", [8, 4])  # full and partial rotary dims
 def test_rotary(rot):
     check("rotary", (r(6, 4, 8), r(6, 2, 8), torch.tensor([0, 1, 2, 3, 0, 1]), r(10, rot)), frozen=(3,))

@@ -300,11 +300,20 @@ def test_paged_layout_puts_every_token_in_its_own_sequence_pages(lens, bs):
         assert torch.equal(read, keys[int(cu[s]):int(cu[s + 1])])
 
 
-def test_varlen_refuses_a_sliding_window_mask():
-    ar = torch.arange(6)
-    window = (ar[None, :] <= ar[:, None]) & (ar[:, None] - ar[None, :] < 3)
-    with pytest.raises(TicInputError, match="not block-causal"):
-        varlen_from_mask(window[None, None], 1, 6, "cpu")
+def test_varlen_takes_a_sliding_window_mask_only_with_its_window():
+    """A window-3 mask over a packed row of two sequences (4 and 3 tokens, one padding token): the layout of the
+    full mask, given window 3; refused without the window or with another."""
+    ar = torch.arange(8)
+    seg = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2])
+    causal = (ar[None, :] <= ar[:, None]) & (seg[None, :] == seg[:, None]) & (seg[:, None] < 2)
+    window = causal & (ar[:, None] - ar[None, :] < 3)
+    v = varlen_from_mask(window[None, None], 1, 8, "cpu", window=3)
+    full = varlen_from_mask(causal[None, None], 1, 8, "cpu")
+    assert v.index.tolist() == full.index.tolist() == list(range(7))
+    assert v.cu_seqlens.tolist() == full.cu_seqlens.tolist() == [0, 4, 7] and v.max_seqlen == 4
+    for w in (None, 2, 4):
+        with pytest.raises(TicInputError, match="not block-causal"):
+            varlen_from_mask(window[None, None], 1, 8, "cpu", window=w)
 
 
 # ---- kernels: vllm on a machine without it ----------------------------------------------------------------

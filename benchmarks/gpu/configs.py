@@ -119,6 +119,10 @@ def _variants() -> dict[str, Variant]:
     # training on vLLM's kernels against the patched eager rollout (C5-C7)
     for m in ("dense", "moe", "big", "llama"):
         v[f"t-{m}-eager"] = Variant(f"{m}, patched eager rollout, training on vLLM's kernels", m)
+    # Gemma-style models (sliding and full layers, (1 + w) norms, GELU-tanh; gemma2 also softcaps attention and
+    # the final logits): FlashAttention's window and softcap, GemmaRMSNorm, gelu_tanh_and_mul on the training side
+    for m in ("gemma3", "gemma2"):
+        v[f"t-{m}-eager"] = Variant(f"{m}, patched eager rollout, training on vLLM's kernels", m)
     v["t-dense-bi"] = Variant("dense, batch-invariant rollout without patches, training on vLLM's kernels",
                               "dense", patches=(), batch_invariant=True, locate=False)
     v["t-dense-bi-locate"] = Variant("t-dense-bi with the locator on (C5 fails: FA3 decode vs prefill)", "dense",

@@ -71,7 +71,7 @@ def rmsnorm_small_vs_large(patched: bool, hidden: int, offset: int, n=6667, smal
 def gemm_small_vs_large(patched: bool, n_out=8192, k=2048, n=6667, small=(1, 48)) -> dict:
     from vllm.model_executor.layers.utils import dispatch_unquantized_gemm
 
-    gemm = dispatch_unquantized_gemm()  # patched: fixed-M tiles; stock: F.linear
+    gemm = dispatch_unquantized_gemm()  # patched: the fixed-order Triton GEMM; stock: F.linear
     g = torch.Generator(device=dev).manual_seed(2)
     x = torch.randn(n, k, dtype=torch.bfloat16, device=dev, generator=g)
     w = torch.randn(n_out, k, dtype=torch.bfloat16, device=dev, generator=g) * k ** -0.5
@@ -91,16 +91,16 @@ def main(argv: list[str]) -> int:
     if patched:
         from tic import patches
 
-        patches.apply(["fa3-fixed-tile", "rmsnorm-fixed-block", "gemm-fixed-m"])
+        patches.apply(["fa3-fixed-tile", "rmsnorm-fixed-block", "gemm-fixed-order"])
     cases = {
         "fa3-fixed-tile: FA3 hd64 decode row vs prefill (400 tokens)": lambda: fa3_decode_vs_prefill(patched),
         "fa3-fixed-tile: FA3 hd128 decode row vs prefill (400 tokens)": lambda: fa3_decode_vs_prefill(patched, 16, 8, 128),
         "rmsnorm-fixed-block: hidden 2048 aligned, 48 vs 6667 rows": lambda: rmsnorm_small_vs_large(patched, 2048, 0),
         "rmsnorm-fixed-block: hidden 2048 misaligned, 48 vs 6667 rows": lambda: rmsnorm_small_vs_large(patched, 2048, 1),
         "rmsnorm-fixed-block: hidden 4096 aligned, 48 vs 6667 rows": lambda: rmsnorm_small_vs_large(patched, 4096, 0),
-        "gemm-fixed-m: 2048->8192 linear, 1/48 vs 6667 rows": lambda: gemm_small_vs_large(patched),
-        "gemm-fixed-m: 8192->2048 linear (down_proj), 1/48 vs 6667 rows": lambda: gemm_small_vs_large(patched, 2048, 8192),
-        "gemm-fixed-m: 2048->151936 lm_head, 1/48 vs 2000 rows": lambda: gemm_small_vs_large(patched, 151936, 2048, 2000),
+        "gemm-fixed-order: 2048->8192 linear, 1/48 vs 6667 rows": lambda: gemm_small_vs_large(patched),
+        "gemm-fixed-order: 8192->2048 linear (down_proj), 1/48 vs 6667 rows": lambda: gemm_small_vs_large(patched, 2048, 8192),
+        "gemm-fixed-order: 2048->151936 lm_head, 1/48 vs 2000 rows": lambda: gemm_small_vs_large(patched, 151936, 2048, 2000),
     }
     res, bad = {}, 0
     for name, fn in cases.items():

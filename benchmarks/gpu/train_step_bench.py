@@ -2,7 +2,7 @@
 HF training step on the same bf16 model and batch.
 
   source benchmarks/gpu/device_env.sh    # tic and the vLLM 0.26 bundle ($TIC_VLLM_SITE) on the path
-  [TIC_PATCHES=fa3-fixed-tile,gemm-fixed-m,rmsnorm-fixed-block] [VLLM_BATCH_INVARIANT=1] \
+  [TIC_PATCHES=fa3-fixed-tile,gemm-fixed-order,rmsnorm-fixed-block] [VLLM_BATCH_INVARIANT=1] \
     python3 benchmarks/gpu/train_step_bench.py [--moe] [--batch 8 --seq 512] [--eager-backward] [--no-grouped-mm]
 
 Checks, each printed with its verdict; any failure exits 1:
@@ -166,7 +166,12 @@ def kernel_checks(ops, moe: bool) -> list[tuple[str, bool, str]]:
     torch.ops._C.silu_and_mul(out, gu)
     check("silu_and_mul", ops.silu_and_mul(gu), out)
     wl = torch.randn(2048, 1024, device="cuda", dtype=bf)
-    if "gemm-fixed-m" not in ops.provider.patches:
+    if "gemm-fixed-order" in ops.provider.patches:  # the patch's rule: its own GEMM, rows alone or together
+        from tic.patches.vllm.fixed_order_gemm import linear as fixed_order
+
+        check("gemm-fixed-order", ops.linear(x, [wl]), fixed_order(x, wl))
+        check("gemm-fixed-order, 3 rows alone", ops.linear(x[:3].clone(), [wl]), fixed_order(x, wl)[:3])
+    elif "gemm-fixed-m" not in ops.provider.patches:
         check("linear", ops.linear(x, [wl]), torch.nn.functional.linear(x, wl))
     else:  # the patch's rule is vLLM's GEMM per 128-row tile: its full tiles vs F.linear on each tile alone
         from tic.patches.vllm.gemm_fixed_m import ROWS

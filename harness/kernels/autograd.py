@@ -59,14 +59,15 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def rms_norm_ref(x, w, eps):
+def rms_norm_ref(x, w, eps, offset=0.0):
+    """(offset + w) * x_hat: offset 0 for Llama's norm, 1 for Gemma's (1 + w)."""
     x32 = _wide(x)
-    return _wide(w) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
+    return (_wide(w) + offset) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def add_rms_norm_ref(x, residual, w, eps):
+def add_rms_norm_ref(x, residual, w, eps, offset=0.0):
     total = _wide(x) + _wide(residual)
-    return rms_norm_ref(total, w, eps), total
+    return rms_norm_ref(total, w, eps, offset), total
 
 
 def rotary_ref(q, k, positions, cos_sin):
@@ -79,21 +80,39 @@ def silu_and_mul_ref(x):
     return F.silu(g) * u
 
 
-def attention_ref(q, k, v, mask, scale):
-    """q [B, H, Q, D], k/v [B, Hkv, K, D], mask bool [B, 1, Q, K] or None (causal) -> [B, Q, H, D].
-    torch's SDPA in float32 (its fused backward on GPU); a query that sees no key (padding) gives 0."""
+def gelu_tanh_and_mul_ref(x):
+    g, u = _wide(x).chunk(2, dim=-1)
+    return F.gelu(g, approximate="tanh") * u
+
+
+def softcap_ref(x, cap):
+    return torch.tanh(_wide(x) / cap) * cap
+
+
+def attention_ref(q, k, v, mask, scale, softcap=None, window=None):
+    """q [B, H, Q, D], k/v [B, Hkv, K, D], mask bool [B, 1, Q, K] or None (causal, within `window` keys when
+    given) -> [B, Q, H, D]. torch's SDPA in float32 (its fused backward on GPU); with a softcap the scores
+    cap * tanh(s / cap) written out. A query that sees no key (padding) gives 0."""
     rep = q.shape[1] // k.shape[1]
     k, v = _wide(k).repeat_interleave(rep, dim=1), _wide(v).repeat_interleave(rep, dim=1)
-    safe, seen = _sdpa_mask(mask, q.shape[2], k.shape[2], q.device)
-    out = F.scaled_dot_product_attention(_wide(q), k, v, attn_mask=safe, scale=scale)
+    safe, seen = _sdpa_mask(mask, q.shape[2], k.shape[2], q.device, window)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(_wide(q), k, v, attn_mask=safe, scale=scale)
+    else:
+        scores = softcap_ref(torch.matmul(_wide(q), k.transpose(-1, -2)) * scale, softcap)
+        out = torch.matmul(torch.softmax(scores.masked_fill(~safe, float("-inf")), dim=-1), v)
     return torch.where(seen, out, torch.zeros((), device=q.device)).transpose(1, 2)
 
 
-def _sdpa_mask(mask, Q: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _sdpa_mask(mask, Q: int, K: int, device, window=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the bool mask SDPA runs, which query rows see any key) for a mask [B, 1, Q, K] or None (causal,
-    bottom-right aligned). A fully masked row would give NaN: it is let see key 0, and the caller zeroes it."""
+    bottom-right aligned, the last `window` keys when given). A fully masked row would give NaN: it is let see
+    key 0, and the caller zeroes it."""
     if mask is None:
-        mask = torch.ones(Q, K, dtype=torch.bool, device=device).tril(K - Q)[None, None]
+        mask = torch.ones(Q, K, dtype=torch.bool, device=device).tril(K - Q)
+        if window:
+            mask = mask & ~torch.ones(Q, K, dtype=torch.bool, device=device).tril(K - Q - window)
+        mask = mask[None, None]
     seen = mask.any(-1, keepdim=True)
     first = torch.arange(K, device=device) == 0
     return mask | (~seen & first), seen
@@ -257,8 +276,9 @@ def _linear_backward(tensors, fixed, grads, kw, needs, run):
 # Each returns the gradient autograd would give through the matching *_ref (tests/test_backward_closed_form.py
 # checks that in float64). Elementwise math runs in float32 (or wider); GEMMs run in the model dtype. The
 # elementwise ones run through the model's Backward.fused (compiled on CUDA).
-def _rms_norm_input_grads(x, w, g, eps, need_x: bool, need_w: bool):
-    """y = w * x * r, r = (mean(x^2) + eps)^-1/2: gx = r * (g w - n * mean(g w n)), n = x r; gw = sum g n."""
+def _rms_norm_input_grads(x, w, g, eps, need_x: bool, need_w: bool, offset: float = 0.0):
+    """y = (offset + w) * x * r, r = (mean(x^2) + eps)^-1/2: gx = r * (g w' - n * mean(g w' n)), n = x r,
+    w' = offset + w; gw = sum g n."""
     x32 = _wide(x)
     r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     n = x32 * r
@@ -266,20 +286,21 @@ def _rms_norm_input_grads(x, w, g, eps, need_x: bool, need_w: bool):
     gw = (g32 * n).reshape(-1, n.shape[-1]).sum(0) if need_w else None
     gx = None
     if need_x:
-        gn = g32 * _wide(w)
+        gn = g32 * (_wide(w) + offset)
         gx = r * (gn - n * (gn * n).mean(-1, keepdim=True))
     return gx, gw
 
 
 def _rms_norm_backward(tensors, fixed, grads, kw, needs, run):
     x, w = tensors
-    return run.fused(_rms_norm_input_grads, x, w, grads[0], kw["eps"], needs[0], needs[1])
+    return run.fused(_rms_norm_input_grads, x, w, grads[0], kw["eps"], needs[0], needs[1], kw.get("offset", 0.0))
 
 
-def _add_rms_norm_input_grads(x, residual, w, g_norm, g_total, eps, need_x: bool, need_w: bool):
+def _add_rms_norm_input_grads(x, residual, w, g_norm, g_total, eps, need_x: bool, need_w: bool,
+                              offset: float = 0.0):
     """The norm's gradients at x + residual, plus the gradient of the sum output: one compiled function (on the
     GPU), not the sum, the norm backward and the add launched one by one."""
-    gt, gw = _rms_norm_input_grads(_wide(x) + _wide(residual), w, g_norm, eps, need_x, need_w)
+    gt, gw = _rms_norm_input_grads(_wide(x) + _wide(residual), w, g_norm, eps, need_x, need_w, offset)
     if g_total is not None and gt is not None:
         gt = gt + g_total
     return gt, gw
@@ -291,7 +312,7 @@ def _add_rms_norm_backward(tensors, fixed, grads, kw, needs, run):
     gt, gw = None, None
     if g_norm is not None:
         gt, gw = run.fused(_add_rms_norm_input_grads, x, residual, w, g_norm, g_total, kw["eps"],
-                           needs[0] or needs[1], needs[2])
+                           needs[0] or needs[1], needs[2], kw.get("offset", 0.0))
     elif g_total is not None:
         gt = _wide(g_total)
     return (gt if needs[0] else None), (gt if needs[1] else None), gw
@@ -307,6 +328,30 @@ def _silu_and_mul_backward(tensors, fixed, grads, kw, needs, run):
     if not needs[0]:
         return (None,)
     return (run.fused(_silu_and_mul_input_grad, tensors[0], grads[0]),)
+
+
+def _gelu_tanh_and_mul_input_grad(x, g):
+    a, b = _wide(x).chunk(2, dim=-1)
+    g = g.to(a.dtype)
+    return torch.cat([torch.ops.aten.gelu_backward(g * b, a, approximate="tanh"),
+                      g * F.gelu(a, approximate="tanh")], dim=-1)
+
+
+def _gelu_tanh_and_mul_backward(tensors, fixed, grads, kw, needs, run):
+    if not needs[0]:
+        return (None,)
+    return (run.fused(_gelu_tanh_and_mul_input_grad, tensors[0], grads[0]),)
+
+
+def _softcap_input_grad(x, g, cap: float):
+    t = torch.tanh(_wide(x) / cap)
+    return g.to(t.dtype) * (1 - t * t)
+
+
+def _softcap_backward(tensors, fixed, grads, kw, needs, run):
+    if not needs[0] or grads[0] is None:
+        return (None,)
+    return (run.fused(_softcap_input_grad, tensors[0], grads[0], kw["cap"]),)
 
 
 def _rotate_neox_input_grad(g, positions, cos_sin):
@@ -349,6 +394,8 @@ def _attention_backward(tensors, fixed, grads, kw, needs, run):
     g = grads[0]
     if g is None or not any(needs[:3]):
         return None, None, None, None
+    if kw.get("softcap") is not None or (kw.get("window") and mask is None):
+        return None  # SDPA has no softcap and no window flag: autograd through the reference
     B, H, Q, D = q.shape
     K = k.shape[2]
     go = g.transpose(1, 2).to(q.dtype)  # [B, H, Q, Dv]
@@ -489,15 +536,29 @@ def _moe_experts_backward(tensors, fixed, grads, kw, needs, run):
     return gx, gw, None, g_gate_up, g_down
 
 
+def _offset(offset: float) -> dict:
+    """A norm's weight offset as a keyword only when there is one: providers (and planted ones) that know only
+    w * x_hat keep their signature."""
+    return {"offset": offset} if offset else {}
+
+
+def _attention_options(softcap, window) -> dict:
+    return {k: v for k, v in (("softcap", softcap), ("window", window)) if v}
+
+
 OPS: dict[str, Op] = {op.name: op for op in [
     Op("linear", _linear_kernel, backward=_linear_backward),
-    Op("rms_norm", lambda p, x, w, eps: p.rms_norm(x, w, eps), rms_norm_ref, _rms_norm_backward),
-    Op("add_rms_norm", lambda p, x, r, w, eps: p.add_rms_norm(x, r, w, eps), add_rms_norm_ref,
-       _add_rms_norm_backward),
+    Op("rms_norm", lambda p, x, w, eps, offset=0.0: p.rms_norm(x, w, eps, **_offset(offset)), rms_norm_ref,
+       _rms_norm_backward),
+    Op("add_rms_norm", lambda p, x, r, w, eps, offset=0.0: p.add_rms_norm(x, r, w, eps, **_offset(offset)),
+       add_rms_norm_ref, _add_rms_norm_backward),
     Op("rotary", lambda p, q, k, pos, cs: p.rotary(q, k, pos, cs), rotary_ref, _rotary_backward),
     Op("silu_and_mul", lambda p, x: p.silu_and_mul(x), silu_and_mul_ref, _silu_and_mul_backward),
-    Op("attention", lambda p, q, k, v, mask, scale: p.attention(q, k, v, mask, scale), attention_ref,
-       _attention_backward),
+    Op("gelu_tanh_and_mul", lambda p, x: p.gelu_tanh_and_mul(x), gelu_tanh_and_mul_ref,
+       _gelu_tanh_and_mul_backward),
+    Op("softcap", lambda p, x, cap: p.softcap(x, cap), softcap_ref, _softcap_backward),
+    Op("attention", lambda p, q, k, v, mask, scale, softcap=None, window=None:
+       p.attention(q, k, v, mask, scale, **_attention_options(softcap, window)), attention_ref, _attention_backward),
     Op("moe_route", lambda p, logits, top_k, renormalize: p.moe_route(logits, top_k, renormalize),
        moe_route_ref, _moe_route_backward),
     Op("moe_experts", lambda p, x, w, ids, gu, d: p.moe_experts(x, w, ids, gu, d), moe_experts_ref,
@@ -522,11 +583,11 @@ class Ops:
         biases = biases if biases is not None and biases[0] is not None else [None] * len(weights)
         return self._run("linear", x, *weights, *biases, n=len(weights))
 
-    def rms_norm(self, x, w, eps):
-        return self._run("rms_norm", x, w, eps=eps)
+    def rms_norm(self, x, w, eps, offset: float = 0.0):
+        return self._run("rms_norm", x, w, eps=eps, **_offset(offset))
 
-    def add_rms_norm(self, x, residual, w, eps):
-        return self._run("add_rms_norm", x, residual, w, eps=eps)
+    def add_rms_norm(self, x, residual, w, eps, offset: float = 0.0):
+        return self._run("add_rms_norm", x, residual, w, eps=eps, **_offset(offset))
 
     def rotary(self, q, k, positions, cos_sin):
         return self._run("rotary", q, k, positions, cos_sin)
@@ -534,8 +595,14 @@ class Ops:
     def silu_and_mul(self, x):
         return self._run("silu_and_mul", x)
 
-    def attention(self, q, k, v, mask, scale):
-        return self._run("attention", q, k, v, mask, scale=scale)
+    def gelu_tanh_and_mul(self, x):
+        return self._run("gelu_tanh_and_mul", x)
+
+    def softcap(self, x, cap: float):
+        return self._run("softcap", x, cap=float(cap))
+
+    def attention(self, q, k, v, mask, scale, softcap: float | None = None, window: int | None = None):
+        return self._run("attention", q, k, v, mask, scale=scale, **_attention_options(softcap, window))
 
     def moe_route(self, logits, top_k, renormalize):
         return self._run("moe_route", logits, top_k=top_k, renormalize=renormalize)

@@ -46,10 +46,13 @@ def row_log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return rowwise(lambda r: torch.log_softmax(r, dim=-1), logits)
 
 
-def rowwise_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+def rowwise_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, softcap=None, window=None,
+                      **kwargs):
     """Attention one query row at a time over exactly the keys its mask allows, in sequence order.
 
-    query [B, H, Q, D], key/value [B, Hkv, K, D], attention_mask bool [B, 1, Q, K] (True = attend).
+    query [B, H, Q, D], key/value [B, Hkv, K, D], attention_mask bool [B, 1, Q, K] (True = attend; a sliding
+    window is already in it, as HF builds it per layer type) or None (causal, the last `window` keys when
+    given). softcap: the scores cap * tanh(s / cap) in the model dtype, before the mask (HF's eager order).
     """
     B, H, Q, D = query.shape
     Hkv, K = key.shape[1], key.shape[2]
@@ -63,13 +66,15 @@ def rowwise_attention(module, query, key, value, attention_mask, scaling, dropou
                     allowed = allowed == 0
                 idx = allowed.nonzero().flatten()
             else:
-                idx = torch.arange(K - Q + q + 1)
+                idx = torch.arange(max(0, K - Q + q + 1 - window) if window else 0, K - Q + q + 1)
             if idx.numel() == 0:
                 continue  # a padding query row: no keys, output stays zero
             k = key[b][:, idx].repeat_interleave(rep, dim=0)  # [H, n, D]
             v = value[b][:, idx].repeat_interleave(rep, dim=0)
             qr = query[b, :, q : q + 1]  # [H, 1, D]
             scores = torch.matmul(qr, k.transpose(1, 2)) * scaling
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
             out[b, q] = torch.matmul(probs, v)[:, 0]
     return out, None
@@ -83,22 +88,28 @@ class CPUProvider(KernelProvider):
     def linear(self, x, w, b=None):
         return row_linear(x, w, b)
 
-    def rms_norm(self, x, w, eps):
+    def rms_norm(self, x, w, eps, offset: float = 0.0):
+        """w * x_hat with x_hat rounded to the model dtype first (Llama's order); with an offset, (offset + w) *
+        x_hat in float32 rounded once (Gemma's (1 + w), as HF's Gemma norms and vLLM's GemmaRMSNorm)."""
         dtype = x.dtype
+        w_eff = (w.float() + offset) if offset else None
 
         def one(r):
             r32 = r.to(torch.float32)
             var = r32.pow(2).mean(-1, keepdim=True)
+            if w_eff is not None:
+                return (r32 * torch.rsqrt(var + eps) * w_eff).to(dtype)
             return w * (r32 * torch.rsqrt(var + eps)).to(dtype)
 
         return rowwise(one, x)
 
-    def add_rms_norm(self, x, residual, w, eps):
+    def add_rms_norm(self, x, residual, w, eps, offset: float = 0.0):
         total = x + residual
-        return self.rms_norm(total, w, eps), total
+        # the offset as a keyword only when set: a provider built on this one may know only w * x_hat (a plant)
+        return self.rms_norm(total, w, eps, **({"offset": offset} if offset else {})), total
 
-    def cos_sin_cache(self, rotary, config, n, dtype, device):
-        return hf_cos_sin_cache(rotary, n, dtype, device)
+    def cos_sin_cache(self, rotary, config, n, dtype, device, layer_type=None):
+        return hf_cos_sin_cache(rotary, n, dtype, device, layer_type)
 
     def rotary(self, q, k, positions, cos_sin):
         return rotate_neox(q, positions, cos_sin), rotate_neox(k, positions, cos_sin)
@@ -107,8 +118,18 @@ class CPUProvider(KernelProvider):
         half = x.shape[-1] // 2
         return rowwise(lambda r: (F.silu(r[:, :half].float()) * r[:, half:].float()).to(x.dtype), x)
 
-    def attention(self, q, k, v, mask, scale):
-        return rowwise_attention(None, q, k, v, mask, scale)[0]
+    def gelu_tanh_and_mul(self, x):
+        half = x.shape[-1] // 2
+        return rowwise(lambda r: (F.gelu(r[:, :half].float(), approximate="tanh") * r[:, half:].float()).to(x.dtype),
+                       x)
+
+    def softcap(self, x, cap):
+        """cap * tanh(x / cap) in x's dtype, one row at a time (CPU tanh takes another path for a tensor's
+        vector tail, so a whole-batch call would round a row by where it sits)."""
+        return rowwise(lambda r: torch.tanh(r / cap) * cap, x)
+
+    def attention(self, q, k, v, mask, scale, softcap=None, window=None):
+        return rowwise_attention(None, q, k, v, mask, scale, softcap=softcap, window=window)[0]
 
     def moe_route(self, logits, top_k, renormalize):
         outs = [route_topk(r, top_k, renormalize) for r in logits.split(1, dim=0)]

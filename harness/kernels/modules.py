@@ -1,4 +1,10 @@
-"""Route an HF decoder model (Qwen3, Qwen3-MoE, Llama) through the autograd wrappers of one kernel provider.
+"""Route an HF decoder model through the autograd wrappers of one kernel provider.
+
+What the wrappers cover is data (coverage.py: the operator classes, which kernels implement each, and the
+reader that finds them in a model); `apply` refuses a model that uses anything else and patches each module by
+the class the reader found: two-norm (Llama, Qwen, Mistral) and four-norm (Gemma-2/3) decoder layers, `w` and
+`(1 + w)` RMSNorms, SiLU and GELU-tanh gated MLPs, top-k MoE, full, sliding-window and softcapped attention,
+one rotary table or one per layer type, final logit softcapping.
 
 `apply(model, provider)` replaces module forwards in place; module names and parameters stay, so capture, the
 locator and optimizers see the same model. The forward follows vLLM's decoder structure, so a provider that
@@ -6,8 +12,11 @@ runs vLLM's kernels sees the calls vLLM makes:
 - the residual stream as a pair: layer i>0 starts with add+RMSNorm(previous MLP output, residual) and the
   attention output joins the residual inside the post-attention add+RMSNorm (vLLM's fused_add_rms_norm);
 - q/k/v and gate/up as one GEMM each over concatenated weights when the provider fuses projections;
-- neox rotary from a cos|sin table indexed by position; SiLU*mul rounded once; attention over exactly each
-  sequence's keys; MoE routing top-k then the experts' outputs combined in float32 in slot order.
+- neox rotary from a cos|sin table indexed by position; SiLU*mul (GELU-tanh*mul) rounded once; attention over
+  exactly each sequence's keys (the window's, on a sliding layer); MoE routing top-k then the experts' outputs
+  combined in float32 in slot order;
+- a four-norm layer as vLLM's Gemma layers: post-attention norm alone, then add+norm (pre-feedforward) of the
+  residual, MLP, post-feedforward norm; the next layer's input add+norm takes that output and the residual.
 
 A decoder layer still returns hidden + residual (what HF's loop and capture hooks expect); the next layer
 reads the two addends it was computed from (see ResidualStream) rather than the rounded sum.
@@ -16,7 +25,6 @@ reads the two addends it was computed from (see ResidualStream) rather than the 
 from __future__ import annotations
 
 import contextlib
-import re
 import types
 
 import torch
@@ -25,6 +33,9 @@ from torch import nn
 from tic.core.errors import TicInputError
 from tic.config.schema import BackwardConfig
 from tic.harness.kernels.autograd import Backward, Ops
+from tic.harness.kernels.coverage import (attention_softcap, attention_window, final_norm, is_attention,
+                                          is_decoder_layer, is_gated_mlp, is_moe_block, is_rmsnorm, norm_eps,
+                                          problem_lines, read_coverage, rotary_modules, rotary_per_layer_type)
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.stand_ins import stands_for
 
@@ -53,10 +64,12 @@ class ResidualStream:
 
 class RopeTable:
     """cos|sin rows per position [P, rot] in the model's dtype, built by the provider (from the model's own
-    rotary module, or as the provider's engine builds it), grown on demand; one table for all layers."""
+    rotary module, or as the provider's engine builds it), grown on demand; one table for all layers, or one per
+    layer type (`layer_type`: the key a per-layer-type rotary module takes)."""
 
-    def __init__(self, rotary: nn.Module, dtype: torch.dtype, provider, config):
+    def __init__(self, rotary: nn.Module, dtype: torch.dtype, provider, config, layer_type: str | None = None):
         self.rotary, self.dtype, self.provider, self.config, self.table = rotary, dtype, provider, config, None
+        self.layer_type = layer_type
         # rows a forward needs: one device read per position_ids tensor, not one per layer
         self._rows_needed = TensorMemo(lambda pos: int(pos.max()) + 1 if pos.numel() else 1)
 
@@ -67,8 +80,9 @@ class RopeTable:
         if self.table is None or self.table.shape[0] < need or self.table.device != torch.device(device):
             n = max(need, int(getattr(self.rotary, "max_seq_len_cached", 0) or 0), 1)
             # a normal tensor even when first built under inference_mode: the same model may train next (C8)
+            extra = (self.layer_type,) if self.layer_type is not None else ()
             with torch.inference_mode(False), torch.no_grad():
-                self.table = self.provider.cos_sin_cache(self.rotary, self.config, n, self.dtype, device)
+                self.table = self.provider.cos_sin_cache(self.rotary, self.config, n, self.dtype, device, *extra)
         return self.table
 
 
@@ -94,12 +108,13 @@ def capture_routes(model: nn.Module):
 
 
 # -- patched forwards -----------------------------------------------------------------------------------------
-def _rotary_module_forward(self, x, position_ids):
-    """HF's (cos, sin) looked up from the shared table: the same bits for a position whatever the batch shape
-    (HF computes them per call, and CPU cos/sin vectorise by length). The wrappers read the table directly;
-    this keeps what HF's own modules and capture see consistent with it."""
+def _rotary_module_forward(self, x, position_ids, layer_type=None):
+    """HF's (cos, sin) looked up from the shared table (the layer type's, for a module holding one per type):
+    the same bits for a position whatever the batch shape (HF computes them per call, and CPU cos/sin vectorise
+    by length). The wrappers read the table directly; this keeps what HF's own modules and capture see
+    consistent with it."""
     need = int(position_ids.max()) + 1 if position_ids.numel() else 1
-    cos, sin = self._tic_rope.get(need, x.device).chunk(2, dim=-1)
+    cos, sin = self._tic_ropes[layer_type].get(need, x.device).chunk(2, dim=-1)
     cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
 
@@ -109,10 +124,16 @@ def _linear_forward(self, x):
 
 
 def _rmsnorm_forward(self, x, residual=None):
-    eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
+    eps, offset = norm_eps(self), getattr(self, "_tic_norm_offset", 0.0)
     if residual is not None:
-        return self._tic_ops.add_rms_norm(x, residual, self.weight, eps)
-    return self._tic_ops.rms_norm(x, self.weight, eps)
+        return self._tic_ops.add_rms_norm(x, residual, self.weight, eps, offset)
+    return self._tic_ops.rms_norm(x, self.weight, eps, offset)
+
+
+def _lm_head_softcap_forward(self, x):
+    """lm_head then the final logit softcap (the model's own forward no longer applies it: apply moved it
+    here), as vLLM's logits processor runs it on the model-dtype logits."""
+    return self._tic_ops.softcap(_linear_forward(self, x), self._tic_softcap)
 
 
 def _final_norm_forward(self, x):
@@ -122,8 +143,9 @@ def _final_norm_forward(self, x):
     return _rmsnorm_forward(self, x)
 
 
-def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
-                           use_cache=False, position_embeddings=None, **kwargs):
+def _layer_attention(self, hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings,
+                     kwargs):
+    """(attention output, residual): the input add+norm (or plain norm for the first layer) and attention."""
     kwargs.pop("past_key_values", None)
     pair = self._tic_stream.take(hidden_states)
     if pair is not None:
@@ -132,13 +154,40 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
         residual, h = hidden_states, self.input_layernorm(hidden_states)
     h = self.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                        use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)[0]
-    h, residual = self.post_attention_layernorm(h, residual=residual)
-    delta = self.mlp(h)
+    return h, residual
+
+
+def _layer_out(self, delta, residual):
     if isinstance(delta, tuple):
         delta = delta[0]
     out = residual + delta
     self._tic_stream.put(out, delta, residual)
     return out
+
+
+def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                           use_cache=False, position_embeddings=None, **kwargs):
+    """A two-norm layer (Llama, Qwen): the attention output joins the residual in the post-attention add+norm."""
+    h, residual = _layer_attention(self, hidden_states, attention_mask, position_ids, cache, use_cache,
+                                   position_embeddings, kwargs)
+    h, residual = self.post_attention_layernorm(h, residual=residual)
+    return _layer_out(self, self.mlp(h), residual)
+
+
+def _four_norm_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                             use_cache=False, position_embeddings=None, **kwargs):
+    """A four-norm layer (Gemma-2/3), in vLLM's order: the attention output normed alone, then joined to the
+    residual by the pre-feedforward add+norm; the MLP output normed (post-feedforward) before the residual add."""
+    h, residual = _layer_attention(self, hidden_states, attention_mask, position_ids, cache, use_cache,
+                                   position_embeddings, kwargs)
+    h = self.post_attention_layernorm(h)
+    h, residual = self.pre_feedforward_layernorm(h, residual=residual)
+    delta = self.mlp(h)
+    return _layer_out(self, self.post_feedforward_layernorm(delta[0] if isinstance(delta, tuple) else delta),
+                      residual)
+
+
+LAYER_FORWARDS = {"decoder:two_norm": _decoder_layer_forward, "decoder:four_norm": _four_norm_layer_forward}
 
 
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
@@ -166,7 +215,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         k, v = cache.update(k, v, self.layer_idx)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask == 0
-    out = ops.attention(q, k, v, attention_mask, self.scaling)
+    out = ops.attention(q, k, v, attention_mask, self.scaling, softcap=self._tic_softcap, window=self._tic_window)
     return self.o_proj(out.reshape(B, T, -1)), None
 
 
@@ -177,7 +226,8 @@ def _mlp_forward(self, x):
                         [getattr(self.gate_proj, "bias", None), getattr(self.up_proj, "bias", None)])
     else:
         gu = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
-    return self.down_proj(ops.silu_and_mul(gu))
+    act = ops.gelu_tanh_and_mul if self._tic_act == "mlp:gelu_tanh_and_mul" else ops.silu_and_mul
+    return self.down_proj(act(gu))
 
 
 def _moe_forward(self, hidden_states):
@@ -201,8 +251,10 @@ def _mask_for_rowwise(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-def _attention_interface(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    return module._tic_ops.attention(query, key, value, attention_mask, scaling), None
+def _attention_interface(module, query, key, value, attention_mask, scaling, dropout=0.0, softcap=None,
+                         sliding_window=None, **kwargs):
+    return module._tic_ops.attention(query, key, value, attention_mask, scaling, softcap=softcap,
+                                     window=sliding_window), None
 
 
 def register_attention() -> None:
@@ -213,126 +265,77 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTN_NAME, _mask_for_rowwise)
 
 
-# -- recognising the modules ----------------------------------------------------------------------------------
-def _is_rmsnorm(m) -> bool:
-    return type(m).__name__.endswith("RMSNorm") and hasattr(m, "weight")
+def _wrap_rotary(model: nn.Module, provider, dtype, cfg) -> dict:
+    """The rotary table(s), by layer type (None: the one table of all layers), and the rotary module patched to
+    read them."""
+    rotary = rotary_modules(model)[0][1]
+    types_ = sorted(set(getattr(cfg, "layer_types", None) or [])) if rotary_per_layer_type(rotary) else [None]
+    ropes = {t: RopeTable(rotary, dtype, provider, cfg, t) for t in types_}
+    rotary._tic_orig_forward, rotary._tic_ropes = rotary.forward, ropes
+    rotary.forward = types.MethodType(_rotary_module_forward, rotary)
+    return ropes
 
 
-def _is_moe_block(m) -> bool:
-    return (hasattr(m, "gate") and hasattr(m, "experts") and hasattr(m.experts, "gate_up_proj")
-            and hasattr(m.gate, "weight") and hasattr(m.gate, "top_k"))
+def _wrap_logits(model: nn.Module, cfg) -> None:
+    """Final logit softcapping moved from the model's forward into lm_head's, through the wrappers' softcap (on
+    CPU one row at a time). The wrapped model's config then reads None there: the value lives in lm_head, and a
+    wrapped model is never saved."""
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    head = model.get_output_embeddings()
+    if cap is None or head is None:
+        return
+    head._tic_softcap = float(cap)
+    head.forward = types.MethodType(_lm_head_softcap_forward, head)
+    for c in {id(model.config): model.config, id(cfg): cfg}.values():
+        if getattr(c, "final_logit_softcapping", None) is not None:
+            c.final_logit_softcapping = None  # now applied once, in lm_head
 
 
-def _is_gated_mlp(m) -> bool:
-    return all(isinstance(getattr(m, a, None), nn.Linear) for a in ("gate_proj", "up_proj", "down_proj"))
-
-
-def _is_attention(m) -> bool:
-    return all(isinstance(getattr(m, a, None), nn.Linear) for a in ("q_proj", "k_proj", "v_proj", "o_proj")) \
-        and hasattr(m, "head_dim") and hasattr(m, "layer_idx")
-
-
-def _is_decoder_layer(m) -> bool:
-    return all(hasattr(m, a) for a in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"))
-
-
-def _act_name(m) -> str:
-    act = getattr(m, "act_fn", None)
-    return type(act).__name__ if act is not None else ""
-
-
-def _norm_features(norm) -> int:
-    w = getattr(norm, "weight", None)
-    return int(w.shape[-1]) if w is not None and w.dim() else 0
-
-
-def coverage_problems(model: nn.Module) -> list[str]:
-    """What of this HF causal LM the kernel wrappers do not implement, one entry per module (name, class, what
-    is missing); empty when `apply` covers every operator. Reads structure only: a model on the meta device
-    will do."""
-    cfg = model.config.get_text_config()
-    problems = []
-    other = sorted({t for t in (getattr(cfg, "layer_types", None) or []) if t != "full_attention"})
-    if other:
-        problems.append(f"config layer_types {', '.join(other)} (the wrappers cover full attention only)")
-    rotary = [n for n, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")]
-    if len(rotary) != 1:
-        problems.append(f"rotary embeddings: {len(rotary)} modules ({', '.join(rotary) or 'none'}), the wrappers "
-                        "use one table for all layers")
-    for name, m in model.named_modules():
-        kind = type(m).__name__
-        if _is_moe_block(m):
-            if any(hasattr(m, a) for a in ("shared_expert", "shared_experts")):
-                problems.append(f"{name} ({kind}): shared experts")
-            if "SiLU" not in _act_name(m.experts):
-                problems.append(f"{name} ({kind}): activation {_act_name(m.experts) or 'unknown'}")
-        elif _is_gated_mlp(m):
-            if "SiLU" not in _act_name(m):
-                problems.append(f"{name} ({kind}): activation {_act_name(m) or 'unknown'}")
-        elif _is_attention(m):
-            for norm_name in ("q_norm", "k_norm"):
-                norm = getattr(m, norm_name, None)
-                if norm is not None and _norm_features(norm) != m.head_dim:
-                    problems.append(f"{name}.{norm_name} ({type(norm).__name__}): a norm over "
-                                    f"{_norm_features(norm)} features (the whole projection); the wrappers "
-                                    f"normalise each head of {m.head_dim}")
-    final = getattr(getattr(model, "model", model), "norm", None)
-    if final is None or not _is_rmsnorm(final):
-        problems.append("final norm (model.model.norm)")
-    return _per_layer_once(problems)
-
-
-def _per_layer_once(problems: list[str]) -> list[str]:
-    """One entry per problem, not per layer: 'model.layers.0.x ...' and 'model.layers.3.x ...' read as
-    'model.layers.{0,3}.x ...'."""
-    groups: dict[str, list[str]] = {}
-    for p in problems:
-        m = re.search(r"\.layers\.(\d+)\.", p)
-        key = p if m is None else p[:m.start()] + ".layers.{}." + p[m.end():]
-        groups.setdefault(key, []).append(m.group(1) if m else "")
-    return [k if k.count("{}") == 0 else k.replace("{}", "{" + ",".join(v) + "}" if len(v) > 1 else v[0], 1)
-            for k, v in groups.items()]
+def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, cfg) -> None:
+    if is_moe_block(m):
+        m._tic_name, m._tic_routes = name, routes
+        m.forward = types.MethodType(_moe_forward, m)
+    elif is_gated_mlp(m):
+        m._tic_act = variant
+        m.forward = types.MethodType(_mlp_forward, m)
+    elif is_attention(m):
+        m._tic_rope = ropes.get(getattr(m, "layer_type", None), ropes.get(None))
+        m._tic_window, m._tic_softcap = attention_window(m, cfg), attention_softcap(m, cfg)
+        m.forward = types.MethodType(_attention_forward, m)
+    elif is_decoder_layer(m):
+        m._tic_stream = stream
+        m.forward = types.MethodType(LAYER_FORWARDS[variant], m)
+    elif isinstance(m, nn.Linear):
+        m.forward = types.MethodType(_linear_forward, m)
+    elif is_rmsnorm(m):
+        m._tic_norm_offset = 1.0 if variant == "norm:rms_1p" else 0.0
+        m.forward = types.MethodType(_rmsnorm_forward, m)
 
 
 def apply(model: nn.Module, provider, backward: BackwardConfig | None = None) -> nn.Module:
     """Patch an HF causal LM in place so every operator runs through `provider` with a surrogate backward (run as
     `backward` says: tic.yaml train.backward). Idempotent for one provider; raises TicInputError for what the
-    wrappers do not cover."""
+    provider does not cover (coverage.py), one line per module."""
     done = getattr(model, "_tic_provider", None)
     if done is not None:
         if done is not provider:
             raise TicInputError(f"model already runs {done.name} kernels")
         return model
-    problems = coverage_problems(model)
+    coverage = read_coverage(model)
+    problems = problem_lines(coverage, provider.kernels)
     if problems:
-        raise TicInputError(f"{provider.name} kernel wrappers do not cover: " + "; ".join(problems))
+        raise TicInputError(f"kernels: {provider.kernels} does not cover: " + "; ".join(problems))
+    variants = {name: v for cov in coverage for name, v in cov.variants.items()}
     register_attention()
     ops = Ops(provider, Backward(backward))
     cfg = model.config.get_text_config()
     stream, routes = ResidualStream(), RouteLog()
-    dtype = next(model.parameters()).dtype
-    rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
-    rope = RopeTable(rotary[0], dtype, provider, cfg)
-    rotary[0]._tic_orig_forward, rotary[0]._tic_rope = rotary[0].forward, rope
-    rotary[0].forward = types.MethodType(_rotary_module_forward, rotary[0])
+    ropes = _wrap_rotary(model, provider, next(model.parameters()).dtype, cfg)
     for name, m in list(model.named_modules()):
         m._tic_ops = ops
-        if _is_moe_block(m):
-            m._tic_name, m._tic_routes = name, routes
-            m.forward = types.MethodType(_moe_forward, m)
-        elif _is_gated_mlp(m):
-            m.forward = types.MethodType(_mlp_forward, m)
-        elif _is_attention(m):
-            m._tic_rope = rope
-            m.forward = types.MethodType(_attention_forward, m)
-        elif _is_decoder_layer(m):
-            m._tic_stream = stream
-            m.forward = types.MethodType(_decoder_layer_forward, m)
-        elif isinstance(m, nn.Linear):
-            m.forward = types.MethodType(_linear_forward, m)
-        elif _is_rmsnorm(m):
-            m.forward = types.MethodType(_rmsnorm_forward, m)
-    final = getattr(model, "model", model).norm
+        _wrap_module(name, m, variants.get(name), ropes, stream, routes, cfg)
+    _wrap_logits(model, cfg)
+    final = final_norm(model)
     final._tic_stream = stream
     final.forward = types.MethodType(_final_norm_forward, final)
     for sub in model.modules():

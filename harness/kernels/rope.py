@@ -20,12 +20,15 @@ def rotate_neox(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor)
     return torch.cat([out, rest], dim=-1) if rest.numel() else out
 
 
-def hf_cos_sin_cache(rotary: nn.Module, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+def hf_cos_sin_cache(rotary: nn.Module, n: int, dtype: torch.dtype, device, layer_type: str | None = None) \
+        -> torch.Tensor:
     """cos|sin [n, rot] from an HF rotary module (its inv_freq, rope scaling and attention factor), float32
-    arithmetic, then cast to dtype. A module the wrappers patched is read through its own forward."""
+    arithmetic, then cast to dtype; `layer_type` picks one table of a module that holds one per layer type
+    (Gemma-3). A module the wrappers patched is read through its own forward."""
     pos = torch.arange(n, dtype=torch.float32, device=device)[None]
     forward = getattr(rotary, "_tic_orig_forward", rotary)
+    extra = (layer_type,) if layer_type is not None else ()
     with torch.no_grad():
-        cos, sin = forward(torch.zeros(1, dtype=torch.float32, device=device), pos)
+        cos, sin = forward(torch.zeros(1, dtype=torch.float32, device=device), pos, *extra)
     half = cos.shape[-1] // 2
     return torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).to(dtype)

@@ -7,12 +7,15 @@ CI; `providers.provider_for` builds the one a config names.
 
 Shapes (T = tokens of any leading shape, flattened by the caller where a kernel needs it):
   linear(x [.., K], w [N, K], b [N] | None) -> [.., N]
-  rms_norm(x [.., D], w [D], eps) -> [.., D]
-  add_rms_norm(x, residual, w, eps) -> (rms_norm(x + residual), x + residual)
-  cos_sin_cache(hf rotary module, config, P, dtype, device) -> [P, R] (cos | sin halves)
+  rms_norm(x [.., D], w [D], eps[, offset]) -> [.., D]   (w * x_hat; with offset 1: (1 + w) * x_hat, Gemma)
+  add_rms_norm(x, residual, w, eps[, offset]) -> (rms_norm(x + residual), x + residual)
+  cos_sin_cache(hf rotary module, config, P, dtype, device[, layer_type]) -> [P, R] (cos | sin halves)
   rotary(q [T, Hq, D], k [T, Hk, D], positions [T], cos_sin [P, R]) -> (q, k)   (neox style, R = rotary dims)
   silu_and_mul(x [.., 2I]) -> silu(x[..., :I]) * x[..., I:], rounded once
-  attention(q [B, H, Q, D], k/v [B, Hkv, K, D], mask bool [B, 1, Q, K], scale) -> [B, Q, H, D]
+  gelu_tanh_and_mul(x [.., 2I]) -> gelu_tanh(x[..., :I]) * x[..., I:], rounded once
+  softcap(x, cap) -> cap * tanh(x / cap)   (final logits)
+  attention(q [B, H, Q, D], k/v [B, Hkv, K, D], mask bool [B, 1, Q, K], scale[, softcap][, window]) -> [B, Q, H, D]
+      (window: the sliding window of the layer, already in the mask; softcap: on the scores)
   moe_route(logits [T, E], top_k, renormalize) -> (weights float32 [T, k], ids int64 [T, k])
   moe_experts(x [T, H], weights [T, k], ids [T, k], gate_up [E, 2I, H], down [E, H, I]) -> [T, H]
   log_softmax(logits [T, V]) -> float32 [T, V]
@@ -26,5 +29,6 @@ DEFAULT_KV_BLOCK_SIZE = 16
 
 class KernelProvider:
     name = "provider"
+    kernels = "consistent"  # the tic.yaml kernels value it serves (coverage.py: which operator classes it has)
     # vLLM runs q/k/v and gate/up as one GEMM each over concatenated weights; a provider that mirrors it says so
     fuse_projections = False

@@ -4,8 +4,9 @@ vLLM's prefill attention takes the batch's tokens packed without padding, [N, H,
 sequence starts (cu_seqlens). A training forward holds the same sequences padded (left or right) or packed
 into rows; the bool mask HF builds for them says which keys each query sees. This module reads the
 sequences back from that mask, checks that it is exactly block-causal (each valid query sees its own
-sequence's keys from the start up to itself; what padding queries see does not matter), and gives the gather index and
-cu_seqlens. Anything else (sliding windows, a KV cache longer than the queries) is refused.
+sequence's keys from the start up to itself, or, on a sliding-window layer, the last `window` of them; what padding
+queries see does not matter), and gives the gather index and cu_seqlens. Anything else (another window, a custom
+mask, a KV cache longer than the queries) is refused.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ def _positions(flags: torch.Tensor, count: int) -> torch.Tensor:
         return flags.nonzero().squeeze(1)
 
 
-def varlen_from_mask(mask: torch.Tensor | None, batch: int, length: int, device) -> Varlen:
-    """mask: bool [B, 1, T, T] (True = attend) or None (every row one causal sequence)."""
+def varlen_from_mask(mask: torch.Tensor | None, batch: int, length: int, device, window: int | None = None) \
+        -> Varlen:
+    """mask: bool [B, 1, T, T] (True = attend) or None (every row one causal sequence); window: the layer's
+    sliding window (each query sees its own sequence's last `window` keys, itself included), None for full."""
     if mask is None:
         index = torch.arange(batch * length, device=device)
         cu = torch.arange(0, (batch + 1) * length, length, device=device, dtype=torch.int32)
@@ -44,22 +47,26 @@ def varlen_from_mask(mask: torch.Tensor | None, batch: int, length: int, device)
     m = mask[:, 0]
     ar = torch.arange(length, device=device)
     valid = m.diagonal(dim1=1, dim2=2)  # a valid token sees itself
-    start = m.int().argmax(-1)  # its sequence's first key
-    expected = (ar[None, None, :] >= start[..., None]) & (ar[None, None, :] <= ar[None, :, None]) & valid[..., None]
-    # and each query's first key is its own position or its predecessor's first key (contiguous sequences)
-    prev_start = torch.cat([torch.full_like(start[:, :1], -1), start[:, :-1]], dim=1)
-    chained = (start == ar[None]) | (start == prev_start)
+    # a sequence starts at a valid token that does not see its predecessor (a window of 1 sees none: every token
+    # its own sequence, which computes the same); each token's sequence starts at the last start up to it
+    sees_prev = torch.cat([torch.zeros_like(valid[:, :1]), m.diagonal(offset=-1, dim1=1, dim2=2)], dim=1)
+    is_start = valid & ~sees_prev
+    start = torch.where(is_start, ar[None], 0).cummax(dim=1).values
+    keys, queries = ar[None, None, :], ar[None, :, None]
+    expected = (keys >= start[..., None]) & (keys <= queries) & valid[..., None]
+    if window:
+        expected = expected & (queries - keys < window)
     # padding queries (not seeing themselves) may see anything: their outputs are dropped
-    rows_ok = ((expected == m) | ~valid[..., None]).all() & (chained | ~valid).all()
-    is_start = (start == ar[None]) & valid
+    rows_ok = ((expected == m) | ~valid[..., None]).all()
     # each sequence's length, at its start: the valid tokens that name that start
     lengths = torch.zeros_like(start).scatter_add_(1, torch.where(valid, start, 0), valid.to(start.dtype))
     # everything the layout needs from the device in one read (a sync each read on GPU)
     ok, n, n_seqs, max_len = torch.stack([rows_ok.to(start.dtype), valid.sum(), is_start.sum(),
                                           lengths.max() if lengths.numel() else start.new_zeros(())]).tolist()
     if not ok:
-        raise TicInputError("attention mask is not block-causal over contiguous sequences (sliding window or "
-                            "custom mask); the varlen prefill kernel cannot reproduce it")
+        raise TicInputError("attention mask is not block-causal over contiguous sequences"
+                            + (f" within a sliding window of {window}" if window else "")
+                            + " (another window or a custom mask); the varlen prefill kernel cannot reproduce it")
     index = _positions(valid.reshape(-1), n)
     starts = _positions(is_start.reshape(-1)[index], n_seqs)
     cu = torch.cat([starts, torch.tensor([n], device=device)]).to(torch.int32)

@@ -2,10 +2,13 @@
 
 Each call goes through vLLM's Python entry points, the ones its model layers use in eager mode, on the layouts
 those layers pass: RMSNorm as `_C.rms_norm` (vLLM's `vllm_c` IR implementation; vLLM's batch-invariant Triton
-norm when VLLM_BATCH_INVARIANT=1), fused add+RMSNorm through vllm._custom_ops, rotary through
-vllm._custom_ops.rotary_embedding, SiLU*mul through vLLM's _C silu_and_mul, GEMMs through vLLM's unquantized
+norm when VLLM_BATCH_INVARIANT=1), fused add+RMSNorm through vllm._custom_ops, Gemma's (1 + w) norm as vLLM's
+GemmaRMSNorm runs it on CUDA (its `forward_static` compiled by torch.compile), rotary through
+vllm._custom_ops.rotary_embedding, SiLU*mul and GELU-tanh*mul through vLLM's _C silu_and_mul and
+gelu_tanh_and_mul, the final logit softcap as vLLM's logits processor computes it, GEMMs through vLLM's unquantized
 GEMM dispatch (in batch-invariant mode vLLM's Triton `linear_batch_invariant`, as its linear layers call it), prefill attention
-through the varlen entry of vLLM's FlashAttention backend over a paged K/V cache of vLLM's page size, MoE
+through the varlen entry of vLLM's FlashAttention backend over a paged K/V cache of vLLM's page size (with the
+backend's window_size (window - 1, 0) on a sliding layer and its softcap argument), MoE
 through vLLM's fused_topk and fused_experts, logprobs as vLLM's sampler computes them (float32 log_softmax of
 the model-dtype logits).
 
@@ -55,8 +58,19 @@ def require_vllm(device: str = "cuda", load: bool = True) -> None:
                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
 
 
-def _build_layout(mask, B: int, T: int, device, block_size: int):
-    vl = varlen_from_mask(mask, B, T, device)
+def _window_softcap(window: int | None, softcap: float | None) -> dict:
+    """The FlashAttention backend's keywords for a sliding window and a softcap, only where set: a full,
+    uncapped layer calls the kernel exactly as before."""
+    kw = {}
+    if window:
+        kw["window_size"] = (int(window) - 1, 0)
+    if softcap:
+        kw["softcap"] = float(softcap)
+    return kw
+
+
+def _build_layout(mask, B: int, T: int, device, block_size: int, window: int | None = None):
+    vl = varlen_from_mask(mask, B, T, device, window)
     return vl, paged_rows_layout(vl, B, T, block_size) or paged_layout(vl.cu_seqlens, block_size)
 
 
@@ -81,6 +95,7 @@ def _in_pages(t: torch.Tensor, pages, block_size: int) -> torch.Tensor:
 
 class VLLMProvider(KernelProvider):
     name = "vllm"
+    kernels = "vllm"
     fuse_projections = True
 
     def __init__(self, kv_block_size: int = DEFAULT_KV_BLOCK_SIZE):
@@ -88,6 +103,7 @@ class VLLMProvider(KernelProvider):
         resolved it): prefill attention pages K/V alike, since FA3 picks its key tile from the paging."""
         self.kv_block_size = int(kv_block_size)
         self._layouts = TensorMemo(_build_layout)  # once per mask: every layer of one forward passes the same one
+        self._gemma_norm = None  # vLLM's GemmaRMSNorm.forward_static, compiled on first use
         self._load_vllm()
 
     def _load_vllm(self) -> None:
@@ -157,11 +173,29 @@ class VLLMProvider(KernelProvider):
     def linear(self, x, w, b=None):
         return self._gemm(x, w, b)
 
-    def rms_norm(self, x, w, eps):
+    def gemma_rms_norm(self, x, w, eps, residual=None):
+        """vLLM's GemmaRMSNorm on CUDA: its `forward_static` ((x + residual), float32 x_hat * (1 + w.float()),
+        rounded once) compiled by torch.compile, as GemmaRMSNorm.forward_cuda compiles it on first use; on the
+        layout vLLM's Gemma layers give it ([tokens, hidden], or [tokens, heads, head_dim] for q/k norms)."""
+        if self._gemma_norm is None:
+            from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+            self._gemma_norm = torch.compile(GemmaRMSNorm.forward_static)
+        shape = x.shape
+        flat = (lambda t: t.flatten(0, 1)) if x.dim() == 4 else (lambda t: t.reshape(-1, shape[-1]))  # noqa: E731
+        out = self._gemma_norm(w, eps, flat(x), None if residual is None else flat(residual))
+        if residual is None:
+            return out.reshape(shape)
+        return out[0].reshape(shape), out[1].reshape(shape)
+
+    def rms_norm(self, x, w, eps, offset: float = 0.0):
         """vLLM's `_C.rms_norm` (its eager IR implementation `vllm_c`), through vllm._custom_ops, on the layout
         vLLM's layers give it: a
         hidden-state norm sees [tokens, hidden]; a per-head norm (Qwen3's q_norm/k_norm) sees the strided
-        [tokens, heads, head_dim] view of the fused qkv output, as Qwen3Attention passes it."""
+        [tokens, heads, head_dim] view of the fused qkv output, as Qwen3Attention passes it. offset 1: Gemma's
+        norm (gemma_rms_norm)."""
+        if offset:
+            return self.gemma_rms_norm(x, w, eps)
         shape = x.shape
         if self.batch_invariant:  # vLLM's batch-invariant RMSNorm (a Triton kernel)
             from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
@@ -172,10 +206,12 @@ class VLLMProvider(KernelProvider):
         self.vops.rms_norm(out, xv, w, eps)  # vllm._custom_ops: where tic's rmsnorm patch pins the launch
         return out.reshape(shape)
 
-    def add_rms_norm(self, x, residual, w, eps):
+    def add_rms_norm(self, x, residual, w, eps, offset: float = 0.0):
         """`_C.fused_add_rms_norm` through vllm._custom_ops, where vLLM's IR implementation and its
         batch-invariant norm both end (and where tic's rmsnorm patch pins the launch); on copies, as it works
-        in place."""
+        in place. offset 1: Gemma's norm (gemma_rms_norm)."""
+        if offset:
+            return self.gemma_rms_norm(x, w, eps, residual)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).clone()
         r2 = residual.reshape(-1, shape[-1]).clone()
@@ -184,9 +220,11 @@ class VLLMProvider(KernelProvider):
 
     rope_source = "not built yet"
 
-    def cos_sin_cache(self, rotary, config, n, dtype, device):
+    def cos_sin_cache(self, rotary, config, n, dtype, device, layer_type=None):
         """vLLM's own cos|sin cache (get_rope, as its model layers build it) when this release's get_rope takes
-        the model's rope parameters; else the table from the HF rotary module (rope_source says which)."""
+        the model's rope parameters; else the table from the HF rotary module (rope_source says which).
+        layer_type: the table of one layer type, from rope_parameters[layer_type] (Gemma-3: local and global
+        bases)."""
         head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         max_pos = max(n, int(getattr(config, "max_position_embeddings", n)))
         try:
@@ -194,6 +232,8 @@ class VLLMProvider(KernelProvider):
 
             params = getattr(config, "rope_parameters", None) or {
                 "rope_type": "default", "rope_theta": getattr(config, "rope_theta", 10000.0)}
+            if layer_type is not None:
+                params = params[layer_type]
             attempts = [dict(max_position=max_pos, is_neox_style=True, rope_parameters=dict(params), dtype=dtype),
                         dict(rotary_dim=head, max_position=max_pos, is_neox_style=True,
                              rope_parameters=dict(params), dtype=dtype)]
@@ -211,7 +251,7 @@ class VLLMProvider(KernelProvider):
             return cache
         except Exception as e:  # noqa: BLE001 - signatures moved between releases: fall back, and say so
             self.rope_source = f"hf rotary module (vllm get_rope: {type(e).__name__}: {str(e)[:80]})"
-            return hf_cos_sin_cache(rotary, n, dtype, device)
+            return hf_cos_sin_cache(rotary, n, dtype, device, layer_type)
 
     def rotary(self, q, k, positions, cos_sin):
         T, Hq, D = q.shape
@@ -220,25 +260,40 @@ class VLLMProvider(KernelProvider):
         self.vops.rotary_embedding(positions, qo, ko, D, cos_sin.to(q.dtype), True)
         return qo.reshape(q.shape), ko.reshape(k.shape)
 
-    def silu_and_mul(self, x):
+    @staticmethod
+    def _act_and_mul(kernel, x):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
         out = torch.empty(x2.shape[0], shape[-1] // 2, dtype=x.dtype, device=x.device)
-        torch.ops._C.silu_and_mul(out, x2)
+        kernel(out, x2)
         return out.reshape(*shape[:-1], shape[-1] // 2)
 
-    def _layout(self, mask, B: int, T: int, device, block_size: int):
-        """(varlen, paged layout) for one mask, built once per mask (tic.harness.kernels.memo.TensorMemo)."""
-        return self._layouts.get(mask, B, T, device, block_size)
+    def silu_and_mul(self, x):
+        return self._act_and_mul(torch.ops._C.silu_and_mul, x)
 
-    def attention(self, q, k, v, mask, scale):
+    def gelu_tanh_and_mul(self, x):
+        """vLLM's GeluAndMul(approximate="tanh") on CUDA: _C.gelu_tanh_and_mul (Gemma's MLP)."""
+        return self._act_and_mul(torch.ops._C.gelu_tanh_and_mul, x)
+
+    def softcap(self, x, cap):
+        """The final logit softcap as vLLM's LogitsProcessor applies it to the model-dtype logits: divide,
+        tanh, multiply (elementwise on the GPU: a row's bits do not depend on its neighbours)."""
+        return torch.tanh(x / cap) * cap
+
+    def _layout(self, mask, B: int, T: int, device, block_size: int, window: int | None = None):
+        """(varlen, paged layout) for one mask, built once per mask (tic.harness.kernels.memo.TensorMemo)."""
+        return self._layouts.get(mask, B, T, device, block_size, window)
+
+    def attention(self, q, k, v, mask, scale, softcap=None, window=None):
         """Prefill attention as vLLM's FlashAttention backend runs it: the K/V written into a paged cache of
         vLLM's page size and read back through a block table (FA3 picks its key tile from whether K/V are
-        paged), through the backend module's varlen entry point (where tic's fa3 patch pins the launch)."""
+        paged), through the backend module's varlen entry point (where tic's fa3 patch pins the launch). A
+        sliding layer passes the backend's window_size (window - 1, 0) (its mask must be that window:
+        varlen_from_mask checks it); softcap as the backend's logits_soft_cap (0: none)."""
         flash_attn_varlen_func = self._find_varlen_attention()
         B, H, T, D = q.shape
         bs = self.kv_block_size
-        vl, pages = self._layout(mask, B, T, q.device, bs)
+        vl, pages = self._layout(mask, B, T, q.device, bs, window)
         flat = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], t.shape[-1])[vl.index].contiguous()  # noqa: E731
         qf = flat(q)
         if pages.row_pages:
@@ -247,7 +302,8 @@ class VLLMProvider(KernelProvider):
             k_cache, v_cache = (_in_pages(flat(t), pages, bs) for t in (k, v))
         out = flash_attn_varlen_func(q=qf, k=k_cache, v=v_cache, cu_seqlens_q=vl.cu_seqlens, max_seqlen_q=vl.max_seqlen,
                                      seqused_k=pages.seq_lens, max_seqlen_k=vl.max_seqlen, softmax_scale=scale,
-                                     causal=True, block_table=pages.block_table, fa_version=self.fa_version)
+                                     causal=True, block_table=pages.block_table, fa_version=self.fa_version,
+                                     **_window_softcap(window, softcap))
         full = torch.zeros(B * T, H, v.shape[-1], dtype=out.dtype, device=out.device)
         full[vl.index] = out
         return full.reshape(B, T, H, v.shape[-1])

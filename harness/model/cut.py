@@ -25,6 +25,7 @@ from tic.harness.model.families import Family, family
 from tic.harness.model.inventory import LAYER_RE, QUANT_SUFFIXES, tensor_locations, weight_files
 from tic.harness.model.layer_structure import ModelStructure, digest, label, model_structure, text_config
 from tic.core.errors import TicInputError
+from tic.core.paths import is_within, real_path
 from tic.core.fsio import atomic_write_text
 
 CUT_RECORD = "cut.json"
@@ -395,12 +396,12 @@ def is_tic_cut(d: Path) -> bool:
 def check_out_dir(model_dir: Path, out_dir: Path) -> None:
     """A cut may only replace what tic made: OUT_DIR must not overlap the model directory in either direction,
     must not be a file or a link, and if it holds anything, that must be an earlier tic cut."""
-    src, out = Path(model_dir).resolve(), Path(out_dir).resolve()
+    src, out = real_path(model_dir), real_path(out_dir)
     if out == src:
         raise TicInputError(f"OUT_DIR {out_dir} is the model directory; choose another")
-    if out.is_relative_to(src):
+    if is_within(out, src):
         raise TicInputError(f"OUT_DIR {out_dir} lies inside the model directory {model_dir}; choose one outside it")
-    if src.is_relative_to(out):
+    if is_within(src, out):
         raise TicInputError(f"OUT_DIR {out_dir} contains the model directory {model_dir}; choose one beside it")
     out_dir = Path(out_dir)
     if out_dir.is_symlink():

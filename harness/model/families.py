@@ -26,7 +26,8 @@ class Family:
     # "first_k_dense" (first_k_dense_replace + moe_layer_freq) | "pattern" (hybrid pattern letter 'E')
     moe: str = "none"
     experts_key: str = "num_experts"
-    # attention kind when config has no layer_types: "full", or "qwen2_window" (use_sliding_window + max_window_layers)
+    # attention kind when config has no layer_types: "full", "qwen2_window" (use_sliding_window + max_window_layers),
+    # or "config_window" (every layer sliding when sliding_window is set: Mistral)
     attention: str = "full"
     # hybrid pattern key (one letter per layer) and what each letter means
     pattern_key: str | None = None
@@ -47,7 +48,7 @@ _NEMOTRON_H_TYPES = {"linear_attention": ("mamba2", None), "mamba": ("mamba2", N
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(),
-    "mistral": Family(),
+    "mistral": Family(attention="config_window"),
     "qwen2": Family(attention="qwen2_window"),
     "qwen3": Family(attention="qwen2_window"),
     "qwen2_moe": Family(moe="sparse_step", attention="qwen2_window"),
@@ -55,6 +56,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_next": Family(moe="sparse_step", extra_classes=("rope", "partial_rope")),
     "mixtral": Family(moe="all", experts_key="num_local_experts"),
     "deepseek_v3": Family(moe="first_k_dense", experts_key="n_routed_experts"),
+    "gemma2": Family(norm="rmsnorm_gemma"),
     "gemma3_text": Family(norm="rmsnorm_gemma"),
     "nemotron_h": Family(pattern_key="hybrid_override_pattern",
                          pattern_letters={"M": ("mamba2", None), "*": ("full", None), "-": (None, "dense"),
@@ -139,6 +141,9 @@ def layer_kinds(cfg: dict) -> list[dict]:
                     out[i]["mlp"] = mlp
         if fam.one_block_per_layer:
             return out
+    elif fam.attention == "config_window" and cfg.get("sliding_window"):
+        for i in range(n):
+            out[i]["attention"] = "sliding"
     elif fam.attention == "qwen2_window" and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
         start = int_field(cfg, "max_window_layers", n)
         for i in range(start, n):

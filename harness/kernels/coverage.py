@@ -1,0 +1,390 @@
+"""Declared coverage: the operator classes and layer kinds the kernel wrappers implement, and which kernels do.
+
+`REGISTRY` is the data: one `OperatorClass` per thing the wrappers compute (a norm variant, an attention kind,
+an activation, a decoder-layer structure, ...), with the `kernels:` values (tic.yaml) whose provider implements
+it. `read_coverage(model)` reads an HF causal LM's structure (a model on the meta device will do) into one
+`LayerCoverage` per decoder layer plus one for the model's own modules (embedding, rotary, final norm, logits):
+the classes each uses and what it uses that no registry entry covers (a `Refusal`, naming the module, its class,
+the missing operator and the config field and value that made it so).
+
+Norms and activations are recognised by what they compute, not by their class name: the module's own forward
+runs on a small CPU probe and its output is compared with each registered variant (`w * x` and `(1 + w) * x`
+RMSNorm; SiLU, GELU-tanh). A norm or activation that matches none is refused, never guessed: a wrong guess would
+make both sides agree bitwise on another model, which only C7 would notice.
+
+Adding an operator or layer kind: guides/extend.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KERNELS = ("consistent", "vllm")  # tic.yaml train.kernels values that run through the wrappers
+_BOTH = frozenset(KERNELS)
+
+
+@dataclass(frozen=True)
+class OperatorClass:
+    name: str
+    what: str
+    kernels: frozenset = _BOTH  # the kernels whose provider implements it
+
+
+REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
+    OperatorClass("decoder:two_norm", "input norm, attention, post-attention norm, MLP (Llama, Qwen, Mistral)"),
+    OperatorClass("decoder:four_norm", "input norm, attention, post-attention norm, residual add, "
+                                       "pre-feedforward norm, MLP, post-feedforward norm (Gemma-2/3)"),
+    OperatorClass("norm:rms", "RMSNorm w * x_hat, x_hat rounded to the model dtype first (Llama, Qwen)"),
+    OperatorClass("norm:rms_1p", "RMSNorm (1 + w) * x_hat in float32, rounded once (Gemma)"),
+    OperatorClass("attention:full", "causal attention over each sequence's keys"),
+    OperatorClass("attention:sliding", "causal attention over the last `sliding_window` keys (Gemma, Mistral)"),
+    OperatorClass("attention:softcap", "attention scores cap * tanh(s / cap) (Gemma-2 attn_logit_softcapping)"),
+    OperatorClass("attention:qk_norm", "RMSNorm of each q and k head (Qwen3, Gemma-3)"),
+    OperatorClass("linear", "GEMM, with or without bias"),
+    OperatorClass("mlp:silu_and_mul", "gated MLP, silu(gate) * up rounded once"),
+    OperatorClass("mlp:gelu_tanh_and_mul", "gated MLP, gelu_tanh(gate) * up rounded once (Gemma)"),
+    OperatorClass("moe:topk_silu", "softmax top-k router, SiLU experts combined in float32 in slot order"),
+    OperatorClass("rope:one_table", "neox rotary, one cos|sin table for all layers"),
+    OperatorClass("rope:per_layer_type", "neox rotary, one table per layer type (Gemma-3 local/global bases)"),
+    OperatorClass("embedding", "token embedding"),
+    OperatorClass("embedding:scaled", "token embedding times a constant in the model dtype (Gemma sqrt(hidden))"),
+    OperatorClass("embedding:tied", "lm_head shares the embedding's weight"),
+    OperatorClass("logits:softcap", "final logits cap * tanh(z / cap) (Gemma-2 final_logit_softcapping)"),
+]}
+
+DECODER_NORMS = {("input_layernorm", "post_attention_layernorm"): "decoder:two_norm",
+                 ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm"): "decoder:four_norm"}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    module: str
+    module_class: str
+    missing: str
+    field: str | None = None
+    value: object = None
+
+    def line(self) -> str:
+        why = f" (config {self.field}={self.value!r})" if self.field is not None else ""
+        return f"{self.module} ({self.module_class}): {self.missing}{why}"
+
+
+@dataclass
+class LayerCoverage:
+    layer: str  # "model.layers.3", or "model" for the modules outside the decoder layers
+    module_class: str
+    classes: dict = field(default_factory=dict)  # operator class -> (config field, value) that selected it
+    refusals: list = field(default_factory=list)
+    variants: dict = field(default_factory=dict)  # module name -> the operator class it computes (apply reads it)
+
+    def covered_by(self) -> list[str]:
+        """The kernels whose provider implements every operator class of this layer (none if anything is
+        refused)."""
+        if self.refusals:
+            return []
+        return [k for k in KERNELS if all(k in REGISTRY[c].kernels for c in self.classes)]
+
+    def problems(self, kernels: str) -> list[str]:
+        """One line per thing `kernels` does not implement here."""
+        out = [r.line() for r in self.refusals]
+        for c, (fld, val) in self.classes.items():
+            if kernels not in REGISTRY[c].kernels:
+                out.append(Refusal(self.layer, self.module_class, f"{c} is not implemented by kernels: {kernels}",
+                                   fld, val).line())
+        return out
+
+    def as_dict(self) -> dict:
+        return {"layer": self.layer, "class": self.module_class, "operator_classes": sorted(self.classes),
+                "covered_by": self.covered_by(), "refused": [r.line() for r in self.refusals]}
+
+
+# -- recognising modules by structure ------------------------------------------------------------------------
+def is_rmsnorm(m) -> bool:
+    return type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), torch.Tensor)
+
+
+def is_moe_block(m) -> bool:
+    return (hasattr(m, "gate") and hasattr(m, "experts") and hasattr(m.experts, "gate_up_proj")
+            and hasattr(m.gate, "weight") and hasattr(m.gate, "top_k"))
+
+
+def is_gated_mlp(m) -> bool:
+    return all(isinstance(getattr(m, a, None), nn.Linear) for a in ("gate_proj", "up_proj", "down_proj"))
+
+
+def is_attention(m) -> bool:
+    return all(isinstance(getattr(m, a, None), nn.Linear) for a in ("q_proj", "k_proj", "v_proj", "o_proj")) \
+        and hasattr(m, "head_dim") and hasattr(m, "layer_idx")
+
+
+def is_decoder_layer(m) -> bool:
+    return hasattr(m, "self_attn") and hasattr(m, "mlp") and hasattr(m, "input_layernorm")
+
+
+def norm_eps(m) -> float:
+    return float(getattr(m, "variance_epsilon", getattr(m, "eps", 1e-6)))
+
+
+# -- recognising what a norm or an activation computes (a CPU probe through the module's own forward) ----------
+def _probe_input(d: int) -> torch.Tensor:
+    return torch.linspace(-2.0, 3.0, 2 * d, dtype=torch.float32).reshape(2, d)
+
+
+def norm_variant(m) -> str | None:
+    """'norm:rms' or 'norm:rms_1p', from the module's own forward on a CPU probe (weight 0.25 + a ramp): which
+    of w * x_hat and (1 + w) * x_hat it computes; None for neither."""
+    d = int(m.weight.shape[-1])
+    probe = copy.copy(m)  # shallow: the module's settings, a CPU weight of its own, the class's own forward
+    probe._parameters = dict(probe._parameters)
+    w = torch.linspace(0.25, 0.75, d, dtype=torch.float32)
+    probe._parameters["weight"] = nn.Parameter(w, requires_grad=False)
+    x = _probe_input(d)
+    try:
+        with torch.no_grad():
+            y = type(m).forward(probe, x).float()
+    except Exception:  # noqa: BLE001 - a norm that does not run on a probe is one the wrappers do not know
+        return None
+    x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm_eps(m))
+    for name, scale in (("norm:rms", w), ("norm:rms_1p", 1.0 + w)):
+        if y.shape == x.shape and torch.allclose(y, x_hat * scale, rtol=1e-5, atol=1e-6):
+            return name
+    return None
+
+
+ACTIVATIONS = {"mlp:silu_and_mul": F.silu, "mlp:gelu_tanh_and_mul": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def activation_variant(act) -> str | None:
+    """The registered gated-MLP class whose activation `act` (an HF act_fn module) computes, on a CPU probe."""
+    if act is None:
+        return None
+    x = _probe_input(16).reshape(-1) * 2
+    try:
+        with torch.no_grad():
+            y = act(x).float()
+    except Exception:  # noqa: BLE001 - an activation that does not run on a probe is not one the wrappers know
+        return None
+    for name, fn in ACTIVATIONS.items():
+        if y.shape == x.shape and torch.allclose(y, fn(x), rtol=1e-5, atol=1e-6):
+            return name
+    return None
+
+
+def _act_field(cfg) -> tuple[str, object]:
+    for key in ("hidden_activation", "hidden_act"):
+        if getattr(cfg, key, None) is not None:
+            return key, getattr(cfg, key)
+    return "hidden_act", None
+
+
+def rotary_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")]
+
+
+def rotary_per_layer_type(rotary: nn.Module) -> bool:
+    """Whether an HF rotary module holds one table per layer type (its forward takes the layer type)."""
+    return "layer_type" in inspect.signature(type(rotary).forward).parameters
+
+
+def attention_window(m, cfg) -> int | None:
+    """The sliding window of one attention module: its own `sliding_window` (None on a full layer) where it
+    has one, else the config's, which then applies to every layer (Mistral)."""
+    if hasattr(m, "sliding_window"):
+        return m.sliding_window
+    return getattr(cfg, "sliding_window", None)
+
+
+def attention_softcap(m, cfg) -> float | None:
+    return getattr(m, "attn_logit_softcapping", getattr(cfg, "attn_logit_softcapping", None))
+
+
+# -- reading a model's coverage --------------------------------------------------------------------------------
+def _read_norm(cov: LayerCoverage, name: str, norm) -> None:
+    variant = norm_variant(norm) if is_rmsnorm(norm) else None
+    if variant is None:
+        cov.refusals.append(Refusal(name, type(norm).__name__, "a norm computing neither w * x_hat nor "
+                                    "(1 + w) * x_hat (RMSNorm), the norms the wrappers implement"))
+    else:
+        cov.classes[variant] = (None, None)
+        cov.variants[name] = variant
+
+
+def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
+    kind = type(m).__name__
+    window = attention_window(m, cfg)
+    if window:
+        fld = "layer_types" if getattr(cfg, "layer_types", None) else "sliding_window"
+        cov.classes["attention:sliding"] = (fld, window if fld == "sliding_window" else "sliding_attention")
+    else:
+        cov.classes["attention:full"] = (None, None)
+    if attention_softcap(m, cfg) is not None:
+        cov.classes["attention:softcap"] = ("attn_logit_softcapping", attention_softcap(m, cfg))
+    if getattr(m, "is_causal", True) is False:
+        cov.refusals.append(Refusal(name, kind, "bidirectional attention (the wrappers' attention is causal)",
+                                    "use_bidirectional_attention", getattr(cfg, "use_bidirectional_attention", None)))
+    norms = [(n, getattr(m, n, None)) for n in ("q_norm", "k_norm")]
+    if any(nm is not None for _, nm in norms):
+        cov.classes["attention:qk_norm"] = (None, None)
+    for norm_name, norm in norms:
+        if norm is None:
+            continue
+        features = int(norm.weight.shape[-1]) if getattr(norm, "weight", None) is not None else 0
+        if features != m.head_dim:
+            cov.refusals.append(Refusal(f"{name}.{norm_name}", type(norm).__name__,
+                                        f"a norm over {features} features (the whole projection); the wrappers "
+                                        f"normalise each head of {m.head_dim}", "head_dim", m.head_dim))
+        else:
+            _read_norm(cov, f"{name}.{norm_name}", norm)
+
+
+def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
+    kind = type(m).__name__
+    if is_moe_block(m):
+        for a in ("shared_expert", "shared_experts"):
+            if hasattr(m, a):
+                cov.refusals.append(Refusal(name, kind, "shared experts", "shared_expert_intermediate_size",
+                                            getattr(cfg, "shared_expert_intermediate_size", None)))
+        if activation_variant(getattr(m.experts, "act_fn", None)) != "mlp:silu_and_mul":
+            cov.refusals.append(Refusal(name, kind, "MoE experts with an activation other than SiLU",
+                                        *_act_field(cfg)))
+        cov.classes["moe:topk_silu"] = ("num_experts", getattr(cfg, "num_experts", None))
+    elif is_gated_mlp(m):
+        variant = activation_variant(getattr(m, "act_fn", None))
+        if variant is None:
+            cov.refusals.append(Refusal(name, kind, "a gated MLP whose activation is neither SiLU nor GELU-tanh",
+                                        *_act_field(cfg)))
+        else:
+            cov.classes[variant] = _act_field(cfg)
+            cov.variants[name] = variant
+    else:
+        cov.refusals.append(Refusal(name, kind, "an MLP that is neither a gated MLP (gate/up/down) nor a top-k MoE"))
+
+
+def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
+    """One decoder layer: its structure (which norms), attention, MLP and norms."""
+    cov = LayerCoverage(name, type(layer).__name__)
+    children = dict(layer.named_children())
+    norms = tuple(n for n in children if n not in ("self_attn", "mlp"))
+    structure = next((kind for names, kind in DECODER_NORMS.items() if set(names) == set(norms)), None)
+    if structure is None:
+        cov.refusals.append(Refusal(name, cov.module_class, f"a decoder layer of children {', '.join(children)}; "
+                                    "the wrappers implement two-norm (Llama) and four-norm (Gemma) layers"))
+    else:
+        cov.classes[structure] = (None, None)
+        cov.variants[name] = structure
+    for n in norms:
+        _read_norm(cov, f"{name}.{n}", children[n])
+    if is_attention(layer.self_attn):
+        _read_attention(cov, f"{name}.self_attn", layer.self_attn, cfg)
+    else:
+        cov.refusals.append(Refusal(f"{name}.self_attn", type(layer.self_attn).__name__,
+                                    "attention without q/k/v/o projections"))
+    _read_mlp(cov, f"{name}.mlp", layer.mlp, cfg)
+    cov.classes["linear"] = (None, None)
+    return cov
+
+
+def _read_embedding(cov: LayerCoverage, model: nn.Module) -> None:
+    emb = model.get_input_embeddings()
+    if not isinstance(emb, nn.Embedding):
+        cov.refusals.append(Refusal("embed_tokens", type(emb).__name__, "an embedding that is not nn.Embedding"))
+    elif type(emb).forward is not nn.Embedding.forward:
+        if isinstance(getattr(emb, "embed_scale", None), torch.Tensor):
+            cov.classes["embedding:scaled"] = ("hidden_size", getattr(model.config.get_text_config(), "hidden_size"))
+        else:
+            cov.refusals.append(Refusal("embed_tokens", type(emb).__name__, "an embedding with a forward of its own"))
+    else:
+        cov.classes["embedding"] = (None, None)
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is emb.weight:
+        cov.classes["embedding:tied"] = ("tie_word_embeddings", True)
+
+
+def read_model(model: nn.Module) -> LayerCoverage:
+    """The modules outside the decoder layers: embedding, rotary table(s), final norm, logits."""
+    cfg = model.config.get_text_config()
+    cov = LayerCoverage("model", type(model).__name__)
+    _read_embedding(cov, model)
+    rotary = rotary_modules(model)
+    if len(rotary) != 1:
+        cov.refusals.append(Refusal("rotary", ", ".join(type(m).__name__ for _, m in rotary) or "none",
+                                    f"{len(rotary)} rotary modules ({', '.join(n for n, _ in rotary) or 'none'}); "
+                                    "the wrappers read one rotary module"))
+    elif rotary_per_layer_type(rotary[0][1]):
+        cov.classes["rope:per_layer_type"] = ("layer_types", sorted(set(getattr(cfg, "layer_types", []) or [])))
+    else:
+        cov.classes["rope:one_table"] = (None, None)
+    final = final_norm(model)
+    if final is None:
+        cov.refusals.append(Refusal("model.norm", "none", "no final norm (model.model.norm)"))
+    else:
+        _read_norm(cov, next(n for n, m in model.named_modules() if m is final), final)
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    if cap is not None:
+        cov.classes["logits:softcap"] = ("final_logit_softcapping", cap)
+    return cov
+
+
+def final_norm(model: nn.Module) -> nn.Module | None:
+    return getattr(getattr(model, "model", model), "norm", None)
+
+
+def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if is_decoder_layer(m)]
+
+
+def read_coverage(model: nn.Module) -> list[LayerCoverage]:
+    """Per decoder layer, then the model's own modules: the operator classes used and what is refused."""
+    cfg = model.config.get_text_config()
+    layers = [read_layer(n, m, cfg) for n, m in decoder_layers(model)]
+    if not layers:
+        layers = [LayerCoverage("model.layers", "none", refusals=[Refusal(
+            "model.layers", type(model).__name__, "no decoder layer with self_attn, mlp and input_layernorm")])]
+    return layers + [read_model(model)]
+
+
+def problem_lines(coverage: list[LayerCoverage], kernels: str) -> list[str]:
+    """What `kernels` does not implement of a model read by read_coverage, one line per module and missing
+    operator (the same line for several layers once, their indices grouped)."""
+    return per_layer_once([p for cov in coverage for p in cov.problems(kernels)])
+
+
+def coverage_problems(model: nn.Module, kernels: str = "consistent") -> list[str]:
+    """problem_lines of this HF causal LM: empty when `apply` covers every operator."""
+    return problem_lines(read_coverage(model), kernels)
+
+
+def coverage_table(model: nn.Module) -> list[dict]:
+    """The per-layer table C0 prints and `--json` carries."""
+    return [cov.as_dict() for cov in read_coverage(model)]
+
+
+def format_table(rows: list[dict]) -> list[str]:
+    """The table as text lines: layer, class, operator classes, covered by which kernels (or refused)."""
+    out = []
+    for r in rows:
+        by = ", ".join(r["covered_by"]) if r["covered_by"] else "NOT COVERED"
+        out.append(f"{r['layer']} ({r['class']}): {' '.join(r['operator_classes'])} -> {by}")
+        out += [f"  refused: {line}" for line in r["refused"]]
+    return out
+
+
+def per_layer_once(problems: list[str]) -> list[str]:
+    """One entry per problem, not per layer: 'model.layers.0.x ...' and 'model.layers.3.x ...' read as
+    'model.layers.{0,3}.x ...'."""
+    groups: dict[str, list[str]] = {}
+    for p in problems:
+        m = re.search(r"\.layers\.(\d+)\b", p)
+        key = p if m is None else p[:m.start()] + ".layers.{}" + p[m.end():]
+        groups.setdefault(key, []).append(m.group(1) if m else "")
+    return [k if k.count("{}") == 0 else k.replace("{}", "{" + ",".join(v) + "}" if len(v) > 1 else v[0], 1)
+            for k, v in groups.items()]
+

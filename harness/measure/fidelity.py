@@ -1,0 +1,109 @@
+"""Fidelity: does the wrapped model (kernels consistent or vllm) compute the stock HF model?
+
+The consistency gates compare the wrapped model with itself (rollout vs training, batch vs alone): a wrapper
+that computes another model (a norm's `w` where the model has `1 + w`, a missing softcap) passes all of them
+bitwise. This check runs the wrapped model and the stock HF model (eager attention, same weights, dtype and
+device) on the same inputs and compares every decoder layer and its submodules, in the stock model's call
+order, within a tolerance: the wrappers' kernels round differently from HF's by design, so this is the one
+place tic compares with a bound, and it never stands in for a consistency gate.
+
+Bound per module output: max |wrapped - stock| <= rtol * max |stock| + atol, rtol by dtype (FIDELITY_RTOL).
+float32 differences are reordering noise (measured ~1e-6 relative on tiny Qwen3/Gemma models); bf16 ones
+grow with depth by a rounding step per operator (2^-8 relative), hence its wider bound. A wrong operator
+differs by O(1) relative and is caught at its first module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+FIDELITY_RTOL = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+FIDELITY_ATOL = 1e-6
+
+
+@dataclass
+class Parting:
+    module: str
+    module_class: str
+    max_abs: float
+    ref_max: float
+    bound: float
+
+    def line(self) -> str:
+        return (f"{self.module} ({self.module_class}): max |wrapped - stock| {self.max_abs:.3g} > bound "
+                f"{self.bound:.3g} (stock output max {self.ref_max:.3g})")
+
+
+def _compared_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Decoder layers, their submodules and the final norm: where a wrapper's output is the HF module's output
+    (lm_head is compared as the logits: the wrapped one applies the final softcap itself)."""
+    out = {}
+    for name, m in model.named_modules():
+        if ".layers." in name or name.endswith("norm"):
+            out[name] = m
+    return out
+
+
+def _record(model: nn.Module, names: dict) -> tuple[dict, list, list]:
+    seen: dict[str, torch.Tensor] = {}
+    order: list[str] = []
+    handles = []
+    for name, m in names.items():
+        def hook(mod, args, out, name=name):
+            t = out[0] if isinstance(out, tuple) else out
+            if name not in seen and isinstance(t, torch.Tensor):
+                seen[name] = t.detach().float().cpu()
+                order.append(name)
+        handles.append(m.register_forward_hook(hook))
+    return seen, order, handles
+
+
+def _outputs(model: nn.Module, input_ids, attention_mask) -> tuple[dict, list, torch.Tensor]:
+    seen, order, handles = _record(model, _compared_modules(model))
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    finally:
+        for h in handles:
+            h.remove()
+    return seen, order, logits.detach().float().cpu()
+
+
+def fidelity_inputs(vocab: int, device, seed: int = 0, length: int = 23) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two seeded sequences, the second left-padded by a quarter: long enough for a sliding window to slide."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, max(vocab, 4), (2, length), generator=g)
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, : length // 4] = 0
+    return ids.to(device), mask.to(device)
+
+
+def compare_forward(stock: nn.Module, wrapped: nn.Module, input_ids, attention_mask) -> dict:
+    """The first module (in the stock model's call order) whose outputs part beyond the bound, and the
+    logits' figures. Padding positions are left out (their values are unspecified on both sides)."""
+    dtype = next(stock.parameters()).dtype
+    rtol = FIDELITY_RTOL.get(dtype, 5e-2)
+    ref, order, ref_logits = _outputs(stock, input_ids, attention_mask)
+    got, _, logits = _outputs(wrapped, input_ids, attention_mask)
+    keep = attention_mask.bool().cpu()
+    first, checked = None, 0
+    for name in order + ["logits"]:
+        a, b = (ref_logits, logits) if name == "logits" else (ref.get(name), got.get(name))
+        if b is None or a.shape != b.shape:
+            continue
+        if a.dim() >= 2 and a.shape[:2] == keep.shape:
+            a, b = a[keep], b[keep]
+        checked += 1
+        diff, scale = float((a - b).abs().max()) if a.numel() else 0.0, float(a.abs().max()) if a.numel() else 0.0
+        bound = rtol * scale + FIDELITY_ATOL
+        if not diff <= bound:  # a NaN parts too
+            cls = "logits" if name == "logits" else type(dict(stock.named_modules())[name]).__name__
+            first = Parting(name, cls, diff, scale, bound)
+            break
+    logit_diff = float((ref_logits - logits)[keep].abs().max())
+    return {"dtype": str(dtype).replace("torch.", ""), "rtol": rtol, "atol": FIDELITY_ATOL,
+            "modules_checked": checked, "first_parting": None if first is None else first.line(),
+            "first_parting_module": None if first is None else first.module, "logits_max_abs": logit_diff}

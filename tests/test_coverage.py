@@ -1,0 +1,247 @@
+"""Declared kernel coverage (harness/kernels/coverage.py), the families it adds (Gemma-2/3, sliding windows) on
+the consistent CPU kernels, and the fidelity check that refuses a wrapper computing another model (C2)."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tic.config.schema import load_config
+from tic.gates import get
+from tic.harness.engines import hf
+from tic.harness.kernels.coverage import REGISTRY, coverage_problems, coverage_table, read_coverage
+from tic.harness.model.layer_structure import build_meta
+from tic.skill.context import GateContext
+from tic.skill.runner import run_gate
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding")
+
+
+def meta_of(name: str, **changes) -> nn.Module:
+    cfg = json.loads((EXAMPLES / name / "config.json").read_text())
+    return build_meta({**cfg, **changes})
+
+
+@pytest.mark.parametrize("name, layer0, model_level", [
+    ("tiny-qwen3", {"decoder:two_norm", "norm:rms", "attention:full", "attention:qk_norm", "mlp:silu_and_mul"},
+     {"embedding", "rope:one_table", "norm:rms"}),
+    ("tiny-gemma3", {"decoder:four_norm", "norm:rms_1p", "attention:sliding", "attention:qk_norm",
+                     "mlp:gelu_tanh_and_mul"}, {"embedding:scaled", "embedding:tied", "rope:per_layer_type"}),
+    ("tiny-gemma2", {"decoder:four_norm", "norm:rms_1p", "attention:sliding", "attention:softcap",
+                     "mlp:gelu_tanh_and_mul"}, {"embedding:scaled", "logits:softcap", "rope:one_table"}),
+    ("tiny-mistral-sliding", {"decoder:two_norm", "norm:rms", "attention:sliding", "mlp:silu_and_mul"},
+     {"embedding", "rope:one_table"}),
+])
+def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
+    rows = coverage_table(meta_of(name))
+    assert layer0 <= set(rows[0]["operator_classes"]) and model_level <= set(rows[-1]["operator_classes"])
+    assert all(r["covered_by"] == ["consistent", "vllm"] and not r["refused"] for r in rows)
+    assert all(c in REGISTRY for r in rows for c in r["operator_classes"])
+
+
+def test_inventory_reads_mistrals_window_on_every_layer():
+    from tic.harness.model.families import layer_kinds
+
+    cfg = json.loads((EXAMPLES / "tiny-mistral-sliding" / "config.json").read_text())
+    assert {k["attention"] for k in layer_kinds(cfg)} == {"sliding"}
+    assert {k["attention"] for k in layer_kinds({**cfg, "sliding_window": None})} == {"full"}
+
+
+def test_full_and_sliding_layers_of_one_model_read_apart():
+    rows = coverage_table(meta_of("tiny-gemma3"))
+    assert "attention:full" in rows[2]["operator_classes"] and "attention:sliding" not in rows[2]["operator_classes"]
+    rows = coverage_table(meta_of("tiny-qwen3", use_sliding_window=True, sliding_window=4, max_window_layers=2))
+    assert [("attention:sliding" in r["operator_classes"]) for r in rows[:4]] == [False, False, True, True]
+
+
+class OffsetRMSNorm(nn.Module):
+    """A norm neither variant computes: w * x_hat + 0.1."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(d)), 1e-6
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) + 0.1
+
+
+def test_a_norm_computing_another_function_is_refused_with_its_module():
+    model = meta_of("tiny-qwen3")
+    model.model.layers[1].post_attention_layernorm = OffsetRMSNorm(64)
+    problems = coverage_problems(model)
+    assert problems == ["model.layers.1.post_attention_layernorm (OffsetRMSNorm): a norm computing neither "
+                        "w * x_hat nor (1 + w) * x_hat (RMSNorm), the norms the wrappers implement"]
+
+
+def test_an_unknown_layer_structure_is_refused():
+    model = meta_of("tiny-qwen3")
+    for layer in model.model.layers:
+        layer.pre_feedforward_layernorm = copy.deepcopy(layer.input_layernorm)  # three norms: neither structure
+    problems = coverage_problems(model)
+    assert len(problems) == 1 and problems[0].startswith("model.layers.{0,1,2,3} (Qwen3DecoderLayer): a decoder "
+                                                         "layer of children")
+
+
+def test_an_activation_outside_the_registry_names_the_config_field():
+    problems = coverage_problems(meta_of("tiny-qwen3", hidden_act="gelu"))
+    assert problems == ["model.layers.{0,1,2,3}.mlp (Qwen3MLP): a gated MLP whose activation is neither SiLU nor "
+                        "GELU-tanh (config hidden_act='gelu')"]
+
+
+def test_a_class_one_provider_lacks_is_named_with_the_field(monkeypatch):
+    """Coverage is per provider: a class only the CPU kernels implement refuses kernels: vllm, naming the layer,
+    its class, the operator and the config field and value."""
+    import dataclasses
+
+    from tic.harness.kernels import coverage
+
+    monkeypatch.setitem(coverage.REGISTRY, "attention:softcap", dataclasses.replace(
+        REGISTRY["attention:softcap"], kernels=frozenset({"consistent"})))
+    model = meta_of("tiny-gemma2")
+    assert coverage_problems(model, "consistent") == []
+    assert coverage_problems(model, "vllm") == [
+        "model.layers.{0,1,2,3} (Gemma2DecoderLayer): attention:softcap is not implemented by kernels: vllm "
+        "(config attn_logit_softcapping=50.0)"]
+    assert all(r.covered_by() == ["consistent"] for r in read_coverage(model)[:-1])
+
+
+def test_c0_prints_the_table_and_fails_an_uncovered_layer(example, workdir, tic):
+    ex = example("tiny-gemma3")
+    code, out, err = tic("gate", "C0", "-c", str(ex / "tic.yaml"), "--json")
+    rec = json.loads(out)["results"][0]
+    assert code == 0 and rec["verdict"] == "pass"
+    assert len(rec["details"]["kernel_coverage"]) == 5
+    assert "C0 kernel coverage: model.layers.0 (Gemma3DecoderLayer): " in err and "-> consistent, vllm" in err
+    cfg = json.loads((ex / "config.json").read_text())
+    (ex / "config.json").write_text(json.dumps({**cfg, "hidden_activation": "relu"}))
+    code, out, err = tic("gate", "C0", "-c", str(ex / "tic.yaml"), "--json")
+    rec = json.loads(out)["results"][0]
+    assert code == 1 and rec["verdict"] == "fail"
+    assert ("kernels: consistent does not cover model.layers.{0,1,2,3}.mlp (Gemma3MLP): a gated MLP whose "
+            "activation is neither SiLU nor GELU-tanh (config hidden_activation='relu')") in rec["reason"]
+    assert "NOT COVERED" in err
+
+
+# ---- the new families on the consistent CPU kernels: C3-C7 --------------------------------------------------
+def small_ctx(example, name: str) -> GateContext:
+    hf._MODELS.clear()
+    cfg = load_config(example(name) / "tic.yaml")
+    cfg.prompts.count, cfg.prompts.max_len, cfg.sampling.max_tokens = 3, 12, 6
+    cfg.layouts.batch_sizes, cfg.layouts.probes = [3], 1
+    cfg.locate.enabled = False
+    return GateContext(cfg)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_passes_c3_to_c7_on_consistent_kernels(example, workdir, one_thread, name):
+    ctx = small_ctx(example, name)
+    for gate in ("C3", "C4", "C5", "C6", "C7"):
+        res = run_gate(get(gate), ctx)
+        assert res.verdict == "pass", (name, gate, res.reason)
+    hf._MODELS.clear()
+
+
+# ---- fidelity (C2): the wrapped model computes the stock one ------------------------------------------------
+@pytest.mark.parametrize("name", FAMILIES)
+def test_fidelity_passes_the_wrappers(example, workdir, name):
+    ctx = small_ctx(example, name)
+    res = run_gate(get("C2"), ctx)
+    fid = res.details["fidelity"]
+    assert res.verdict == "pass", res.reason
+    assert fid["first_parting"] is None and fid["modules_checked"] > 20 and fid["logits_max_abs"] < 1e-4
+    hf._MODELS.clear()
+
+
+def test_fidelity_fails_a_wrapper_computing_w_instead_of_1_plus_w(example, workdir):
+    """The planted wrapper agrees with itself bitwise (C3-C6 would pass); C2 refuses it at the first norm."""
+    ctx = small_ctx(example, "tiny-gemma3")
+    for m in ctx.train_engine().model.modules():
+        if hasattr(m, "_tic_norm_offset"):
+            m._tic_norm_offset = 0.0  # Llama's w * x_hat on Gemma's zero-centred weights
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"] == \
+        "model.layers.0.input_layernorm"
+    assert res.reason.startswith("fidelity: kernels: consistent computes another model than stock HF from "
+                                 "model.layers.0.input_layernorm (Gemma3RMSNorm)")
+    assert run_gate(get("C3"), ctx).verdict == "pass"  # the plant is invisible to the consistency gates
+    hf._MODELS.clear()
+
+
+# ---- kernels: vllm plumbing for the new classes, on CPU with stand-ins for vLLM's kernels --------------------
+def _cpu_vllm_provider(monkeypatch):
+    from tic.harness.kernels.vllm_provider import VLLMProvider
+
+    monkeypatch.setattr(VLLMProvider, "_load_vllm", lambda self: None)
+    prov = VLLMProvider(4)
+    prov.fa_version = 3
+    return prov
+
+
+def test_vllm_provider_passes_the_window_and_softcap_to_flash_attention(monkeypatch):
+    """A sliding, softcapped layer: the provider hands FlashAttention window_size (window - 1, 0) and softcap
+    over the layout of the windowed mask; a stand-in kernel honouring both gives the CPU kernel's values."""
+    from tic.harness.kernels import autograd as ag
+    from tic.harness.kernels.consistent_cpu import CPUProvider
+    from tic.harness.kernels.vllm_provider import VLLMProvider
+
+    calls = []
+
+    def varlen(q, k, v, cu_seqlens_q, seqused_k, softmax_scale, block_table, window_size=(-1, -1), softcap=0.0,
+               **kw):
+        calls.append((window_size, softcap))
+        outs, cu = [], cu_seqlens_q.tolist()
+        for s, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+            ks, vs = (torch.cat([c[blk] for blk in block_table[s].tolist()])[:int(seqused_k[s])] for c in (k, v))
+            outs.append(ag.attention_ref(q[a:b].transpose(0, 1)[None], ks.transpose(0, 1)[None],
+                                         vs.transpose(0, 1)[None], None, softmax_scale, softcap or None,
+                                         window_size[0] + 1 if window_size[0] >= 0 else None)[0])
+        return torch.cat(outs).to(q.dtype)
+
+    monkeypatch.setattr(VLLMProvider, "_find_varlen_attention", staticmethod(lambda: varlen))
+    prov = _cpu_vllm_provider(monkeypatch)
+    ar = torch.arange(9)
+    causal = ar[None, :] <= ar[:, None]
+    left = causal & (ar[None, :] >= 2) & (ar[:, None] >= 2)
+    mask = torch.stack([causal, left])[:, None] & (ar[:, None] - ar[None, :] < 3)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 9, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    got = prov.attention(q, k, v, mask, 0.35, softcap=5.0, window=3)
+    want = CPUProvider().attention(q, k, v, mask, 0.35, softcap=5.0, window=3)
+    valid = mask[:, 0].diagonal(dim1=1, dim2=2)
+    assert calls == [((2, 0), 5.0)] and torch.allclose(got[valid], want[valid], rtol=1e-5, atol=1e-6)
+    with pytest.raises(Exception, match="sliding window of 4"):
+        prov.attention(q, k, v, mask, 0.35, window=4)  # a mask of another window is refused, never run
+
+
+def test_vllm_provider_gemma_norm_runs_vllms_forward_static_on_vllms_layout(monkeypatch):
+    """The (1 + w) norm goes to GemmaRMSNorm.forward_static (stand-in: the same arithmetic) with the rows vLLM's
+    Gemma layers pass ([tokens, hidden]; [tokens, heads, head_dim] for q/k), the add+norm returning the sum."""
+    from tic.harness.kernels.consistent_cpu import CPUProvider
+
+    prov = _cpu_vllm_provider(monkeypatch)
+    shapes = []
+
+    def forward_static(weight, eps, x, residual):
+        shapes.append(tuple(x.shape))
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float()))
+        return out.to(x.dtype) if residual is None else (out.to(x.dtype), residual)
+
+    prov._gemma_norm = forward_static
+    g = torch.Generator().manual_seed(1)
+    x, r, w = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g), torch.randn(16, generator=g)
+    heads = torch.randn(2, 5, 4, 16, generator=g)
+    cpu = CPUProvider()
+    assert torch.equal(prov.rms_norm(x, w, 1e-6, offset=1.0), cpu.rms_norm(x, w, 1e-6, offset=1.0))
+    assert torch.equal(prov.rms_norm(heads, w, 1e-6, offset=1.0), cpu.rms_norm(heads, w, 1e-6, offset=1.0))
+    got, total = prov.add_rms_norm(x, r, w, 1e-6, offset=1.0)
+    want, want_total = cpu.add_rms_norm(x, r, w, 1e-6, offset=1.0)
+    assert torch.equal(got, want) and torch.equal(total, want_total)
+    assert shapes == [(10, 16), (10, 4, 16), (10, 16)]
