@@ -130,7 +130,8 @@ class MegatronCausalLM(nn.Module):
         step = int(cfg.get("decoder_sparse_step") or 1)
         moe_layers = [num_experts(cfg) > 0 and i not in mlp_only and (i + 1) % step == 0
                       for i in range(int(cfg["num_hidden_layers"]))]
-        spec = gpt_block_spec(shared, moe_layers, bool(cfg.get("attention_bias")), bool(cfg.get("norm_topk_prob", True)))
+        spec = gpt_block_spec(shared, moe_layers, bool(cfg.get("attention_bias")),
+                              bool(cfg.get("norm_topk_prob", True)))
         self.gpt = GPTModel(transformer_config(cfg, dtype), spec, vocab_size=int(cfg["vocab_size"]),
                             max_sequence_length=int(cfg.get("max_position_embeddings") or 4096),
                             position_embedding_type="none",
@@ -205,7 +206,7 @@ class MegatronEngine(HFEngine):
         self._load_args = (self.model_dir, dtype, kernels, device, kv_block_size, backward)
         self.model = load_megatron_model(*self._load_args)
         self._trainable = None
-        self.batch_size, self.micro_batch_size = micro_batch_size, micro_batch_size
+        self.micro_batch_size = micro_batch_size
         self.padding_side, self.packing, self.order = padding_side, packing, order
         self.vocab_size = self.model.config.get_text_config().vocab_size
 
