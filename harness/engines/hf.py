@@ -56,6 +56,10 @@ def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", att
         raise TicInputError(f"cannot load model from {model_dir}: {str(e).splitlines()[0]}") from None
     if device != "cpu":
         model.to(device)
+    else:  # fresh storage: a memory-mapped checkpoint leaves weights at any offset, and CPU BLAS picks its path
+        for p in model.parameters():  # by address (the same bits elsewhere, e.g. a converted copy, differ)
+            if p.data_ptr() % 64:
+                p.data = p.data.clone()
     model.eval()
     model.requires_grad_(trainable)
     if kernels in WRAPPED_KERNELS:

@@ -31,14 +31,7 @@ def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
-    """t at a 64-byte aligned address: CPU BLAS picks its vector path by address, so one weight read from a
-    memory-mapped checkpoint (any offset) and the same values in a fresh allocation give other bits."""
-    return t if t is None or t.data_ptr() % 64 == 0 else t.clone()
-
-
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    weight, bias = _aligned(weight), _aligned(bias)
     return rowwise(lambda r: F.linear(r, weight, bias), x)
 
 
