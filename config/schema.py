@@ -29,6 +29,17 @@ class GenerateSpec(Strict):
 
     seed: int = Field(0, ge=0, le=MAX_SEED)
     init_std: float | None = Field(None, gt=0, description="override config.initializer_range")
+    quantization: Literal["fp8"] | None = Field(None, description="fp8: write the generated weights as a block-FP8 "
+                                                "checkpoint, as Qwen3-*-FP8 ship (tic.harness.model.quantize)")
+    weight_block_size: list[int] = Field([128, 128], description="quantization fp8: the weight tile [n, k] one "
+                                         "scale covers (square: activations are quantized in groups of k)")
+
+    @field_validator("weight_block_size")
+    @classmethod
+    def _square_block(cls, v: list[int]) -> list[int]:
+        if len(v) != 2 or v[0] != v[1] or v[0] <= 0:
+            raise ValueError(f"weight_block_size must be two equal positive integers, got {v}")
+        return v
 
 
 class ModelConfig(Strict):

@@ -21,7 +21,16 @@ from tic.harness.model import generate
 from tic.skill.state import LadderState
 
 
+def _kv_cache_dtype(options: dict) -> str:
+    return {"fp8_e4m3": "fp8", None: "auto"}.get(options.get("kv_cache_dtype"), options.get("kv_cache_dtype"))
+
+
 def check_kernels(cfg: TicConfig) -> None:
+    if cfg.train.kernels == "vllm" and cfg.rollout.engine == "vllm" and \
+            _kv_cache_dtype(cfg.rollout.options) != _kv_cache_dtype(cfg.train.options):
+        # the training forward's K/V must make the rollout's cache round trip (tic.harness.kernels.vllm_fp8)
+        raise TicInputError(f"train.options.kv_cache_dtype {_kv_cache_dtype(cfg.train.options)!r} differs from "
+                            f"rollout.options.kv_cache_dtype {_kv_cache_dtype(cfg.rollout.options)!r}; set both alike")
     for side in ("rollout", "train"):
         c = getattr(cfg, side)
         if c.kernels == "vllm" and c.engine == "hf" and side == "rollout":

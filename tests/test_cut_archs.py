@@ -89,7 +89,8 @@ IDS = list(ARCHS)
 @pytest.fixture(scope="module")
 def cuts(tmp_path_factory):
     """name -> (full model dir, cut dir, cut record); the block-FP8 model is quantized after generation."""
-    from tic.harness.model.generate import generate_model, quantize_block_fp8
+    from tic.harness.model.generate import generate_model
+    from tic.harness.model.quantize import write_block_fp8
 
     root = tmp_path_factory.mktemp("archs")
     out = {}
@@ -99,7 +100,7 @@ def cuts(tmp_path_factory):
         (src / "config.json").write_text(json.dumps(cfg))
         full = generate_model(src, seed=0, out_dir=root / "full" / name)
         if name.endswith("fp8"):
-            full = quantize_block_fp8(full, root / "fp8" / name)
+            full = write_block_fp8(full, root / "fp8" / name, (16, 16))
         rec = cut_model(full, root / "cut" / name, layers=layers)
         out[name] = (full, root / "cut" / name, rec)
     return out

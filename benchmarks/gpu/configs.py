@@ -7,7 +7,7 @@ side x rank layout (x workload), and its name is the one the results in docs/res
 Name families: `<model>-default|bi|chunk64|graph` the first vLLM-vs-HF runs (docs/results/vllm-rollout.md);
 `p-<model>-<mode>-off|on` each config without and with tic's three patches and `a-*` one patch subset each
 (vllm-patches.md); `t-*` training on vLLM's kernels (training.md); `l-*` the whole ladder C0-C10 (ladder.md);
-`x-*` rank layouts on two GPUs (parallel.md). Models are the folders under models/ (config.json; weights are
+`x-*` rank layouts on two GPUs (parallel.md); `f-*` block-FP8 weights with an FP8 KV cache (issue 30). Models are the folders under models/ (config.json; weights are
 generated from seed 0). Paths in a config are absolute (the model) or relative to its own folder (records/,
 state/), so DIR can be anywhere.
 """
@@ -83,6 +83,7 @@ class Variant:
     train_parallel: dict | None = None
     locate: bool = True                 # the locator on each failing gate
     ladder: bool = False                # LADDER's perf, training and scale_up sections (C1, C8-C10 read them)
+    fp8: bool = False                   # block-FP8 weights (128x128, generated) and an FP8 KV cache on both sides
 
 
 def _variants() -> dict[str, Variant]:
@@ -131,6 +132,12 @@ def _variants() -> dict[str, Variant]:
                                   batch_invariant=True)
     v["t-dense-bi-stock"] = Variant("dense, batch-invariant rollout without patches, vs plain HF training",
                                     "dense", patches=(), batch_invariant=True, train="hf")
+    # block FP8 (issue 30): weights quantized from the seeded ones, FP8 KV cache, training on vLLM's FP8 kernels
+    for m in ("dense", "moe"):
+        v[f"f-{m}-eager"] = Variant(f"{m}, block-FP8 weights and FP8 KV cache, patched eager rollout, training on "
+                                    "vLLM's FP8 kernels", m, fp8=True)
+    v["f-moe-ladder"] = Variant("moe, block FP8 and FP8 KV cache, the whole ladder (C8: FP8 weight sync)", "moe",
+                                fp8=True, ladder=True)
     # the whole ladder C0-C10
     for m in ("dense", "moe"):
         v[f"l-{m}-eager"] = Variant(f"{m}, the whole ladder, patched eager rollout", m, ladder=True)
@@ -203,6 +210,10 @@ def config(name: str) -> dict:
                    train=v.train, options=options, batch_invariant=v.batch_invariant,
                    rollout_parallel=v.rollout_parallel, train_parallel=v.train_parallel)
     cfg["locate"] = {"enabled": v.locate}
+    if v.fp8:
+        cfg["model"]["generate"].update(quantization="fp8", weight_block_size=[128, 128])
+        cfg["rollout"]["options"]["kv_cache_dtype"] = "fp8"
+        cfg["train"]["options"] = {"kv_cache_dtype": "fp8"}
     if v.ladder:
         cfg.update(copy.deepcopy(LADDER))
     return cfg

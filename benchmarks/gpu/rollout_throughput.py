@@ -3,7 +3,7 @@ mode, full-depth models with dummy weights, sides alternating in one run.
 
   python benchmarks/gpu/rollout_throughput.py [--shapes Qwen3-8B,Qwen3-30B-A3B] [--sides consistent,batch_invariant]
                                               [--workloads 512:256,256:2048:64] [--requests 256] [--rounds 3]
-                                              [--kv-gb 22] [--memory-gb 132] [--out FILE.json]
+                                              [--kv-gb 22] [--memory-gb 132] [--fp8] [--out FILE.json]
 
 Sides (each a vLLM engine in a process of its own; `default` is every ratio's denominator):
 - default: vLLM's defaults (compilation mode 3, FULL_AND_PIECEWISE), no tic setting;
@@ -13,7 +13,9 @@ Sides (each a vLLM engine in a process of its own; `default` is every ratio's de
 - batch_invariant: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1), default compilation;
 - keep_kernels: the consistent side's compilation settings without any patch (what keeping the CUDA ops costs);
 - only:P1+P2: the consistent side's compilation with only the named patches (one patch's cost, A/B).
-Models: each shape at its full depth (shapes.py), `load_format: dummy`, every side with the same KV cache size.
+Models: each shape at its full depth (shapes.py), `load_format: dummy`, every side with the same KV cache size;
+--fp8: block-FP8 weights (config.json's quantization_config as Qwen3-*-FP8 ship it, 128x128 blocks) and an FP8 KV
+cache (kv_cache_dtype fp8) on every side, so the ratios are FP8 consistent (or batch-invariant) over FP8 default.
 Workloads: `input:output[:requests]` tokens, all requests submitted at once, temperature 1, ignore_eos. Where all
 sides fit on the GPU together (estimated), they are resident at once (started concurrently) and take turns pass by
 pass, the order rotated each round; otherwise each side is a process of its own in turn, default first and last.
@@ -36,6 +38,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from configs import MODES, PATCHES as TIC_PATCHES  # noqa: E402
 from shapes import Shape, by_name  # noqa: E402
+
+from tic.harness.model.quantize import block_fp8_config  # noqa: E402
 
 PATCHES = ",".join(TIC_PATCHES)
 KEEP_KERNELS = {k: v for k, v in MODES["compiled"].items() if k != "enforce_eager"}
@@ -98,9 +102,10 @@ def child(model_dir: str, options: str, kv_bytes: int, max_len: int) -> None:
 class Side:
     """A side's process; `start` returns at once, `wait_ready` blocks until its engine is up."""
 
-    def __init__(self, name: str, model_dir: Path, kv_bytes: int, max_len: int, memory_fraction: float):
+    def __init__(self, name: str, model_dir: Path, kv_bytes: int, max_len: int, memory_fraction: float,
+                 common: dict | None = None):
         options, env = side_spec(name)
-        options = {**options, "gpu_memory_utilization": round(memory_fraction, 3)}
+        options = {**options, **(common or {}), "gpu_memory_utilization": round(memory_fraction, 3)}
         self.name = name
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "child", str(model_dir), json.dumps(options), str(kv_bytes), str(max_len)],
@@ -155,14 +160,15 @@ def timed_rounds(sides: dict[str, Side], works: list[dict], rounds: int) -> dict
 
 
 def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict], rounds: int, kv_bytes: int,
-                  memory_gb: float, model_dir: Path) -> list[dict]:
+                  memory_gb: float, model_dir: Path, common: dict | None = None) -> list[dict]:
     """Every side on every workload. Sides that fit on the GPU together are resident at once and take turns,
-    pass by pass; otherwise each side is a process of its own in turn (default first and last)."""
+    pass by pass; otherwise each side is a process of its own in turn (default first and last). common: LLM
+    options every side gets (--fp8: the FP8 KV cache)."""
     max_len = max(w["input"] + w["output"] for w in works)
     need = side_gib(shape, layers, kv_bytes)
     together = len(names) * need <= memory_gb
     if together:
-        sides = {n: Side(n, model_dir, kv_bytes, max_len, need / TOTAL_GIB) for n in names}
+        sides = {n: Side(n, model_dir, kv_bytes, max_len, need / TOTAL_GIB, common) for n in names}
         try:
             for s in sides.values():
                 s.wait_ready()
@@ -173,7 +179,7 @@ def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict]
     else:
         got = {w["label"]: {n: [] for n in names} for w in works}
         for n in [*names, "default"]:
-            one = Side(n, model_dir, kv_bytes, max_len, need / TOTAL_GIB)
+            one = Side(n, model_dir, kv_bytes, max_len, need / TOTAL_GIB, common)
             try:
                 one.wait_ready()
                 for label, passes in timed_rounds({n: one}, works, rounds).items():
@@ -216,6 +222,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kv-gb", type=float, default=22.0)
     ap.add_argument("--memory-gb", type=float, default=132.0)
+    ap.add_argument("--fp8", action="store_true", help="block-FP8 weights and an FP8 KV cache on every side")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     unknown = [s for s in a.sides.split(",") if (s not in SIDES and not s.startswith("only:")) or s == "default"]
@@ -227,10 +234,15 @@ def main() -> int:
     for shape in by_name(a.shapes.split(",")):
         layers = shape.layers
         model_dir = Path(tempfile.mkdtemp(prefix=f"tput-{shape.slug}-"))
-        (model_dir / "config.json").write_text(json.dumps(shape.config(layers=layers)))
-        for res in measure_model(shape, layers, names, works, a.rounds, int(a.kv_gb * GiB), a.memory_gb, model_dir):
-            results.append(res)
-            print(json.dumps(res), flush=True)
+        cfg = shape.config(layers=layers)
+        if a.fp8:
+            cfg["quantization_config"] = block_fp8_config((128, 128))
+        (model_dir / "config.json").write_text(json.dumps(cfg))
+        common = {"kv_cache_dtype": "fp8"} if a.fp8 else {}
+        for res in measure_model(shape, layers, names, works, a.rounds, int(a.kv_gb * GiB), a.memory_gb, model_dir,
+                                 common):
+            results.append({**res, "fp8": a.fp8})
+            print(json.dumps(results[-1]), flush=True)
     print("\n| model (layers) | workload | side | default tok/s | side tok/s | side / default: median (min-max) |")
     print("|---|---|---|---|---|---|")
     for r in results:

@@ -20,8 +20,9 @@ if [ -n "${CUT_LOAD:-}" ]; then
   timeout ${TIC_RUN_TIMEOUT:-420} python3 "$GPU/cut_load.py" "$W/cutload" ${CUT_NAMES:-} > "$W/res/cut-load.log" 2>&1 &
 fi
 wait
-python3 "$GPU/verdicts.py" "$W/res" $names --gates C5,C6,C7 | tee "$W/res/verdicts.md"
-grep -h "locate C\|Error\|error\|Traceback" "$W"/res/t-*.log | head -40
+gates=$(python3 -c "import sys; a, b = (int(g[1:]) for g in sys.argv[1:]); print(','.join(f'C{i}' for i in range(a, b + 1)))" "$FROM" "$TO")
+python3 "$GPU/verdicts.py" "$W/res" $names --gates "$gates" | tee "$W/res/verdicts.md"
+grep -h "locate C\|Error\|error\|Traceback" "$W"/res/*.log | head -40
 [ -f "$W/res/cut-load.log" ] && tail -12 "$W/res/cut-load.log" && cp "$W/cutload/cut-load.json" "$W/res/" 2>/dev/null
 cp -r records "$W/res/" 2>/dev/null
 tar czf "$OUT/train-results.tgz" --exclude='*.pt' --exclude='*.safetensors' -C "$W" res state 2>/dev/null

@@ -9,6 +9,7 @@ same forward also trains (policy_gradients).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -16,10 +17,12 @@ import torch
 from tic.config.schema import BackwardConfig
 from tic.harness.engines.base import Engine, Sample, Sampling, request_seed
 from tic.harness.engines.batches import micro_batches
+from tic.harness.kernels.fp8 import attach_checkpoint, unquantized_config
 from tic.harness.kernels.modules import apply, capture_routes
 from tic.harness.kernels.providers import provider_for
 from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE
 from tic.harness.kernels.vllm_provider import require_vllm
+from tic.harness.model.layer_structure import quiet_transformers
 from tic.core.errors import TicInputError
 
 _MODELS: dict[tuple, torch.nn.Module] = {}
@@ -30,14 +33,15 @@ WRAPPED_KERNELS = ("consistent", "vllm")  # kernels that run through tic's autog
 
 def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa", device: str = "cpu",
                kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, backward: BackwardConfig | None = None,
-               trainable: bool = False, shared: bool = True):
+               trainable: bool = False, shared: bool = True, kv_cache_dtype: str = "auto"):
     """The model, cached per configuration. trainable=True gives a separate copy whose parameters take
     gradients (C7), so the inference copy the gates share is never touched. shared=False loads an object
     of its own, outside the cache (C8/C9 change its weights; the other gates' models must not see that).
-    kv_block_size: kernels vllm, the rollout's KV page size (tic.harness.kernels.vllm_provider); backward: how the
-    wrappers' surrogate backward runs (tic.yaml train.backward)."""
+    kv_block_size, kv_cache_dtype: kernels vllm, the rollout's KV page size and cache dtype
+    (tic.harness.kernels.vllm_provider); backward: how the wrappers' surrogate backward runs (tic.yaml
+    train.backward)."""
     backward = backward if backward is not None else BackwardConfig()
-    key = (str(model_dir), dtype, kernels, attn, device, kv_block_size, backward, trainable)
+    key = (str(model_dir), dtype, kernels, attn, device, kv_block_size, kv_cache_dtype, backward, trainable)
     if shared and key in _MODELS:
         return _MODELS[key]
     from transformers import AutoModelForCausalLM
@@ -49,21 +53,25 @@ def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", att
     elif device != "cpu" and not torch.cuda.is_available():
         raise TicInputError(f"device {device!r} asked for but torch sees no CUDA GPU")
     kwargs = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype)}
+    kwargs.update(unquantized_config(model_dir))  # block FP8: master weights from codes * scales, below
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, attn_implementation="eager" if kernels in WRAPPED_KERNELS else attn, **kwargs)
+        # a block-FP8 checkpoint's scales are names the unquantized model does not have: no load report for them
+        with quiet_transformers() if "config" in kwargs else contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, attn_implementation="eager" if kernels in WRAPPED_KERNELS else attn, **kwargs)
+        if device != "cpu":
+            model.to(device)
+        else:  # fresh storage: a memory-mapped checkpoint leaves weights at any offset, and CPU BLAS picks its
+            for p in model.parameters():  # path by address (the same bits elsewhere, e.g. a converted copy, differ)
+                if p.data_ptr() % 64:
+                    p.data = p.data.clone()
+        quant = attach_checkpoint(model, model_dir)  # after the move: each copy sits beside its master weight
     except (OSError, ValueError, KeyError) as e:
         raise TicInputError(f"cannot load model from {model_dir}: {str(e).splitlines()[0]}") from None
-    if device != "cpu":
-        model.to(device)
-    else:  # fresh storage: a memory-mapped checkpoint leaves weights at any offset, and CPU BLAS picks its path
-        for p in model.parameters():  # by address (the same bits elsewhere, e.g. a converted copy, differ)
-            if p.data_ptr() % 64:
-                p.data = p.data.clone()
     model.eval()
     model.requires_grad_(trainable)
     if kernels in WRAPPED_KERNELS:
-        apply(model, provider_for(kernels, kv_block_size), backward)
+        apply(model, provider_for(kernels, kv_block_size, kv_cache_dtype), backward, quant)
     if shared:
         _MODELS[key] = model
     return model
@@ -122,14 +130,16 @@ class HFEngine(Engine):
     def __init__(self, model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa",
                  batch_size: int = 8, micro_batch_size: int = 4, padding_side: str = "right",
                  packing: bool = False, device: str = "cpu", shared_model: bool = True, order: str = "given",
-                 kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, backward: BackwardConfig | None = None):
+                 kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, backward: BackwardConfig | None = None,
+                 kv_cache_dtype: str = "auto"):
         self.model_dir = Path(model_dir)
         self.kernels = kernels
         self.dtype = dtype
         self.attn = attn
         self.device = torch.device(device)
         self._load_args = (self.model_dir, dtype, kernels, attn, device, kv_block_size, backward)
-        self.model = load_model(*self._load_args, shared=shared_model)
+        self._kv_cache_dtype = kv_cache_dtype
+        self.model = load_model(*self._load_args, shared=shared_model, kv_cache_dtype=kv_cache_dtype)
         self.batch_size = batch_size
         self.micro_batch_size = micro_batch_size
         self.padding_side = padding_side
@@ -143,7 +153,7 @@ class HFEngine(Engine):
         return cls(model_dir, dtype, side_cfg.kernels, side_cfg.attn_implementation, side_cfg.batch_size,
                    side_cfg.micro_batch_size, side_cfg.padding_side, side_cfg.packing,
                    getattr(side_cfg, "device", "cpu"), shared_model, getattr(side_cfg, "order", "given"),
-                   kv_block_size, side_cfg.backward)
+                   kv_block_size, side_cfg.backward, side_cfg.options.get("kv_cache_dtype", "auto"))
 
     @classmethod
     def baseline_changes(cls, side_cfg) -> dict:
@@ -162,7 +172,9 @@ class HFEngine(Engine):
         return dict(self.model.named_parameters())
 
     def weight_storage(self) -> dict[str, tuple[int, tuple, str]]:
-        return {k: (t.data_ptr(), tuple(t.shape), str(t.dtype)) for k, t in self._weights().items()}
+        quant = getattr(getattr(self.model, "_tic_ops", None), "quant", None)  # block-FP8 copies move not either
+        return {**{k: (t.data_ptr(), tuple(t.shape), str(t.dtype)) for k, t in self._weights().items()},
+                **(quant.storage() if quant is not None else {})}
 
     @torch.no_grad()
     def load_weights_inplace(self, weights, version: int) -> dict:
@@ -181,6 +193,9 @@ class HFEngine(Engine):
         refreshed = [n for n, m in self.model.named_modules() if callable(getattr(m, "tic_refresh_derived", None))]
         for n in refreshed:
             self.model.get_submodule(n).tic_refresh_derived()
+        quant = getattr(getattr(self.model, "_tic_ops", None), "quant", None)
+        if quant is not None:  # block FP8: the new weights' codes and scales, written over the old ones
+            refreshed += quant.refresh()
         self.weight_version = version
         return {"copied": len(seen), "missing": sorted(set(own) - seen), "refreshed": refreshed,
                 "version": version}
@@ -275,7 +290,7 @@ class HFEngine(Engine):
     # -- training: gradients through the same forward ------------------------------------------------------
     def trainable_model(self):
         """The trainable copy of this engine's model (cached) that policy_gradients runs."""
-        return load_model(*self._load_args, trainable=True)
+        return load_model(*self._load_args, trainable=True, kv_cache_dtype=self._kv_cache_dtype)
 
     def policy_gradients(self, samples: list[Sample], sampling: Sampling,
                          advantages: list[float]) -> dict[str, torch.Tensor]:

@@ -26,7 +26,8 @@ from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE
 from tic.harness.engines.parallel import (COMBINES, ExpertParallelMoE, RankPool, ep_group, moe_blocks, rank_gpu,
                                           require_gpus)
 
-OPTIONS = {"expert_combine": "slot_order"}
+# kv_cache_dtype: kernels vllm, the rollout's (rollout.options.kv_cache_dtype): fp8 makes K/V take its FP8 round trip
+OPTIONS = {"expert_combine": "slot_order", "kv_cache_dtype": "auto"}
 
 
 def check_options(options: dict) -> dict:
@@ -34,6 +35,8 @@ def check_options(options: dict) -> dict:
     if unknown:
         raise TicInputError(f"options: unknown hf option {unknown[0]!r} (known: {', '.join(OPTIONS)})")
     out = {**OPTIONS, **options}
+    if out["kv_cache_dtype"] not in ("auto", "fp8", "fp8_e4m3"):
+        raise TicInputError(f"options.kv_cache_dtype: {out['kv_cache_dtype']!r} (expected auto, fp8 or fp8_e4m3)")
     if out["expert_combine"] not in COMBINES:
         raise TicInputError(f"options.expert_combine: {out['expert_combine']!r} (expected one of "
                             f"{', '.join(COMBINES)})")

@@ -132,6 +132,8 @@ class ExpertParallelMoE:
         # a block driven by tic's kernel modules (kernels: consistent) routes and runs experts with its
         # provider, so EP = 1 here is bit for bit that provider's own moe_experts
         ops = getattr(block, "_tic_ops", None)
+        if getattr(ops, "quant", None) is not None:  # its rows would run the unquantized experts
+            raise TicInputError("expert parallel ranks of the hf engine do not run block-FP8 experts yet")
         self.provider = getattr(ops, "provider", None) if hasattr(getattr(ops, "provider", None),
                                                                   "moe_expert_rows") else None
         self.me = dist.get_rank(group) if ep > 1 else 0

@@ -37,6 +37,8 @@ OPTIONS: dict[str, Any] = {
     "gpu_memory_utilization": 0.3,
     "kv_cache_memory_bytes": None,    # set to skip vLLM's memory profiling (several engines on one GPU)
     "max_model_len": None,            # None: min(max_position_embeddings, 2048)
+    "kv_cache_dtype": None,           # e.g. fp8: LLM(kv_cache_dtype=...); a train side on vLLM's kernels sets its
+                                      # hf option kv_cache_dtype alike (K/V make the same FP8 round trip)
     "seed": 0,                        # LLM(seed=...): vLLM's global seed; requests carry their own seeds
     "compilation_config": None,       # passed to LLM(compilation_config=...) (int level or dict)
     "cudagraph_mode": None,           # shorthand for compilation_config.cudagraph_mode (NONE, PIECEWISE, FULL, ...)
@@ -301,7 +303,7 @@ class VLLMEngine(Engine):
             kwargs["enable_expert_parallel"] = True
         if dcp > 1:
             kwargs["decode_context_parallel_size"] = dcp
-        for k in ("attention_backend", "kv_cache_memory_bytes", "enable_chunked_prefill",
+        for k in ("attention_backend", "kv_cache_memory_bytes", "kv_cache_dtype", "enable_chunked_prefill",
                   "max_num_batched_tokens", "max_num_seqs", "async_scheduling", "ir_op_priority"):
             if o[k] is not None:
                 kwargs[k] = o[k]

@@ -571,16 +571,19 @@ class Ops:
     """The wrappers bound to one provider and one model's Backward, each operator looked up in `table` (OPS
     unless a test plants one of its own): what the patched model modules call."""
 
-    def __init__(self, provider, backward: Backward | None = None, table: dict[str, Op] | None = None):
+    def __init__(self, provider, backward: Backward | None = None, table: dict[str, Op] | None = None, quant=None):
         self.provider = provider
         self.backward = backward if backward is not None else Backward()
         self.table = table if table is not None else OPS
+        self.quant = quant  # block-FP8 copies of a quantized model's weights (tic.harness.kernels.fp8), else None
 
     def _run(self, name, *tensors, **kw):
         return KernelFunction.apply(self.table[name], self, kw, *tensors)
 
     def linear(self, x, weights: list, biases: list | None = None):
         biases = biases if biases is not None and biases[0] is not None else [None] * len(weights)
+        if self.quant is not None and self.quant.covers(weights):  # block-FP8 weights: tic.harness.kernels.fp8
+            return self._run("fp8_linear", x, *weights, *biases, n=len(weights), quant=self.quant)
         return self._run("linear", x, *weights, *biases, n=len(weights))
 
     def rms_norm(self, x, w, eps, offset: float = 0.0):
@@ -608,6 +611,8 @@ class Ops:
         return self._run("moe_route", logits, top_k=top_k, renormalize=renormalize)
 
     def moe_experts(self, x, weights, ids, gate_up, down):
+        if self.quant is not None and self.quant.covers((gate_up, down)):  # block-FP8 experts: kernels.fp8
+            return self._run("fp8_moe_experts", x, weights, ids, gate_up, down, quant=self.quant)
         return self._run("moe_experts", x, weights, ids, gate_up, down)
 
     def log_softmax(self, logits):

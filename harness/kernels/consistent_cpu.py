@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tic.harness.kernels import fp8_cpu
 from tic.harness.kernels.rope import hf_cos_sin_cache, rotate_neox
 from tic.harness.kernels.spec import KernelProvider
 
@@ -136,21 +137,37 @@ class CPUProvider(KernelProvider):
             if x.shape[0] else x.new_zeros(0, x.shape[1])
 
     def moe_experts(self, x, weights, ids, gate_up, down):
+        return self._combine_slots(x, weights, ids,
+                                   lambda r, e: F.linear(self.silu_and_mul(F.linear(r, gate_up[e])), down[e]))
+
+    def _combine_slots(self, x, weights, ids, expert):
         """The expert-parallel merge rule (tic.harness.engines.parallel.combine_slot_order) one row at a time: each
-        slot's output times its weight in the model dtype, summed in fp32 in top-k slot order."""
+        slot's output expert(row, e) times its weight in the model dtype, summed in fp32 in top-k slot order."""
         dtype, outs = x.dtype, []
         for t in range(x.shape[0]):
             r = x[t:t + 1]
             acc = torch.zeros(1, x.shape[1], dtype=torch.float32)
             for slot in range(ids.shape[1]):
-                e = int(ids[t, slot])
-                h = F.linear(self.silu_and_mul(F.linear(r, gate_up[e])), down[e])
+                h = expert(r, int(ids[t, slot]))
                 acc = acc + (h * weights[t, slot].to(dtype)).to(torch.float32)
             outs.append(acc.to(dtype))
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])
 
     def log_softmax(self, logits):
         return row_log_softmax(logits.float())
+
+    # -- block FP8 (tic.harness.kernels.fp8): dynamic per-token-group activations, the block-scaled GEMM ---------
+    def fp8_linear(self, x, wq, ws, b, block):
+        return fp8_cpu.fp8_linear(x, wq, ws, b, block)
+
+    def fp8_moe_experts(self, x, weights, ids, gu_q, gu_s, d_q, d_s, block):
+        """moe_experts' merge rule over FP8 expert GEMMs: each expert's input quantized per token, SiLU*mul
+        rounded once, then quantized again for the down projection (method 4.4)."""
+        def expert(r, e):
+            h = self.silu_and_mul(fp8_cpu.fp8_linear(r, gu_q[e], gu_s[e], None, block))
+            return fp8_cpu.fp8_linear(h, d_q[e], d_s[e], None, block)
+
+        return self._combine_slots(x, weights, ids, expert)
 
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

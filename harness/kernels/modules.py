@@ -32,10 +32,11 @@ from torch import nn
 
 from tic.core.errors import TicInputError
 from tic.config.schema import BackwardConfig
-from tic.harness.kernels.autograd import Backward, Ops
+from tic.harness.kernels.autograd import OPS, Backward, Ops
 from tic.harness.kernels.coverage import (attention_softcap, attention_window, final_norm, is_attention,
                                           is_decoder_layer, is_gated_mlp, is_moe_block, is_rmsnorm, norm_eps,
                                           problem_lines, read_coverage, rotary_modules, rotary_per_layer_type)
+from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.stand_ins import stands_for
 
@@ -312,10 +313,11 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m.forward = types.MethodType(_rmsnorm_forward, m)
 
 
-def apply(model: nn.Module, provider, backward: BackwardConfig | None = None) -> nn.Module:
+def apply(model: nn.Module, provider, backward: BackwardConfig | None = None, quant=None) -> nn.Module:
     """Patch an HF causal LM in place so every operator runs through `provider` with a surrogate backward (run as
     `backward` says: tic.yaml train.backward). Idempotent for one provider; raises TicInputError for what the
-    provider does not cover (coverage.py), one line per module."""
+    provider does not cover (coverage.py), one line per module. quant: the block-FP8 copies of a quantized
+    model's weights (tic.harness.kernels.fp8), whose linears and experts then run the provider's FP8 kernels."""
     done = getattr(model, "_tic_provider", None)
     if done is not None:
         if done is not provider:
@@ -327,7 +329,7 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None) ->
         raise TicInputError(f"kernels: {provider.kernels} does not cover: " + "; ".join(problems))
     variants = {name: v for cov in coverage for name, v in cov.variants.items()}
     register_attention()
-    ops = Ops(provider, Backward(backward))
+    ops = Ops(provider, Backward(backward), {**OPS, **FP8_OPS} if quant is not None else None, quant)  # fp8
     cfg = model.config.get_text_config()
     stream, routes = ResidualStream(), RouteLog()
     ropes = _wrap_rotary(model, provider, next(model.parameters()).dtype, cfg)

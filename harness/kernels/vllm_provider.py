@@ -35,6 +35,7 @@ from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.rope import hf_cos_sin_cache
 from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE, KernelProvider
 from tic.harness.kernels.varlen import paged_layout, paged_rows_layout, varlen_from_mask
+from tic.harness.kernels.vllm_fp8 import BlockFp8Linear, fp8_kv_attention, fused_experts_fp8
 from tic.patches.plugin import load as load_patches
 
 
@@ -93,15 +94,25 @@ def _in_pages(t: torch.Tensor, pages, block_size: int) -> torch.Tensor:
     return cache
 
 
+def _slots(vl, pages, T: int, block_size: int) -> torch.Tensor:
+    """Each packed token's cache slot; a batch whose rows are its pages keeps each row's tokens in its own pages."""
+    if pages.slots is not None:
+        return pages.slots
+    return (vl.index // T) * (pages.row_pages * block_size) + vl.index % T
+
+
 class VLLMProvider(KernelProvider):
     name = "vllm"
     kernels = "vllm"
     fuse_projections = True
 
-    def __init__(self, kv_block_size: int = DEFAULT_KV_BLOCK_SIZE):
+    def __init__(self, kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, kv_cache_dtype: str = "auto"):
         """kv_block_size: the KV page size of the vLLM rollout this training forward must match (as its engine
-        resolved it): prefill attention pages K/V alike, since FA3 picks its key tile from the paging."""
+        resolved it): prefill attention pages K/V alike, since FA3 picks its key tile from the paging.
+        kv_cache_dtype: the rollout's (fp8: K/V make the FP8 round trip, tic.harness.kernels.vllm_fp8)."""
         self.kv_block_size = int(kv_block_size)
+        self.kv_cache_dtype = kv_cache_dtype
+        self._fp8_linears: dict = {}  # weight block -> vllm_fp8.BlockFp8Linear
         self._layouts = TensorMemo(_build_layout)  # once per mask: every layer of one forward passes the same one
         self._gemma_norm = None  # vLLM's GemmaRMSNorm.forward_static, compiled on first use
         self._load_vllm()
@@ -296,14 +307,18 @@ class VLLMProvider(KernelProvider):
         vl, pages = self._layout(mask, B, T, q.device, bs, window)
         flat = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], t.shape[-1])[vl.index].contiguous()  # noqa: E731
         qf = flat(q)
-        if pages.row_pages:
-            k_cache, v_cache = (_rows_as_pages(t, pages, bs) for t in (k, v))
+        kw = dict(cu_seqlens_q=vl.cu_seqlens, max_seqlen_q=vl.max_seqlen, seqused_k=pages.seq_lens,
+                  max_seqlen_k=vl.max_seqlen, softmax_scale=scale, causal=True, block_table=pages.block_table,
+                  fa_version=self.fa_version, **_window_softcap(window, softcap))
+        if self.kv_cache_dtype.startswith("fp8"):  # FP8 KV cache: tic.harness.kernels.vllm_fp8
+            out = fp8_kv_attention(self.vops, flash_attn_varlen_func, qf, flat(k), flat(v),
+                                   _slots(vl, pages, T, bs), pages, bs, **kw)
         else:
-            k_cache, v_cache = (_in_pages(flat(t), pages, bs) for t in (k, v))
-        out = flash_attn_varlen_func(q=qf, k=k_cache, v=v_cache, cu_seqlens_q=vl.cu_seqlens, max_seqlen_q=vl.max_seqlen,
-                                     seqused_k=pages.seq_lens, max_seqlen_k=vl.max_seqlen, softmax_scale=scale,
-                                     causal=True, block_table=pages.block_table, fa_version=self.fa_version,
-                                     **_window_softcap(window, softcap))
+            if pages.row_pages:
+                k_cache, v_cache = (_rows_as_pages(t, pages, bs) for t in (k, v))
+            else:
+                k_cache, v_cache = (_in_pages(flat(t), pages, bs) for t in (k, v))
+            out = flash_attn_varlen_func(q=qf, k=k_cache, v=v_cache, **kw)
         full = torch.zeros(B * T, H, v.shape[-1], dtype=out.dtype, device=out.device)
         full[vl.index] = out
         return full.reshape(B, T, H, v.shape[-1])
@@ -321,3 +336,12 @@ class VLLMProvider(KernelProvider):
 
     def log_softmax(self, logits):
         return logits.log_softmax(dim=-1, dtype=torch.float32)
+
+    # -- block FP8 (tic.harness.kernels.fp8 calls these; vLLM's own entry points in vllm_fp8) --------------------
+    def fp8_linear(self, x, wq, ws, b, block):
+        if block not in self._fp8_linears:
+            self._fp8_linears[block] = BlockFp8Linear(block)
+        return self._fp8_linears[block](x, wq, ws, b)
+
+    def fp8_moe_experts(self, x, weights, ids, gu_q, gu_s, d_q, d_s, block):
+        return fused_experts_fp8(x, weights, ids, gu_q, gu_s, d_q, d_s, block)

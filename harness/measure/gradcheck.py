@@ -4,7 +4,8 @@ The loss is fixed and policy-gradient-like: L = -(1/N) sum_i A_i sum_t logp(i, t
 response tokens, with advantages A_i drawn from a seeded generator and centred (a function of the request
 index alone). The path under test computes it through the train engine (tic's kernel wrappers, its layout).
 The reference is plain transformers in float32 on the same weights, one sequence per forward, with torch's
-log_softmax: no tic code on its path, but one discrete decision: in a mixture-of-experts model its routers
+log_softmax (for a block-FP8 model its quantized modules give the FP8 forward's values: fp8_reference): no tic
+kernel or backward on its path, but one discrete decision: in a mixture-of-experts model its routers
 take the top-k expert ids the path under test chose (their weights still float32 softmax of the reference's own
 logits). Without it a token near a routing tie picks other experts in float32 and sends its gradient to them,
 which is not a fault of the backward; the count of such tokens is reported.
@@ -77,8 +78,16 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
     itself); report receives the routing-pin counts."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    from tic.harness.kernels.fp8 import unquantized_config
+    from tic.harness.measure import fp8_reference
+    from tic.harness.model.layer_structure import quiet_transformers
+
+    fp8 = unquantized_config(model_dir)
+    with quiet_transformers() if fp8 else contextlib.nullcontext():  # no load report for a checkpoint's scales
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
+                                                     **fp8)
     model.to(device).train(False)
+    fp8_reference.install(model, model_dir)  # block FP8: the FP8 forward's values, the float32 graph's gradient
     model.requires_grad_(True)
     pin = RoutingPin(model)
     n_tokens = sum(int(s.mask.sum()) if s.mask is not None else len(s.response_ids) for s in samples)

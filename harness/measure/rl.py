@@ -18,6 +18,7 @@ from tic.core.fsio import atomic_write_text
 from tic.harness.engines.base import Engine, Sample, Sampling
 from tic.harness.engines.hf import padded_batch
 from tic.harness.measure.metrics import compare_logprobs
+from tic.harness.model.quantize import SCALE_SUFFIX
 
 
 def synthetic_reward(samples: list[Sample]) -> torch.Tensor:
@@ -103,10 +104,21 @@ class PolicyGradientTrainer:
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:
         """The weights under the names and layouts a saved checkpoint has (transformers reverts its load-time
         conversions, e.g. fused expert tensors back to one tensor per expert): what an engine that loads
-        checkpoints (vLLM) understands."""
+        checkpoints (vLLM) understands. A block-FP8 model's quantized weights go as its checkpoint holds them:
+        the codes under the weight's name and the scales as `weight_scale_inv`, requantized from the current
+        master weights first (tic.harness.kernels.fp8)."""
         from transformers.modeling_utils import revert_weight_conversion
 
-        return revert_weight_conversion(self.model, self.weights())
+        quant = getattr(getattr(self.model, "_tic_ops", None), "quant", None)
+        if quant is None:
+            return revert_weight_conversion(self.model, self.weights())
+        quant.refresh()
+        copies = quant.copies()
+        out = revert_weight_conversion(self.model, {k: v for k, v in self.weights().items() if k not in copies})
+        out.update(revert_weight_conversion(self.model, {k: codes for k, (codes, _) in copies.items()}))
+        scales = revert_weight_conversion(self.model, {k: s for k, (_, s) in copies.items()})
+        out.update({k[: -len(".weight")] + SCALE_SUFFIX: s for k, s in scales.items()})
+        return out
 
     def weights_for(self, engine: Engine) -> dict[str, torch.Tensor]:
         """The weights in the form `engine` takes them (its weight_format: module parameters or checkpoint)."""

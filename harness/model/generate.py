@@ -108,25 +108,40 @@ def check_loadable_config(model_dir: Path) -> None:
                             f"{msg[:300]}") from None
 
 
-def generated_dir(config_dir: Path, seed: int, init_std: float | None = None) -> Path:
-    """Where generate_model caches the weights of config_dir/config.json drawn from `seed` (generated or not)."""
+def generated_dir(config_dir: Path, seed: int, init_std: float | None = None, quantization=None) -> Path:
+    """Where generate_model caches the weights of config_dir/config.json drawn from `seed` (generated or not).
+    quantization: None, or (method, weight block size) of the checkpoint written from them."""
     import torch
 
     raw = (config_dir / "config.json").read_bytes()
-    key = hashlib.sha256(raw + f"|seed={seed}|std={init_std}|torch={torch.__version__}".encode()).hexdigest()[:16]
-    return cache_root() / "models" / key
+    quant = "" if quantization is None else f"|quant={quantization[0]}:{list(quantization[1])}"
+    key = hashlib.sha256(raw + f"|seed={seed}|std={init_std}|torch={torch.__version__}{quant}".encode()).hexdigest()
+    return cache_root() / "models" / key[:16]
 
 
-def generate_model(config_dir: Path, seed: int, init_std: float | None = None, out_dir: Path | None = None) -> Path:
-    """Build the model of config_dir/config.json with weights drawn from `seed`; save as safetensors."""
+def generate_model(config_dir: Path, seed: int, init_std: float | None = None, out_dir: Path | None = None,
+                   quantization: tuple[str, tuple[int, int]] | None = None) -> Path:
+    """Build the model of config_dir/config.json with weights drawn from `seed`; save as safetensors.
+    quantization ("fp8", block): a block-FP8 checkpoint quantized from those weights by the deployment rule
+    (tic.harness.model.quantize), the unquantized model cached beside it."""
+    out_dir = out_dir or generated_dir(config_dir, seed, init_std, quantization)
+    if has_weights(out_dir):
+        return out_dir
+    if quantization is not None:
+        from tic.harness.model.quantize import write_block_fp8
+
+        master = generate_model(config_dir, seed, init_std)
+        return _publish(out_dir, lambda tmp: write_block_fp8(master, tmp, tuple(quantization[1])))
+    return _publish(out_dir, lambda tmp: _build_model(config_dir, seed, init_std).save_pretrained(
+        tmp, safe_serialization=True))
+
+
+def _build_model(config_dir: Path, seed: int, init_std: float | None):
     import torch
     from transformers import AutoConfig
 
     from tic.harness.model.layer_structure import auto_class_for
 
-    out_dir = out_dir or generated_dir(config_dir, seed, init_std)
-    if has_weights(out_dir):
-        return out_dir
     read_model_config(config_dir)
     config = AutoConfig.from_pretrained(config_dir)
     if init_std is not None:
@@ -142,12 +157,15 @@ def generate_model(config_dir: Path, seed: int, init_std: float | None = None, o
                             f"(float32), more than half of this machine's {memory / 2**30:.1f} GiB; state the model's "
                             "sizes (hidden_size, num_hidden_layers, vocab_size, ...) in config.json")
     torch.manual_seed(seed)
-    model = auto_class_for(config).from_config(config, dtype=torch.float32)
-    model = model.to(dtype)
+    return auto_class_for(config).from_config(config, dtype=torch.float32).to(dtype)
+
+
+def _publish(out_dir: Path, write) -> Path:
+    """write(tmp) fills a fresh folder beside out_dir, which then becomes out_dir by one rename."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".gen-", dir=out_dir.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        write(tmp)
         if out_dir.exists() and not has_weights(out_dir):
             # a leftover without weights (a finished model only ever arrives by rename)
             shutil.rmtree(out_dir, ignore_errors=True)
@@ -164,52 +182,6 @@ def generate_model(config_dir: Path, seed: int, init_std: float | None = None, o
     return out_dir
 
 
-def quantize_block_fp8(model_dir: Path, out_dir: Path, block: tuple[int, int] = (16, 16),
-                       not_converted: tuple[str, ...] = ("lm_head",)) -> Path:
-    """A block-FP8 copy of a generated model, laid out as FP8 checkpoints ship (DeepSeek-V3 style): every
-    nn.Linear weight (but not_converted) stored as float8_e4m3fn with a float32 `weight_scale_inv` per
-    block x block tile (the tile's max |w| / 448), and quantization_config quant_method fp8 with
-    weight_block_size."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from tic.harness.model.layer_structure import build_meta
-
-    cfg = read_model_config(model_dir)
-    meta = build_meta(cfg)
-    linear = {name for name, m in meta.named_modules()
-              if isinstance(m, torch.nn.Linear) and not any(name.split(".")[-1] == x for x in not_converted)}
-    finfo = torch.finfo(torch.float8_e4m3fn)
-    bo, bi = block
-    out_dir.mkdir(parents=True, exist_ok=True)
-    weight_map = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        sd = load_file(f)
-        for name in [k for k in sd if k.endswith(".weight") and k[: -len(".weight")] in linear]:
-            w = sd[name].float()
-            rows, cols = w.shape
-            r, c = -(-rows // bo), -(-cols // bi)
-            padded = torch.zeros(r * bo, c * bi)
-            padded[:rows, :cols] = w
-            tiles = padded.view(r, bo, c, bi)
-            scale = (tiles.abs().amax(dim=(1, 3)) / finfo.max).clamp(min=1e-12)
-            q = (tiles / scale[:, None, :, None]).clamp(finfo.min, finfo.max).to(torch.float8_e4m3fn)
-            sd[name] = q.view(r * bo, c * bi)[:rows, :cols].contiguous()
-            sd[name[: -len(".weight")] + ".weight_scale_inv"] = scale.float().contiguous()
-        save_file(sd, out_dir / f.name, metadata={"format": "pt"})
-        weight_map.update({k: f.name for k in sd})
-    if (model_dir / "model.safetensors.index.json").is_file():  # the scales are new names: a fresh index
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    for p in model_dir.iterdir():
-        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json",
-                                                                                 "model.safetensors.index.json"):
-            shutil.copy2(p, out_dir / p.name)
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                  "weight_block_size": [bo, bi], "modules_to_not_convert": list(not_converted)}
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out_dir
-
-
 def resolve_model_dir(cfg, generate: bool = True) -> Path | None:
     """The directory engines load: the configured one, or its generated-weights cache (generate=False: None when
     those weights are not generated yet, and nothing is written)."""
@@ -221,10 +193,11 @@ def resolve_model_dir(cfg, generate: bool = True) -> Path | None:
     if cfg.model.generate is None:
         raise TicInputError(f"no *.safetensors in {model_dir} (add 'generate: {{seed: 0}}' to build random weights)")
     gen = cfg.model.generate
+    quant = None if gen.quantization is None else (gen.quantization, tuple(gen.weight_block_size))
     if not generate:
-        cached = generated_dir(model_dir, gen.seed, gen.init_std)
+        cached = generated_dir(model_dir, gen.seed, gen.init_std, quant)
         return cached if has_weights(cached) else None
-    return generate_model(model_dir, gen.seed, gen.init_std)
+    return generate_model(model_dir, gen.seed, gen.init_std, quantization=quant)
 
 
 def model_hash(model_dir: Path) -> str:

@@ -45,7 +45,7 @@ def with_text_config(cfg: dict, text: dict) -> dict:
 
 # --- building on meta ---------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _quiet():
+def quiet_transformers():
     """transformers warns about tiny or odd configs at every build; a cut builds many candidates."""
     import logging
     import warnings
@@ -90,7 +90,7 @@ def parse_config(cfg: dict):
         raise TicInputError("config.json: no model_type")
     if cfg["model_type"] not in CONFIG_MAPPING:
         raise TicInputError(f"config.json: transformers does not know model_type {cfg['model_type']!r}")
-    with _quiet():
+    with quiet_transformers():
         try:  # as from_pretrained reads config.json: special floats ('Infinity') decoded, then from_dict
             cls = CONFIG_MAPPING[cfg["model_type"]]
             return cls.from_dict(cls._decode_special_floats(json.loads(json.dumps(cfg))))  # noqa: SLF001
@@ -105,7 +105,7 @@ def build_meta(cfg: dict):
 
     config = parse_config(cfg)
     auto = auto_class_for(config)
-    with _quiet(), torch.device("meta"):
+    with quiet_transformers(), torch.device("meta"):
         try:
             return auto.from_config(config)
         except Exception as e:  # noqa: BLE001 - a config its own model class cannot build is bad input

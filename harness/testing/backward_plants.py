@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tic.harness.kernels.autograd import OPS, Op, Ops
+from tic.harness.kernels.autograd import Op, Ops
 
 
 @dataclass(frozen=True)
@@ -40,18 +40,18 @@ def planted_fault(model: nn.Module, op: str, grads: Callable[[tuple], tuple] | N
     """While active, operator `op`'s backward in `model` (on tic's kernel wrappers) runs `before(weights)` ahead of
     its weight check and returns `grads(its input gradients)`; every module of the model sees the plant, no other
     model does."""
-    if op not in OPS:
-        raise KeyError(f"no operator {op!r}; operators are {', '.join(OPS)}")
     holders = [m for m in model.modules() if isinstance(getattr(m, "_tic_ops", None), Ops)]
     if not holders:
         raise ValueError(f"{type(model).__name__} does not run tic's kernel wrappers: nothing to plant into")
+    if op not in holders[0]._tic_ops.table:  # OPS, and a block-FP8 model's fp8_* operators
+        raise KeyError(f"no operator {op!r}; operators are {', '.join(holders[0]._tic_ops.table)}")
     old = [m._tic_ops for m in holders]
     planted: dict[int, Ops] = {}  # one planted Ops per Ops the model holds (a module may hold its own)
     for m, ops in zip(holders, old):
         if id(ops) not in planted:
             real = ops.table[op]
             fault = PlantedOp(**{f.name: getattr(real, f.name) for f in fields(Op)}, change=grads, before=before)
-            planted[id(ops)] = Ops(ops.provider, ops.backward, {**ops.table, op: fault})
+            planted[id(ops)] = Ops(ops.provider, ops.backward, {**ops.table, op: fault}, ops.quant)
         m._tic_ops = planted[id(ops)]
     try:
         yield

@@ -1,0 +1,80 @@
+"""vLLM's FP8 kernels for the training forward (GPU; tic.harness.kernels.vllm_provider calls these).
+
+- Linear: a block-FP8 layer as vLLM builds one for a checkpoint with quantization_config fp8 / weight_block_size:
+  vLLM's own Fp8LinearMethod prepares a stand-in layer holding the copy's codes and `weight_scale_inv`
+  (process_weights_after_loading: the scale layout its GEMM backend wants) and runs its `apply`, i.e.
+  W8A8BlockFp8LinearOp: vLLM's per-token-group activation quantizer, then whichever block-FP8 GEMM vLLM selects
+  on this GPU (DeepGEMM, CUTLASS, FlashInfer or Triton), the same selection its rollout layers make.
+- Experts: vLLM's fused_experts with its FP8 W8A8 block quant config (activations quantized per token group
+  inside, as the Triton fused-MoE path of Fp8MoEMethod runs them).
+- FP8 KV cache (method 4.2): K/V written by vLLM's reshape_and_cache_flash into a private FP8 cache, the query
+  quantized as the FlashAttention backend quantizes it, and the same varlen FlashAttention call reading the FP8
+  pages with the (default, uncalibrated) scales 1.0.
+
+vLLM is imported when one of these is first built or called, never at tic import.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+class BlockFp8Linear:
+    """vLLM's block-FP8 linear for (codes, scales) copies; one prepared stand-in layer per copy, rebuilt when the
+    copy changed (requantized in place: tensor version; a new tensor: its own entry)."""
+
+    def __init__(self, block: tuple[int, int]):
+        from vllm.model_executor.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
+
+        self.block = block
+        self.method = Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
+                                                weight_block_size=list(block)))
+        self._layers: dict[int, tuple] = {}  # id(codes) -> (weakref, state, prepared layer)
+
+    def _layer(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.nn.Module:
+        state = (codes.data_ptr(), codes._version, scales.data_ptr(), scales._version)
+        held = self._layers.get(id(codes))
+        if held is not None and held[0]() is codes and held[1] == state:
+            return held[2]
+        self._layers = {k: v for k, v in self._layers.items() if v[0]() is not None}
+        layer = torch.nn.Module()
+        # clones: vLLM may rewrite a layer's weight and scales in place while preparing them (UE8M0 requantization)
+        layer.weight = torch.nn.Parameter(codes.clone(), requires_grad=False)
+        layer.weight_scale_inv = torch.nn.Parameter(scales.clone(), requires_grad=False)
+        layer.input_scale = None
+        layer.logical_widths = [codes.shape[0]]
+        layer.input_size_per_partition, layer.output_size_per_partition = codes.shape[1], codes.shape[0]
+        layer.orig_dtype, layer.weight_block_size = dtype, list(self.block)
+        self.method.process_weights_after_loading(layer)
+        self._layers[id(codes)] = (weakref.ref(codes), state, layer)
+        return layer
+
+    def __call__(self, x, codes, scales, bias):
+        return self.method.apply(self._layer(codes, scales, x.dtype), x, bias)
+
+
+def fused_experts_fp8(x, weights, ids, gu_q, gu_s, d_q, d_s, block):
+    from vllm.model_executor.layers.fused_moe import fused_experts
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+
+    quant = fp8_w8a8_moe_quant_config(w1_scale=gu_s, w2_scale=d_s, block_shape=list(block))
+    return fused_experts(x.contiguous(), gu_q, d_q, weights, ids.to(torch.int32), quant_config=quant)
+
+
+def fp8_kv_attention(vops, attn, q, k, v, slots, pages, block_size: int, **attn_kw):
+    """Packed q [N, H, D], k/v [N, Hk, D] through the FP8 KV round trip; attn: the varlen FlashAttention entry,
+    attn_kw its other arguments (cu_seqlens_q, seqused_k, block_table, ...)."""
+    N, H, D = q.shape
+    Hk = k.shape[1]
+    one = torch.ones((), dtype=torch.float32, device=q.device)  # vLLM's q/k/v scales without calibrated ones
+    k_cache = torch.zeros(pages.num_blocks, block_size, Hk, D, dtype=torch.uint8, device=q.device)
+    v_cache = torch.zeros_like(k_cache)
+    vops.reshape_and_cache_flash(k.contiguous(), v.contiguous(), k_cache, v_cache, slots, "fp8", one, one)
+    qq, _ = vops.scaled_fp8_quant(q.reshape(N, H * D).contiguous(), one)
+    descale = (pages.seq_lens.shape[0], Hk)
+    out = torch.empty(N, H, v.shape[-1], dtype=q.dtype, device=q.device)  # the model dtype, as vLLM's buffer
+    attn(q=qq.reshape(N, H, D), k=k_cache.view(torch.float8_e4m3fn), v=v_cache.view(torch.float8_e4m3fn), out=out,
+         q_descale=one.expand(descale), k_descale=one.expand(descale), v_descale=one.expand(descale), **attn_kw)
+    return out

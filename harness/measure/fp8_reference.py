@@ -1,0 +1,76 @@
+"""C7's reference for a block-FP8 model: plain transformers in float32 whose quantized linears and experts give
+the FP8 forward's values with the unquantized graph's gradient (visible + (graph - graph.detach()), method 3.1).
+
+The path under test runs the inference kernels forward and differentiates each operator against the master
+weights, quantization treated as identity. Compared with the plain model, its gradients then differ by the FP8
+forward itself (activations a few percent apart), which no backward fault causes. So the reference follows the
+same trajectory: each quantized module's output is, in value, the fake-quantized computation (activations
+quantized per token group by the deployment format, weights the checkpoint's codes times scales, float32
+arithmetic), and, for autograd, the module's own float32 graph. Its backward is transformers' autograd through
+that graph: nothing of tic's kernel wrappers or written-out backwards is on its path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tic.harness.kernels.fp8 import QuantizedCopies, attach_checkpoint
+from tic.harness.kernels.fp8_cpu import per_token_group_quant
+from tic.harness.model.quantize import dequantize_weight_blocks
+
+
+def _fake_act(x: torch.Tensor, group: int) -> torch.Tensor:
+    q, s = per_token_group_quant(x.detach(), group)
+    return (q.float() * s.repeat_interleave(group, dim=-1)).reshape(x.shape)
+
+
+def _weights(quant: QuantizedCopies, w: torch.Tensor) -> torch.Tensor:
+    return dequantize_weight_blocks(*quant.get(w), quant.block, torch.float32)
+
+
+def _straight_through(visible: torch.Tensor, graph: torch.Tensor) -> torch.Tensor:
+    return visible.detach().to(graph.dtype) + (graph - graph.detach())
+
+
+def _linear_hook(quant: QuantizedCopies):
+    def hook(m, args, out):
+        x = args[0]
+        vis = F.linear(_fake_act(x.float(), quant.block[1]), _weights(quant, m.weight),
+                       None if m.bias is None else m.bias.detach().float())
+        return _straight_through(vis, out)
+    return hook
+
+
+def _experts_hook(quant: QuantizedCopies):
+    def hook(m, args, kwargs, out):
+        names = ("hidden_states", "top_k_index", "top_k_weights")
+        x, ids, w = (*args, *(kwargs[n] for n in names[len(args):]))
+        gu, down = _weights(quant, m.gate_up_proj), _weights(quant, m.down_proj)
+        g = quant.block[1]
+        vis = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in ids.unique().tolist():
+            if not 0 <= e < gu.shape[0]:
+                continue
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            gate, up = F.linear(_fake_act(x[tok].float(), g), gu[e]).chunk(2, dim=-1)
+            y = F.linear(_fake_act(F.silu(gate) * up, g), down[e])
+            vis.index_add_(0, tok, y * w[tok, slot, None].detach().float())
+        return _straight_through(vis, out)
+    return hook
+
+
+def install(model: nn.Module, model_dir) -> list | None:
+    """For a block-FP8 checkpoint: load its master weights and codes into `model` (built without quantization)
+    and hook every quantized linear and expert block as above; the hook handles. None for any other checkpoint."""
+    quant = attach_checkpoint(model, model_dir)
+    if quant is None:
+        return None
+    handles = []
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and quant.covers([m.weight]):
+            handles.append(m.register_forward_hook(_linear_hook(quant)))
+        elif hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and quant.covers([m.gate_up_proj, m.down_proj]):
+            handles.append(m.register_forward_hook(_experts_hook(quant), with_kwargs=True))
+    return handles

@@ -1,0 +1,278 @@
+"""Block FP8: the deployment rule, checkpoints written by it, the CPU kernels `kernels: consistent` runs on them,
+the straight-through backward, the quantized copies a weight sync rewrites in place, and C3-C5/C8 on a
+generated block-FP8 MoE model (with a planted divergence that must fail C5)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tic.config.schema import load_config
+from tic.core.errors import TicInputError
+from tic.gates import get
+from tic.harness.engines import hf
+from tic.harness.kernels.autograd import OPS, Ops
+from tic.harness.kernels.consistent_cpu import CPUProvider
+from tic.harness.kernels.fp8 import FP8_OPS, QuantizedCopies
+from tic.harness.kernels.fp8_cpu import block_fp8_matmul, fp8_linear, per_token_group_quant
+from tic.harness.model.inventory import tensor_locations
+from tic.harness.model.quantize import dequantize_weight_blocks, quantize_weight_blocks
+from tic.skill.context import GateContext
+from tic.skill.runner import run_gate
+
+BLOCK = (16, 16)
+
+
+def _weight(n=48, k=32, seed=0):
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+# ---- the deployment rule ---------------------------------------------------------------------------------------
+def test_weight_rule_is_amax_over_448_per_tile():
+    w = _weight(40, 32)  # 40 rows: the last tile row is partial
+    q, s = quantize_weight_blocks(w, BLOCK)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape and s.shape == (3, 2) and s.dtype == torch.float32
+    for i in range(3):
+        for j in range(2):
+            tile = w[16 * i:16 * (i + 1), 16 * j:16 * (j + 1)]
+            scale = tile.abs().max().clamp(min=1e-4) / 448.0
+            assert s[i, j].item() == scale.item()
+            assert torch.equal(q[16 * i:16 * (i + 1), 16 * j:16 * (j + 1)], (tile * (1.0 / scale)).to(torch.float8_e4m3fn))
+    assert q.float().abs().max().item() == 448.0  # each tile's largest weight lands on e4m3's largest code
+    back = dequantize_weight_blocks(q, s, BLOCK, torch.float32)
+    assert ((back - w).abs() <= w.abs() * 2 ** -4 + 1e-12).all()  # within e4m3's half-ulp (3 mantissa bits)
+
+
+def test_activation_groups_follow_vllms_eps_and_clamp():
+    x = torch.zeros(2, 32)
+    x[0, :16] = torch.linspace(-3, 5, 16)
+    q, s = per_token_group_quant(x, 16)
+    assert s[0, 0].item() == torch.tensor(5.0 / 448.0).item() and q[0, :16].float().max().item() == 448.0
+    assert s[1, 1].item() == torch.tensor(1e-10 / 448.0).item() and q[1].float().abs().sum() == 0  # an all-zero group
+    with pytest.raises(ValueError, match="multiple of the group"):
+        per_token_group_quant(torch.ones(1, 24), 16)
+
+
+def test_block_gemm_row_does_not_depend_on_its_batch():
+    w = _weight()
+    wq, ws = quantize_weight_blocks(w, BLOCK)
+    x = torch.randn(7, 32, generator=torch.Generator().manual_seed(1))
+    batch = fp8_linear(x, wq, ws, None, BLOCK)
+    for i in (0, 3, 6):
+        assert torch.equal(fp8_linear(x[i:i + 1], wq, ws, None, BLOCK), batch[i:i + 1])
+    xq, xs = per_token_group_quant(x, 16)
+    exact = (xq.double() * xs.double().repeat_interleave(16, 1)) @ dequantize_weight_blocks(wq, ws, BLOCK,
+                                                                                            torch.float64).t()
+    assert torch.allclose(batch.double(), exact, rtol=1e-5, atol=1e-6)  # the block-scaled product, float32 accumulated
+    assert not torch.allclose(batch, x @ w.t(), rtol=1e-3, atol=1e-5)  # and not the unquantized GEMM
+
+
+def test_block_gemm_accumulates_each_k_block_with_its_own_scales():
+    """A planted wrong scale in one K block changes exactly the outputs that read it."""
+    wq, ws = quantize_weight_blocks(_weight(32, 48), BLOCK)
+    xq, xs = per_token_group_quant(torch.randn(3, 48, generator=torch.Generator().manual_seed(2)), 16)
+    ref = block_fp8_matmul(xq, xs, wq, ws, BLOCK, torch.float32)
+    bad = ws.clone()
+    bad[1, 2] *= 2
+    out = block_fp8_matmul(xq, xs, wq, bad, BLOCK, torch.float32)
+    assert torch.equal(out[:, :16], ref[:, :16]) and not torch.equal(out[:, 16:], ref[:, 16:])
+
+
+# ---- the wrappers: FP8 forward, straight-through backward against the master weights --------------------------
+def test_fp8_linear_forward_is_the_kernel_and_backward_the_unquantized_linears():
+    w = torch.nn.Parameter(_weight())
+    quant = QuantizedCopies(BLOCK)
+    quant.register("w", w)
+    ops = Ops(CPUProvider(), table={**OPS, **FP8_OPS}, quant=quant)
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    y = ops.linear(x, [w])
+    wq, ws = quant.get(w)
+    assert torch.equal(y, fp8_linear(x.detach(), wq, ws, None, BLOCK))
+    g = torch.randn(5, 48, generator=torch.Generator().manual_seed(4))
+    y.backward(g)
+    assert torch.equal(x.grad, g @ w.detach()) and torch.equal(w.grad, g.t() @ x.detach())
+
+
+def test_copies_are_kept_then_requantized_in_place_when_the_master_changes():
+    w = torch.nn.Parameter(_weight())
+    quant = QuantizedCopies(BLOCK)
+    seeded_q, seeded_s = quantize_weight_blocks(w.detach() * 0.5, BLOCK)  # a checkpoint's copy: kept as given
+    quant.register("w", w, seeded_q, seeded_s)
+    q, s = quant.get(w)
+    assert torch.equal(q.float(), seeded_q.float()) and torch.equal(s, seeded_s)
+    ptrs = (q.data_ptr(), s.data_ptr())
+    assert quant.refresh() == []
+    with torch.no_grad():
+        w.add_(0.01)  # an optimizer step
+    assert quant.refresh() == ["w"] and quant.requantized == 1
+    q2, s2 = quant.get(w)
+    want_q, want_s = quantize_weight_blocks(w.detach(), BLOCK)
+    assert (q2.data_ptr(), s2.data_ptr()) == ptrs  # same addresses
+    assert torch.equal(q2.float(), want_q.float()) and torch.equal(s2, want_s)
+
+
+# ---- checkpoints -------------------------------------------------------------------------------------------------
+def test_generated_fp8_checkpoint_is_laid_out_as_qwen3_fp8_ships(example, workdir):
+    cfg = load_config(_fp8_example(example))
+    ctx = GateContext(cfg)
+    d = ctx.model.dir
+    q = json.loads((d / "config.json").read_text())["quantization_config"]
+    assert q == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [16, 16]}
+    t = tensor_locations(d)
+    fp8 = {k for k, v in t.items() if v["dtype"] == "F8_E4M3"}
+    assert fp8 and all(k.endswith("_proj.weight") for k in fp8)
+    assert all(k[: -len(".weight")] + ".weight_scale_inv" in t for k in fp8)
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in fp8  # per-expert names, as the checkpoint ships
+    for k in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.1.mlp.gate.weight", "model.norm.weight"):
+        assert t[k]["dtype"] == "F32", k
+    assert t["model.layers.0.self_attn.q_proj.weight_scale_inv"]["shape"] == [4, 4]
+
+
+def test_a_size_that_is_not_whole_blocks_is_one_clear_error(tmp_path):
+    from tic.harness.model.generate import generate_model
+
+    (tmp_path / "src").mkdir()
+    cfg = json.loads((Path(__file__).parents[1] / "examples/tiny-qwen3/config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps(dict(cfg, intermediate_size=120, num_hidden_layers=1)))
+    with pytest.raises(TicInputError, match="not a whole number of 16x16 blocks"):
+        generate_model(tmp_path / "src", 0, quantization=("fp8", (16, 16)))
+
+
+def test_cut_of_an_fp8_checkpoint_keeps_codes_and_scales(example, workdir):
+    from tic.harness.model.cut import cut_model
+
+    full = GateContext(load_config(_fp8_example(example))).model.dir
+    cut = workdir / "cut"
+    cut_model(full, cut, layers="0,1,2,3")
+    src, dst = tensor_locations(full), tensor_locations(cut)
+    assert {k: v["dtype"] for k, v in dst.items()} == {k: v["dtype"] for k, v in src.items()}
+    assert json.loads((cut / "config.json").read_text())["quantization_config"]["weight_block_size"] == [16, 16]
+
+
+# ---- gates on a generated block-FP8 MoE model, kernels: consistent on both sides ---------------------------------
+def _fp8_example(example):
+    ex = example("tiny-qwen3-moe")
+    text = (ex / "tic-consistent.yaml").read_text().replace(
+        "generate: {seed: 0}", "generate: {seed: 0, quantization: fp8, weight_block_size: [16, 16]}")
+    assert "quantization: fp8" in text
+    (ex / "tic-fp8.yaml").write_text(text)
+    return ex / "tic-fp8.yaml"
+
+
+@pytest.fixture
+def fp8_ctx(example, workdir):
+    hf._MODELS.clear()
+    cfg = load_config(_fp8_example(example))
+    cfg.prompts.count, cfg.sampling.max_tokens = 4, 6
+    cfg.layouts.batch_sizes, cfg.layouts.probes = [3], 1
+    cfg.locate.enabled = False
+    yield GateContext(cfg)
+    hf._MODELS.clear()
+
+
+@pytest.mark.parametrize("gate", ["C3", "C4", "C5"])
+def test_fp8_model_passes_with_consistent_kernels(fp8_ctx, gate):
+    assert fp8_ctx.rollout_engine().model._tic_ops.quant is not None  # the FP8 path, not the dequantized model
+    res = run_gate(get(gate), fp8_ctx)
+    assert res.verdict == "pass", res.reason
+
+
+def test_c5_fails_when_training_holds_its_scales_in_bfloat16(fp8_ctx):
+    """Planted: the train side's copy of one projection keeps the checkpoint's codes but its scales rounded to
+    bfloat16 (a trainer that stores scales in the model dtype); C5 must see it."""
+    fp8_ctx.rollout_engine()
+    hf._MODELS.clear()
+    model = fp8_ctx.train_engine().model
+    quant = model._tic_ops.quant
+    name = "model.layers.2.self_attn.o_proj.weight"
+    codes, scales = quant.copies()[name]
+    assert not torch.equal(scales.bfloat16().float(), scales)
+    quant.register(name, model.get_parameter(name), codes, scales.bfloat16().float())
+    res = run_gate(get("C5"), fp8_ctx)
+    assert res.verdict == "fail" and res.metrics["first_mismatch"] is not None
+
+
+def test_c8_requantizes_in_place_and_the_rollout_holds_the_trainers_copy(fp8_ctx):
+    fp8_ctx.cfg.training.updates = 2
+    res = run_gate(get("C8"), fp8_ctx)
+    assert res.verdict == "pass", res.reason
+    assert res.metrics["storage_moved"] == 0 and res.metrics["unequal_after_sync"] == 0
+    refreshed = res.details["syncs"][0]["refreshed"]
+    assert "model.layers.0.self_attn.q_proj.weight" in refreshed and any("experts.gate_up_proj" in r for r in refreshed)
+
+
+def test_synced_rollout_copies_equal_the_trainers_bitwise(fp8_ctx):
+    from tic.harness.measure.rl import PolicyGradientTrainer, rollout_and_recompute, sync_weights
+
+    rollout, train = fp8_ctx.private_engine("rollout", "t"), fp8_ctx.private_engine("train", "t")
+    trainer = PolicyGradientTrainer(train, 1e-3)
+    samples, _, _ = rollout_and_recompute(rollout, train, fp8_ctx.prompts, fp8_ctx.sampling, 0)
+    trainer.step(samples, fp8_ctx.sampling)
+    train.model._tic_ops.quant.refresh()  # the trainer's copy of the new weights (its next forward would make it)
+    before = rollout.weight_storage()
+    assert sync_weights(trainer, rollout).ok and rollout.weight_storage() == before
+    mine, theirs = rollout.model._tic_ops.quant.copies(), train.model._tic_ops.quant.copies()
+    assert mine.keys() == theirs.keys()
+    for name, (q, s) in theirs.items():
+        assert torch.equal(mine[name][0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(mine[name][1], s), name
+    assert train.model._tic_ops.quant.requantized > 0
+
+
+
+# ---- C7: the STE gradients against plain transformers following the FP8 forward ----------------------------------
+def _c7(ctx):
+    for k in [k for k in hf._MODELS if k[-1]]:  # the trainable copies: C7 backward runs a fresh one
+        del hf._MODELS[k]
+    return ctx.train_engine().trainable_model()
+
+
+def test_c7_passes_on_the_fp8_model_and_fails_on_a_planted_fp8_backward(fp8_ctx):
+    from tic.harness.testing.backward_plants import planted_fault
+
+    fp8_ctx.cfg.prompts.count, fp8_ctx.cfg.sampling.max_tokens = 3, 4
+    _c7(fp8_ctx)
+    res = run_gate(get("C7"), fp8_ctx)
+    assert res.verdict == "pass", res.reason
+    for op, fault in (("fp8_linear", lambda g: (-g[0], *g[1:])),  # the input gradient's sign flipped
+                      ("fp8_moe_experts", lambda g: (*g[:3], torch.zeros_like(g[3]), g[4]))):  # gate_up's lost
+        with planted_fault(_c7(fp8_ctx), op, grads=fault):
+            res = run_gate(get("C7"), fp8_ctx)
+        assert res.verdict == "fail", (op, res.reason)
+
+
+def test_bf16_masters_do_not_round_trip_to_the_checkpoints_scales():
+    """Why the loaded copy is the checkpoint's own: codes x scales rounded to bfloat16 requantize to scales a
+    rounding apart (float32 masters would round trip), so a training side that requantized them would not run
+    the rollout's weights."""
+    q, s = quantize_weight_blocks(torch.randn(64, 64, generator=torch.Generator().manual_seed(5)) * 0.02, BLOCK)
+    _, s_bf16 = quantize_weight_blocks(dequantize_weight_blocks(q, s, BLOCK, torch.bfloat16), BLOCK)
+    _, s_f32 = quantize_weight_blocks(dequantize_weight_blocks(q, s, BLOCK, torch.float32), BLOCK)
+    assert not torch.equal(s_bf16, s) and torch.equal(s_f32, s)
+
+
+def test_checkpoint_weights_for_an_fp8_rollout_are_codes_and_scales_as_the_checkpoint_holds_them(fp8_ctx):
+    """What a vLLM rollout (checkpoint format) is sent: before any update the checkpoint's own tensors, bitwise;
+    after one, the deployment rule applied to each expert's and projection's new master weights."""
+    from tic.harness.measure.rl import PolicyGradientTrainer, rollout_and_recompute
+    from tic.harness.model.quantize import read_block_fp8
+
+    train = fp8_ctx.private_engine("train", "t")
+    trainer = PolicyGradientTrainer(train, 1e-3)
+    stored = read_block_fp8(fp8_ctx.model.dir)
+    sent = trainer.checkpoint_weights()
+    for name, (q, s) in stored.items():
+        assert torch.equal(sent[name].view(torch.uint8), q.view(torch.uint8)), name
+        assert torch.equal(sent[name[: -len(".weight")] + ".weight_scale_inv"], s), name
+    assert sent["lm_head.weight"].dtype == torch.float32  # unquantized weights as they are
+    samples, _, _ = rollout_and_recompute(train, train, fp8_ctx.prompts[:2], fp8_ctx.sampling, 0)
+    trainer.step(samples, fp8_ctx.sampling)
+    sent = trainer.checkpoint_weights()
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    master = train.model.get_parameter("model.layers.1.mlp.experts.gate_up_proj")[3, 32:]
+    q, s = quantize_weight_blocks(master.detach(), BLOCK)
+    assert torch.equal(sent[name].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(sent[name[: -len(".weight")] + ".weight_scale_inv"], s)
+    assert not torch.equal(s, stored[name][1])
