@@ -94,7 +94,7 @@ class BackwardConfig(Strict):
 
 
 class EngineConfig(Strict):
-    engine: Literal["hf", "vllm", "dump"] = "hf"
+    engine: Literal["hf", "vllm", "dump", "megatron"] = "hf"
     # hf: "stock" is plain transformers; "consistent" runs tic's row-invariant CPU kernels and "vllm" the
     # installed vLLM's GPU kernels, both through tic's autograd wrappers (forward = kernel, backward = reference).
     kernels: Literal["stock", "consistent", "vllm"] = "stock"
@@ -146,7 +146,7 @@ class EngineConfig(Strict):
             why = patches.conflict(list(self.patches))
             if why:
                 raise ValueError(why)
-            targets = {known[n].target for n in self.patches}
+            targets = {known[n].engine or known[n].target for n in self.patches}
             if self.engine not in targets:
                 raise ValueError(f"patches target {', '.join(sorted(targets))}, not engine {self.engine!r}")
         return self

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from tic.gates.base import Gate, Judgement, Measurement, Verdict
+from tic.harness.engines.megatron import refusals as megatron_refusals
 from tic.harness.engines.vllm import mode_refusals
 from tic.harness.model.inventory import build_manifest
 from tic.harness.kernels.coverage import KERNELS, coverage_problems, coverage_table, format_table
@@ -24,7 +25,10 @@ def measure(ctx) -> Measurement:
         rejected += layout_refusals(side, side_cfg.parallel, options, side_cfg.engine,
                                     getattr(side_cfg, "patches", ()))
     if cfg.rollout.engine == "vllm":
-        rejected += mode_refusals(cfg.rollout.options, cfg.train.kernels if cfg.train.engine == "hf" else "stock")
+        rejected += mode_refusals(cfg.rollout.options,
+                                  cfg.train.kernels if cfg.train.engine in ("hf", "megatron") else "stock")
+    if cfg.train.engine == "megatron":  # the Megatron train engine's own limits (issue 32)
+        rejected += megatron_refusals(cfg.train, ctx.model_config)
     coverage = kernel_coverage(cfg, ctx.model_config)
     rejected += coverage["not_covered"]
     if cfg.training.updates_per_step > 1:

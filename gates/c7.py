@@ -34,7 +34,7 @@ def thresholds(ctx) -> tuple[float, float]:
 
 def measure(ctx) -> Measurement:
     tc = ctx.cfg.train
-    if tc.engine != "hf" or tc.kernels not in ("consistent", "vllm"):
+    if tc.engine not in ("hf", "megatron") or tc.kernels not in ("consistent", "vllm"):
         if tc.engine == "dump":
             raise TicInputError("C7 needs a live train engine (hf with kernels consistent or vllm), not a dump")
         # stock kernels train with plain autograd: there is no surrogate to check, and nothing to pass

@@ -1,4 +1,5 @@
-"""Bundled patches: fixes for the rollout engine (vLLM) that tic applies by name, never by editing site-packages.
+"""Bundled patches: fixes for the rollout engine (vLLM) and the Megatron-core trainer that tic applies by name,
+never by editing site-packages.
 
 Each patch is one module under `tic.patches.<target>` that defines `PATCH`, a `tic.patches.base.Patch`: its
 metadata (target package and versions, symptom, gate, guide, cost) and its `apply`/`revert`/`is_applied`.
@@ -16,7 +17,7 @@ from tic.core.errors import TicInputError
 from tic.patches.base import Patch
 
 ENV_VAR = "TIC_PATCHES"
-_TARGETS = ("vllm",)
+_TARGETS = ("vllm", "megatron")
 
 
 def registry() -> dict[str, Patch]:

@@ -24,6 +24,8 @@ class Patch:
     guide: str                  # the guide that names it, relative to the package root
     cost: str                   # measured cost, or what it costs in principle until measured
     excludes: tuple = ()        # patches that change the same function and so cannot be active with this one
+    module: str = ""            # the target's import name where it is not the distribution's (megatron.core)
+    engine: str = ""            # the tic engine whose config lists it, where not the target (megatron)
     _apply: Callable[[], None] = field(repr=False, default=lambda: None)
     _revert: Callable[[], None] = field(repr=False, default=lambda: None)
     _is_applied: Callable[[], bool] = field(repr=False, default=lambda: False)
@@ -33,7 +35,7 @@ class Patch:
             return metadata.version(self.target)
         except metadata.PackageNotFoundError:
             try:  # a target on PYTHONPATH without dist-info (e.g. an unpacked bundle)
-                return getattr(importlib.import_module(self.target), "__version__", None)
+                return getattr(importlib.import_module(self.module or self.target), "__version__", None)
             except ImportError:
                 return None
 
@@ -62,7 +64,7 @@ class Patch:
         """Read from the target's live objects; a target this process never imported is unpatched."""
         import sys
 
-        return self.target in sys.modules and bool(self._is_applied())
+        return (self.module or self.target) in sys.modules and bool(self._is_applied())
 
     def describe(self) -> dict:
         return {"name": self.name, "target": f"{self.target}{self.versions}", "gate": self.gate,

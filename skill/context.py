@@ -36,7 +36,7 @@ def check_kernels(cfg: TicConfig) -> None:
         if c.kernels == "vllm" and c.engine == "hf" and side == "rollout":
             raise TicInputError("rollout: kernels: vllm runs prefill-style training forwards only; for a vLLM "
                                 "rollout use rollout: {engine: vllm}")
-        if c.kernels == "vllm" and c.engine == "hf":
+        if c.kernels == "vllm" and c.engine in ("hf", "megatron"):
             try:
                 require_vllm(c.device, load=False)  # the rollout engine sets vLLM's mode before it is imported
             except TicInputError as e:

@@ -57,6 +57,13 @@ def check_engine(ctx, side: str) -> None:
     if c.tensor_parallel_size != 1:
         raise TicInputError(f"{side}.tensor_parallel_size={c.tensor_parallel_size}: TP>1 puts a cross-GPU "
                             "all-reduce on the compared path, which the method does not cover")
+    if c.engine == "megatron":  # the Megatron train engine (issue 32)
+        from tic.harness.engines.megatron import refusals, require_megatron
+
+        why = refusals(c) if side == "train" else ["megatron is a train engine; use rollout.engine: hf or vllm"]
+        if why:
+            raise TicInputError(f"{side}: {why[0]}")
+        require_megatron()
     if c.engine == "vllm":
         if side != "rollout":
             raise TicInputError(f"{side}.engine: vllm is a rollout engine; use hf or dump")
@@ -67,7 +74,7 @@ def check_engine(ctx, side: str) -> None:
             raise TicInputError("rollout.engine is vllm but vLLM is not installed; install tic[vllm] on a GPU machine")
     device = getattr(c, "device", "cpu")
     if device != "cpu":
-        if c.engine == "hf" and c.kernels == "consistent":
+        if c.engine in ("hf", "megatron") and c.kernels == "consistent":
             raise TicInputError(f"{side}: kernels: consistent are CPU kernels; use device: cpu")
         if not torch.cuda.is_available():
             raise TicInputError(f"{side}.device is {device!r} but torch sees no CUDA GPU")

@@ -88,7 +88,7 @@ def test_every_validation_error_is_listed_with_allowed_values(setup, workdir, ti
     cfg = write_config("rollout: {engine: sglang, batch_size: 0}\nsampling: {max_tokens: lots}\n")
     code, _, err = tic("gate", "C0", "-c", str(cfg))
     assert code == 2 and "more)" not in err
-    for part in ("rollout.engine: Input should be 'hf', 'vllm' or 'dump' (got 'sglang')", "rollout.batch_size",
+    for part in ("rollout.engine: Input should be 'hf', 'vllm', 'dump' or 'megatron' (got 'sglang')", "rollout.batch_size",
                  "sampling.max_tokens"):
         assert part in err
 

@@ -48,6 +48,8 @@ MODES = {
 TRAIN = {
     "hf": {"engine": "hf", "device": "cuda", "attn_implementation": "sdpa", "micro_batch_size": 4},
     "vllm": {"engine": "hf", "device": "cuda", "kernels": "vllm", "micro_batch_size": 4},
+    # Megatron-core with tic's layer specs on vLLM's kernels (guides/megatron.md; needs megatron-core installed)
+    "megatron": {"engine": "megatron", "device": "cuda", "kernels": "vllm", "micro_batch_size": 4},
 }
 
 # Workloads: 48 requests of 48 sampled tokens at temperature 1, C3 probes in batches of 2, 16 and 48. "first":
@@ -141,6 +143,10 @@ def _variants() -> dict[str, Variant]:
         v[f"l-{m}-eager"] = Variant(f"{m}, the whole ladder, patched eager rollout", m, ladder=True)
         v[f"l-{m}-graph"] = Variant(f"{m}, the whole ladder, patched rollout with decode CUDA graphs", m,
                                     "decode-graphs", ladder=True)
+    # the Megatron-core trainer against the patched eager rollout (C5-C8: ladder sections for C8's updates)
+    for m in ("dense", "moe", "llama"):
+        v[f"m-{m}-eager"] = Variant(f"{m}, patched eager rollout, Megatron-core training on vLLM's kernels", m,
+                                    train="megatron", ladder=True)
     # rank layouts (two GPUs): moe4 has 16 experts top-4, so a merge of 4 slots has more than one rounding order
     slot = (*PATCHES, SLOT_ORDER)
     v["x-moe-tp2"] = Variant("moe, TP = 2 rollout (C0 refuses it)", "moe", rollout_parallel={"tp": 2})

@@ -12,6 +12,7 @@ from tic.harness.engines.base import Engine, Sample, Sampling
 from tic.harness.engines.dump import DumpEngine
 from tic.harness.engines.hf import HFEngine
 from tic.harness.engines.hf_ranks import RankedHFEngine, check_options
+from tic.harness.engines.megatron import MegatronEngine  # megatron-core itself is imported when one is built
 from tic.harness.engines.vllm import VLLMEngine
 from tic.harness.engines.vllm_ranks import RankedVLLMEngine
 from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE
@@ -26,6 +27,8 @@ def engine_class(side_cfg: EngineConfig) -> type[Engine]:
         return HFEngine
     if side_cfg.engine == "vllm":
         return VLLMEngine
+    if side_cfg.engine == "megatron":
+        return MegatronEngine
     return DumpEngine
 
 
@@ -58,4 +61,9 @@ def build_engine(side: str, side_cfg: EngineConfig, model: ModelFacts | None, re
         if par.dp > 1:  # one rank process per DP rank, each with its own in-process engine
             return RankedVLLMEngine.from_config(side_cfg, model, resolve)
         return VLLMEngine.from_config(side_cfg, model, resolve)  # vLLM itself is imported when it is built
+    if side_cfg.engine == "megatron":
+        if side != "train":
+            raise TicInputError("megatron is a train engine; use rollout.engine: hf or vllm")
+        kv_block_size = rollout_kv_block_size() if side_cfg.kernels == "vllm" else DEFAULT_KV_BLOCK_SIZE
+        return MegatronEngine.from_config(side_cfg, model.dir, model.dtype, shared_model, kv_block_size)
     raise TicInputError(f"{side}.engine: unknown engine {side_cfg.engine!r}")

@@ -63,6 +63,10 @@ def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", att
                 model_dir, attn_implementation="eager" if kernels in WRAPPED_KERNELS else attn, **kwargs)
         if device != "cpu":
             model.to(device)
+        else:  # fresh storage: a memory-mapped checkpoint leaves weights at any offset, and CPU BLAS picks its
+            for p in model.parameters():  # path by address (the same bits elsewhere, e.g. a converted copy, differ)
+                if p.data_ptr() % 64:
+                    p.data = p.data.clone()
         quant = attach_checkpoint(model, model_dir)  # after the move: each copy sits beside its master weight
     except (OSError, ValueError, KeyError) as e:
         raise TicInputError(f"cannot load model from {model_dir}: {str(e).splitlines()[0]}") from None

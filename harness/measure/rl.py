@@ -122,6 +122,8 @@ class PolicyGradientTrainer:
 
     def weights_for(self, engine: Engine) -> dict[str, torch.Tensor]:
         """The weights in the form `engine` takes them (its weight_format: module parameters or checkpoint)."""
+        if hasattr(self.model, "hf_weights"):  # a trainer that holds them in its own layout (megatron, issue 32)
+            return self.model.hf_weights()
         return self.checkpoint_weights() if engine.weight_format == "checkpoint" else self.weights()
 
     # -- checkpoints -------------------------------------------------------------------------------------
