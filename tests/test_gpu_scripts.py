@@ -165,3 +165,30 @@ def test_verdict_table_reads_ladder_records_and_per_gate_records(tmp_path):
     assert lines[4].count("not run (see log)") == 3
     assert verdicts.table(tmp_path, ["a"], ["C5"], "verdict").splitlines()[2] == "| a | pass |"
     assert "pass: C5 figure -- why" in verdicts.table(tmp_path, ["a"], ["C5"], "reason")
+
+
+def test_every_attribute_a_benchmark_reads_of_a_tic_module_exists():
+    """`from tic.x import mod as m` then `m.name`: the attribute must exist too (a function renamed in tic would
+    otherwise surface only on the device, as the GEMM probe's did)."""
+    import types
+
+    checked = 0
+    for path in sorted((REPO / "benchmarks").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "tic":
+                for a in node.names:
+                    try:
+                        obj = importlib.import_module(f"{node.module}.{a.name}")
+                    except ModuleNotFoundError:
+                        continue
+                    if isinstance(obj, types.ModuleType):
+                        aliases[a.asname or a.name] = obj
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                mod = aliases[node.value.id]
+                assert hasattr(mod, node.attr), f"{path.relative_to(REPO)}:{node.lineno}: {mod.__name__} has no " \
+                                                f"{node.attr}"
+                checked += 1
+    assert checked > 5
