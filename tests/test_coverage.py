@@ -87,6 +87,23 @@ def test_an_unknown_layer_structure_is_refused():
                                                          "layer of children")
 
 
+def test_one_unknown_layer_among_known_ones_is_refused():
+    """A layer the reader recognises as no kind at all (here a block without attention or mixer) must not be
+    skipped because the other layers are known: left unwrapped it would run stock kernels on both sides."""
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 64)
+
+    model = meta_of("tiny-qwen3")
+    model.model.layers[2] = Odd()
+    problems = coverage_problems(model)
+    assert problems == ["model.layers.2 (Odd): a layer structure the wrappers do not know (children: proj)"]
+    table = {r["layer"]: r for r in coverage_table(model)}
+    assert table["model.layers.2"]["covered_by"] == [] and table["model.layers.1"]["covered_by"]
+
+
 def test_an_activation_outside_the_registry_names_the_config_field():
     problems = coverage_problems(meta_of("tiny-qwen3", hidden_act="gelu"))
     assert problems == ["model.layers.{0,1,2,3}.mlp (Qwen3MLP): a gated MLP whose activation is neither SiLU nor "

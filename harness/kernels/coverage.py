@@ -398,10 +398,27 @@ def read_coverage(model: nn.Module) -> list[LayerCoverage]:
     cfg = model.config.get_text_config()
     layers = [read_layer(n, m, cfg) if is_decoder_layer(m) else read_hybrid_block(n, m, cfg)
               for n, m in model.named_modules() if is_decoder_layer(m) or is_hybrid_block(m)]
+    layers += _unknown_layers(model)
     if not layers:
         layers = [LayerCoverage("model.layers", "none", refusals=[Refusal(
             "model.layers", type(model).__name__, "no decoder layer with self_attn, mlp and input_layernorm")])]
     return layers + [read_model(model)]
+
+
+def _unknown_layers(model: nn.Module) -> list[LayerCoverage]:
+    """The entries of the model's layer lists (a ModuleList named ...layers) that are no layer kind the registry
+    knows: each is refused, so one unknown layer among known ones is never left out of the wrapping unseen."""
+    out = []
+    for name, lst in model.named_modules():
+        if not (isinstance(lst, nn.ModuleList) and name.split(".")[-1] == "layers"):
+            continue
+        for i, m in enumerate(lst):
+            if not (is_decoder_layer(m) or is_hybrid_block(m)):
+                n, kind = f"{name}.{i}", type(m).__name__
+                out.append(LayerCoverage(n, kind, refusals=[Refusal(
+                    n, kind, "a layer structure the wrappers do not know (children: "
+                             f"{', '.join(dict(m.named_children())) or 'none'})")]))
+    return out
 
 
 def problem_lines(coverage: list[LayerCoverage], kernels: str) -> list[str]:
