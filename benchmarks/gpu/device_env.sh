@@ -54,3 +54,14 @@ plants() {
       > "$res/c7-plants-$m.log" 2>&1) &
   done
 }
+
+# megatron_install: megatron-core from the wheels carried in .carry/megatron (fetched here with
+# `pip download megatron-core==0.16.1 --no-deps --only-binary=:all: --python-version 3.X -d .carry/megatron`;
+# name .carry/megatron in the run's carry), the one for the device's Python, into the bundle's site folder
+megatron_install() {
+  local tag whl
+  tag=$(python3 -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+  whl=$(ls "$REPO"/.carry/megatron/megatron_core-*-"$tag"-*.whl 2>/dev/null | head -1)
+  [ -n "$whl" ] || { echo "no megatron-core wheel for $tag in .carry/megatron" >&2; return 2; }
+  python3 -m pip install -q --no-deps --target "$SITE" "$whl"
+}

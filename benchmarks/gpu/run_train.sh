@@ -12,6 +12,7 @@ W=$WORK/train; mkdir -p "$W/records" "$W/res"; cd "$W"
 versions "$OUT/versions.txt"
 names=${*:-t-dense-eager t-moe-eager t-big-eager}
 configs "$W" $names
+case " $names " in *" m-"*) megatron_install || exit 2 ;; esac  # the Megatron trainer's configs: its wheel first
 FROM=${FROM:-C5}; TO=${TO:-C7}
 for n in $names; do
   TIC_LOCATE=${TIC_LOCATE:-1} timeout ${TIC_RUN_TIMEOUT:-420} python3 "$GPU/drive.py" "$n.yaml" "$W/res" --from "$FROM" --to "$TO" > "$W/res/$n.log" 2>&1 &
