@@ -52,6 +52,21 @@ def test_inventory_reads_mistrals_window_on_every_layer():
     assert {k["attention"] for k in layer_kinds({**cfg, "sliding_window": None})} == {"full"}
 
 
+@pytest.mark.parametrize("model_type,config_cls,extra", [
+    ("gemma2", "Gemma2Config", {}), ("gemma3_text", "Gemma3TextConfig", {}),
+    ("gemma3_text", "Gemma3TextConfig", {"sliding_window_pattern": 3})])
+def test_inventory_reads_gemmas_layer_types_as_transformers_derives_them(model_type, config_cls, extra):
+    """Released Gemma configs carry no layer_types: C0's manifest (raw config.json) must read the same layers as
+    transformers' config, which derives them from the period."""
+    import transformers
+
+    from tic.harness.model.families import layer_kinds
+
+    cfg = {"model_type": model_type, "num_hidden_layers": 8, **extra}
+    want = getattr(transformers, config_cls)(num_hidden_layers=8, **extra).layer_types
+    assert [k["attention"] for k in layer_kinds(cfg)] == [t.split("_")[0] for t in want]
+
+
 def test_full_and_sliding_layers_of_one_model_read_apart():
     rows = coverage_table(meta_of("tiny-gemma3"))
     assert "attention:full" in rows[2]["operator_classes"] and "attention:sliding" not in rows[2]["operator_classes"]

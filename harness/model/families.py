@@ -27,8 +27,10 @@ class Family:
     moe: str = "none"
     experts_key: str = "num_experts"
     # attention kind when config has no layer_types: "full", "qwen2_window" (use_sliding_window + max_window_layers),
-    # or "config_window" (every layer sliding when sliding_window is set: Mistral)
+    # "config_window" (every layer sliding when sliding_window is set: Mistral), or "every_nth_full" (layer i, from
+    # 1, is full when i is a multiple of the config's sliding_window_pattern, else sliding: transformers' Gemma rule)
     attention: str = "full"
+    window_pattern: int = 0  # every_nth_full's period when the config names none
     # hybrid pattern key (one letter per layer) and what each letter means
     pattern_key: str | None = None
     pattern_letters: dict = field(default_factory=dict)
@@ -56,8 +58,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3_next": Family(moe="sparse_step", extra_classes=("rope", "partial_rope")),
     "mixtral": Family(moe="all", experts_key="num_local_experts"),
     "deepseek_v3": Family(moe="first_k_dense", experts_key="n_routed_experts"),
-    "gemma2": Family(norm="rmsnorm_gemma"),
-    "gemma3_text": Family(norm="rmsnorm_gemma"),
+    "gemma2": Family(norm="rmsnorm_gemma", attention="every_nth_full", window_pattern=2),
+    "gemma3_text": Family(norm="rmsnorm_gemma", attention="every_nth_full", window_pattern=6),
     "nemotron_h": Family(pattern_key="hybrid_override_pattern",
                          pattern_letters={"M": ("mamba2", None), "*": ("full", None), "-": (None, "dense"),
                                           "E": (None, "moe")},
@@ -144,6 +146,12 @@ def layer_kinds(cfg: dict) -> list[dict]:
     elif fam.attention == "config_window" and cfg.get("sliding_window"):
         for i in range(n):
             out[i]["attention"] = "sliding"
+    elif fam.attention == "every_nth_full":
+        period = int_field(cfg, "sliding_window_pattern", fam.window_pattern)
+        if period < 1:
+            raise TicInputError(f"config.json: sliding_window_pattern must be at least 1, got {period}")
+        for i in range(n):
+            out[i]["attention"] = "sliding" if (i + 1) % period else "full"
     elif fam.attention == "qwen2_window" and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
         start = int_field(cfg, "max_window_layers", n)
         for i in range(start, n):
