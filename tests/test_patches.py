@@ -210,13 +210,17 @@ def test_gemm_fixed_order_hands_vllm_tics_gemm_eager_and_as_a_custom_op(fake_vll
         return y if bias is None else y + bias
 
     monkeypatch.setattr(fixed_order_gemm, "linear", rowwise)
+    stock = utils.dispatch_unquantized_gemm()
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(37, 24, generator=g), torch.randn(8, 24, generator=g)
+    x, w = torch.randn(37, 24, generator=g).bfloat16(), torch.randn(8, 24, generator=g).bfloat16()
     patches.apply(["gemm-fixed-order"])
     gemm = utils.dispatch_unquantized_gemm()
     assert gemm.__name__ == "tic_gemm" and torch.equal(gemm(None, x, w), rowwise(x, w))
     assert torch.equal(torch.ops.tic.linear_fixed_order(x, w, None), rowwise(x, w))
     assert seen[0] == 37
+    n = len(seen)  # float32 (a TF32 dot in the Triton GEMM) runs vLLM's own GEMM instead
+    x32, w32 = x.float(), w.float()
+    assert torch.equal(gemm(None, x32, w32), stock(None, x32, w32)) and len(seen) == n
     patches.apply([])
     assert utils.dispatch_unquantized_gemm().__name__ == "default_unquantized_gemm"
 
@@ -258,13 +262,13 @@ def test_gemm_fixed_m_custom_op_runs_where_the_dispatcher_never_ran(fake_vllm):
     """A graph vLLM compiled in an earlier process and loaded from its compile cache calls the custom op without
     tracing the dispatcher (under vLLM's default compile mode this was a KeyError during memory profiling)."""
     from vllm.model_executor.layers import utils
-    from tic.patches.vllm import gemm_fixed_m
+    from tic.patches.vllm import _gemm_dispatch
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(200, 96, generator=g), torch.randn(40, 96, generator=g)
     stock = utils.dispatch_unquantized_gemm()
     patches.apply(["gemm-fixed-m"])
-    gemm_fixed_m._state.pop("gemm", None)  # no dispatch in this process
+    _gemm_dispatch._vllm.pop("gemm", None)  # no dispatch in this process
     got = torch.ops.tic.linear_fixed_m(x, w, None)
     assert torch.equal(got[:128], stock(None, x[:128].clone(), w))
     assert torch.equal(got[128:], stock(None, torch.cat([x[128:], x.new_zeros(56, 96)]), w)[:72])
@@ -272,10 +276,12 @@ def test_gemm_fixed_m_custom_op_runs_where_the_dispatcher_never_ran(fake_vllm):
 
 def test_gemm_fixed_m_batches_or_writes_full_tiles_in_place_only_where_that_gives_the_gemms_bits(fake_vllm,
                                                                                                  monkeypatch):
+    from tic.patches.vllm import _gemm_dispatch
     from tic.patches.vllm import gemm_fixed_m as gm
 
     patches.apply(["gemm-fixed-m"])
     monkeypatch.setattr(gm, "_state", dict(gm._state))  # this test's GEMMs and probes stay here
+    monkeypatch.setattr(_gemm_dispatch, "_vllm", dict(_gemm_dispatch._vllm))
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(300, 96, generator=g), torch.randn(40, 96, generator=g)
     calls = []
@@ -297,7 +303,8 @@ def test_gemm_fixed_m_batches_or_writes_full_tiles_in_place_only_where_that_give
     cases = [(mm_gemm, real_bmm, [("bmm", 2)]), (mm_gemm, lying_bmm, [("mm", 128), ("mm", 128)]),
              (wide_gemm, real_bmm, [])]
     for gemm, bmm, expect in cases:
-        gm._state.update(gemm=gemm, same_bits={})
+        _gemm_dispatch._vllm["gemm"] = gemm
+        gm._state.update(same_bits={})
         monkeypatch.setattr(torch, "mm", counting("mm", real_mm))
         monkeypatch.setattr(torch, "bmm", counting("bmm", bmm))
         out = gm.linear_fixed_m(x, w)  # probes first (they call mm/bmm too), then runs

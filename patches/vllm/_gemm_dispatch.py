@@ -11,6 +11,19 @@ from tic.patches._swap import swap_hooks
 HOME = "vllm.model_executor.layers.utils"
 ATTR = "dispatch_unquantized_gemm"
 _ops: dict = {}
+_vllm: dict = {}  # "gemm": vLLM's own default GEMM, recorded when a swapped dispatch hands out tic's
+
+
+def vllm_gemm():
+    """The GEMM vLLM's own dispatcher picks (unpatched). Recorded when the patched dispatcher runs; looked up again
+    when it never ran in this process: a graph vLLM compiled earlier and loaded from its compile cache calls the
+    custom op without tracing the Python that dispatches."""
+    if "gemm" not in _vllm:
+        import importlib
+
+        dispatch = getattr(importlib.import_module(HOME), ATTR)
+        _vllm["gemm"] = getattr(dispatch, "__wrapped__", dispatch)()
+    return _vllm["gemm"]
 
 
 def _custom_op(qualname: str, linear):
@@ -32,9 +45,9 @@ def _custom_op(qualname: str, linear):
     return op
 
 
-def dispatch_swap(name: str, qualname: str, linear, on_vllm_gemm=None) -> dict:
+def dispatch_swap(name: str, qualname: str, linear) -> dict:
     """A Patch's apply/revert/is_applied that makes vLLM's default unquantized GEMM `linear(x, weight, bias)`
-    (registered as the custom op `qualname`); `on_vllm_gemm(gemm)` sees the GEMM it replaces."""
+    (registered as the custom op `qualname`); vllm_gemm() gives the GEMM it replaces."""
     def make(original_dispatch):
         import torch
 
@@ -50,8 +63,7 @@ def dispatch_swap(name: str, qualname: str, linear, on_vllm_gemm=None) -> dict:
             chosen = original_dispatch()
             if chosen.__name__ != "default_unquantized_gemm":
                 return chosen
-            if on_vllm_gemm is not None:
-                on_vllm_gemm(chosen)
+            _vllm["gemm"] = chosen
             return tic_gemm
         return dispatch
 

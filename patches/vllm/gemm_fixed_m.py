@@ -16,28 +16,16 @@ A row's value is the same either way; the launches, which set a training forward
 
 # no `from __future__ import annotations`: torch.library reads the custom ops' annotations as types
 from tic.patches.base import Patch
-from tic.patches.vllm._gemm_dispatch import HOME, dispatch_swap
+from tic.patches.vllm._gemm_dispatch import dispatch_swap, vllm_gemm
 
 NAME = "gemm-fixed-m"
 ROWS = 128
 _state: dict = {}
 
 
-def _vllm_gemm():
-    """The GEMM vLLM's own dispatcher picks (unpatched). Recorded when the patched dispatcher runs; looked up again
-    when it never ran in this process: a graph vLLM compiled earlier and loaded from its compile cache calls the
-    custom op without tracing the Python that dispatches."""
-    if "gemm" not in _state:
-        import importlib
-
-        dispatch = getattr(importlib.import_module(HOME), "dispatch_unquantized_gemm")
-        _state["gemm"] = getattr(dispatch, "__wrapped__", dispatch)()
-    return _state["gemm"]
-
-
 def linear_fixed_m(x, weight, bias=None):
     """vLLM's own unquantized GEMM (the one its dispatcher chose), called only on tiles of exactly ROWS rows."""
-    gemm = _vllm_gemm()
+    gemm = vllm_gemm()
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     n = x2.shape[0]
@@ -121,5 +109,5 @@ PATCH = Patch(
          "vLLM on the Qwen3-8B shape, 512 -> 256 tokens (docs/results/rollout-throughput.md); gemm-fixed-order "
          "replaces it",
     excludes=("gemm-fixed-order",),
-    **dispatch_swap(NAME, "tic::linear_fixed_m", linear_fixed_m, on_vllm_gemm=lambda g: _state.__setitem__("gemm", g)),
+    **dispatch_swap(NAME, "tic::linear_fixed_m", linear_fixed_m),
 )

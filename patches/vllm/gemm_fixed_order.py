@@ -9,12 +9,17 @@ the whole batch in one launch, where gemm-fixed-m ran one cuBLAS call per 128 ro
 """
 
 from tic.patches.base import Patch
-from tic.patches.vllm._gemm_dispatch import dispatch_swap
+from tic.patches.vllm._gemm_dispatch import dispatch_swap, vllm_gemm
 
 NAME = "gemm-fixed-order"
+DTYPES = ("bfloat16", "float16")  # the GEMM's inputs (a float32 tl.dot would round its inputs to TF32)
 
 
 def linear_fixed_order(x, weight, bias=None):
+    """tic's fixed-order GEMM for bf16/fp16; other dtypes run vLLM's own GEMM, unchanged (and C3 says whether
+    that is batch-invariant)."""
+    if str(x.dtype).removeprefix("torch.") not in DTYPES:
+        return vllm_gemm()(None, x, weight, bias)
     from tic.patches.vllm.fixed_order_gemm import linear
 
     return linear(x, weight, bias)
@@ -24,8 +29,8 @@ PATCH = Patch(
     name=NAME, target="vllm", versions=">=0.26.0,<0.27", gate="C3",
     symptom="C3 (or C4) fails in an MLP or attention projection (e.g. mlp.down_proj), first operator aten.linear "
             "/ aten.mm: the same row differs between a GEMM of few rows and one of many",
-    fix="every unquantized vLLM linear (and the lm_head) runs tic's Triton GEMM: no split-K, one K order for "
-        "every batch size, the tile chosen by speed among tiles proven to give the same bits",
+    fix="every unquantized bf16/fp16 vLLM linear (and the lm_head) runs tic's Triton GEMM: no split-K, one K "
+        "order for every batch size, the tile chosen by speed among tiles proven to give the same bits",
     guide="guides/C3.md",
     cost="measured per projection against cuBLAS in benchmarks/gpu/gemm_order_probe.py and end to end in "
          "docs/results/rollout-throughput.md",
