@@ -136,9 +136,10 @@ def run(x2, weight, bias, tile: Tile):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         progs = min(tiles, _sms(x2.device)) if tile.persistent else tiles
+        desc = TensorDescriptor.from_tensor
         _tma_kernel()[(progs,)](
-            TensorDescriptor.from_tensor(x2, [tile.bm, tile.bk]), TensorDescriptor.from_tensor(weight, [tile.bn, tile.bk]),
-            TensorDescriptor.from_tensor(y, [tile.bm, tile.bn]), bias if bias is not None else y, m, n, k, progs,
+            desc(x2, [tile.bm, tile.bk]), desc(weight, [tile.bn, tile.bk]), desc(y, [tile.bm, tile.bn]),
+            bias if bias is not None else y, m, n, k, progs,
             HAS_BIAS=bias is not None, BLOCK_M=tile.bm, BLOCK_N=tile.bn, BLOCK_K=tile.bk, GROUP_M=8,
             OUT_BF16=x2.dtype == torch.bfloat16, num_warps=tile.warps, num_stages=tile.stages)
     else:
@@ -173,7 +174,7 @@ _chosen: dict = {}
 
 def tile_for(m: int, weight, x_dtype, has_bias: bool) -> Tile:
     """The tile a problem of m rows runs: the fastest candidate of m's size class whose bits equal the reference
-    tile's on seeded operands of the problem (measured once per class, weight shape and dtype, never on the data).
+    tile's on seeded rows against the layer's weight (measured once per class, weight shape and dtype).
     While a CUDA graph is being captured an unmeasured class takes the reference tile (measuring would launch
     work into the graph); its bits are the same."""
     import torch
