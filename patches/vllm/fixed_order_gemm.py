@@ -180,7 +180,7 @@ def tile_for(m: int, weight, x_dtype, has_bias: bool) -> Tile:
     import torch
 
     bound = _bucket(m)
-    key = (bound, tuple(weight.shape), weight.dtype, x_dtype, has_bias, str(weight.device))
+    key = (bound, weight.shape, weight.dtype, x_dtype, has_bias, weight.device)
     if key not in _chosen:
         if weight.is_cuda and torch.cuda.is_current_stream_capturing():
             return REFERENCE

@@ -14,7 +14,6 @@ tile's own GEMM (on the H200, cuBLAS's batched GEMM gave the same bits for most 
 A row's value is the same either way; the launches, which set a training forward's cost, are fewer.
 """
 
-# no `from __future__ import annotations`: torch.library reads the custom ops' annotations as types
 from tic.patches.base import Patch
 from tic.patches.vllm._gemm_dispatch import dispatch_swap, vllm_gemm
 
