@@ -3,6 +3,7 @@ the consistent CPU kernels, and the fidelity check that refuses a wrapper comput
 
 import copy
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -250,23 +251,30 @@ def test_vllm_provider_passes_the_window_and_softcap_to_flash_attention(monkeypa
         prov.attention(q, k, v, mask, 0.35, window=4)  # a mask of another window is refused, never run
 
 
-def test_vllm_provider_gemma_norm_runs_vllms_forward_static_on_vllms_layout(monkeypatch):
-    """The (1 + w) norm goes to GemmaRMSNorm.forward_static (stand-in: the same arithmetic) with the rows vLLM's
-    Gemma layers pass ([tokens, hidden]; [tokens, heads, head_dim] for q/k), the add+norm returning the sum."""
+def test_vllm_provider_gemma_norm_runs_vllms_ir_norm_on_vllms_layout(monkeypatch):
+    """The (1 + w) norm goes to vLLM's IR ops rms_norm / fused_add_rms_norm (stand-in: their native arithmetic)
+    with the float32 weight 1 + w, as GemmaRMSNorm.forward_native passes it, on the rows vLLM's Gemma layers pass
+    ([tokens, hidden]; [tokens, heads, head_dim] for q/k); the add+norm returns the sum."""
+    import types
+
     from tic.harness.kernels.consistent_cpu import CPUProvider
 
     prov = _cpu_vllm_provider(monkeypatch)
-    shapes = []
+    calls = []
 
-    def forward_static(weight, eps, x, residual):
-        shapes.append(tuple(x.shape))
-        if residual is not None:
-            x = x + residual
-            residual = x
-        out = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float()))
-        return out.to(x.dtype) if residual is None else (out.to(x.dtype), residual)
+    def native(x, weight, eps, residual=None):
+        calls.append((tuple(x.shape), weight.dtype))
+        xf = x.float() if residual is None else x.float() + residual.float()
+        out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(weight.dtype) * weight
+        return out.to(x.dtype) if residual is None else (out.to(x.dtype), xf.to(x.dtype))
 
-    prov._gemma_norm = forward_static
+    ops = types.SimpleNamespace(rms_norm=native, fused_add_rms_norm=lambda x, r, w, e: native(x, w, e, r))
+    ir = types.ModuleType("vllm.ir")
+    ir.ops = ops
+    vllm = types.ModuleType("vllm")
+    vllm.ir = ir
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.ir", ir)
     g = torch.Generator().manual_seed(1)
     x, r, w = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g), torch.randn(16, generator=g)
     heads = torch.randn(2, 5, 4, 16, generator=g)
@@ -276,4 +284,4 @@ def test_vllm_provider_gemma_norm_runs_vllms_forward_static_on_vllms_layout(monk
     got, total = prov.add_rms_norm(x, r, w, 1e-6, offset=1.0)
     want, want_total = cpu.add_rms_norm(x, r, w, 1e-6, offset=1.0)
     assert torch.equal(got, want) and torch.equal(total, want_total)
-    assert shapes == [(10, 16), (10, 4, 16), (10, 16)]
+    assert calls == [((10, 16), torch.float32), ((10, 4, 16), torch.float32), ((10, 16), torch.float32)]

@@ -120,7 +120,9 @@ def test_generated_fp8_checkpoint_is_laid_out_as_qwen3_fp8_ships(example, workdi
     ctx = GateContext(cfg)
     d = ctx.model.dir
     q = json.loads((d / "config.json").read_text())["quantization_config"]
-    assert q == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [16, 16]}
+    gates = [f"model.layers.{i}.mlp.gate" for i in (1, 2, 3)]  # the MoE layers (layer 0 is dense here)
+    assert q == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [16, 16],
+                 "modules_to_not_convert": ["lm_head", *gates]}  # else vLLM builds the router as an FP8 layer
     t = tensor_locations(d)
     fp8 = {k for k, v in t.items() if v["dtype"] == "F8_E4M3"}
     assert fp8 and all(k.endswith("_proj.weight") for k in fp8)
@@ -129,6 +131,22 @@ def test_generated_fp8_checkpoint_is_laid_out_as_qwen3_fp8_ships(example, workdi
     for k in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.1.mlp.gate.weight", "model.norm.weight"):
         assert t[k]["dtype"] == "F32", k
     assert t["model.layers.0.self_attn.q_proj.weight_scale_inv"]["shape"] == [4, 4]
+
+
+def test_c2s_reference_loads_an_fp8_checkpoint_dequantized(example, workdir):
+    """C2's transformers reference reads codes * scales per block into plain linears (no FP8 layer: on CUDA those
+    need the hub's `kernels` package)."""
+    from tic.harness.model.cut_check import load_hf
+    from tic.harness.model.quantize import dequantize_weight_blocks, read_block_fp8
+
+    d = GateContext(load_config(_fp8_example(example))).model.dir
+    model, problems = load_hf(d)
+    assert model is not None, problems
+    params = dict(model.named_parameters())
+    name = "model.layers.0.self_attn.q_proj.weight"
+    codes, scales = read_block_fp8(d)[name]
+    assert params[name].dtype != torch.float8_e4m3fn
+    assert torch.equal(params[name], dequantize_weight_blocks(codes, scales, (16, 16), params[name].dtype))
 
 
 def test_a_size_that_is_not_whole_blocks_is_one_clear_error(tmp_path):

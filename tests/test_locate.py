@@ -318,3 +318,25 @@ def test_without_matplotlib_the_report_says_there_is_no_chart(tmp_path, monkeypa
     assert report.write_chart(tmp_path / "divergence.png", table, "C5") == ""
     assert not (tmp_path / "divergence.png").exists()
     # (with matplotlib the chart is a PNG: test_planted_divergence_is_localised)
+
+
+def test_children_of_a_module_sharing_a_submodule():
+    """vLLM builds one rotary embedding per configuration and shares it across layers: named_modules() lists it
+    under layer 0 only, so the locator's walk below layer 1 must not look the shared path up (it raised
+    KeyError on Gemma in vLLM)."""
+    from torch import nn
+
+    from tic.harness.locate.capture import module_children
+
+    rope = nn.Identity()
+    layers = nn.ModuleList()
+    for _ in range(2):
+        attn = nn.Module()
+        attn.q_proj, attn.rotary_emb = nn.Linear(2, 2), rope
+        layer = nn.Module()
+        layer.self_attn = attn
+        layers.append(layer)
+    modules = dict(nn.ModuleDict({"layers": layers}).named_modules())
+    assert module_children(modules, "layers.0.self_attn") == ["layers.0.self_attn.q_proj",
+                                                              "layers.0.self_attn.rotary_emb"]
+    assert module_children(modules, "layers.1.self_attn") == ["layers.1.self_attn.q_proj"]

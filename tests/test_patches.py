@@ -445,3 +445,27 @@ def test_rmsnorm_fixed_block_gives_plain_rms_norm_one_launch_shape_for_every_row
     assert got.shape == q.shape and torch.equal(got.reshape(-1, 128), ref)
     patches.apply([])
     assert not patches.registry()["rmsnorm-fixed-block"].is_applied()
+
+
+def test_rmsnorm_fixed_block_routes_vllms_native_norm_to_the_row_kernel_on_cuda_only(fake_vllm):
+    """vLLM runs its native IR norm where the CUDA kernel refuses the arguments (Gemma's float32 (1 + w) weight
+    with bf16 rows); the patch routes it to the fixed-order row kernel on CUDA and leaves CPU calls, and the
+    unpatched state, to the native code."""
+    from vllm import ir
+
+    native = {op: ir.ops.__dict__[op].impls["native"].impl_fn for op in ("rms_norm", "fused_add_rms_norm")}
+    g = torch.Generator().manual_seed(0)
+    x, r = torch.randn(5, 64, generator=g).bfloat16(), torch.randn(5, 64, generator=g).bfloat16()
+    w = torch.randn(64, generator=g) + 1.0  # float32, as Gemma passes it
+    want = native["rms_norm"](x, w, 1e-6), native["fused_add_rms_norm"](x, r, w, 1e-6)
+    patches.apply(["rmsnorm-fixed-block"])
+    try:
+        for op in native:
+            impl = ir.ops.__dict__[op].impls["native"].impl_fn
+            assert impl is not native[op] and impl.__wrapped__ is native[op]
+        assert torch.equal(ir.ops.rms_norm.impls["native"].impl_fn(x, w, 1e-6), want[0])  # CPU: native code
+        got = ir.ops.fused_add_rms_norm.impls["native"].impl_fn(x, r, w, 1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(got, want[1]))
+    finally:
+        patches.apply([])
+    assert all(ir.ops.__dict__[op].impls["native"].impl_fn is native[op] for op in native)

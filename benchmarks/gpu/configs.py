@@ -124,6 +124,9 @@ def _variants() -> dict[str, Variant]:
     # the final logits): FlashAttention's window and softcap, GemmaRMSNorm, gelu_tanh_and_mul on the training side
     for m in ("gemma3", "gemma2"):
         v[f"t-{m}-eager"] = Variant(f"{m}, patched eager rollout, training on vLLM's kernels", m)
+        v[f"t-{m}-eager-no-rms"] = Variant(f"t-{m}-eager without rmsnorm-fixed-block (its with/without run)", m,
+                                           patches=tuple(p for p in PATCHES if p != "rmsnorm-fixed-block"),
+                                           locate=False)
     v["t-dense-bi"] = Variant("dense, batch-invariant rollout without patches, training on vLLM's kernels",
                               "dense", patches=(), batch_invariant=True, locate=False)
     v["t-dense-bi-locate"] = Variant("t-dense-bi with the locator on (C5 fails: FA3 decode vs prefill)", "dense",

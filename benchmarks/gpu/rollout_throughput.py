@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE))
 from configs import MODES, PATCHES as TIC_PATCHES  # noqa: E402
 from shapes import Shape, by_name  # noqa: E402
 
-from tic.harness.model.quantize import block_fp8_config  # noqa: E402
+from tic.harness.model.quantize import block_fp8_config, unquantized_linears  # noqa: E402
 
 PATCHES = ",".join(TIC_PATCHES)
 KEEP_KERNELS = {k: v for k, v in MODES["compiled"].items() if k != "enforce_eager"}
@@ -210,6 +210,19 @@ def parse_workload(text: str, requests: int) -> dict:
     return {"input": inp, "output": outp, "requests": n, "seed": 0, "label": f"{inp}:{outp} x {n}"}
 
 
+def linear_weights(cfg: dict) -> list[str]:
+    """The names of the model's 2-D module weights (linears, routers, embeddings), from its config alone (built on the meta device: dummy
+    weights have no checkpoint to read them from)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return [f"{n}.weight" for n, m in model.named_modules()
+            if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2]
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "child":
         child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
@@ -236,7 +249,7 @@ def main() -> int:
         model_dir = Path(tempfile.mkdtemp(prefix=f"tput-{shape.slug}-"))
         cfg = shape.config(layers=layers)
         if a.fp8:
-            cfg["quantization_config"] = block_fp8_config((128, 128))
+            cfg["quantization_config"] = block_fp8_config((128, 128), unquantized_linears(linear_weights(cfg)))
         (model_dir / "config.json").write_text(json.dumps(cfg))
         common = {"kv_cache_dtype": "fp8"} if a.fp8 else {}
         for res in measure_model(shape, layers, names, works, a.rounds, int(a.kv_gb * GiB), a.memory_gb, model_dir,

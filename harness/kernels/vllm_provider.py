@@ -3,7 +3,7 @@
 Each call goes through vLLM's Python entry points, the ones its model layers use in eager mode, on the layouts
 those layers pass: RMSNorm as `_C.rms_norm` (vLLM's `vllm_c` IR implementation; vLLM's batch-invariant Triton
 norm when VLLM_BATCH_INVARIANT=1), fused add+RMSNorm through vllm._custom_ops, Gemma's (1 + w) norm as vLLM's
-GemmaRMSNorm runs it on CUDA (its `forward_static` compiled by torch.compile), rotary through
+GemmaRMSNorm runs it (vLLM's IR norm with a float32 weight: its native implementation), rotary through
 vllm._custom_ops.rotary_embedding, SiLU*mul and GELU-tanh*mul through vLLM's _C silu_and_mul and
 gelu_tanh_and_mul, the final logit softcap as vLLM's logits processor computes it, GEMMs through vLLM's unquantized
 GEMM dispatch (in batch-invariant mode vLLM's Triton `linear_batch_invariant`, as its linear layers call it), prefill attention
@@ -114,7 +114,6 @@ class VLLMProvider(KernelProvider):
         self.kv_cache_dtype = kv_cache_dtype
         self._fp8_linears: dict = {}  # weight block -> vllm_fp8.BlockFp8Linear
         self._layouts = TensorMemo(_build_layout)  # once per mask: every layer of one forward passes the same one
-        self._gemma_norm = None  # vLLM's GemmaRMSNorm.forward_static, compiled on first use
         self._load_vllm()
 
     def _load_vllm(self) -> None:
@@ -185,19 +184,19 @@ class VLLMProvider(KernelProvider):
         return self._gemm(x, w, b)
 
     def gemma_rms_norm(self, x, w, eps, residual=None):
-        """vLLM's GemmaRMSNorm on CUDA: its `forward_static` ((x + residual), float32 x_hat * (1 + w.float()),
-        rounded once) compiled by torch.compile, as GemmaRMSNorm.forward_cuda compiles it on first use; on the
-        layout vLLM's Gemma layers give it ([tokens, hidden], or [tokens, heads, head_dim] for q/k norms)."""
-        if self._gemma_norm is None:
-            from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+        """vLLM's GemmaRMSNorm as 0.26 runs it: its IR ops rms_norm / fused_add_rms_norm with the float32 weight
+        (1 + w), which the vllm_c CUDA kernel refuses, so vLLM runs the op's native implementation (where tic's
+        rmsnorm patch puts its fixed-order row kernel); on the layout vLLM's Gemma layers give it ([tokens,
+        hidden], or [tokens, heads, head_dim] for q/k norms)."""
+        from vllm import ir
 
-            self._gemma_norm = torch.compile(GemmaRMSNorm.forward_static)
         shape = x.shape
         flat = (lambda t: t.flatten(0, 1)) if x.dim() == 4 else (lambda t: t.reshape(-1, shape[-1]))  # noqa: E731
-        out = self._gemma_norm(w, eps, flat(x), None if residual is None else flat(residual))
+        weight = w.float() + 1.0  # GemmaRMSNorm.forward_native's weight
         if residual is None:
-            return out.reshape(shape)
-        return out[0].reshape(shape), out[1].reshape(shape)
+            return ir.ops.rms_norm(flat(x), weight, eps).reshape(shape)
+        out, res = ir.ops.fused_add_rms_norm(flat(x).clone(), flat(residual).clone(), weight, eps)
+        return out.reshape(shape), res.reshape(shape)
 
     def rms_norm(self, x, w, eps, offset: float = 0.0):
         """vLLM's `_C.rms_norm` (its eager IR implementation `vllm_c`), through vllm._custom_ops, on the layout

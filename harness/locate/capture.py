@@ -63,6 +63,14 @@ class CaptureRunner(Protocol):
     def score(self, samples: list[Sample], target: int, spec: CaptureSpec) -> Capture: ...
 
 
+def module_children(modules: dict, name: str) -> list[str]:
+    """The names of `name`'s children in a model's named_modules() map. A module shared by several parents (vLLM's
+    rotary embedding, one instance per configuration) is listed once, under its first path; its other paths are
+    not in the map and are left out here rather than looked up."""
+    kids = (f"{name}.{c}" if name else c for c, _ in modules[name].named_children())
+    return [k for k in kids if k in modules]
+
+
 def rows_equal(a: RowTensors, b: RowTensors) -> bool:
     """The same elements bit for bit, in the same order, whatever shape each side's layout gives a token's row."""
     return len(a) == len(b) and all(same_bits(x.reshape(-1), y.reshape(-1)) for x, y in zip(a, b))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tic.harness.engines.hf import cache_kwargs, packed_row, padded_batch
-from tic.harness.locate.capture import Capture, CaptureSpec, HookSet, RowLayout, keyed_values
+from tic.harness.locate.capture import Capture, CaptureSpec, HookSet, RowLayout, keyed_values, module_children
 from tic.harness.locate.provenance import token_view
 from tic.harness.locate.trail import tensors_of
 
@@ -111,7 +111,7 @@ class HFCaptureRunner:
         return pre + layers + post
 
     def children(self, name: str) -> list[str]:
-        return [f"{name}.{c}" if name else c for c, _ in self.modules[name].named_children()]
+        return module_children(self.modules, name)
 
     def descendants(self, name: str) -> list[str]:
         return [n for n in self.modules if n.startswith(name + ".")]

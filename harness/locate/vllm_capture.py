@@ -25,7 +25,7 @@ import torch
 from tic.core.errors import TicInputError
 from tic.harness.engines.base import Sampling
 from tic.harness.engines.vllm import _exact_f32, scored_from_record
-from tic.harness.locate.capture import HookSet, RowLayout
+from tic.harness.locate.capture import HookSet, RowLayout, module_children
 
 
 def _float_rows(x, n: int) -> bool:
@@ -257,7 +257,7 @@ class VLLMCaptureRunner:
         return pre + self.layers + post
 
     def children(self, name: str) -> list[str]:
-        return [f"{name}.{c}" if name else c for c, _ in self.modules[name].named_children()]
+        return module_children(self.modules, name)
 
     def descendants(self, name: str) -> list[str]:
         return [n for n in self.modules if n.startswith(name + ".")]

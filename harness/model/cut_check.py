@@ -12,6 +12,7 @@ from tic.config.schema import CutConfig
 from tic.harness.model.cut import (CUT_RECORD, cut_model, cut_settings, decoder_prefix, decoder_tensors, is_tic_cut,
                                    layer_keys, layer_signatures)
 from tic.harness.model.generate import read_model_config
+from tic.harness.model.quantize import block_size_of, quantization_of
 from tic.harness.model.inventory import LAYER_RE, build_manifest, tensor_locations, tensor_table
 from tic.harness.model.layer_structure import (ModelStructure, auto_class_for, first_difference, layer_structure,
                                                loaded_layers, model_structure, text_config)
@@ -30,13 +31,29 @@ def load_hf(model_dir: Path):
 
     try:
         auto = auto_class_for(AutoConfig.from_pretrained(model_dir))
-        model, info = auto.from_pretrained(model_dir, dtype="auto", output_loading_info=True)
+        model, info = auto.from_pretrained(model_dir, dtype="auto", output_loading_info=True,
+                                           **dequantized(model_dir))
     except Exception as e:  # noqa: BLE001 - any loader error means "does not load"
         return None, [f"does not load with transformers: {type(e).__name__}: {str(e).splitlines()[0][:300]}"]
     model.eval()
     model.requires_grad_(False)
     torch.manual_seed(0)
     return model, info
+
+
+def dequantized(model_dir: Path) -> dict:
+    """from_pretrained's arguments that load a block-FP8 checkpoint dequantized (codes * scales per block, in the
+    model dtype), as C2's reference wants it; on CUDA transformers' FP8 layers would also need the `kernels`
+    package from the hub. {} for any other checkpoint."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    block = block_size_of(cfg)
+    if block is None:
+        return {}
+    from transformers import FineGrainedFP8Config
+
+    keep = quantization_of(cfg).get("modules_to_not_convert")
+    return {"quantization_config": FineGrainedFP8Config(weight_block_size=block, modules_to_not_convert=keep,
+                                                        dequantize=True)}
 
 
 def decoder_layers(model, n: int):

@@ -26,8 +26,8 @@ from tic.core.errors import TicInputError
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 SCALE_SUFFIX = ".weight_scale_inv"
-# modules a block-FP8 checkpoint leaves unquantized (by the last part of the name): vLLM builds these without
-# the quantization config (embedding, lm_head, the MoE router gate)
+# modules a block-FP8 checkpoint leaves unquantized (by the last part of the name); config.json names the linear
+# ones in modules_to_not_convert (block_fp8_config), else vLLM would build them as FP8 layers
 UNQUANTIZED = ("embed_tokens", "lm_head", "gate", "router")
 
 
@@ -56,15 +56,21 @@ def dequantize_weight_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[
     return (q.float() * s[..., :q.shape[-2], :q.shape[-1]]).to(dtype)
 
 
-def block_size_of(cfg: dict) -> tuple[int, int] | None:
-    """weight_block_size of a block-FP8 quantization_config (config.json dict, text stack or wrapper); None for
-    anything else."""
+def quantization_of(cfg: dict) -> dict:
+    """config.json's quantization_config, at the top or in the text stack of a wrapper; {} when there is none."""
     q = cfg.get("quantization_config")
     if not isinstance(q, dict):
         for key in ("text_config", "language_config", "llm_config"):
             if isinstance(cfg.get(key), dict) and isinstance(cfg[key].get("quantization_config"), dict):
                 q = cfg[key]["quantization_config"]
-    if not isinstance(q, dict) or q.get("quant_method") != "fp8" or not q.get("weight_block_size"):
+    return q if isinstance(q, dict) else {}
+
+
+def block_size_of(cfg: dict) -> tuple[int, int] | None:
+    """weight_block_size of a block-FP8 quantization_config (config.json dict, text stack or wrapper); None for
+    anything else."""
+    q = quantization_of(cfg)
+    if q.get("quant_method") != "fp8" or not q.get("weight_block_size"):
         return None
     bn, bk = q["weight_block_size"]
     return int(bn), int(bk)
@@ -91,9 +97,21 @@ def _check_divisible(name: str, t: torch.Tensor, block: tuple[int, int]) -> None
                             "block-FP8 layers refuse it); choose sizes divisible by weight_block_size")
 
 
-def block_fp8_config(block: tuple[int, int] = (128, 128)) -> dict:
-    """config.json's quantization_config of a block-FP8 checkpoint, as Qwen3-*-FP8 spell it."""
-    return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)}
+def block_fp8_config(block: tuple[int, int] = (128, 128), unquantized=()) -> dict:
+    """config.json's quantization_config of a block-FP8 checkpoint, as Qwen3-*-FP8 spell it. unquantized: the full
+    names of the linear modules left in the model dtype (lm_head, each layer's router gate), which vLLM and
+    transformers otherwise build as FP8 layers (vLLM matches the whole name, so every layer is listed)."""
+    q = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)}
+    if unquantized:
+        q["modules_to_not_convert"] = sorted(unquantized)
+    return q
+
+
+def unquantized_linears(names) -> list[str]:
+    """The module names, among checkpoint weight names, of the 2-D weights the deployment rule leaves unquantized
+    that a model builds as linear layers (router gates, lm_head; not the embedding)."""
+    mods = (n[: -len(".weight")] for n in names if n.endswith(".weight"))
+    return sorted(m for m in mods if m.rsplit(".", 1)[-1] in UNQUANTIZED and m.rsplit(".", 1)[-1] != "embed_tokens")
 
 
 def write_block_fp8(model_dir: Path, out_dir: Path, block: tuple[int, int] = (128, 128)) -> Path:
@@ -104,13 +122,14 @@ def write_block_fp8(model_dir: Path, out_dir: Path, block: tuple[int, int] = (12
     block = check_block_size(block)
     cfg = json.loads((model_dir / "config.json").read_text())
     out_dir.mkdir(parents=True, exist_ok=True)
-    weight_map = {}
+    weight_map, kept = {}, []
     for f in sorted(model_dir.glob("*.safetensors")):
         sd = load_file(f)
         out = {}
         for name, t in sd.items():
             if not _quantized(name, t):
                 out[name] = t
+                kept += [name] if t.dim() == 2 and t.is_floating_point() else []
                 continue
             _check_divisible(name, t, block)
             out[name], out[name[: -len(".weight")] + SCALE_SUFFIX] = quantize_weight_blocks(t, block)
@@ -122,7 +141,7 @@ def write_block_fp8(model_dir: Path, out_dir: Path, block: tuple[int, int] = (12
         if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json",
                                                                                  "model.safetensors.index.json"):
             shutil.copy2(p, out_dir / p.name)
-    cfg["quantization_config"] = block_fp8_config(block)
+    cfg["quantization_config"] = block_fp8_config(block, unquantized_linears(kept))
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     return out_dir
 

@@ -13,6 +13,11 @@ for both kernels at hidden 2560-8192, none at 2048.
 This patch keeps the CUDA kernels and always launches them the way a large batch does: at least 256 rows (a
 small batch is copied into a zero-padded buffer) in aligned, contiguous buffers, so every row sees 256 threads
 and the same path. Launches of 256 rows or more already have that shape and go to the kernel unchanged.
+
+Where vLLM's CUDA kernel refuses the arguments (a weight of another dtype than the rows: Gemma's float32 (1 + w)),
+vLLM runs its IR op's native PyTorch code, whose reduction also splits rows by the tensor's shape. On CUDA the
+patch gives those calls a Triton kernel of one program per row (rowwise_rmsnorm.py), the same arithmetic in a
+reduction order fixed by the row length.
 """
 
 # no `from __future__ import annotations`: torch.library reads the custom ops' annotations as types
@@ -93,7 +98,28 @@ def _register_ops():
     def _(x, residual, weight, epsilon):
         return None
 
-    _state["ops"] = (rms, fused)
+    @torch.library.custom_op("tic::rms_norm_rows", mutates_args=())
+    def rows(x: torch.Tensor, weight: typing.Optional[torch.Tensor], epsilon: float) -> torch.Tensor:
+        from tic.patches.vllm.rowwise_rmsnorm import rms_norm_rows
+
+        return rms_norm_rows(x, weight, epsilon)
+
+    @rows.register_fake
+    def _(x, weight, epsilon):
+        return torch.empty_like(x)
+
+    @torch.library.custom_op("tic::fused_add_rms_norm_rows", mutates_args=())
+    def fused_rows(x: torch.Tensor, residual: torch.Tensor, weight: typing.Optional[torch.Tensor],
+                   epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+        from tic.patches.vllm.rowwise_rmsnorm import rms_norm_rows
+
+        return rms_norm_rows(x, weight, epsilon, residual)
+
+    @fused_rows.register_fake
+    def _(x, residual, weight, epsilon):
+        return torch.empty_like(x), torch.empty_like(x)
+
+    _state["ops"] = (rms, fused, rows, fused_rows)
     return _state["ops"]
 
 
@@ -109,18 +135,22 @@ def _eager_entry(op, python_fn):
     return call
 
 
-def _ir_impls():
+def _ir_impls(provider: str = "vllm_c"):
     from vllm import ir
     import vllm.kernels.vllm_c  # noqa: F401  (registers the vllm_c implementations)
 
-    return ir.ops.rms_norm.impls["vllm_c"], ir.ops.fused_add_rms_norm.impls["vllm_c"]
+    return ir.ops.rms_norm.impls[provider], ir.ops.fused_add_rms_norm.impls[provider]
+
+
+def _all_ir_impls():
+    return (*_ir_impls("vllm_c"), *_ir_impls("native"))
 
 
 _OPS = "vllm._custom_ops"  # batch-invariant mode and other callers reach the kernels through these
 
 
 def _apply() -> None:
-    rms_op, fused_op = _register_ops()
+    rms_op, fused_op, rows_op, fused_rows_op = _register_ops()
     rms_call = _eager_entry(rms_op, rms_norm_fixed_block)
     fused_call = _eager_entry(fused_op, fused_add_rms_norm_fixed_block)
 
@@ -155,7 +185,25 @@ def _apply() -> None:
             return x, x_residual
         return ir_entry
 
-    for impl, make in ((rms_impl, rms_ir), (fused_impl, fused_ir)):
+    # the native implementations (what vLLM runs where its CUDA kernel refuses the arguments, e.g. Gemma's float32
+    # (1 + w) weight) get a row kernel of fixed reduction order on CUDA
+    def rms_native(original):
+        def native_entry(x, weight, epsilon, variance_size=None):  # vllm_ir.rms_norm (native)
+            if variance_size is not None or not x.is_cuda:
+                return original(x, weight, epsilon, variance_size)
+            return rows_op(x, weight, epsilon)
+        return native_entry
+
+    def fused_native(original):
+        def native_entry(x, x_residual, weight, epsilon, variance_size=None):  # vllm_ir.fused_add_rms_norm
+            if variance_size is not None or not x.is_cuda:
+                return original(x, x_residual, weight, epsilon, variance_size)
+            return fused_rows_op(x, x_residual, weight, epsilon)
+        return native_entry
+
+    rms_native_impl, fused_native_impl = _ir_impls("native")
+    for impl, make in ((rms_impl, rms_ir), (fused_impl, fused_ir), (rms_native_impl, rms_native),
+                       (fused_native_impl, fused_native)):
         if getattr(impl.impl_fn, "__tic_patch__", None) != NAME:
             entry = make(impl.impl_fn)
             entry.__tic_patch__ = NAME
@@ -166,14 +214,14 @@ def _apply() -> None:
 def _revert() -> None:
     for attr in ("rms_norm", "fused_add_rms_norm"):
         restore_everywhere(_OPS, attr, NAME, _OPS)
-    for impl in _ir_impls():
+    for impl in _all_ir_impls():
         if getattr(impl.impl_fn, "__tic_patch__", None) == NAME:
             impl.impl_fn = impl.impl_fn.__wrapped__
 
 
 def _is_applied() -> bool:
     try:
-        impls = _ir_impls()
+        impls = _all_ir_impls()
     except (ImportError, KeyError, AttributeError):
         return False
     return (all(is_swapped(_OPS, attr, NAME) for attr in ("rms_norm", "fused_add_rms_norm"))
@@ -183,10 +231,12 @@ def _is_applied() -> bool:
 PATCH = Patch(
     name=NAME, target="vllm", versions=">=0.26.0,<0.27", gate="C4",
     symptom="C4 (or C3, C5) fails in a layer's input_layernorm / post_attention_layernorm (or the final norm), "
-            "operator _C.rms_norm or _C.fused_add_rms_norm: the same row differs between a launch of few rows "
+            "operator _C.rms_norm or _C.fused_add_rms_norm (or aten.mean under vLLM's native norm, e.g. Gemma's): "
+            "the same row differs between a launch of few rows "
             "(decode) and one of many (prefill, the training forward)",
     fix="every RMSNorm and fused add+RMSNorm launch gets >= 256 rows (small batches zero-padded) and 16-byte-"
-        "aligned contiguous buffers: one block shape (256 threads) and one code path for every token count",
+        "aligned contiguous buffers: one block shape (256 threads) and one code path for every token count; the "
+        "native norm vLLM runs for other weight dtypes (Gemma's 1 + w) runs a row kernel of fixed order",
     guide="guides/C4.md",
     cost="steps below 256 tokens copy their rows into a padded buffer (small copies per norm); larger steps "
          "unchanged; the three patches together ran at 118-119 % of default before the plain-RMSNorm half was "

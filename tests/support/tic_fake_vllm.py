@@ -70,17 +70,32 @@ FAKE = {
         ir.ops.fused_add_rms_norm.impls["vllm_c"] = ir.Impl(fused_add_rms_norm)
         """,
     "vllm/ir/__init__.py": """
+        import torch
+
         class Impl:
             def __init__(self, fn):
                 self.impl_fn = fn
 
         class _Op:
-            def __init__(self):
-                self.impls = {}
+            def __init__(self, native):
+                self.impls = {"native": Impl(native)}
+
+        def _rms_norm(x, weight, epsilon, variance_size=None):  # vllm/ir/ops/layernorm.py's native code
+            orig = x.dtype
+            x = x.to(torch.float32)
+            x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + epsilon)
+            return (x.to(weight.dtype) * weight if weight is not None else x).to(orig)
+
+        def _fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None):
+            orig = x.dtype
+            x = x.to(torch.float32) + x_residual.to(torch.float32)
+            res = x.to(orig)
+            x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + epsilon)
+            return (x.to(weight.dtype) * weight if weight is not None else x).to(orig), res
 
         class ops:
-            rms_norm = _Op()
-            fused_add_rms_norm = _Op()
+            rms_norm = _Op(_rms_norm)
+            fused_add_rms_norm = _Op(_fused_add_rms_norm)
         """,
     "vllm/plugins/__init__.py": """
         from importlib.metadata import entry_points
