@@ -12,14 +12,14 @@ from torch import nn
 from tic.config.schema import load_config
 from tic.gates import get
 from tic.harness.engines import hf
-from tic.harness.kernels.coverage import REGISTRY, coverage_problems, coverage_table, read_coverage
+from tic.harness.kernels.coverage import REGISTRY, coverage_problems, coverage_table, norm_eps, read_coverage
 from tic.harness.model.layer_structure import build_meta
 from tic.skill.context import GateContext
 from tic.skill.runner import run_gate
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding")
+FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe")
 
 
 def meta_of(name: str, **changes) -> nn.Module:
@@ -36,6 +36,8 @@ def meta_of(name: str, **changes) -> nn.Module:
                      "mlp:gelu_tanh_and_mul"}, {"embedding:scaled", "logits:softcap", "rope:one_table"}),
     ("tiny-mistral-sliding", {"decoder:two_norm", "norm:rms", "attention:sliding", "mlp:silu_and_mul"},
      {"embedding", "rope:one_table"}),
+    ("tiny-olmoe", {"decoder:two_norm", "norm:rms", "attention:full", "attention:qk_norm_projection",
+                    "moe:topk_silu"}, {"embedding", "rope:one_table"}),
 ])
 def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
     rows = coverage_table(meta_of(name))
@@ -117,6 +119,21 @@ def test_one_unknown_layer_among_known_ones_is_refused():
     assert problems == ["model.layers.2 (Odd): a layer structure the wrappers do not know (children: proj)"]
     table = {r["layer"]: r for r in coverage_table(model)}
     assert table["model.layers.2"]["covered_by"] == [] and table["model.layers.1"]["covered_by"]
+
+
+def test_q_and_k_norms_read_per_head_or_over_the_whole_projection():
+    """A q/k norm over head_dim features is per head (Qwen3), one over its projection's width is whole-projection
+    (OLMoE); the reader tells them apart by width alone, so one table holds both."""
+    head = coverage_table(meta_of("tiny-qwen3"))[0]["operator_classes"]
+    whole = coverage_table(meta_of("tiny-olmoe"))[0]["operator_classes"]
+    assert "attention:qk_norm" in head and "attention:qk_norm_projection" not in head
+    assert "attention:qk_norm_projection" in whole and "attention:qk_norm" not in whole
+
+
+def test_clip_qkv_is_refused_with_its_field():
+    problems = coverage_problems(meta_of("tiny-olmoe", clip_qkv=8.0))
+    assert problems == ["model.layers.{0,1,2,3}.self_attn (OlmoeAttention): q, k and v clamped to +-clip_qkv (the "
+                        "wrappers and vLLM's model do not clamp) (config clip_qkv=8.0)"]
 
 
 def test_an_activation_outside_the_registry_names_the_config_field():
@@ -201,6 +218,33 @@ def test_fidelity_fails_a_wrapper_computing_w_instead_of_1_plus_w(example, workd
     assert res.reason.startswith("fidelity: kernels: consistent computes another model than stock HF from "
                                  "model.layers.0.input_layernorm (Gemma3RMSNorm)")
     assert run_gate(get("C3"), ctx).verdict == "pass"  # the plant is invisible to the consistency gates
+    hf._MODELS.clear()
+
+
+def _norm_each_head(self, x):
+    """A planted q/k norm: each head normalised alone (the projection's weight split by head), where the model
+    normalises the whole projection. Deterministic, so both sides agree with it bitwise."""
+    d = self._plant_head_dim
+    heads = x.reshape(*x.shape[:-1], -1, d)
+    out = self._tic_ops.rms_norm(heads, torch.ones(d, dtype=x.dtype), norm_eps(self))
+    return out.reshape(x.shape) * self.weight
+
+
+def test_fidelity_fails_a_wrapper_normalising_each_head_of_a_whole_projection_norm(example, workdir):
+    """OLMoE's q_norm/k_norm normalise the whole projection; a wrapper normalising each head computes another
+    model that agrees with itself bitwise (C3 passes it): C2's fidelity check refuses it at the first q_norm."""
+    import types
+
+    ctx = small_ctx(example, "tiny-olmoe")
+    for m in ctx.train_engine().model.modules():
+        for norm in (getattr(m, "q_norm", None), getattr(m, "k_norm", None)):
+            if norm is not None:
+                norm._plant_head_dim = m.head_dim
+                norm.forward = types.MethodType(_norm_each_head, norm)
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail", res.reason
+    assert res.details["fidelity"]["first_parting_module"] == "model.layers.0.self_attn.q_norm"
+    assert run_gate(get("C3"), ctx).verdict == "pass"
     hf._MODELS.clear()
 
 

@@ -49,6 +49,8 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("attention:sliding", "causal attention over the last `sliding_window` keys (Gemma, Mistral)"),
     OperatorClass("attention:softcap", "attention scores cap * tanh(s / cap) (Gemma-2 attn_logit_softcapping)"),
     OperatorClass("attention:qk_norm", "RMSNorm of each q and k head (Qwen3, Gemma-3)"),
+    OperatorClass("attention:qk_norm_projection", "RMSNorm of the whole q and k projections before the heads "
+                                                  "split (OLMoE, OLMo-2)"),
     OperatorClass("linear", "GEMM, with or without bias"),
     OperatorClass("mlp:silu_and_mul", "gated MLP, silu(gate) * up rounded once"),
     OperatorClass("mlp:gelu_tanh_and_mul", "gated MLP, gelu_tanh(gate) * up rounded once (Gemma)"),
@@ -238,19 +240,41 @@ def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
     if getattr(m, "is_causal", True) is False:
         cov.refusals.append(Refusal(name, kind, "bidirectional attention (the wrappers' attention is causal)",
                                     "use_bidirectional_attention", getattr(cfg, "use_bidirectional_attention", None)))
-    norms = [(n, getattr(m, n, None)) for n in ("q_norm", "k_norm")]
-    if any(nm is not None for _, nm in norms):
-        cov.classes["attention:qk_norm"] = (None, None)
-    for norm_name, norm in norms:
-        if norm is None:
-            continue
+    clip = getattr(cfg, "clip_qkv", None)
+    if clip is not None:  # transformers clamps q, k and v; vLLM's OLMoE does not, and neither do the wrappers
+        cov.refusals.append(Refusal(name, kind, "q, k and v clamped to +-clip_qkv (the wrappers and vLLM's "
+                                    "model do not clamp)", "clip_qkv", clip))
+    _read_qk_norms(cov, name, m)
+
+
+def _read_qk_norms(cov: LayerCoverage, name: str, m) -> None:
+    """q_norm/k_norm: per head (each norm over head_dim features) or over the whole projection (each over its
+    projection's width, heads * head_dim); anything else, or one of each, is refused."""
+    norms = [(n, getattr(m, n, None), proj) for n, proj in (("q_norm", m.q_proj), ("k_norm", m.k_proj))]
+    norms = [(n, norm, proj) for n, norm, proj in norms if norm is not None]
+    if not norms:
+        return
+    kinds = set()
+    for norm_name, norm, proj in norms:
         features = int(norm.weight.shape[-1]) if getattr(norm, "weight", None) is not None else 0
-        if features != m.head_dim:
-            cov.refusals.append(Refusal(f"{name}.{norm_name}", type(norm).__name__,
-                                        f"a norm over {features} features (the whole projection); the wrappers "
-                                        f"normalise each head of {m.head_dim}", "head_dim", m.head_dim))
+        if features == m.head_dim:
+            kinds.add("attention:qk_norm")
+        elif features == proj.out_features:
+            kinds.add("attention:qk_norm_projection")
         else:
-            _read_norm(cov, f"{name}.{norm_name}", norm)
+            cov.refusals.append(Refusal(f"{name}.{norm_name}", type(norm).__name__,
+                                        f"a norm over {features} features; the wrappers normalise each head "
+                                        f"({m.head_dim}) or the whole projection ({proj.out_features})",
+                                        "head_dim", m.head_dim))
+            continue
+        _read_norm(cov, f"{name}.{norm_name}", norm)
+    if len(kinds) > 1:
+        cov.refusals.append(Refusal(name, type(m).__name__, "one of q_norm/k_norm per head, the other over the "
+                                    "whole projection"))
+    for kind in kinds:
+        cov.classes[kind] = (None, None)
+    if kinds == {"attention:qk_norm_projection"}:
+        cov.variants[name] = "attention:qk_norm_projection"  # the wrapper norms before the heads split
 
 
 def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:

@@ -203,8 +203,10 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         q, k, v = qkv.split([p.weight.shape[0] for p in projs], dim=-1)
     else:
         q, k, v = (p(hidden_states) for p in projs)
+    if self._tic_norm_projection:  # OLMoE, OLMo-2: [B, T, heads * D] views of the fused output, as vLLM's passes
+        q, k = self.q_norm(q), self.k_norm(k)
     q, k, v = q.reshape(B, T, -1, D), k.reshape(B, T, -1, D), v.reshape(B, T, -1, D)
-    if getattr(self, "q_norm", None) is not None:
+    if getattr(self, "q_norm", None) is not None and not self._tic_norm_projection:
         q, k = self.q_norm(q), self.k_norm(k)
     if position_ids is None:
         past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
@@ -308,6 +310,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
     elif is_attention(m):
         m._tic_rope = ropes.get(getattr(m, "layer_type", None), ropes.get(None))
         m._tic_window, m._tic_softcap = attention_window(m, cfg), attention_softcap(m, cfg)
+        m._tic_norm_projection = variant == "attention:qk_norm_projection"
         m.forward = types.MethodType(_attention_forward, m)
     elif is_decoder_layer(m):
         m._tic_stream = stream
