@@ -321,3 +321,40 @@ def test_vllm_provider_gemma_norm_runs_vllms_forward_static_on_vllms_layout(monk
     want, want_total = cpu.add_rms_norm(x, r, w, 1e-6, offset=1.0)
     assert torch.equal(got, want) and torch.equal(total, want_total)
     assert shapes == [(10, 16), (10, 4, 16), (10, 16)]
+
+
+def test_vllm_provider_norms_the_whole_projection_on_the_view_vllm_passes(monkeypatch):
+    """vLLM's OlmoeAttention hands _C.rms_norm q and k as [tokens, heads * head_dim] views of the fused qkv output
+    (row stride q + 2 kv widths). On fused projections the wrapper passes vLLM's rms_norm entry the same view, and
+    the wrapped model still computes the stock one (stand-ins: vLLM's norm entry, tic's CPU kernels elsewhere)."""
+    import types
+
+    import transformers
+
+    from tic.harness.kernels.consistent_cpu import CPUProvider
+    from tic.harness.kernels.modules import apply
+
+    prov, cpu, seen = _cpu_vllm_provider(monkeypatch), CPUProvider(), []
+
+    def vllm_rms_norm(out, x, w, eps):
+        seen.append((tuple(x.shape), x.stride()))
+        out.copy_(cpu.rms_norm(x, w, eps))
+
+    prov.vops, prov.batch_invariant = types.SimpleNamespace(rms_norm=vllm_rms_norm), False
+
+    class FusedProjections(CPUProvider):
+        fuse_projections = True
+
+        def rms_norm(self, x, w, eps, offset: float = 0.0):
+            return prov.rms_norm(x, w, eps, offset)
+
+    cfg = json.loads((EXAMPLES / "tiny-olmoe" / "config.json").read_text())
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg)).eval()
+    ids = torch.randint(3, cfg["vocab_size"], (2, 5))
+    with torch.no_grad():
+        want = model(ids).logits
+        got = apply(model, FusedProjections())(ids).logits
+    q, kv = cfg["hidden_size"], cfg["num_key_value_heads"] * cfg["hidden_size"] // cfg["num_attention_heads"]
+    assert ((10, q), (q + 2 * kv, 1)) in seen and ((10, kv), (q + 2 * kv, 1)) in seen
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
