@@ -19,7 +19,7 @@ from tic.skill.runner import run_gate
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe")
+FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2")
 
 
 def meta_of(name: str, **changes) -> nn.Module:
@@ -38,11 +38,15 @@ def meta_of(name: str, **changes) -> nn.Module:
      {"embedding", "rope:one_table"}),
     ("tiny-olmoe", {"decoder:two_norm", "norm:rms", "attention:full", "attention:qk_norm_projection",
                     "moe:topk_silu"}, {"embedding", "rope:one_table"}),
+    ("tiny-olmo2", {"decoder:post_norm", "norm:rms", "attention:full", "attention:qk_norm_projection",
+                    "mlp:silu_and_mul"}, {"embedding", "rope:one_table"}),
 ])
 def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
     rows = coverage_table(meta_of(name))
     assert layer0 <= set(rows[0]["operator_classes"]) and model_level <= set(rows[-1]["operator_classes"])
-    assert all(r["covered_by"] == ["consistent", "vllm"] and not r["refused"] for r in rows)
+    kernels = [k for k in ("consistent", "vllm") if all(k in REGISTRY[c].kernels for c in layer0)]
+    assert all(r["covered_by"] == kernels and not r["refused"] for r in rows[:-1])
+    assert rows[-1]["covered_by"] == ["consistent", "vllm"] and not rows[-1]["refused"]
     assert all(c in REGISTRY for r in rows for c in r["operator_classes"])
 
 
@@ -128,6 +132,13 @@ def test_q_and_k_norms_read_per_head_or_over_the_whole_projection():
     whole = coverage_table(meta_of("tiny-olmoe"))[0]["operator_classes"]
     assert "attention:qk_norm" in head and "attention:qk_norm_projection" not in head
     assert "attention:qk_norm_projection" in whole and "attention:qk_norm" not in whole
+
+
+def test_a_post_norm_layer_is_refused_on_vllm_kernels():
+    """vLLM 0.26 runs OLMo-2 through its Transformers backend (HF's rotary in torch), which the vLLM provider
+    does not mirror: kernels: vllm refuses the layer kind in one line."""
+    assert coverage_problems(meta_of("tiny-olmo2"), "vllm") == [
+        "model.layers.{0,1,2,3} (Olmo2DecoderLayer): decoder:post_norm is not implemented by kernels: vllm"]
 
 
 def test_clip_qkv_is_refused_with_its_field():
@@ -244,6 +255,26 @@ def test_fidelity_fails_a_wrapper_normalising_each_head_of_a_whole_projection_no
     res = run_gate(get("C2"), ctx)
     assert res.verdict == "fail", res.reason
     assert res.details["fidelity"]["first_parting_module"] == "model.layers.0.self_attn.q_norm"
+    assert run_gate(get("C3"), ctx).verdict == "pass"
+    hf._MODELS.clear()
+
+
+def _norm_the_sum(self, hidden_states, **kwargs):
+    """A planted post-norm layer in the pre-norm order: norm(x + attn(x)) where OLMo-2 adds x + norm(attn(x))."""
+    h = self.self_attn(hidden_states=hidden_states, **kwargs)[0]
+    h = self.post_attention_layernorm(hidden_states + h)
+    return self.post_feedforward_layernorm(h + self.mlp(h))
+
+
+def test_fidelity_fails_a_post_norm_layer_that_norms_the_sum(example, workdir):
+    import types
+
+    ctx = small_ctx(example, "tiny-olmo2")
+    for m in ctx.train_engine().model.model.layers:
+        m.forward = types.MethodType(_norm_the_sum, m)
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail", res.reason
+    assert res.details["fidelity"]["first_parting_module"] == "model.layers.0.post_attention_layernorm"
     assert run_gate(get("C3"), ctx).verdict == "pass"
     hf._MODELS.clear()
 

@@ -43,6 +43,9 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("decoder:two_norm", "input norm, attention, post-attention norm, MLP (Llama, Qwen, Mistral)"),
     OperatorClass("decoder:four_norm", "input norm, attention, post-attention norm, residual add, "
                                        "pre-feedforward norm, MLP, post-feedforward norm (Gemma-2/3)"),
+    OperatorClass("decoder:post_norm", "no input norm; attention, its output normed then added to the residual; "
+                                       "MLP, likewise (OLMo-2); plain adds, no fused add+norm",
+                  frozenset({"consistent"})),  # vLLM 0.26 runs OLMo-2 through its Transformers backend (HF rotary)
     OperatorClass("norm:rms", "RMSNorm w * x_hat, x_hat rounded to the model dtype first (Llama, Qwen)"),
     OperatorClass("norm:rms_1p", "RMSNorm (1 + w) * x_hat in float32, rounded once (Gemma)"),
     OperatorClass("attention:full", "causal attention over each sequence's keys"),
@@ -71,7 +74,8 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
 
 DECODER_NORMS = {("input_layernorm", "post_attention_layernorm"): "decoder:two_norm",
                  ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                  "post_feedforward_layernorm"): "decoder:four_norm"}
+                  "post_feedforward_layernorm"): "decoder:four_norm",
+                 ("post_attention_layernorm", "post_feedforward_layernorm"): "decoder:post_norm"}
 
 
 @dataclass(frozen=True)
@@ -136,7 +140,8 @@ def is_attention(m) -> bool:
 
 
 def is_decoder_layer(m) -> bool:
-    return hasattr(m, "self_attn") and hasattr(m, "mlp") and hasattr(m, "input_layernorm")
+    return hasattr(m, "self_attn") and hasattr(m, "mlp") and (hasattr(m, "input_layernorm")
+                                                               or hasattr(m, "post_attention_layernorm"))
 
 
 def norm_eps(m) -> float:
@@ -308,7 +313,8 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
     structure = next((kind for names, kind in DECODER_NORMS.items() if set(names) == set(norms)), None)
     if structure is None:
         cov.refusals.append(Refusal(name, cov.module_class, f"a decoder layer of children {', '.join(children)}; "
-                                    "the wrappers implement two-norm (Llama) and four-norm (Gemma) layers"))
+                                    "the wrappers implement two-norm (Llama), four-norm (Gemma) and post-norm "
+                                    "(OLMo-2) layers"))
     else:
         cov.classes[structure] = (None, None)
         cov.variants[name] = structure
@@ -425,7 +431,7 @@ def read_coverage(model: nn.Module) -> list[LayerCoverage]:
     layers += _unknown_layers(model)
     if not layers:
         layers = [LayerCoverage("model.layers", "none", refusals=[Refusal(
-            "model.layers", type(model).__name__, "no decoder layer with self_attn, mlp and input_layernorm")])]
+            "model.layers", type(model).__name__, "no decoder layer with self_attn, mlp and a norm")])]
     return layers + [read_model(model)]
 
 

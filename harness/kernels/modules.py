@@ -189,7 +189,21 @@ def _four_norm_layer_forward(self, hidden_states, attention_mask=None, position_
                       residual)
 
 
-LAYER_FORWARDS = {"decoder:two_norm": _decoder_layer_forward, "decoder:four_norm": _four_norm_layer_forward}
+def _post_norm_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                             use_cache=False, position_embeddings=None, **kwargs):
+    """A post-norm layer (OLMo-2), as vLLM's Olmo3DecoderLayer runs it: no input norm; each sublayer's output
+    normed alone, then a plain add to the residual (no fused add+norm: the next layer and the final norm read
+    the sum)."""
+    kwargs.pop("past_key_values", None)
+    h = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                       cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)[0]
+    h = hidden_states + self.post_attention_layernorm(h)
+    delta = self.mlp(h)
+    return h + self.post_feedforward_layernorm(delta[0] if isinstance(delta, tuple) else delta)
+
+
+LAYER_FORWARDS = {"decoder:two_norm": _decoder_layer_forward, "decoder:four_norm": _four_norm_layer_forward,
+                  "decoder:post_norm": _post_norm_layer_forward}
 
 
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
