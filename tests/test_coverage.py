@@ -141,10 +141,25 @@ def test_a_post_norm_layer_is_refused_on_vllm_kernels():
         "model.layers.{0,1,2,3} (Olmo2DecoderLayer): decoder:post_norm is not implemented by kernels: vllm"]
 
 
-def test_clip_qkv_is_refused_with_its_field():
-    problems = coverage_problems(meta_of("tiny-olmoe", clip_qkv=8.0))
-    assert problems == ["model.layers.{0,1,2,3}.self_attn (OlmoeAttention): q, k and v clamped to +-clip_qkv (the "
-                        "wrappers and vLLM's model do not clamp) (config clip_qkv=8.0)"]
+def test_clip_qkv_runs_on_consistent_kernels_and_is_refused_on_vllm(example, workdir, one_thread):
+    """transformers' OLMoE clamps q, k and v to +-clip_qkv; vLLM 0.26's does not, so kernels: vllm refuses it
+    naming the field, while the consistent wrappers clamp as transformers does: C2's fidelity check and C5 pass
+    with a clip that bites, and fidelity fails when the wrappers' clamp is dropped."""
+    assert coverage_problems(meta_of("tiny-olmoe", clip_qkv=0.05), "vllm") == [
+        "model.layers.{0,1,2,3} (OlmoeDecoderLayer): attention:clip_qkv is not implemented by kernels: vllm "
+        "(config clip_qkv=0.05)"]
+    ex = example("tiny-olmoe")
+    cfg = json.loads((ex / "config.json").read_text())
+    (ex / "config.json").write_text(json.dumps({**cfg, "clip_qkv": 0.05}))  # below the seeded q/k/v's range
+    ctx = small_ctx(lambda _: ex, "tiny-olmoe")
+    assert run_gate(get("C2"), ctx).verdict == "pass" and run_gate(get("C5"), ctx).verdict == "pass"
+    for m in ctx.train_engine().model.modules():
+        if hasattr(m, "_tic_clip"):
+            m._tic_clip = None
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"] == \
+        "model.layers.0.self_attn.o_proj"
+    hf._MODELS.clear()
 
 
 def test_an_activation_outside_the_registry_names_the_config_field():

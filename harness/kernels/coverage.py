@@ -54,6 +54,8 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("attention:qk_norm", "RMSNorm of each q and k head (Qwen3, Gemma-3)"),
     OperatorClass("attention:qk_norm_projection", "RMSNorm of the whole q and k projections before the heads "
                                                   "split (OLMoE, OLMo-2)"),
+    OperatorClass("attention:clip_qkv", "q, k and v clamped to +-clip_qkv after the q/k norms (OLMoE clip_qkv; "
+                                        "vLLM 0.26's OLMoE does not clamp)", frozenset({"consistent"})),
     OperatorClass("linear", "GEMM, with or without bias"),
     OperatorClass("mlp:silu_and_mul", "gated MLP, silu(gate) * up rounded once"),
     OperatorClass("mlp:gelu_tanh_and_mul", "gated MLP, gelu_tanh(gate) * up rounded once (Gemma)"),
@@ -221,6 +223,11 @@ def attention_softcap(m, cfg) -> float | None:
     return getattr(m, "attn_logit_softcapping", getattr(cfg, "attn_logit_softcapping", None))
 
 
+def attention_clip(m, cfg) -> float | None:
+    """transformers' OLMoE clamps q, k and v to +-clip_qkv after the q/k norms (its config's field)."""
+    return getattr(getattr(m, "config", cfg), "clip_qkv", None)
+
+
 # -- reading a model's coverage --------------------------------------------------------------------------------
 def _read_norm(cov: LayerCoverage, name: str, norm) -> None:
     variant = norm_variant(norm) if is_rmsnorm(norm) else None
@@ -245,10 +252,8 @@ def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
     if getattr(m, "is_causal", True) is False:
         cov.refusals.append(Refusal(name, kind, "bidirectional attention (the wrappers' attention is causal)",
                                     "use_bidirectional_attention", getattr(cfg, "use_bidirectional_attention", None)))
-    clip = getattr(cfg, "clip_qkv", None)
-    if clip is not None:  # transformers clamps q, k and v; vLLM's OLMoE does not, and neither do the wrappers
-        cov.refusals.append(Refusal(name, kind, "q, k and v clamped to +-clip_qkv (the wrappers and vLLM's "
-                                    "model do not clamp)", "clip_qkv", clip))
+    if attention_clip(m, cfg) is not None:
+        cov.classes["attention:clip_qkv"] = ("clip_qkv", attention_clip(m, cfg))
     _read_qk_norms(cov, name, m)
 
 

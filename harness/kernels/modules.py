@@ -34,9 +34,10 @@ from tic.core.errors import TicInputError
 from tic.config.schema import BackwardConfig
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 mixers (hybrids), issue 31
 from tic.harness.kernels.autograd import OPS, Backward, Ops
-from tic.harness.kernels.coverage import (attention_softcap, attention_window, final_norm, is_attention,
-                                          is_decoder_layer, is_gated_mlp, is_moe_block, is_rmsnorm, norm_eps,
-                                          problem_lines, read_coverage, rotary_modules, rotary_per_layer_type)
+from tic.harness.kernels.coverage import (attention_clip, attention_softcap, attention_window, final_norm,
+                                          is_attention, is_decoder_layer, is_gated_mlp, is_moe_block, is_rmsnorm,
+                                          norm_eps, problem_lines, read_coverage, rotary_modules,
+                                          rotary_per_layer_type)
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.stand_ins import stands_for
@@ -222,6 +223,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     q, k, v = q.reshape(B, T, -1, D), k.reshape(B, T, -1, D), v.reshape(B, T, -1, D)
     if getattr(self, "q_norm", None) is not None and not self._tic_norm_projection:
         q, k = self.q_norm(q), self.k_norm(k)
+    if self._tic_clip is not None:  # elementwise, after the norms (transformers' OLMoE order)
+        q, k, v = (t.clamp(-self._tic_clip, self._tic_clip) for t in (q, k, v))
     if position_ids is None:
         past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
         position_ids = torch.arange(past, past + T, device=q.device)[None].expand(B, T)
@@ -324,7 +327,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
     elif is_attention(m):
         m._tic_rope = ropes.get(getattr(m, "layer_type", None), ropes.get(None))
         m._tic_window, m._tic_softcap = attention_window(m, cfg), attention_softcap(m, cfg)
-        m._tic_norm_projection = variant == "attention:qk_norm_projection"
+        m._tic_norm_projection, m._tic_clip = variant == "attention:qk_norm_projection", attention_clip(m, cfg)
         m.forward = types.MethodType(_attention_forward, m)
     elif is_decoder_layer(m):
         m._tic_stream = stream

@@ -55,7 +55,8 @@ def _record(model: nn.Module, names: dict) -> tuple[dict, list, list]:
         def hook(mod, args, out, name=name):
             t = out[0] if isinstance(out, tuple) else out
             if name not in seen and isinstance(t, torch.Tensor):
-                seen[name] = t.detach().float().cpu()
+                # a copy: the model may change the output in place later (transformers' OLMoE clamps q/k/v)
+                seen[name] = t.detach().to("cpu", torch.float32, copy=True)
                 order.append(name)
         handles.append(m.register_forward_hook(hook))
     return seen, order, handles
