@@ -58,6 +58,13 @@ def test_inventory_reads_mistrals_window_on_every_layer():
     assert {k["attention"] for k in layer_kinds({**cfg, "sliding_window": None})} == {"full"}
 
 
+def test_inventory_reads_olmoes_layers_as_moe_from_config_alone():
+    from tic.harness.model.families import layer_kinds
+
+    cfg = json.loads((EXAMPLES / "tiny-olmoe" / "config.json").read_text())
+    assert {k["mlp"] for k in layer_kinds(cfg)} == {"moe"}
+
+
 @pytest.mark.parametrize("model_type,config_cls,extra", [
     ("gemma2", "Gemma2Config", {}), ("gemma3_text", "Gemma3TextConfig", {}),
     ("gemma3_text", "Gemma3TextConfig", {"sliding_window_pattern": 3})])
