@@ -263,22 +263,14 @@ def _norm_each_head(self, x):
     return out.reshape(x.shape) * self.weight
 
 
-def test_fidelity_fails_a_wrapper_normalising_each_head_of_a_whole_projection_norm(example, workdir):
-    """OLMoE's q_norm/k_norm normalise the whole projection; a wrapper normalising each head computes another
-    model that agrees with itself bitwise (C3 passes it): C2's fidelity check refuses it at the first q_norm."""
+def _plant_norm_each_head(model):
     import types
 
-    ctx = small_ctx(example, "tiny-olmoe")
-    for m in ctx.train_engine().model.modules():
+    for m in model.modules():
         for norm in (getattr(m, "q_norm", None), getattr(m, "k_norm", None)):
             if norm is not None:
                 norm._plant_head_dim = m.head_dim
                 norm.forward = types.MethodType(_norm_each_head, norm)
-    res = run_gate(get("C2"), ctx)
-    assert res.verdict == "fail", res.reason
-    assert res.details["fidelity"]["first_parting_module"] == "model.layers.0.self_attn.q_norm"
-    assert run_gate(get("C3"), ctx).verdict == "pass"
-    hf._MODELS.clear()
 
 
 def _norm_the_sum(self, hidden_states, **kwargs):
@@ -288,15 +280,24 @@ def _norm_the_sum(self, hidden_states, **kwargs):
     return self.post_feedforward_layernorm(h + self.mlp(h))
 
 
-def test_fidelity_fails_a_post_norm_layer_that_norms_the_sum(example, workdir):
+def _plant_norm_the_sum(model):
     import types
 
-    ctx = small_ctx(example, "tiny-olmo2")
-    for m in ctx.train_engine().model.model.layers:
+    for m in model.model.layers:
         m.forward = types.MethodType(_norm_the_sum, m)
+
+
+@pytest.mark.parametrize("name, plant, parting", [
+    ("tiny-olmoe", _plant_norm_each_head, "model.layers.0.self_attn.q_norm"),
+    ("tiny-olmo2", _plant_norm_the_sum, "model.layers.0.post_attention_layernorm")])
+def test_fidelity_fails_a_wrapper_computing_another_olmo(example, workdir, name, plant, parting):
+    """OLMoE/OLMo-2 wrappers that normalise each head where the model normalises the whole projection, or norm
+    the residual sum where OLMo-2 norms the sublayer's output: each agrees with itself bitwise (C3 passes it);
+    C2's fidelity check refuses it at the first module that parts."""
+    ctx = small_ctx(example, name)
+    plant(ctx.train_engine().model)
     res = run_gate(get("C2"), ctx)
-    assert res.verdict == "fail", res.reason
-    assert res.details["fidelity"]["first_parting_module"] == "model.layers.0.post_attention_layernorm"
+    assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"] == parting, res.reason
     assert run_gate(get("C3"), ctx).verdict == "pass"
     hf._MODELS.clear()
 
