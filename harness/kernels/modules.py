@@ -2,9 +2,10 @@
 
 What the wrappers cover is data (coverage.py: the operator classes, which kernels implement each, and the
 reader that finds them in a model); `apply` refuses a model that uses anything else and patches each module by
-the class the reader found: two-norm (Llama, Qwen, Mistral) and four-norm (Gemma-2/3) decoder layers, `w` and
-`(1 + w)` RMSNorms, SiLU and GELU-tanh gated MLPs, top-k MoE, full, sliding-window and softcapped attention,
-one rotary table or one per layer type, final logit softcapping.
+the class the reader found: two-norm (Llama, Qwen, Mistral), four-norm (Gemma-2/3) and post-norm (OLMo-2)
+decoder layers, `w` and `(1 + w)` RMSNorms, SiLU and GELU-tanh gated MLPs, top-k MoE, full, sliding-window and
+softcapped attention, q/k norms per head or over the whole projection, one rotary table or one per layer type,
+final logit softcapping.
 
 `apply(model, provider)` replaces module forwards in place; module names and parameters stay, so capture, the
 locator and optimizers see the same model. The forward follows vLLM's decoder structure, so a provider that
@@ -16,7 +17,10 @@ runs vLLM's kernels sees the calls vLLM makes:
   exactly each sequence's keys (the window's, on a sliding layer); MoE routing top-k then the experts' outputs
   combined in float32 in slot order;
 - a four-norm layer as vLLM's Gemma layers: post-attention norm alone, then add+norm (pre-feedforward) of the
-  residual, MLP, post-feedforward norm; the next layer's input add+norm takes that output and the residual.
+  residual, MLP, post-feedforward norm; the next layer's input add+norm takes that output and the residual;
+- a post-norm layer as vLLM's Olmo3 layer: each sublayer's output normed alone, then a plain residual add;
+- whole-projection q/k norms (OLMoE) on the [tokens, heads * head_dim] views of the fused qkv output, before
+  the heads split, as vLLM's OlmoeAttention passes them.
 
 A decoder layer still returns hidden + residual (what HF's loop and capture hooks expect); the next layer
 reads the two addends it was computed from (see ResidualStream) rather than the rounded sum.
