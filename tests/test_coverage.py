@@ -210,9 +210,10 @@ def test_c0_prints_the_table_and_fails_an_uncovered_layer(example, workdir, tic)
 
 
 # ---- the new families on the consistent CPU kernels: C3-C7 --------------------------------------------------
-def small_ctx(example, name: str) -> GateContext:
+def small_ctx(example, name: str, dtype: str | None = None) -> GateContext:
     hf._MODELS.clear()
     cfg = load_config(example(name) / "tic.yaml")
+    cfg.model.dtype = dtype or cfg.model.dtype
     cfg.prompts.count, cfg.prompts.max_len, cfg.sampling.max_tokens = 3, 12, 6
     cfg.layouts.batch_sizes, cfg.layouts.probes = [3], 1
     cfg.locate.enabled = False
@@ -299,6 +300,21 @@ def test_fidelity_fails_a_wrapper_computing_another_olmo(example, workdir, name,
     res = run_gate(get("C2"), ctx)
     assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"] == parting, res.reason
     assert run_gate(get("C3"), ctx).verdict == "pass"
+    hf._MODELS.clear()
+
+
+def test_fidelity_pins_stock_moe_routes_at_near_ties_only(example, workdir):
+    """In bf16 the tiny OLMoE's router meets exact and near ties (two experts' probabilities within a rounding
+    step), where stock HF and the wrappers may pick either: the stock routers take the wrapped model's experts
+    there, and C2 passes. A router that picks other experts outright is not a tie: it still fails."""
+    ctx = small_ctx(example, "tiny-olmoe", "bfloat16")
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "pass" and res.details["fidelity"]["routing_flips"] > 0, res.reason
+    prov = ctx.train_engine().model._tic_ops.provider
+    route = prov.moe_route
+    prov.moe_route = lambda logits, top_k, renormalize: route(-logits, top_k, renormalize)  # the least likely
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"] == "model.layers.0.mlp"
     hf._MODELS.clear()
 
 
