@@ -13,14 +13,14 @@ from torch import nn
 from tic.config.schema import load_config
 from tic.gates import get
 from tic.harness.engines import hf
-from tic.harness.kernels.coverage import REGISTRY, coverage_problems, coverage_table, read_coverage
+from tic.harness.kernels.coverage import REGISTRY, coverage_problems, coverage_table, norm_eps, read_coverage
 from tic.harness.model.layer_structure import build_meta
 from tic.skill.context import GateContext
 from tic.skill.runner import run_gate
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding")
+FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2")
 
 
 def meta_of(name: str, **changes) -> nn.Module:
@@ -37,11 +37,17 @@ def meta_of(name: str, **changes) -> nn.Module:
                      "mlp:gelu_tanh_and_mul"}, {"embedding:scaled", "logits:softcap", "rope:one_table"}),
     ("tiny-mistral-sliding", {"decoder:two_norm", "norm:rms", "attention:sliding", "mlp:silu_and_mul"},
      {"embedding", "rope:one_table"}),
+    ("tiny-olmoe", {"decoder:two_norm", "norm:rms", "attention:full", "attention:qk_norm_projection",
+                    "moe:topk_silu"}, {"embedding", "rope:one_table"}),
+    ("tiny-olmo2", {"decoder:post_norm", "norm:rms", "attention:full", "attention:qk_norm_projection",
+                    "mlp:silu_and_mul"}, {"embedding", "rope:one_table"}),
 ])
 def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
     rows = coverage_table(meta_of(name))
     assert layer0 <= set(rows[0]["operator_classes"]) and model_level <= set(rows[-1]["operator_classes"])
-    assert all(r["covered_by"] == ["consistent", "vllm"] and not r["refused"] for r in rows)
+    kernels = [k for k in ("consistent", "vllm") if all(k in REGISTRY[c].kernels for c in layer0)]
+    assert all(r["covered_by"] == kernels and not r["refused"] for r in rows[:-1])
+    assert rows[-1]["covered_by"] == ["consistent", "vllm"] and not rows[-1]["refused"]
     assert all(c in REGISTRY for r in rows for c in r["operator_classes"])
 
 
@@ -51,6 +57,13 @@ def test_inventory_reads_mistrals_window_on_every_layer():
     cfg = json.loads((EXAMPLES / "tiny-mistral-sliding" / "config.json").read_text())
     assert {k["attention"] for k in layer_kinds(cfg)} == {"sliding"}
     assert {k["attention"] for k in layer_kinds({**cfg, "sliding_window": None})} == {"full"}
+
+
+def test_inventory_reads_olmoes_layers_as_moe_from_config_alone():
+    from tic.harness.model.families import layer_kinds
+
+    cfg = json.loads((EXAMPLES / "tiny-olmoe" / "config.json").read_text())
+    assert {k["mlp"] for k in layer_kinds(cfg)} == {"moe"}
 
 
 @pytest.mark.parametrize("model_type,config_cls,extra", [
@@ -120,6 +133,43 @@ def test_one_unknown_layer_among_known_ones_is_refused():
     assert table["model.layers.2"]["covered_by"] == [] and table["model.layers.1"]["covered_by"]
 
 
+def test_q_and_k_norms_read_per_head_or_over_the_whole_projection():
+    """A q/k norm over head_dim features is per head (Qwen3), one over its projection's width is whole-projection
+    (OLMoE); the reader tells them apart by width alone, so one table holds both."""
+    head = coverage_table(meta_of("tiny-qwen3"))[0]["operator_classes"]
+    whole = coverage_table(meta_of("tiny-olmoe"))[0]["operator_classes"]
+    assert "attention:qk_norm" in head and "attention:qk_norm_projection" not in head
+    assert "attention:qk_norm_projection" in whole and "attention:qk_norm" not in whole
+
+
+def test_a_post_norm_layer_is_refused_on_vllm_kernels():
+    """vLLM 0.26 runs OLMo-2 through its Transformers backend (HF's rotary in torch), which the vLLM provider
+    does not mirror: kernels: vllm refuses the layer kind in one line."""
+    assert coverage_problems(meta_of("tiny-olmo2"), "vllm") == [
+        "model.layers.{0,1,2,3} (Olmo2DecoderLayer): decoder:post_norm is not implemented by kernels: vllm"]
+
+
+def test_clip_qkv_runs_on_consistent_kernels_and_is_refused_on_vllm(example, workdir, one_thread):
+    """transformers' OLMoE clamps q, k and v to +-clip_qkv; vLLM 0.26's does not, so kernels: vllm refuses it
+    naming the field, while the consistent wrappers clamp as transformers does: C2's fidelity check and C5 pass
+    with a clip that bites, and fidelity fails when the wrappers' clamp is dropped."""
+    assert coverage_problems(meta_of("tiny-olmoe", clip_qkv=0.05), "vllm") == [
+        "model.layers.{0,1,2,3} (OlmoeDecoderLayer): attention:clip_qkv is not implemented by kernels: vllm "
+        "(config clip_qkv=0.05)"]
+    ex = example("tiny-olmoe")
+    cfg = json.loads((ex / "config.json").read_text())
+    (ex / "config.json").write_text(json.dumps({**cfg, "clip_qkv": 0.05}))  # below the seeded q/k/v's range
+    ctx = small_ctx(lambda _: ex, "tiny-olmoe")
+    assert run_gate(get("C2"), ctx).verdict == "pass" and run_gate(get("C5"), ctx).verdict == "pass"
+    for m in ctx.train_engine().model.modules():
+        if hasattr(m, "_tic_clip"):
+            m._tic_clip = None
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"] == \
+        "model.layers.0.self_attn.o_proj"
+    hf._MODELS.clear()
+
+
 def test_an_activation_outside_the_registry_names_the_config_field():
     problems = coverage_problems(meta_of("tiny-qwen3", hidden_act="gelu"))
     assert problems == ["model.layers.{0,1,2,3}.mlp (Qwen3MLP): a gated MLP whose activation is neither SiLU nor "
@@ -161,9 +211,10 @@ def test_c0_prints_the_table_and_fails_an_uncovered_layer(example, workdir, tic)
 
 
 # ---- the new families on the consistent CPU kernels: C3-C7 --------------------------------------------------
-def small_ctx(example, name: str) -> GateContext:
+def small_ctx(example, name: str, dtype: str | None = None) -> GateContext:
     hf._MODELS.clear()
     cfg = load_config(example(name) / "tic.yaml")
+    cfg.model.dtype = dtype or cfg.model.dtype
     cfg.prompts.count, cfg.prompts.max_len, cfg.sampling.max_tokens = 3, 12, 6
     cfg.layouts.batch_sizes, cfg.layouts.probes = [3], 1
     cfg.locate.enabled = False
@@ -202,6 +253,69 @@ def test_fidelity_fails_a_wrapper_computing_w_instead_of_1_plus_w(example, workd
     assert res.reason.startswith("fidelity: kernels: consistent computes another model than stock HF from "
                                  "model.layers.0.input_layernorm (Gemma3RMSNorm)")
     assert run_gate(get("C3"), ctx).verdict == "pass"  # the plant is invisible to the consistency gates
+    hf._MODELS.clear()
+
+
+def _norm_each_head(self, x):
+    """A planted q/k norm: each head normalised alone (the projection's weight split by head), where the model
+    normalises the whole projection. Deterministic, so both sides agree with it bitwise."""
+    d = self._plant_head_dim
+    heads = x.reshape(*x.shape[:-1], -1, d)
+    out = self._tic_ops.rms_norm(heads, torch.ones(d, dtype=x.dtype), norm_eps(self))
+    return out.reshape(x.shape) * self.weight
+
+
+def _plant_norm_each_head(model):
+    import types
+
+    for m in model.modules():
+        for norm in (getattr(m, "q_norm", None), getattr(m, "k_norm", None)):
+            if norm is not None:
+                norm._plant_head_dim = m.head_dim
+                norm.forward = types.MethodType(_norm_each_head, norm)
+
+
+def _norm_the_sum(self, hidden_states, **kwargs):
+    """A planted post-norm layer in the pre-norm order: norm(x + attn(x)) where OLMo-2 adds x + norm(attn(x))."""
+    h = self.self_attn(hidden_states=hidden_states, **kwargs)[0]
+    h = self.post_attention_layernorm(hidden_states + h)
+    return self.post_feedforward_layernorm(h + self.mlp(h))
+
+
+def _plant_norm_the_sum(model):
+    import types
+
+    for m in model.model.layers:
+        m.forward = types.MethodType(_norm_the_sum, m)
+
+
+@pytest.mark.parametrize("name, plant, parting", [
+    ("tiny-olmoe", _plant_norm_each_head, "model.layers.0.self_attn.q_norm"),
+    ("tiny-olmo2", _plant_norm_the_sum, "model.layers.0.post_attention_layernorm")])
+def test_fidelity_fails_a_wrapper_computing_another_olmo(example, workdir, name, plant, parting):
+    """OLMoE/OLMo-2 wrappers that normalise each head where the model normalises the whole projection, or norm
+    the residual sum where OLMo-2 norms the sublayer's output: each agrees with itself bitwise (C3 passes it);
+    C2's fidelity check refuses it at the first module that parts."""
+    ctx = small_ctx(example, name)
+    plant(ctx.train_engine().model)
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"] == parting, res.reason
+    assert run_gate(get("C3"), ctx).verdict == "pass"
+    hf._MODELS.clear()
+
+
+def test_fidelity_pins_stock_moe_routes_at_near_ties_only(example, workdir):
+    """In bf16 the tiny OLMoE's router meets exact and near ties (two experts' probabilities within a rounding
+    step), where stock HF and the wrappers may pick either: the stock routers take the wrapped model's experts
+    there, and C2 passes. A router that picks other experts outright is not a tie: it still fails."""
+    ctx = small_ctx(example, "tiny-olmoe", "bfloat16")
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "pass" and res.details["fidelity"]["routing_flips"] > 0, res.reason
+    prov = ctx.train_engine().model._tic_ops.provider
+    route = prov.moe_route
+    prov.moe_route = lambda logits, top_k, renormalize: route(-logits, top_k, renormalize)  # the least likely
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"] == "model.layers.0.mlp"
     hf._MODELS.clear()
 
 
@@ -285,3 +399,40 @@ def test_vllm_provider_gemma_norm_runs_vllms_ir_norm_on_vllms_layout(monkeypatch
     want, want_total = cpu.add_rms_norm(x, r, w, 1e-6, offset=1.0)
     assert torch.equal(got, want) and torch.equal(total, want_total)
     assert calls == [((10, 16), torch.float32), ((10, 4, 16), torch.float32), ((10, 16), torch.float32)]
+
+
+def test_vllm_provider_norms_the_whole_projection_on_the_view_vllm_passes(monkeypatch):
+    """vLLM's OlmoeAttention hands _C.rms_norm q and k as [tokens, heads * head_dim] views of the fused qkv output
+    (row stride q + 2 kv widths). On fused projections the wrapper passes vLLM's rms_norm entry the same view, and
+    the wrapped model still computes the stock one (stand-ins: vLLM's norm entry, tic's CPU kernels elsewhere)."""
+    import types
+
+    import transformers
+
+    from tic.harness.kernels.consistent_cpu import CPUProvider
+    from tic.harness.kernels.modules import apply
+
+    prov, cpu, seen = _cpu_vllm_provider(monkeypatch), CPUProvider(), []
+
+    def vllm_rms_norm(out, x, w, eps):
+        seen.append((tuple(x.shape), x.stride()))
+        out.copy_(cpu.rms_norm(x, w, eps))
+
+    prov.vops, prov.batch_invariant = types.SimpleNamespace(rms_norm=vllm_rms_norm), False
+
+    class FusedProjections(CPUProvider):
+        fuse_projections = True
+
+        def rms_norm(self, x, w, eps, offset: float = 0.0):
+            return prov.rms_norm(x, w, eps, offset)
+
+    cfg = json.loads((EXAMPLES / "tiny-olmoe" / "config.json").read_text())
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg)).eval()
+    ids = torch.randint(3, cfg["vocab_size"], (2, 5))
+    with torch.no_grad():
+        want = model(ids).logits
+        got = apply(model, FusedProjections())(ids).logits
+    q, kv = cfg["hidden_size"], cfg["num_key_value_heads"] * cfg["hidden_size"] // cfg["num_attention_heads"]
+    assert ((10, q), (q + 2 * kv, 1)) in seen and ((10, kv), (q + 2 * kv, 1)) in seen
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)

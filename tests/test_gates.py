@@ -69,11 +69,12 @@ def test_c0_rejects_uncovered_setups(example, workdir, tic, extra, why):
 
 
 def test_c0_names_the_module_the_kernel_wrappers_do_not_cover(workdir, tic):
-    """OLMoE normalises q and k over the whole projection, not per head: C0 names the modules, their class and
+    """A q/k norm over a width that is neither one head nor the whole projection (here an OLMoE whose head_dim
+    makes the projections 32 wide while its norms stay hidden_size 64): C0 names the modules, their class and
     what the wrappers lack (one entry for all layers), before any gate builds the model."""
     cfg = {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "vocab_size": 128, "hidden_size": 64,
            "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-           "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 256}
+           "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 256}
     (workdir / "olmoe").mkdir()
     (workdir / "olmoe" / "config.json").write_text(json.dumps(cfg))
     for kernels, refused in (("consistent", True), ("stock", False)):
@@ -82,7 +83,8 @@ def test_c0_names_the_module_the_kernel_wrappers_do_not_cover(workdir, tic):
         rec = json.loads(out)["results"][0]
         assert (rec["verdict"] == "fail") is refused and code == (1 if refused else 0), rec["reason"]
         if refused:
-            assert "model.layers.{0,1}.self_attn.q_norm (OlmoeRMSNorm): a norm over 64 features" in rec["reason"]
+            assert ("model.layers.{0,1}.self_attn.q_norm (OlmoeRMSNorm): a norm over 64 features; the wrappers "
+                    "normalise each head (8) or the whole projection (32)") in rec["reason"]
 
 
 # ---- C3/C4/C5 controls: consistent kernels pass --------------------------------------------------------------

@@ -43,12 +43,19 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("decoder:two_norm", "input norm, attention, post-attention norm, MLP (Llama, Qwen, Mistral)"),
     OperatorClass("decoder:four_norm", "input norm, attention, post-attention norm, residual add, "
                                        "pre-feedforward norm, MLP, post-feedforward norm (Gemma-2/3)"),
+    OperatorClass("decoder:post_norm", "no input norm; attention, its output normed then added to the residual; "
+                                       "MLP, likewise (OLMo-2); plain adds, no fused add+norm",
+                  frozenset({"consistent"})),  # vLLM 0.26 runs OLMo-2 through its Transformers backend (HF rotary)
     OperatorClass("norm:rms", "RMSNorm w * x_hat, x_hat rounded to the model dtype first (Llama, Qwen)"),
     OperatorClass("norm:rms_1p", "RMSNorm (1 + w) * x_hat in float32, rounded once (Gemma)"),
     OperatorClass("attention:full", "causal attention over each sequence's keys"),
     OperatorClass("attention:sliding", "causal attention over the last `sliding_window` keys (Gemma, Mistral)"),
     OperatorClass("attention:softcap", "attention scores cap * tanh(s / cap) (Gemma-2 attn_logit_softcapping)"),
     OperatorClass("attention:qk_norm", "RMSNorm of each q and k head (Qwen3, Gemma-3)"),
+    OperatorClass("attention:qk_norm_projection", "RMSNorm of the whole q and k projections before the heads "
+                                                  "split (OLMoE, OLMo-2)"),
+    OperatorClass("attention:clip_qkv", "q, k and v clamped to +-clip_qkv after the q/k norms (OLMoE clip_qkv; "
+                                        "vLLM 0.26's OLMoE does not clamp)", frozenset({"consistent"})),
     OperatorClass("linear", "GEMM, with or without bias"),
     OperatorClass("mlp:silu_and_mul", "gated MLP, silu(gate) * up rounded once"),
     OperatorClass("mlp:gelu_tanh_and_mul", "gated MLP, gelu_tanh(gate) * up rounded once (Gemma)"),
@@ -69,7 +76,8 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
 
 DECODER_NORMS = {("input_layernorm", "post_attention_layernorm"): "decoder:two_norm",
                  ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                  "post_feedforward_layernorm"): "decoder:four_norm"}
+                  "post_feedforward_layernorm"): "decoder:four_norm",
+                 ("post_attention_layernorm", "post_feedforward_layernorm"): "decoder:post_norm"}
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,8 @@ def is_attention(m) -> bool:
 
 
 def is_decoder_layer(m) -> bool:
-    return hasattr(m, "self_attn") and hasattr(m, "mlp") and hasattr(m, "input_layernorm")
+    return hasattr(m, "self_attn") and hasattr(m, "mlp") and (hasattr(m, "input_layernorm")
+                                                               or hasattr(m, "post_attention_layernorm"))
 
 
 def norm_eps(m) -> float:
@@ -214,6 +223,11 @@ def attention_softcap(m, cfg) -> float | None:
     return getattr(m, "attn_logit_softcapping", getattr(cfg, "attn_logit_softcapping", None))
 
 
+def attention_clip(m, cfg) -> float | None:
+    """transformers' OLMoE clamps q, k and v to +-clip_qkv after the q/k norms (its config's field)."""
+    return getattr(getattr(m, "config", cfg), "clip_qkv", None)
+
+
 # -- reading a model's coverage --------------------------------------------------------------------------------
 def _read_norm(cov: LayerCoverage, name: str, norm) -> None:
     variant = norm_variant(norm) if is_rmsnorm(norm) else None
@@ -238,19 +252,39 @@ def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
     if getattr(m, "is_causal", True) is False:
         cov.refusals.append(Refusal(name, kind, "bidirectional attention (the wrappers' attention is causal)",
                                     "use_bidirectional_attention", getattr(cfg, "use_bidirectional_attention", None)))
-    norms = [(n, getattr(m, n, None)) for n in ("q_norm", "k_norm")]
-    if any(nm is not None for _, nm in norms):
-        cov.classes["attention:qk_norm"] = (None, None)
-    for norm_name, norm in norms:
-        if norm is None:
-            continue
+    if attention_clip(m, cfg) is not None:
+        cov.classes["attention:clip_qkv"] = ("clip_qkv", attention_clip(m, cfg))
+    _read_qk_norms(cov, name, m)
+
+
+def _read_qk_norms(cov: LayerCoverage, name: str, m) -> None:
+    """q_norm/k_norm: per head (each norm over head_dim features) or over the whole projection (each over its
+    projection's width, heads * head_dim); anything else, or one of each, is refused."""
+    norms = [(n, getattr(m, n, None), proj) for n, proj in (("q_norm", m.q_proj), ("k_norm", m.k_proj))]
+    norms = [(n, norm, proj) for n, norm, proj in norms if norm is not None]
+    if not norms:
+        return
+    kinds = set()
+    for norm_name, norm, proj in norms:
         features = int(norm.weight.shape[-1]) if getattr(norm, "weight", None) is not None else 0
-        if features != m.head_dim:
-            cov.refusals.append(Refusal(f"{name}.{norm_name}", type(norm).__name__,
-                                        f"a norm over {features} features (the whole projection); the wrappers "
-                                        f"normalise each head of {m.head_dim}", "head_dim", m.head_dim))
+        if features == m.head_dim:
+            kinds.add("attention:qk_norm")
+        elif features == proj.out_features:
+            kinds.add("attention:qk_norm_projection")
         else:
-            _read_norm(cov, f"{name}.{norm_name}", norm)
+            cov.refusals.append(Refusal(f"{name}.{norm_name}", type(norm).__name__,
+                                        f"a norm over {features} features; the wrappers normalise each head "
+                                        f"({m.head_dim}) or the whole projection ({proj.out_features})",
+                                        "head_dim", m.head_dim))
+            continue
+        _read_norm(cov, f"{name}.{norm_name}", norm)
+    if len(kinds) > 1:
+        cov.refusals.append(Refusal(name, type(m).__name__, "one of q_norm/k_norm per head, the other over the "
+                                    "whole projection"))
+    for kind in kinds:
+        cov.classes[kind] = (None, None)
+    if kinds == {"attention:qk_norm_projection"}:
+        cov.variants[name] = "attention:qk_norm_projection"  # the wrapper norms before the heads split
 
 
 def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
@@ -284,7 +318,8 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
     structure = next((kind for names, kind in DECODER_NORMS.items() if set(names) == set(norms)), None)
     if structure is None:
         cov.refusals.append(Refusal(name, cov.module_class, f"a decoder layer of children {', '.join(children)}; "
-                                    "the wrappers implement two-norm (Llama) and four-norm (Gemma) layers"))
+                                    "the wrappers implement two-norm (Llama), four-norm (Gemma) and post-norm "
+                                    "(OLMo-2) layers"))
     else:
         cov.classes[structure] = (None, None)
         cov.variants[name] = structure
@@ -401,7 +436,7 @@ def read_coverage(model: nn.Module) -> list[LayerCoverage]:
     layers += _unknown_layers(model)
     if not layers:
         layers = [LayerCoverage("model.layers", "none", refusals=[Refusal(
-            "model.layers", type(model).__name__, "no decoder layer with self_attn, mlp and input_layernorm")])]
+            "model.layers", type(model).__name__, "no decoder layer with self_attn, mlp and a norm")])]
     return layers + [read_model(model)]
 
 

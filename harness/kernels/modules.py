@@ -2,9 +2,10 @@
 
 What the wrappers cover is data (coverage.py: the operator classes, which kernels implement each, and the
 reader that finds them in a model); `apply` refuses a model that uses anything else and patches each module by
-the class the reader found: two-norm (Llama, Qwen, Mistral) and four-norm (Gemma-2/3) decoder layers, `w` and
-`(1 + w)` RMSNorms, SiLU and GELU-tanh gated MLPs, top-k MoE, full, sliding-window and softcapped attention,
-one rotary table or one per layer type, final logit softcapping.
+the class the reader found: two-norm (Llama, Qwen, Mistral), four-norm (Gemma-2/3) and post-norm (OLMo-2)
+decoder layers, `w` and `(1 + w)` RMSNorms, SiLU and GELU-tanh gated MLPs, top-k MoE, full, sliding-window and
+softcapped attention, q/k norms per head or over the whole projection, one rotary table or one per layer type,
+final logit softcapping.
 
 `apply(model, provider)` replaces module forwards in place; module names and parameters stay, so capture, the
 locator and optimizers see the same model. The forward follows vLLM's decoder structure, so a provider that
@@ -16,7 +17,10 @@ runs vLLM's kernels sees the calls vLLM makes:
   exactly each sequence's keys (the window's, on a sliding layer); MoE routing top-k then the experts' outputs
   combined in float32 in slot order;
 - a four-norm layer as vLLM's Gemma layers: post-attention norm alone, then add+norm (pre-feedforward) of the
-  residual, MLP, post-feedforward norm; the next layer's input add+norm takes that output and the residual.
+  residual, MLP, post-feedforward norm; the next layer's input add+norm takes that output and the residual;
+- a post-norm layer as vLLM's Olmo3 layer: each sublayer's output normed alone, then a plain residual add;
+- whole-projection q/k norms (OLMoE) on the [tokens, heads * head_dim] views of the fused qkv output, before
+  the heads split, as vLLM's OlmoeAttention passes them.
 
 A decoder layer still returns hidden + residual (what HF's loop and capture hooks expect); the next layer
 reads the two addends it was computed from (see ResidualStream) rather than the rounded sum.
@@ -34,9 +38,10 @@ from tic.core.errors import TicInputError
 from tic.config.schema import BackwardConfig
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 mixers (hybrids), issue 31
 from tic.harness.kernels.autograd import OPS, Backward, Ops
-from tic.harness.kernels.coverage import (attention_softcap, attention_window, final_norm, is_attention,
-                                          is_decoder_layer, is_gated_mlp, is_moe_block, is_rmsnorm, norm_eps,
-                                          problem_lines, read_coverage, rotary_modules, rotary_per_layer_type)
+from tic.harness.kernels.coverage import (attention_clip, attention_softcap, attention_window, final_norm,
+                                          is_attention, is_decoder_layer, is_gated_mlp, is_moe_block, is_rmsnorm,
+                                          norm_eps, problem_lines, read_coverage, rotary_modules,
+                                          rotary_per_layer_type)
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.stand_ins import stands_for
@@ -189,7 +194,21 @@ def _four_norm_layer_forward(self, hidden_states, attention_mask=None, position_
                       residual)
 
 
-LAYER_FORWARDS = {"decoder:two_norm": _decoder_layer_forward, "decoder:four_norm": _four_norm_layer_forward}
+def _post_norm_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                             use_cache=False, position_embeddings=None, **kwargs):
+    """A post-norm layer (OLMo-2), as vLLM's Olmo3DecoderLayer runs it: no input norm; each sublayer's output
+    normed alone, then a plain add to the residual (no fused add+norm: the next layer and the final norm read
+    the sum)."""
+    kwargs.pop("past_key_values", None)
+    h = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                       cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)[0]
+    h = hidden_states + self.post_attention_layernorm(h)
+    delta = self.mlp(h)
+    return h + self.post_feedforward_layernorm(delta[0] if isinstance(delta, tuple) else delta)
+
+
+LAYER_FORWARDS = {"decoder:two_norm": _decoder_layer_forward, "decoder:four_norm": _four_norm_layer_forward,
+                  "decoder:post_norm": _post_norm_layer_forward}
 
 
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
@@ -203,9 +222,13 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         q, k, v = qkv.split([p.weight.shape[0] for p in projs], dim=-1)
     else:
         q, k, v = (p(hidden_states) for p in projs)
-    q, k, v = q.reshape(B, T, -1, D), k.reshape(B, T, -1, D), v.reshape(B, T, -1, D)
-    if getattr(self, "q_norm", None) is not None:
+    if self._tic_norm_projection:  # OLMoE, OLMo-2: [B, T, heads * D] views of the fused output, as vLLM's passes
         q, k = self.q_norm(q), self.k_norm(k)
+    q, k, v = q.reshape(B, T, -1, D), k.reshape(B, T, -1, D), v.reshape(B, T, -1, D)
+    if getattr(self, "q_norm", None) is not None and not self._tic_norm_projection:
+        q, k = self.q_norm(q), self.k_norm(k)
+    if self._tic_clip is not None:  # elementwise, after the norms (transformers' OLMoE order)
+        q, k, v = (t.clamp(-self._tic_clip, self._tic_clip) for t in (q, k, v))
     if position_ids is None:
         past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
         position_ids = torch.arange(past, past + T, device=q.device)[None].expand(B, T)
@@ -308,6 +331,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
     elif is_attention(m):
         m._tic_rope = ropes.get(getattr(m, "layer_type", None), ropes.get(None))
         m._tic_window, m._tic_softcap = attention_window(m, cfg), attention_softcap(m, cfg)
+        m._tic_norm_projection, m._tic_clip = variant == "attention:qk_norm_projection", attention_clip(m, cfg)
         m.forward = types.MethodType(_attention_forward, m)
     elif is_decoder_layer(m):
         m._tic_stream = stream

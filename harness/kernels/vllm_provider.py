@@ -202,7 +202,8 @@ class VLLMProvider(KernelProvider):
         """vLLM's `_C.rms_norm` (its eager IR implementation `vllm_c`), through vllm._custom_ops, on the layout
         vLLM's layers give it: a
         hidden-state norm sees [tokens, hidden]; a per-head norm (Qwen3's q_norm/k_norm) sees the strided
-        [tokens, heads, head_dim] view of the fused qkv output, as Qwen3Attention passes it. offset 1: Gemma's
+        [tokens, heads, head_dim] view of the fused qkv output, as Qwen3Attention passes it; a whole-projection
+        norm (OLMoE's) the strided [tokens, heads * head_dim] view, as OlmoeAttention passes it. offset 1: Gemma's
         norm (gemma_rms_norm)."""
         if offset:
             return self.gemma_rms_norm(x, w, eps)

@@ -11,14 +11,22 @@ Bound per module output: max |wrapped - stock| <= rtol * max |stock| + atol, rto
 float32 differences are reordering noise (measured ~1e-6 relative on tiny Qwen3/Gemma models); bf16 ones
 grow with depth by a rounding step per operator (2^-8 relative), hence its wider bound. A wrong operator
 differs by O(1) relative and is caught at its first module.
+
+MoE routers are the one discrete decision on the path: where the wrapped model's experts for a token are within
+a rounding step (the dtype's eps) of the stock router's own top-k, the stock router takes them (gradcheck's
+RoutingPin); a router that picks other experts outright still parts at its block.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from tic.harness.kernels.modules import capture_routes
+from tic.harness.measure.gradcheck import RoutingPin
 
 FIDELITY_RTOL = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 FIDELITY_ATOL = 1e-6
@@ -55,7 +63,8 @@ def _record(model: nn.Module, names: dict) -> tuple[dict, list, list]:
         def hook(mod, args, out, name=name):
             t = out[0] if isinstance(out, tuple) else out
             if name not in seen and isinstance(t, torch.Tensor):
-                seen[name] = t.detach().float().cpu()
+                # a copy: the model may change the output in place later (transformers' OLMoE clamps q/k/v)
+                seen[name] = t.detach().to("cpu", torch.float32, copy=True)
                 order.append(name)
         handles.append(m.register_forward_hook(hook))
     return seen, order, handles
@@ -86,8 +95,12 @@ def compare_forward(stock: nn.Module, wrapped: nn.Module, input_ids, attention_m
     logits' figures. Padding positions are left out (their values are unspecified on both sides)."""
     dtype = next(stock.parameters()).dtype
     rtol = FIDELITY_RTOL.get(dtype, 5e-2)
-    ref, order, ref_logits = _outputs(stock, input_ids, attention_mask)
-    got, _, logits = _outputs(wrapped, input_ids, attention_mask)
+    routes = contextlib.nullcontext({}) if not hasattr(wrapped, "_tic_routes") else capture_routes(wrapped)
+    with routes as calls:
+        got, _, logits = _outputs(wrapped, input_ids, attention_mask)
+    pin = RoutingPin(stock, near_tie=torch.finfo(dtype).eps)  # the wrapped model's experts at a near tie only
+    with pin.pinned({block: ids[0] for block, ids in calls.items()}):
+        ref, order, ref_logits = _outputs(stock, input_ids, attention_mask)
     keep = attention_mask.bool().cpu()
     first, checked = None, 0
     for name in order + ["logits"]:
@@ -106,4 +119,5 @@ def compare_forward(stock: nn.Module, wrapped: nn.Module, input_ids, attention_m
     logit_diff = float((ref_logits - logits)[keep].abs().max())
     return {"dtype": str(dtype).replace("torch.", ""), "rtol": rtol, "atol": FIDELITY_ATOL,
             "modules_checked": checked, "first_parting": None if first is None else first.line(),
-            "first_parting_module": None if first is None else first.module, "logits_max_abs": logit_diff}
+            "first_parting_module": None if first is None else first.module, "logits_max_abs": logit_diff,
+            "routing_flips": pin.flips}

@@ -29,11 +29,14 @@ def advantages(n: int, seed: int = 0) -> list[float]:
 class RoutingPin:
     """Makes each HF top-k router (a `gate` module returning (logits, top-k weights, top-k ids)) take given ids:
     weights = its float32 softmax at those ids, renormalised as the router does. Counts the tokens whose own
-    float32 top-k set differed (routing flips)."""
+    float32 top-k set differed (routing flips). near_tie: take a token's given ids only where each is within that
+    relative distance of the router's own k-th probability (a near tie), else its own ids (the fidelity check:
+    a router that picks other experts outright must still show)."""
 
-    def __init__(self, model):
+    def __init__(self, model, near_tie: float | None = None):
         self.gates = {name[: -len(".gate")]: m for name, m in model.named_modules()
                       if name.endswith(".gate") and hasattr(m, "top_k") and hasattr(m, "weight")}
+        self.near_tie = near_tie
         self.flips = 0
         self.tokens = 0
         self.unpinned: set[str] = set()
@@ -62,9 +65,14 @@ class RoutingPin:
                                  f"{tuple(ids.shape)}")
             logits, _, own = out
             pin = ids.to(device=own.device, dtype=own.dtype)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            if self.near_tie is not None:
+                kth = probs.gather(-1, own).min(-1, keepdim=True).values
+                tie = (probs.gather(-1, pin) >= kth * (1 - self.near_tie)).all(-1, keepdim=True)
+                pin = torch.where(tie, pin, own)
             self.flips += int((own.sort(-1).values != pin.sort(-1).values).any(-1).sum())
             self.tokens += pin.shape[0]
-            w = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, pin)
+            w = probs.gather(-1, pin)
             if getattr(gate, "norm_topk_prob", True):
                 w = w / w.sum(dim=-1, keepdim=True)
             return logits, w.to(logits.dtype), pin

@@ -58,6 +58,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3_next": Family(moe="sparse_step", extra_classes=("rope", "partial_rope")),
     "mixtral": Family(moe="all", experts_key="num_local_experts"),
     "deepseek_v3": Family(moe="first_k_dense", experts_key="n_routed_experts"),
+    "olmoe": Family(moe="all"),
+    "olmo2": Family(),
     "gemma2": Family(norm="rmsnorm_gemma", attention="every_nth_full", window_pattern=2),
     "gemma3_text": Family(norm="rmsnorm_gemma", attention="every_nth_full", window_pattern=6),
     "nemotron_h": Family(pattern_key="hybrid_override_pattern",
