@@ -123,7 +123,7 @@ class MegatronCausalLM(nn.Module):
 
         ops = Ops(provider, Backward(backward))
         self.config, self.model_cfg, self._tic_ops, self._tic_routes = hf_config, cfg, ops, RouteLog()
-        self.batch = ForwardBatch()
+        self.batch, self.checkpoint_names = ForwardBatch(), ()
         shared = TicShared(ops, ResidualStream(), RopeTable(_hf_rotary(hf_config), dtype, provider, hf_config),
                            self.batch, self._tic_routes, bool(provider.fuse_projections))
         mlp_only = set(cfg.get("mlp_only_layers") or [])
@@ -155,6 +155,7 @@ class MegatronCausalLM(nn.Module):
         return SimpleNamespace(logits=self._tic_ops.linear(h.transpose(0, 1).contiguous(), [w], [None]))
 
     def load_hf(self, hf: dict[str, torch.Tensor]) -> None:
+        self.checkpoint_names = tuple(hf)  # the conversion's plan (conversion_plan) is read from them again
         missing, unexpected = self.gpt.load_state_dict(hf_to_megatron(hf, self.model_cfg), strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
