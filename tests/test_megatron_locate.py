@@ -115,3 +115,15 @@ def test_nothing_planted_the_same_search_finds_no_divergence(megatron_ctx, tmp_p
     # every decoder layer and the final norm were compared under the HF names, not skipped
     assert all(layers[f"model.layers.{i}"]["positions"] > 0 for i in range(4)) and layers["model.norm"]["equal"]
     assert found.repro is None
+
+
+def test_a_c6_failure_between_two_megatron_sides_is_located(megatron_ctx):
+    """Both sides Megatron (the reference layout planted, a variant layout not): the same names on both."""
+    ctx = megatron_ctx("tiny-qwen3")
+    _eps(ctx.train_engine().model.gpt)
+    res = run_gate(get("C6"), ctx)
+    assert res.verdict == "fail"
+    loc = res.details["locate"]
+    assert (loc["first_divergent_layer"], loc["culprit_module"], loc["first_operator"]) == \
+        ("model.layers.1", "model.layers.1.post_attention_layernorm", "aten.add.Tensor"), loc
+    assert loc["repro_check"]["reproduces"] and loc["repro_check"]["exit_code"] == 1
