@@ -15,9 +15,8 @@ from tic.config.schema import EngineConfig, load_config  # noqa: E402
 from tic.gates import get  # noqa: E402
 from tic.gates.base import Measurement  # noqa: E402
 from tic.harness.engines import hf  # noqa: E402
-from tic.harness.locate.megatron_capture import module_aliases  # noqa: E402
 from tic.harness.locate.search import locate, sides_for_gate  # noqa: E402
-from tic.harness.model.megatron_convert import conversion_plan  # noqa: E402
+from tic.harness.model.megatron_convert import conversion_plan, module_map  # noqa: E402
 from tic.harness.testing.tinymodels import tiny_model  # noqa: E402
 from tic.skill.context import GateContext  # noqa: E402
 from tic.skill.runner import run_gate  # noqa: E402
@@ -29,7 +28,7 @@ def test_module_names_come_from_the_converters_plan(family):
 
     model_dir, cfg = tiny_model(3, family)
     names = list(load_file(str(model_dir / "model.safetensors")))
-    got = module_aliases(conversion_plan(names, cfg))
+    got = module_map(conversion_plan(names, cfg))
     assert got["model.layers.1"] == "decoder.layers.1"
     assert got["model.layers.1.self_attn"] == "decoder.layers.1.self_attention"
     assert got["model.layers.1.post_attention_layernorm"] == "decoder.layers.1.pre_mlp_layernorm"
@@ -46,7 +45,7 @@ def test_a_one_layer_model_keeps_the_layer_name():
     """model.layers and model.layers.0 hold the same tensors: the deeper name is the layer's."""
     names = ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
              "model.layers.0.post_attention_layernorm.weight", "model.norm.weight"]
-    got = module_aliases(conversion_plan(names, {"model_type": "llama"}))
+    got = module_map(conversion_plan(names, {"model_type": "llama"}))
     assert got["model.layers.0"] == "decoder.layers.0" and "model.layers" not in got
 
 

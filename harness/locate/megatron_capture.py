@@ -3,11 +3,10 @@ the checkpoint's module names.
 
 The other side of a comparison (an HF or vLLM rollout) names its modules as transformers does
 (model.layers.N.self_attn, ...mlp, ...post_attention_layernorm); the GPTModel holds the same weights under Megatron's
-names (decoder.layers.N.self_attention, ...mlp, ...pre_mlp_layernorm). Each Megatron module is presented under the
-HF name that the converter's name map (tic.harness.model.megatron_convert.conversion_plan) gives it: an HF module is
-the Megatron module that holds every tensor its weights were converted into (the deepest such module), unless
-another HF module of the same depth claims that module too (q/k/v all land in linear_qkv: none of them is it). A
-Megatron module without a counterpart (the bias-dropout-add slots, a weight holder) keeps its own name.
+names (decoder.layers.N.self_attention, ...mlp, ...pre_mlp_layernorm). The runner presents each Megatron module
+under the HF name the converter's name map gives it (MegatronCausalLM.hf_named_modules, by
+tic.harness.model.megatron_convert.module_map); a Megatron module without a counterpart (the bias-dropout-add slots,
+the fused q/k/v weight holder) keeps its own name.
 
 Layouts: Megatron's block and layers hand their submodules hidden states sequence-first [T, B, H]; those modules'
 tensors are recorded, compared, replayed and traced through their [B, T, H] view. tic's leaves inside them (the
@@ -20,8 +19,6 @@ so it runs on the same addends as the other side.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
 from tic.core.errors import TicInputError
@@ -29,41 +26,6 @@ from tic.harness.engines.megatron_spec import TicRMSNorm
 from tic.harness.locate.capture import HookSet, keyed_values
 from tic.harness.locate.hf_capture import HFCaptureRunner, PaddedRows, set_input
 from tic.harness.locate.trail import tensors_of
-from tic.harness.model.megatron_convert import Move, conversion_plan
-
-
-def _ancestors(module: str) -> list[str]:
-    parts = module.split(".")
-    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
-
-
-def module_aliases(plan: list[Move]) -> dict[str, str]:
-    """HF module name -> Megatron module name (under the GPTModel), from the converter's plan: for each HF module that
-    holds weights (a tensor's module or an ancestor of one), the deepest Megatron module that holds every Megatron
-    tensor they were converted into. Where several HF modules come to one Megatron module, the deepest of them has
-    it, and none when two of that depth do."""
-    held: dict[str, set[str]] = defaultdict(set)
-    for move in plan:
-        for name in move.hf:
-            for hf_module in _ancestors(name.rsplit(".", 1)[0]):
-                held[hf_module].add(move.megatron.rsplit(".", 1)[0])
-    claims: dict[str, list[str]] = defaultdict(list)
-    for hf_module, mg_modules in held.items():
-        paths = [m.split(".") for m in mg_modules]
-        common = []
-        for parts in zip(*paths):
-            if len(set(parts)) > 1:
-                break
-            common.append(parts[0])
-        if common:
-            claims[".".join(common)].append(hf_module)
-    aliases = {}
-    for mg_module, hf_modules in claims.items():
-        depth = max(h.count(".") for h in hf_modules)
-        deepest = [h for h in hf_modules if h.count(".") == depth]
-        if len(deepest) == 1:
-            aliases[deepest[0]] = mg_module
-    return aliases
 
 
 def _addends(got) -> tuple | None:
@@ -167,52 +129,27 @@ class SequenceFirstRows(PaddedRows):
         return tuple(new_args), new_kwargs
 
 
-def _sequence_first_modules(gpt) -> set[int]:
-    """Megatron's transformer layers and every module its block or a layer calls with hidden states (their
-    children): the sequence-first [T, B, H] modules."""
-    from megatron.core.transformer.transformer_block import TransformerBlock
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    out = set()
-    for m in gpt.modules():
-        if isinstance(m, TransformerLayer):
-            out.add(id(m))
-        if isinstance(m, (TransformerLayer, TransformerBlock)):
-            out |= {id(c) for c in m.children()}
-    return out
-
-
 class MegatronCaptureRunner(HFCaptureRunner):
     """The HF runner's scoring (the Megatron engine runs the hf engine's micro-batches, padding and packing) over the
-    GPTModel, its modules under the checkpoint's names."""
+    GPTModel, its modules under the checkpoint's names (MegatronCausalLM.hf_named_modules)."""
 
     def __init__(self, engine, temperature: float = 1.0):
         super().__init__(engine, temperature)
-        gpt = self.model.gpt
-        self._own = {n: m for n, m in gpt.named_modules() if n}
-        aliases = module_aliases(conversion_plan(self.model.checkpoint_names, self.model.model_cfg))
-        self._hf_name = {mg: hf for hf, mg in aliases.items() if mg in self._own}
-        self.modules = {self.name_of(n): m for n, m in self._own.items()}
-        self._megatron = {self.name_of(n): n for n in self._own}
-        self._layers = [f"decoder.layers.{i}" for i in range(len(gpt.decoder.layers))]
-        ids = _sequence_first_modules(gpt)
-        self._sequence_first = (ids, {self.name_of(n) for n, m in self._own.items() if id(m) in ids})
-
-    def name_of(self, megatron_name: str) -> str:
-        """A GPTModel module's name as the locator reports it: its HF name, else its own."""
-        return self._hf_name.get(megatron_name, megatron_name)
+        self.modules = self.model.hf_named_modules()
+        self._name = {id(m): n for n, m in self.modules.items()}
+        ids = self.model.sequence_first_modules()
+        self._sequence_first = (ids, {n for n, m in self.modules.items() if id(m) in ids})
 
     def stages(self) -> list[str]:
-        names = ["embedding.word_embeddings", *self._layers, "decoder.final_layernorm"]
-        return [self.name_of(n) for n in names if n in self._own]
+        gpt = self.model.gpt
+        return [self._name[id(m)] for m in (gpt.embedding.word_embeddings, *gpt.decoder.layers,
+                                            gpt.decoder.final_layernorm)]
 
     def children(self, name: str) -> list[str]:
-        mg = self._megatron[name]
-        return [self.name_of(f"{mg}.{c}") for c, _ in self._own[mg].named_children()]
+        return [self._name[id(c)] for c in self.modules[name].children()]
 
     def descendants(self, name: str) -> list[str]:
-        mg = self._megatron[name]
-        return [self.name_of(n) for n in self._own if n.startswith(mg + ".")]
+        return [self._name[id(m)] for m in self.modules[name].modules() if m is not self.modules[name]]
 
     def _hooks(self, spec) -> HookSet:
         return HookSet(self.modules, spec, SequenceFirstRows(*self._sequence_first))

@@ -15,6 +15,8 @@ A layer is MoE when its checkpoint has a router (`mlp.gate.weight`), so `mlp_onl
 
 from __future__ import annotations
 
+import os
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -155,6 +157,36 @@ def conversion_plan(hf_names, cfg: dict, experts: str = "sequential") -> list[Mo
         raise TicInputError(f"megatron conversion: {len(left)} checkpoint tensor(s) have no Megatron place, "
                             f"first {left[0]}")
     return plan
+
+
+def _ancestors(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def module_map(plan: list[Move]) -> dict[str, str]:
+    """HF module name -> Megatron module name (under the GPTModel), from the converter's plan, for whoever compares
+    the two models module by module (the locator, C2's fidelity check): for each HF module that holds weights (a
+    tensor's module or an ancestor of one), the deepest Megatron module that holds every Megatron tensor they were
+    converted into. Where several HF modules come to one Megatron module, the deepest of them has it, and none when
+    two of that depth do (q/k/v all land in linear_qkv: none of them is it)."""
+    held: dict[str, set[str]] = defaultdict(set)
+    for move in plan:
+        for name in move.hf:
+            for hf_module in _ancestors(name.rsplit(".", 1)[0]):
+                held[hf_module].add(move.megatron.rsplit(".", 1)[0])
+    claims: dict[str, list[str]] = defaultdict(list)
+    for hf_module, mg_modules in held.items():
+        common = os.path.commonprefix([m.split(".") for m in mg_modules])
+        if common:
+            claims[".".join(common)].append(hf_module)
+    out = {}
+    for mg_module, hf_modules in claims.items():
+        depth = max(h.count(".") for h in hf_modules)
+        deepest = [h for h in hf_modules if h.count(".") == depth]
+        if len(deepest) == 1:
+            out[deepest[0]] = mg_module
+    return out
 
 
 def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: dict, experts: str = "sequential") -> dict[str, torch.Tensor]:
