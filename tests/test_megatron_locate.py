@@ -126,3 +126,26 @@ def test_a_c6_failure_between_two_megatron_sides_is_located(megatron_ctx):
     assert (loc["first_divergent_layer"], loc["culprit_module"], loc["first_operator"]) == \
         ("model.layers.1", "model.layers.1.post_attention_layernorm", "aten.add.Tensor"), loc
     assert loc["repro_check"]["reproduces"] and loc["repro_check"]["exit_code"] == 1
+
+
+# ---- C2's fidelity check on the Megatron model ----------------------------------------------------------------
+def test_c2_checks_the_megatron_model_against_stock_hf_module_by_module(megatron_ctx):
+    res = run_gate(get("C2"), megatron_ctx("tiny-qwen3"))
+    fid = res.details["fidelity"]
+    assert res.verdict == "pass", res.reason
+    assert fid["engine"] == "megatron" and fid["first_parting"] is None
+    # decoder layers, attention, norms and MLPs under their HF names, not the logits alone
+    assert fid["modules_checked"] > 20 and fid["logits_max_abs"] < 1e-4
+
+
+def test_c2_fails_a_megatron_mlp_that_swaps_gate_and_up(megatron_ctx):
+    """linear_fc1 read as [up; gate] (a converter or spec that swaps them would agree with itself bitwise): C2 names
+    the layer's MLP, in the stock model's call order, under its HF name."""
+    ctx = megatron_ctx("tiny-qwen3")
+    fc1 = ctx.train_engine().model.gpt.decoder.layers[1].mlp.linear_fc1.weight
+    with torch.no_grad():
+        fc1.copy_(torch.cat(fc1.chunk(2)[::-1]))
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"] == "model.layers.1.mlp"
+    assert res.reason.startswith("fidelity: kernels: consistent computes another model than stock HF from "
+                                 "model.layers.1.mlp (Qwen3MLP)"), res.reason
