@@ -40,12 +40,11 @@ def _addends(got) -> tuple | None:
 
 
 def _stream_value(got) -> torch.Tensor:
-    """The residual stream a recorded input row stands for: residual + hidden for an add-norm's pair (as both
-    trainers add them), else the hidden state (every engine records it first)."""
-    pair = _addends(got)
-    if pair is not None and getattr(got, "keys", None):
-        return pair[1] + pair[0]
-    return got[0]
+    """The residual stream a recorded input row stands for: residual + hidden for transformers' add-norm pair (as
+    both trainers add them), else the first row (every engine records the hidden state first; vLLM's add-norm rows
+    start with their sum)."""
+    keys = getattr(got, "keys", None)
+    return got[keys.index("residual")] + got[0] if keys and "residual" in keys else got[0]
 
 
 class SequenceFirstRows(PaddedRows):
