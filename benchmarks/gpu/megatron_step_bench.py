@@ -71,14 +71,15 @@ def model_dir(args) -> Path:
 
 def plain_model(tic_model, dtype: torch.dtype, device: str):
     """Megatron-core's GPTModel on its local spec, the tic model's TransformerConfig and weights, Megatron's own
-    rotary embedding (the config's rope_theta), Megatron's default (non-deterministic) settings."""
+    rotary embedding (the config's rope_theta), Megatron's default (non-deterministic) settings; no random
+    initialisation (the weights are loaded)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from tic.harness.engines.megatron import transformer_config
 
     cfg = tic_model.model_cfg
-    tc = dataclasses.replace(transformer_config(cfg, dtype), deterministic_mode=False)
+    tc = dataclasses.replace(transformer_config(cfg, dtype), deterministic_mode=False, perform_initialization=False)
     spec = get_gpt_layer_local_spec(num_experts=tc.num_moe_experts, qk_layernorm=tc.qk_layernorm,
                                     normalization="RMSNorm")
     rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
