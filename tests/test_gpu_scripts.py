@@ -236,3 +236,20 @@ def test_megatron_step_bench_runs_on_a_tiny_model_on_the_cpu(monkeypatch, capsys
     out = capsys.readouterr().out
     assert code == 0, out
     assert "ok   same model" in out and "ratio tic/plain:" in out and "plain Megatron-core (local spec)" in out
+
+
+def test_locate_trace_plants_the_eps_by_its_hf_name_on_the_megatron_engine(example, workdir):
+    """locate_trace.py --plant-eps finds the norm through the train engine's capture runner: on the Megatron
+    engine, model.layers.N.post_attention_layernorm is decoder.layers.N.pre_mlp_layernorm."""
+    pytest.importorskip("megatron.core")
+    import locate_trace
+
+    from tic.config.schema import EngineConfig
+    from tic.skill.context import GateContext
+
+    cfg = load_config(example("tiny-qwen3") / "tic-consistent.yaml")
+    cfg.train = EngineConfig.model_validate({**cfg.train.model_dump(), "engine": "megatron"})
+    ctx = GateContext(cfg)
+    locate_trace.plant_eps(ctx, 2)
+    layers = ctx.train_engine().model.gpt.decoder.layers
+    assert [layer.pre_mlp_layernorm.eps for layer in layers] == [1e-6, 1e-6, 1e-3, 1e-6]
