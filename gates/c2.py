@@ -1,9 +1,9 @@
 """C2: small model cut and wrapper fidelity. A 4-6 layer cut of the full model stands in for it in fast loops
 only if it loads, covers every operator class, keeps each kept layer's tensors exactly, and each kept layer
 computes exactly what its source layer computes on the same hidden states. When the training side runs through
-tic's kernel wrappers (kernels consistent or vllm), the wrapped model must also compute the stock HF model
-within a stated bound (tic.harness.measure.fidelity): a wrapper that computes another model would pass C3-C6
-bitwise, so it is refused here, before C3."""
+tic's kernel wrappers (kernels consistent or vllm, train.engine hf or megatron), the wrapped model must also
+compute the stock HF model within a stated bound (tic.harness.measure.fidelity): a wrapper that computes another
+model would pass C3-C6 bitwise, so it is refused here, before C3."""
 
 from __future__ import annotations
 
@@ -26,13 +26,18 @@ def wrapper_fidelity(ctx) -> dict | None:
     """The training side's wrapped model against the stock HF model (eager attention, same weights, dtype and
     device) on seeded inputs; None when the training side does not run through the wrappers."""
     train = ctx.cfg.train
-    if train.engine != "hf" or train.kernels not in WRAPPED_KERNELS:
+    if train.engine not in ("hf", "megatron") or train.kernels not in WRAPPED_KERNELS:
         return None
     engine = ctx.train_engine()
     stock = load_model(engine.model_dir, engine.dtype, "stock", attn="eager", device=str(engine.device),
                        shared=False)
     ids, mask = fidelity_inputs(engine.vocab_size, engine.device)
-    return {"kernels": train.kernels, **compare_forward(stock, engine.model, ids, mask)}
+    view = {}
+    if train.engine == "megatron":  # the GPTModel's modules under the checkpoint's names, hidden states [T, B, H]
+        view = {"wrapped_modules": engine.model.hf_named_modules(),
+                "sequence_first": engine.model.sequence_first_modules()}
+    return {"kernels": train.kernels, "engine": train.engine,
+            **compare_forward(stock, engine.model, ids, mask, **view)}
 
 
 def measure(ctx) -> Measurement:

@@ -192,3 +192,64 @@ def test_every_attribute_a_benchmark_reads_of_a_tic_module_exists():
                                                 f"{node.attr}"
                 checked += 1
     assert checked > 5
+
+
+# ---- megatron_step_bench.py: tic's Megatron step vs plain Megatron-core ---------------------------------------------
+def test_megatron_step_bench_arguments_order_and_table():
+    import megatron_step_bench as bench
+    import torch
+
+    args = bench.parse_args([])
+    assert (args.shape, args.layers, args.kernels, args.device) == ("Qwen3-8B", 4, "vllm", "cuda")
+    for bad in (["--repeats", "0"], ["--shape", "Gemma-3-12B"], ["--kernels", "stock"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+    order = []
+    times = bench.alternate({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, 1, 3, lambda: None)
+    assert order == ["a", "b", "a", "b", "b", "a", "a", "b"] and [len(t) for t in times.values()] == [3, 3]
+    s = bench.summary({"t": [2.0, 4.0, 3.0], "p": [1.0, 2.0, 3.0]}, "t", "p")
+    assert s["ratio"] == (2.0, 1.0, 2.0) and s["sides"]["t"] == (3.0, 2.0, 4.0)
+    lines = bench.table(s).splitlines()
+    assert lines[2].split("|")[2:4] == ["    3000.00 ", "  2000.00..4000.00 "]
+    assert lines[-1] == "ratio tic/plain: 2.000x (per-pair min..max 1.000..2.000, 3 pairs)"
+    mask = torch.ones(1, 3)
+    ref = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]])
+    assert bench.same_model({"tic": ref + 1e-7, "plain": ref}, mask, torch.float32)[0]
+    assert not bench.same_model({"tic": ref.flip(-1), "plain": ref}, mask, torch.float32)[0]
+
+
+def test_megatron_step_bench_runs_on_a_tiny_model_on_the_cpu(monkeypatch, capsys):
+    """The whole script on CPU (consistent kernels): both models build, load the same weights and compute one model
+    (the logits check), and both steps run. Megatron's rotary embedding and its attention's RNG fork want a GPU:
+    they are given the CPU here."""
+    pytest.importorskip("megatron.core")
+    import contextlib
+
+    import megatron_step_bench as bench
+    import torch
+    from megatron.core.tensor_parallel import random as mp_random
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setattr(mp_random.get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext())
+    code = bench.main(["--tiny", "--device", "cpu", "--kernels", "consistent", "--batch", "2", "--seq", "12",
+                       "--repeats", "2", "--warmup", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "ok   same model" in out and "ratio tic/plain:" in out and "plain Megatron-core (local spec)" in out
+
+
+def test_locate_trace_plants_the_eps_by_its_hf_name_on_the_megatron_engine(example, workdir):
+    """locate_trace.py --plant-eps finds the norm through the train engine's capture runner: on the Megatron
+    engine, model.layers.N.post_attention_layernorm is decoder.layers.N.pre_mlp_layernorm."""
+    pytest.importorskip("megatron.core")
+    import locate_trace
+
+    from tic.config.schema import EngineConfig
+    from tic.skill.context import GateContext
+
+    cfg = load_config(example("tiny-qwen3") / "tic-consistent.yaml")
+    cfg.train = EngineConfig.model_validate({**cfg.train.model_dump(), "engine": "megatron"})
+    ctx = GateContext(cfg)
+    locate_trace.plant_eps(ctx, 2)
+    layers = ctx.train_engine().model.gpt.decoder.layers
+    assert [layer.pre_mlp_layernorm.eps for layer in layers] == [1e-6, 1e-6, 1e-3, 1e-6]

@@ -1,10 +1,14 @@
 """Run C5 of CONFIG, then the locator on its failure with the whole traceback on an error (a locator error is
-otherwise one line in the gate record).   python benchmarks/gpu/locate_trace.py CONFIG.yaml OUT.json"""
+otherwise one line in the gate record).   python benchmarks/gpu/locate_trace.py CONFIG.yaml OUT.json [--plant-eps N]
+
+--plant-eps N first sets the eps of layer N's post-attention norm on the train side to 1e-3 (the module found by
+its HF name through the train engine's capture runner, so the same plant works on the hf and megatron engines; an
+hf train side on CPU shares its model with an hf rollout, so plant against a vLLM rollout or a megatron trainer):
+C5 must then fail and the locator name model.layers.N.post_attention_layernorm, with a repro that exits 1."""
 
 from __future__ import annotations
 
 import json
-import sys
 import traceback
 from pathlib import Path
 
@@ -21,14 +25,29 @@ def _short(v) -> str:
     return repr(v)[:200]
 
 
+def plant_eps(ctx, layer: int) -> None:
+    from tic.harness.locate.runners import runner_for
+
+    norm = runner_for(ctx.train_engine(), 1.0).modules[f"model.layers.{layer}.post_attention_layernorm"]
+    setattr(norm, "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps", 1e-3)
+
+
 def main() -> None:
+    import argparse
+
     from tic.gates import get
     from tic.harness.locate.search import locate_for_gate
     from tic.config.schema import load_config
     from tic.skill.context import GateContext
 
-    cfg = load_config(Path(sys.argv[1]))
-    ctx = GateContext(cfg)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config", type=Path)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--plant-eps", type=int, default=None, metavar="N")
+    args = ap.parse_args()
+    ctx = GateContext(load_config(args.config))
+    if args.plant_eps is not None:
+        plant_eps(ctx, args.plant_eps)
     gate = get("C5")
     measured = gate.measure(ctx)
     print("C5", gate.judge(measured).verdict, measured.metrics.get("first_mismatch"), flush=True)
@@ -49,7 +68,7 @@ def main() -> None:
             for k, v in fr["locals"].items():
                 print("   ", k, "=", v)
         out = {"ok": False, "error": f"{type(e).__name__}: {e}", "frames": frames}
-    Path(sys.argv[2]).write_text(json.dumps(out, indent=1, default=str))
+    args.out.write_text(json.dumps(out, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ from tic.harness.kernels.modules import ResidualStream, RopeTable, RouteLog
 from tic.harness.kernels.providers import provider_for
 from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE
 from tic.harness.kernels.vllm_provider import require_vllm
-from tic.harness.model.megatron_convert import (AttentionShape, check_family, hf_to_megatron, megatron_to_hf,
-                                                fused_expert_layout, num_experts)
+from tic.harness.model.megatron_convert import (AttentionShape, check_family, conversion_plan, hf_to_megatron,
+                                                megatron_to_hf, fused_expert_layout, module_map, num_experts)
 
 
 def require_megatron():
@@ -123,7 +123,7 @@ class MegatronCausalLM(nn.Module):
 
         ops = Ops(provider, Backward(backward))
         self.config, self.model_cfg, self._tic_ops, self._tic_routes = hf_config, cfg, ops, RouteLog()
-        self.batch = ForwardBatch()
+        self.batch, self.checkpoint_names = ForwardBatch(), ()
         shared = TicShared(ops, ResidualStream(), RopeTable(_hf_rotary(hf_config), dtype, provider, hf_config),
                            self.batch, self._tic_routes, bool(provider.fuse_projections))
         mlp_only = set(cfg.get("mlp_only_layers") or [])
@@ -155,11 +155,35 @@ class MegatronCausalLM(nn.Module):
         return SimpleNamespace(logits=self._tic_ops.linear(h.transpose(0, 1).contiguous(), [w], [None]))
 
     def load_hf(self, hf: dict[str, torch.Tensor]) -> None:
+        self.checkpoint_names = tuple(hf)  # the conversion's plan (conversion_plan) is read from them again
         missing, unexpected = self.gpt.load_state_dict(hf_to_megatron(hf, self.model_cfg), strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise TicInputError(f"megatron model: converted weights do not fit (missing {missing[:2]}, "
                                 f"unexpected {unexpected[:2]})")
+
+    def hf_named_modules(self) -> dict[str, nn.Module]:
+        """The GPTModel's modules under the checkpoint's module names where the converter's name map gives one
+        (module_map: model.layers.N.self_attn for decoder.layers.N.self_attention), else under their own
+        (decoder.layers.N.self_attn_bda)."""
+        own = {n: m for n, m in self.gpt.named_modules() if n}
+        hf_of = {mg: hf for hf, mg in module_map(conversion_plan(self.checkpoint_names, self.model_cfg)).items()}
+        return {hf_of.get(n, n): m for n, m in own.items()}
+
+    def sequence_first_modules(self) -> set[int]:
+        """ids of the modules whose hidden states are sequence-first [T, B, H]: Megatron's transformer layers and
+        every module its block or a layer calls with them (their children); tic's modules inside those and the
+        word embedding work on [B, T, ...]."""
+        from megatron.core.transformer.transformer_block import TransformerBlock
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        out = set()
+        for m in self.gpt.modules():
+            if isinstance(m, TransformerLayer):
+                out.add(id(m))
+            if isinstance(m, (TransformerLayer, TransformerBlock)):
+                out |= {id(c) for c in m.children()}
+        return out
 
     @torch.no_grad()
     def hf_weights(self) -> dict[str, torch.Tensor]:

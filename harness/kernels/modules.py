@@ -61,6 +61,11 @@ class ResidualStream:
     def put(self, out, delta, residual):
         self._pending = (out, delta, residual)
 
+    def pending(self, x):
+        """The (delta, residual) pair x was summed from, if x is the tensor now pending; the pair stays pending."""
+        p = self._pending
+        return None if p is None or p[0] is not x else (p[1], p[2])
+
     def take(self, x):
         p, self._pending = self._pending, None
         if p is None or p[0] is not x:

@@ -151,6 +151,11 @@ class RowLayout:
         """args/kwargs with the compared tokens' rows of the per-token inputs replaced by recorded rows `repl`."""
         raise NotImplementedError
 
+    def trail_inputs(self, module, args: tuple, kwargs: dict) -> list:
+        """The values whose tokens seed a traced call's trail, in a layout tic.harness.locate.provenance knows
+        ([B, T, ...], [B * T, ...], per head); tensors of no such layout get no tokens."""
+        return [v for _, v in keyed_values(args, kwargs)]
+
 
 def _keep(store: dict, views: list[torch.Tensor], targets: list[tuple[int, int]], keys: list[str] | None) -> None:
     """store[pos] = the target rows of every per-token view [B, T, ...], as CPU copies (engines on a GPU compare
@@ -243,7 +248,7 @@ class HookSet:
                 tensors, keys = self.layout.inputs(module, args, kwargs)
                 _keep(capture.inputs.setdefault(name, {}), [self.layout.view(t) for t in tensors], targets, keys)
             if name == spec.trail_module:
-                self._start_trail(args, kwargs)
+                self._start_trail(module, args, kwargs)
             return new
         return hook
 
@@ -258,7 +263,7 @@ class HookSet:
             return None
         return hook
 
-    def _start_trail(self, args: tuple, kwargs: dict) -> None:
+    def _start_trail(self, module, args: tuple, kwargs: dict) -> None:
         """Record this call's operators when it computes the traced position (a later such call starts again)."""
         fi = next((i for i, pos in self.layout.targets() if pos == self.spec.trail_position), None)
         if fi is None or self._recorder is not None:
@@ -266,7 +271,7 @@ class HookSet:
         B, T = self.layout.shape
         self.capture.trail = Trail([], B, T, fi)
         prov = Provenance(B, T)
-        for _, v in keyed_values(args, kwargs):  # the call's per-token inputs: the trail's tokens follow from them
+        for v in self.layout.trail_inputs(module, args, kwargs):  # the trail's tokens follow from them
             prov.seed(v)
         self._recorder = OpRecorder(self.capture.trail.calls, self.capture.trail.errors, provenance=prov)
         self._recorder.__enter__()

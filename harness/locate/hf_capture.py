@@ -22,7 +22,7 @@ def _input_tensors(args: tuple, kwargs: dict, batch: int, length: int) -> list[t
     return found
 
 
-def _set_input(args: list, kwargs: dict, key: str, value: torch.Tensor) -> None:
+def set_input(args: list, kwargs: dict, key: str, value: torch.Tensor) -> None:
     head, _, j = key.partition(".")
     holder, name = (args, int(head)) if head.isdigit() else (kwargs, head)
     if j:
@@ -66,7 +66,7 @@ def _replaced(args: tuple, kwargs: dict, B: int, T: int, targets, repl: dict) ->
             here.copy_(row.reshape(here.shape))
             changed = True
         if changed:
-            _set_input(new_args, new_kwargs, key, x)
+            set_input(new_args, new_kwargs, key, x)
     return tuple(new_args), new_kwargs
 
 

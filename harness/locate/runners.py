@@ -15,10 +15,12 @@ from typing import Callable
 
 from tic.core.errors import TicInputError
 from tic.harness.engines.hf import HFEngine
+from tic.harness.engines.megatron import MegatronEngine
 from tic.harness.engines.ranks import DealtRequests
 from tic.harness.engines.vllm import VLLMEngine
 from tic.harness.locate.capture import CaptureRunner
 from tic.harness.locate.hf_capture import HFCaptureRunner
+from tic.harness.locate.megatron_capture import MegatronCaptureRunner
 from tic.harness.locate.portable import portable, runner_names
 from tic.harness.locate.vllm_capture import VLLMCaptureRunner
 
@@ -81,4 +83,5 @@ class OwnerRankCaptureRunner:
 
 register(HFEngine, HFCaptureRunner)
 register(VLLMEngine, VLLMCaptureRunner)
+register(MegatronEngine, MegatronCaptureRunner)
 register(DealtRequests, OwnerRankCaptureRunner)

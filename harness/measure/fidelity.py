@@ -45,17 +45,13 @@ class Parting:
                 f"{self.bound:.3g} (stock output max {self.ref_max:.3g})")
 
 
-def _compared_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Decoder layers, their submodules and the final norm: where a wrapper's output is the HF module's output
-    (lm_head is compared as the logits: the wrapped one applies the final softcap itself)."""
-    out = {}
-    for name, m in model.named_modules():
-        if ".layers." in name or name.endswith("norm"):
-            out[name] = m
-    return out
+def _compared_modules(named) -> dict[str, nn.Module]:
+    """Decoder layers, their submodules and the final norm, of (name, module) pairs: where a wrapper's output is the
+    HF module's output (lm_head is compared as the logits: the wrapped one applies the final softcap itself)."""
+    return {name: m for name, m in named if ".layers." in name or name.endswith("norm")}
 
 
-def _record(model: nn.Module, names: dict) -> tuple[dict, list, list]:
+def _record(names: dict, sequence_first: set[int]) -> tuple[dict, list, list]:
     seen: dict[str, torch.Tensor] = {}
     order: list[str] = []
     handles = []
@@ -63,6 +59,7 @@ def _record(model: nn.Module, names: dict) -> tuple[dict, list, list]:
         def hook(mod, args, out, name=name):
             t = out[0] if isinstance(out, tuple) else out
             if name not in seen and isinstance(t, torch.Tensor):
+                t = t.transpose(0, 1) if id(mod) in sequence_first else t
                 # a copy: the model may change the output in place later (transformers' OLMoE clamps q/k/v)
                 seen[name] = t.detach().to("cpu", torch.float32, copy=True)
                 order.append(name)
@@ -70,8 +67,10 @@ def _record(model: nn.Module, names: dict) -> tuple[dict, list, list]:
     return seen, order, handles
 
 
-def _outputs(model: nn.Module, input_ids, attention_mask) -> tuple[dict, list, torch.Tensor]:
-    seen, order, handles = _record(model, _compared_modules(model))
+def _outputs(model: nn.Module, input_ids, attention_mask, modules: dict | None = None,
+             sequence_first: set[int] = frozenset()) -> tuple[dict, list, torch.Tensor]:
+    named = modules.items() if modules is not None else model.named_modules()
+    seen, order, handles = _record(_compared_modules(named), sequence_first)
     try:
         with torch.no_grad():
             logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
@@ -90,14 +89,20 @@ def fidelity_inputs(vocab: int, device, seed: int = 0, length: int = 23) -> tupl
     return ids.to(device), mask.to(device)
 
 
-def compare_forward(stock: nn.Module, wrapped: nn.Module, input_ids, attention_mask) -> dict:
+def compare_forward(stock: nn.Module, wrapped: nn.Module, input_ids, attention_mask,
+                    wrapped_modules: dict[str, nn.Module] | None = None,
+                    sequence_first: set[int] = frozenset()) -> dict:
     """The first module (in the stock model's call order) whose outputs part beyond the bound, and the
-    logits' figures. Padding positions are left out (their values are unspecified on both sides)."""
+    logits' figures. Padding positions are left out (their values are unspecified on both sides).
+
+    The wrapped model's modules are compared under their names, or under those `wrapped_modules` gives them (another
+    trainer's model under the HF names); those in `sequence_first` (ids) return [T, B, ...], the stock ones
+    [B, T, ...]."""
     dtype = next(stock.parameters()).dtype
     rtol = FIDELITY_RTOL.get(dtype, 5e-2)
     routes = contextlib.nullcontext({}) if not hasattr(wrapped, "_tic_routes") else capture_routes(wrapped)
     with routes as calls:
-        got, _, logits = _outputs(wrapped, input_ids, attention_mask)
+        got, _, logits = _outputs(wrapped, input_ids, attention_mask, wrapped_modules, sequence_first)
     pin = RoutingPin(stock, near_tie=torch.finfo(dtype).eps)  # the wrapped model's experts at a near tie only
     with pin.pinned({block: ids[0] for block, ids in calls.items()}):
         ref, order, ref_logits = _outputs(stock, input_ids, attention_mask)

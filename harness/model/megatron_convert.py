@@ -15,6 +15,8 @@ A layer is MoE when its checkpoint has a router (`mlp.gate.weight`), so `mlp_onl
 
 from __future__ import annotations
 
+import os
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -114,39 +116,86 @@ def _take(src: dict, name: str, seen: set) -> torch.Tensor:
     return src[name]
 
 
-def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: dict, experts: str = "sequential") -> dict[str, torch.Tensor]:
-    """Checkpoint tensors (HF names) -> GPTModel state (Megatron names). Tied embeddings: no output_layer (Megatron
+@dataclass(frozen=True)
+class Move:
+    """One Megatron tensor and the checkpoint tensors it is made of: moved unchanged ("copy"), q/k/v grouped per
+    query group ("qkv", fuse_qkv) or stacked on the output dimension ("cat", [gate; up])."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    how: str = "copy"
+
+
+def conversion_plan(hf_names, cfg: dict, experts: str = "sequential") -> list[Move]:
+    """Where every checkpoint tensor goes (by name alone, no tensor read): the conversion hf_to_megatron runs and
+    the name map others read (the locator matches modules by it). Tied embeddings: no output_layer (Megatron
     shares the embedding when share_embeddings_and_output_weights). Every HF tensor must land somewhere."""
     check_family(cfg)
     if experts not in EXPERT_LAYOUTS:
         raise TicInputError(f"expert layout {experts!r}: one of {', '.join(EXPERT_LAYOUTS)}")
-    shape, out, seen = AttentionShape.of(cfg), {}, set()
+    names, plan = set(hf_names), []
     for hf_name, mg_name in _GLOBAL_RENAMES.items():
-        if hf_name in hf and not (hf_name == "lm_head.weight" and cfg.get("tie_word_embeddings")):
-            out[mg_name] = _take(hf, hf_name, seen)
-    seen.add("lm_head.weight")  # tied: the embedding carries it
-    for i in _layers(hf, "model.layers."):
+        if hf_name in names and not (hf_name == "lm_head.weight" and cfg.get("tie_word_embeddings")):
+            plan.append(Move(mg_name, (hf_name,)))
+    for i in _layers(names, "model.layers."):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for a, b in _LAYER_RENAMES.items():
-            if src + a in hf:
-                out[dst + b] = _take(hf, src + a, seen)
+        plan += [Move(dst + b, (src + a,)) for a, b in _LAYER_RENAMES.items() if src + a in names]
         att = src + "self_attn."
         for kind in ("weight", "bias"):
-            if f"{att}q_proj.{kind}" in hf:
-                out[f"{dst}self_attention.linear_qkv.{kind}"] = fuse_qkv(
-                    *(_take(hf, f"{att}{p}_proj.{kind}", seen) for p in "qkv"), shape)
-        if f"{src}mlp.gate_proj.weight" in hf:
-            out[f"{dst}mlp.linear_fc1.weight"] = torch.cat(
-                [_take(hf, f"{src}mlp.gate_proj.weight", seen), _take(hf, f"{src}mlp.up_proj.weight", seen)])
-        for e in _experts(hf, src):
+            if f"{att}q_proj.{kind}" in names:
+                plan.append(Move(f"{dst}self_attention.linear_qkv.{kind}",
+                                 tuple(f"{att}{p}_proj.{kind}" for p in "qkv"), "qkv"))
+        if f"{src}mlp.gate_proj.weight" in names:
+            plan.append(Move(f"{dst}mlp.linear_fc1.weight", (f"{src}mlp.gate_proj.weight", f"{src}mlp.up_proj.weight"),
+                             "cat"))
+        for e in _experts(names, src):
             ex = f"{src}mlp.experts.{e}."
-            out[_expert_name(dst, e, 1, experts)] = torch.cat(
-                [_take(hf, ex + "gate_proj.weight", seen), _take(hf, ex + "up_proj.weight", seen)])
-            out[_expert_name(dst, e, 2, experts)] = _take(hf, ex + "down_proj.weight", seen)
-    left = sorted(set(hf) - seen)
+            plan.append(Move(_expert_name(dst, e, 1, experts), (ex + "gate_proj.weight", ex + "up_proj.weight"), "cat"))
+            plan.append(Move(_expert_name(dst, e, 2, experts), (ex + "down_proj.weight",)))
+    left = sorted(names - {h for m in plan for h in m.hf} - {"lm_head.weight"})  # tied: the embedding carries it
     if left:
         raise TicInputError(f"megatron conversion: {len(left)} checkpoint tensor(s) have no Megatron place, "
                             f"first {left[0]}")
+    return plan
+
+
+def _ancestors(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def module_map(plan: list[Move]) -> dict[str, str]:
+    """HF module name -> Megatron module name (under the GPTModel), from the converter's plan, for whoever compares
+    the two models module by module (the locator, C2's fidelity check): for each HF module that holds weights (a
+    tensor's module or an ancestor of one), the deepest Megatron module that holds every Megatron tensor they were
+    converted into. Where several HF modules come to one Megatron module, the deepest of them has it, and none when
+    two of that depth do (q/k/v all land in linear_qkv: none of them is it)."""
+    held: dict[str, set[str]] = defaultdict(set)
+    for move in plan:
+        for name in move.hf:
+            for hf_module in _ancestors(name.rsplit(".", 1)[0]):
+                held[hf_module].add(move.megatron.rsplit(".", 1)[0])
+    claims: dict[str, list[str]] = defaultdict(list)
+    for hf_module, mg_modules in held.items():
+        common = os.path.commonprefix([m.split(".") for m in mg_modules])
+        if common:
+            claims[".".join(common)].append(hf_module)
+    out = {}
+    for mg_module, hf_modules in claims.items():
+        depth = max(h.count(".") for h in hf_modules)
+        deepest = [h for h in hf_modules if h.count(".") == depth]
+        if len(deepest) == 1:
+            out[deepest[0]] = mg_module
+    return out
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: dict, experts: str = "sequential") -> dict[str, torch.Tensor]:
+    """Checkpoint tensors (HF names) -> GPTModel state (Megatron names), by conversion_plan."""
+    shape, out = AttentionShape.of(cfg), {}
+    for move in conversion_plan(hf, cfg, experts):
+        parts = [hf[h] for h in move.hf]
+        out[move.megatron] = fuse_qkv(*parts, shape) if move.how == "qkv" else \
+            torch.cat(parts) if move.how == "cat" else parts[0]
     return out
 
 
