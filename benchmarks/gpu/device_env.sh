@@ -14,6 +14,9 @@ SITE=${TIC_VLLM_SITE:-/tmp/site}
 mkdir -p "$WORK/pkg" "$OUT" && ln -sfn "$REPO" "$WORK/pkg/tic"
 export PYTHONPATH=$SITE:$WORK/pkg${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 TIC_CACHE=$WORK/cache HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+# vLLM's block-FP8 linears warm DeepGEMM up for every token count at engine start (1,175 JIT kernels, about a
+# second each on the H200: longer than a device call); skip it, kernels then compile on first use
+export VLLM_DEEP_GEMM_WARMUP=${VLLM_DEEP_GEMM_WARMUP:-skip}
 if [ -d "$SITE" ]; then
   D=$SITE/tic_consistency-0.1.0.dist-info
   mkdir -p "$D"
