@@ -93,8 +93,8 @@ def _define_row_count_dependent_rms_norm():
 
 def test_registry_metadata_is_complete():
     reg = {n: p for n, p in patches.registry().items() if p.target == "vllm"}  # tests/test_megatron_patches.py: the rest
-    assert set(reg) == {"fa3-fixed-tile", "gemm-fixed-m", "gemm-fixed-order", "moe-slot-order-sum",
-                        "rmsnorm-fixed-block"}
+    assert set(reg) == {"fa3-fixed-tile", "fp8-gemm-one-kernel", "gemm-fixed-m", "gemm-fixed-order",
+                        "moe-slot-order-sum", "rmsnorm-fixed-block"}
     for name, p in reg.items():
         assert p.target == "vllm" and p.gate in {f"C{i}" for i in range(11)}
         assert p.symptom and p.fix and p.cost
@@ -469,3 +469,21 @@ def test_rmsnorm_fixed_block_routes_vllms_native_norm_to_the_row_kernel_on_cuda_
     finally:
         patches.apply([])
     assert all(ir.ops.__dict__[op].impls["native"].impl_fn is native[op] for op in native)
+
+
+def test_fp8_gemm_one_kernel_takes_deepgemm_for_every_row_count(fake_vllm):
+    """The dynamic block-FP8 dispatch reads vllm.envs once, for its batch-invariant switch: patched, every row
+    count takes the DeepGEMM branch while the other settings stay vLLM's; reverted, small batches go back to
+    FlashInfer."""
+    import vllm.envs as real
+    from vllm.model_executor.kernels.linear.scaled_mm import flashinfer
+
+    assert [flashinfer.dynamic_blockscale_gemm(m) for m in (1, 31, 32, 4096)] == ["flashinfer"] * 2 + ["deepgemm"] * 2
+    patches.apply(["fp8-gemm-one-kernel"])
+    assert patches.registry()["fp8-gemm-one-kernel"].is_applied()
+    assert [flashinfer.dynamic_blockscale_gemm(m) for m in (1, 31, 32, 4096)] == ["deepgemm"] * 4
+    assert flashinfer.envs.VLLM_USE_DEEP_GEMM is real.VLLM_USE_DEEP_GEMM and real.VLLM_BATCH_INVARIANT is False
+    patches.apply(["fp8-gemm-one-kernel"])  # idempotent
+    assert flashinfer.envs.__wrapped__ is real
+    patches.apply([])
+    assert flashinfer.envs is real and flashinfer.dynamic_blockscale_gemm(1) == "flashinfer"

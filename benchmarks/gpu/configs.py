@@ -26,6 +26,7 @@ MODELS_DIR = Path(__file__).resolve().parent / "models"
 
 PATCHES = ("fa3-fixed-tile", "rmsnorm-fixed-block", "gemm-fixed-order")  # the C3/C4 patches, rollout side
 SLOT_ORDER = "moe-slot-order-sum"  # the EP merge patch (parallel layouts)
+FP8_PATCHES = (*PATCHES, "fp8-gemm-one-kernel")  # block-FP8 models: one FP8 GEMM kernel for every batch size
 
 # Rollout modes: vLLM options on top of the workload's.
 MODES = {
@@ -138,9 +139,11 @@ def _variants() -> dict[str, Variant]:
     # block FP8 (issue 30): weights quantized from the seeded ones, FP8 KV cache, training on vLLM's FP8 kernels
     for m in ("dense", "moe"):
         v[f"f-{m}-eager"] = Variant(f"{m}, block-FP8 weights and FP8 KV cache, patched eager rollout, training on "
-                                    "vLLM's FP8 kernels", m, fp8=True)
+                                    "vLLM's FP8 kernels", m, patches=FP8_PATCHES, fp8=True)
+        v[f"f-{m}-eager-no-fp8gemm"] = Variant(f"f-{m}-eager without fp8-gemm-one-kernel (its with/without run)", m,
+                                               fp8=True, locate=False)
     v["f-moe-ladder"] = Variant("moe, block FP8 and FP8 KV cache, the whole ladder (C8: FP8 weight sync)", "moe",
-                                fp8=True, ladder=True)
+                                patches=FP8_PATCHES, fp8=True, ladder=True)
     # the whole ladder C0-C10
     for m in ("dense", "moe"):
         v[f"l-{m}-eager"] = Variant(f"{m}, the whole ladder, patched eager rollout", m, ladder=True)

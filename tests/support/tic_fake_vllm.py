@@ -97,6 +97,18 @@ FAKE = {
             rms_norm = _Op(_rms_norm)
             fused_add_rms_norm = _Op(_fused_add_rms_norm)
         """,
+    "vllm/envs.py": "VLLM_BATCH_INVARIANT = False\nVLLM_USE_DEEP_GEMM = True\n",
+    "vllm/model_executor/kernels/__init__.py": "", "vllm/model_executor/kernels/linear/__init__.py": "",
+    "vllm/model_executor/kernels/linear/scaled_mm/__init__.py": "",
+    "vllm/model_executor/kernels/linear/scaled_mm/flashinfer.py": """
+        import vllm.envs as envs
+
+        def dynamic_blockscale_gemm(rows):
+            # like _dynamic_flashinfer_deepgemm_blockscale_gemm_impl: the kernel follows the row count
+            if envs.VLLM_BATCH_INVARIANT:
+                return "deepgemm"
+            return "flashinfer" if rows < 32 else "deepgemm"
+        """,
     "vllm/plugins/__init__.py": """
         from importlib.metadata import entry_points
 
