@@ -29,7 +29,10 @@ class Tile(NamedTuple):
 REFERENCE = Tile(128, 256, 64, 8, 3, tma=False)
 # candidates by batch size (rows up to): the fastest of each list for a problem is measured once, on the device
 CANDIDATES = (
-    (16, (Tile(16, 32, 128, 4, 4, tma=False), Tile(16, 64, 128, 4, 4, tma=False), Tile(16, 128, 128, 4, 4))),
+    # decode: a weight of N rows gives N / BLOCK_N programs, so narrow tiles with long K steps keep every SM
+    # streaming weights (cuBLAS splits K there instead, which would change the order)
+    (16, (Tile(16, 32, 128, 4, 4, tma=False), Tile(16, 64, 128, 4, 4, tma=False), Tile(16, 128, 128, 4, 4),
+          Tile(16, 16, 256, 2, 4, tma=False), Tile(16, 32, 256, 4, 3, tma=False))),
     (64, (Tile(64, 32, 128, 4, 4, tma=False), Tile(64, 64, 64, 4, 4, tma=False), Tile(64, 64, 128, 4, 4),
           Tile(64, 128, 128, 4, 4))),
     (256, (Tile(64, 128, 128, 4, 4), Tile(64, 64, 64, 4, 4), Tile(128, 128, 64, 8, 3), Tile(128, 256, 64, 8, 3),
