@@ -50,6 +50,137 @@ FAKE = {
                 acc = acc + input[:, k]
             output.copy_(acc)
         """,
+    # Mamba-2 (tic.harness.kernels.vllm_mamba, the mamba-ssd-fixed-config patch): the entry points vLLM's
+    # MambaMixer2 calls, checking the layouts vLLM's kernels assert, and recording each call
+    "vllm/model_executor/layers/mamba/__init__.py": "", "vllm/model_executor/layers/mamba/ops/__init__.py": "",
+    "vllm/model_executor/layers/mamba/ops/causal_conv1d.py": """
+        import torch
+        import torch.nn.functional as F
+
+        CALLS = []
+
+        def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indices=None,
+                             has_initial_state=None, activation="silu", **kw):
+            assert x.stride(0) == 1 and x.stride(1) > 1, "Need to run in channel-last layout"
+            dim, K = weight.shape
+            assert weight.stride(1) == 1 and conv_states.shape[1:] == (dim, K - 1)
+            CALLS.append(dict(x_shape=tuple(x.shape), has_initial_state=has_initial_state.tolist(),
+                              activation=activation))
+            out = torch.empty_like(x)
+            qsl = query_start_loc.tolist()
+            for i, (s, e) in enumerate(zip(qsl[:-1], qsl[1:])):
+                line = int(cache_indices[i])
+                window = conv_states[line] if bool(has_initial_state[i]) else x.new_zeros(dim, K - 1)
+                full = torch.cat([window.to(x.dtype), x[:, s:e]], dim=1)
+                acc = bias[:, None].expand(dim, e - s) if bias is not None else x.new_zeros(dim, e - s)
+                for k in range(K):  # tap by tap, as the kernel accumulates: a token's value is its own
+                    acc = acc + full[:, k:k + e - s] * weight[:, k:k + 1]
+                for t in range(e - s):  # elementwise math per token: CPU vector code varies with the length
+                    out[:, s + t] = F.silu(acc[:, t].contiguous())
+                conv_states[line] = full[:, -(K - 1):]
+            return out
+        """,
+    "vllm/model_executor/layers/mamba/ops/ssd_combined.py": """
+        import torch
+        import torch.nn.functional as F
+
+        CALLS = []
+
+        def _chunk(S, x, dt, A, B, C, D, Q):
+            # the SSD decomposition of one chunk, every reduction over the chunk padded to Q positions (as the
+            # kernel's tiles): a token's row does not depend on the tokens after it
+            n, H, P = x.shape
+            pad = lambda t: torch.cat([t, t.new_zeros(Q - n, *t.shape[1:])])  # noqa: E731
+            rep = lambda t: t.float().repeat_interleave(H // t.shape[1], dim=1)  # noqa: E731
+            xs, dts, Bs, Cs = pad(x.float()), pad(dt), pad(rep(B)), pad(rep(C))
+            acum = torch.cumsum(A[None] * dts, dim=0)  # [Q, H]
+            causal = torch.ones(Q, Q, dtype=torch.bool).tril()
+            decay = torch.exp((acum[:, None] - acum[None]).masked_fill(~causal[..., None], float("-inf")))
+            w = (Cs[:, None] * Bs[None]).sum(-1) * decay * dts[None]  # [Q(row), Q(col), H]
+            y = (w[..., None] * xs[None]).sum(1) + (S[None] * Cs[:, :, None]).sum(-1) * torch.exp(acum)[..., None]
+            y = y + D.float()[None, :, None] * xs
+            tail = torch.exp(acum[-1:] - acum) * dts  # [Q, H]
+            end = torch.exp(acum[-1])[:, None, None] * S + (tail[..., None, None] * xs[..., None] * Bs[:, :, None]).sum(0)
+            return y[:n], end
+
+        def mamba_chunk_scan_combined_varlen(x, dt, A, B, C, chunk_size, cu_seqlens, cu_chunk_seqlens,
+                                             last_chunk_indices, seq_idx, out, D=None, z=None, dt_bias=None,
+                                             initial_states=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                                             return_intermediate_states=False, state_dtype=None):
+            CALLS.append(dict(chunks=cu_chunk_seqlens.tolist(), initial=initial_states is not None,
+                              dt_softplus=dt_softplus, dt_limit=dt_limit, state_dtype=state_dtype,
+                              out_dtype=out.dtype, z=z, A_dtype=A.dtype))
+            H, P, N = x.shape[1], x.shape[2], B.shape[2]
+            dt = dt.float() + dt_bias.float()
+            if dt_softplus:  # per token: CPU vector code varies with the length
+                dt = torch.stack([F.softplus(row) for row in dt])
+            dt = dt.clamp(*dt_limit)
+            bounds, seqs, states = cu_chunk_seqlens.tolist(), seq_idx.tolist(), []
+            for c, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+                s = seqs[c]
+                first = c == 0 or seqs[c - 1] != s
+                S = (initial_states[s].float() if initial_states is not None else x.new_zeros(H, P, N).float()) \
+                    if first else states[-1].float()
+                y, end = _chunk(S, x[a:b], dt[a:b], A, B[a:b], C[a:b], D, chunk_size)
+                out[a:b] = y.to(out.dtype)
+                states.append(end.to(state_dtype))
+            states = torch.stack(states)
+            return states if return_intermediate_states else states[last_chunk_indices]
+        """,
+    "vllm/model_executor/layers/mamba/ops/layernorm_gated.py": """
+        import torch
+
+        CALLS = []
+
+        def rms_norm_gated(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
+            CALLS.append(dict(shape=tuple(x.shape), group_size=group_size, norm_before_gate=norm_before_gate))
+            h = x.float() * torch.nn.functional.silu(z.float())
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+            return (h * weight.float()).to(x.dtype)
+        """,
+    "vllm/model_executor/layers/mamba/ops/ssd_chunk_state.py": """
+        class Autotuner:  # triton.runtime.Autotuner's configs and cache
+            def __init__(self, *configs):
+                self.configs, self.cache = list(configs), {}
+
+        _chunk_cumsum_fwd_kernel = Autotuner("h2", "h4")
+        _chunk_state_fwd_kernel = Autotuner("m32", "m64")
+        """,
+    "vllm/model_executor/layers/mamba/ops/ssd_bmm.py": """
+        from vllm.model_executor.layers.mamba.ops.ssd_chunk_state import Autotuner
+
+        _bmm_chunk_fwd_kernel = Autotuner("m128", "m64")
+        """,
+    "vllm/model_executor/layers/mamba/ops/ssd_state_passing.py": """
+        from vllm.model_executor.layers.mamba.ops.ssd_chunk_state import Autotuner
+
+        _state_passing_fwd_kernel = Autotuner("b64", "b128")
+        """,
+    "vllm/model_executor/layers/mamba/ops/ssd_chunk_scan.py": """
+        from vllm.model_executor.layers.mamba.ops.ssd_chunk_state import Autotuner
+
+        _chunk_scan_fwd_kernel = Autotuner("m32", "m64")
+        """,
+    "vllm/v1/attention/backends/mamba2_attn.py": """
+        import torch
+
+        def compute_varlen_chunk_metadata(query_start_loc, chunk_size):
+            q = query_start_loc.tolist()
+            lens, seq, last = [], [], []
+            for b, (s, e) in enumerate(zip(q[:-1], q[1:])):
+                pos = s
+                while pos < e:
+                    take = min(chunk_size - pos % chunk_size, e - pos)
+                    lens.append(take)
+                    seq.append(b)
+                    pos += take
+                last.append(len(lens) - 1)
+            cu = [0]
+            for n in lens:
+                cu.append(cu[-1] + n)
+            i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+            return i32(cu), i32(last), i32(seq)
+        """,
     "vllm/distributed/__init__.py": "",
     "vllm/distributed/parallel_state.py": "_EP = None  # vLLM's expert-parallel GroupCoordinator once initialised\n",
     "vllm/kernels/__init__.py": "",
