@@ -39,6 +39,8 @@ OPTIONS: dict[str, Any] = {
     "max_model_len": None,            # None: min(max_position_embeddings, 2048)
     "kv_cache_dtype": None,           # e.g. fp8: LLM(kv_cache_dtype=...); a train side on vLLM's kernels sets its
                                       # hf option kv_cache_dtype alike (K/V make the same FP8 round trip)
+    "mamba_ssm_cache_dtype": None,    # e.g. float32: LLM(mamba_ssm_cache_dtype=...), the Mamba-2 state between
+                                      # chunks (a train side on vLLM's kernels runs it in float32)
     "seed": 0,                        # LLM(seed=...): vLLM's global seed; requests carry their own seeds
     "compilation_config": None,       # passed to LLM(compilation_config=...) (int level or dict)
     "cudagraph_mode": None,           # shorthand for compilation_config.cudagraph_mode (NONE, PIECEWISE, FULL, ...)
@@ -320,7 +322,8 @@ class VLLMEngine(Engine):
         if dcp > 1:
             kwargs["decode_context_parallel_size"] = dcp
         for k in ("attention_backend", "kv_cache_memory_bytes", "kv_cache_dtype", "enable_chunked_prefill",
-                  "max_num_batched_tokens", "max_num_seqs", "async_scheduling", "ir_op_priority"):
+                  "max_num_batched_tokens", "max_num_seqs", "async_scheduling", "ir_op_priority",
+                  "mamba_ssm_cache_dtype"):
             if o[k] is not None:
                 kwargs[k] = o[k]
         comp = o["compilation_config"]
