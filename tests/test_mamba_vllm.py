@@ -64,6 +64,7 @@ def test_decode_replays_the_current_chunk_through_vllms_scan(fake_vllm, example,
     full, prefill = scans[:n_mixers], scans[n_mixers:2 * n_mixers]
     assert all(c["chunks"] == [0, 4, 8, 12, 13] and not c["initial"] for c in full)  # from the first token
     assert all(c["dt_softplus"] and c["z"] is None and c["state_dtype"] == torch.float32
+               and c["dt_limit"] == (0.0, float("inf"))
                and c["A_dtype"] == torch.float32 for c in scans)
     assert all(c["chunks"] == [0, 4, 6] for c in prefill)
     # decode of token 6 replays tokens 4-5 from the start state of chunk 1; token 8 starts chunk 2 alone

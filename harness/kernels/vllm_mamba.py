@@ -7,7 +7,8 @@ What the mixer passes, and so what these calls pass:
         sequence's start (the kernel then reads no state).
   scan: `mamba_chunk_scan_combined_varlen` on x [tokens, H, P], the raw dt of the projection, A = -exp(A_log) in
         float32 (vLLM's loader computes it so), B/C [tokens, G, N], the config's chunk_size, D, z = None,
-        dt_bias, dt_softplus, the output written in the model dtype, chunks cut at multiples of chunk_size from
+        dt_bias, dt_softplus, dt_limit (0, inf) whatever the config's time_step_limit (vLLM 0.26's mixer passes
+        no other), the output written in the model dtype, chunks cut at multiples of chunk_size from
         the sequence's first token (vLLM's `compute_varlen_chunk_metadata`), no initial state at a sequence's
         start, the SSM state in MAMBA_STATE_DTYPE.
   norm: Mixer2RMSNormGated.forward_cuda at TP 1: one group -> `rms_norm_gated` (Triton, norm_before_gate=False);
@@ -33,6 +34,7 @@ import torch
 # them back, so the rollout must run with mamba_ssm_cache_dtype float32 (NemotronH's default in vLLM 0.26; Mamba2's
 # "auto" is the model dtype) for the training side's bits to be the rollout's.
 MAMBA_STATE_DTYPE = torch.float32
+VLLM_DT_LIMIT = (0.0, float("inf"))  # what MambaMixer2 passes for every model (dt_min / dt_max are not read)
 
 
 def _i32(values, device) -> torch.Tensor:
@@ -75,7 +77,7 @@ class VLLMMambaKernels:
             xs, dts, -torch.exp(A_log.float()), Bs, Cs, chunk_size=int(chunk_size), cu_seqlens=_i32([0, total], dev),
             cu_chunk_seqlens=cu_chunks, last_chunk_indices=last_chunk, seq_idx=seq_idx, out=out, D=D, z=None,
             dt_bias=dt_bias, initial_states=None if start is None else start[None].to(MAMBA_STATE_DTYPE),
-            dt_softplus=True, dt_limit=(float(dt_min), float(dt_max)), return_intermediate_states=True,
+            dt_softplus=True, dt_limit=VLLM_DT_LIMIT, return_intermediate_states=True,
             state_dtype=MAMBA_STATE_DTYPE)
         # the start state of the chunk the stream ends in: the last chunk's end state at a boundary, else the one
         # before it (or the stream's own start state when it ends in its first chunk)
