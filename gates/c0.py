@@ -27,7 +27,7 @@ def measure(ctx) -> Measurement:
     if cfg.rollout.engine == "vllm":
         rejected += mode_refusals(cfg.rollout.options,
                                   cfg.train.kernels if cfg.train.engine in ("hf", "megatron") else "stock")
-        rejected += recurrent_refusals(ctx.model_config)  # tic: Mamba-2 decode on vLLM, issue 31
+        rejected += recurrent_refusals(ctx.model_config, cfg.rollout.options, cfg.rollout.patches)  # issue 31
     if cfg.train.engine == "megatron":  # the Megatron train engine's own limits (issue 32)
         rejected += megatron_refusals(cfg.train, ctx.model_config)
     coverage = kernel_coverage(cfg, ctx.model_config)
@@ -94,7 +94,7 @@ GATE = Gate(
                    "on the owning rank in slot order; DP, EP and training CP are covered), exactly 1 update "
                    "per step, no speculative decoding/MTP; a vLLM rollout neither in batch-invariant mode nor "
                    "compiled with Inductor over the kernels a kernels: vllm training forward calls, nor of a model "
-                   "with Mamba-2 mixers (vLLM's decode runs their single-step update)",
+                   "with Mamba-2 mixers unless eager with the mamba-decode-replay patch",
     inputs=["model.path (config.json, *.safetensors headers)", "rollout/train parallel layouts and options",
             "training"],
     artifacts=["artifacts/C0/manifest.json"], guide="guides/C0.md", reads=("model",),

@@ -164,14 +164,22 @@ def test_nemotron_h_moe_blocks_are_named_as_not_covered():
     assert not any("layers.0" in p or "layers.2" in p for p in problems), problems  # mixer and attention: covered
 
 
-@pytest.mark.parametrize("name, refused", [("tiny-nemotron-h", True), ("tiny-mamba2", True), ("tiny-qwen3", False)])
-def test_c0_refuses_a_vllm_rollout_of_a_mamba_model_in_one_line(example, workdir, tic, name, refused):
+@pytest.mark.parametrize("name, rollout, why", [
+    ("tiny-nemotron-h", "{engine: vllm}", "Mamba-2 mixer(s): vLLM 0.26 decodes"),
+    ("tiny-mamba2", "{engine: vllm, patches: [mamba-ssd-fixed-config]}", "Mamba-2 mixer(s): vLLM 0.26 decodes"),
+    ("tiny-mamba2", "{engine: vllm, patches: [mamba-decode-replay], options: {enforce_eager: false}}",
+     "mamba-decode-replay runs eager only"),
+    ("tiny-mamba2", "{engine: vllm, patches: [mamba-decode-replay]}", None),
+    ("tiny-qwen3", "{engine: vllm}", None)])
+def test_c0_refuses_a_vllm_rollout_of_a_mamba_model_without_the_eager_replay_patch(example, workdir, tic, name,
+                                                                                    rollout, why):
     import json
 
     ex = example(name)
-    (ex / "r.yaml").write_text("model: {path: ., generate: {seed: 0}}\nrollout: {engine: vllm}\n")
+    (ex / "r.yaml").write_text(f"model: {{path: ., generate: {{seed: 0}}}}\nrollout: {rollout}\n")
     code, out, _ = tic("gate", "C0", "-c", str(ex / "r.yaml"), "--json")
     rec = json.loads(out)["results"][0]
-    assert ("Mamba-2 mixer(s): vLLM 0.26 decodes" in rec["reason"]) is refused, rec["reason"]
-    assert (rec["verdict"], code) == (("fail", 1) if refused else ("pass", 0)), rec["reason"]
-
+    if why:
+        assert (rec["verdict"], code) == ("fail", 1) and why in rec["reason"], rec["reason"]
+    else:
+        assert (rec["verdict"], code) == ("pass", 0), rec["reason"]

@@ -93,8 +93,8 @@ def _define_row_count_dependent_rms_norm():
 
 def test_registry_metadata_is_complete():
     reg = {n: p for n, p in patches.registry().items() if p.target == "vllm"}  # tests/test_megatron_patches.py: the rest
-    assert set(reg) == {"fa3-fixed-tile", "gemm-fixed-m", "gemm-fixed-order", "mamba-ssd-fixed-config",
-                        "moe-slot-order-sum", "rmsnorm-fixed-block"}
+    assert set(reg) == {"fa3-fixed-tile", "gemm-fixed-m", "gemm-fixed-order", "mamba-decode-replay",
+                        "mamba-ssd-fixed-config", "moe-slot-order-sum", "rmsnorm-fixed-block"}
     for name, p in reg.items():
         assert p.target == "vllm" and p.gate in {f"C{i}" for i in range(11)}
         assert p.symptom and p.fix and p.cost

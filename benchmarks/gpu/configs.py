@@ -129,18 +129,19 @@ def _variants() -> dict[str, Variant]:
         v[f"t-{m}-eager-no-rms"] = Variant(f"t-{m}-eager without rmsnorm-fixed-block (its with/without run)", m,
                                            patches=tuple(p for p in PATCHES if p != "rmsnorm-fixed-block"),
                                            locate=False)
-    # Mamba-2 hybrids (issue 31): the training forward on vLLM's conv, chunked scan and gated norm; the SSD kernels
-    # on one config in both processes, the SSM state between chunks in float32 on both sides. vLLM's decode still
-    # runs the single-step update (C0 refuses it; C4 and C5 measure how far it is), so `-prefill` samples one
-    # token, whose logprob vLLM's prefill computes: C5 there checks the training forward alone.
-    mamba = (*PATCHES, "mamba-ssd-fixed-config")
+    # Mamba-2 hybrids (issue 31): decode replays the current chunk (mamba-decode-replay), the SSD kernels on one
+    # config in both processes, the SSM state between chunks in float32 on both sides, training on vLLM's conv,
+    # chunked scan and gated norm. `-prefill` samples one token, whose logprob vLLM's prefill computes (C5 of the
+    # training forward alone); `-nodecode` drops the replay patch (C0 refuses it: C4/C5 from C3 record the flip).
+    replay = (*PATCHES, "mamba-decode-replay", "mamba-ssd-fixed-config")
+    mamba_options = (("mamba_ssm_cache_dtype", "float32"), ("kv_cache_memory_bytes", 4 << 30),
+                     ("gpu_memory_utilization", 0.15))  # float32 SSM states per request, more than 512 MiB
     for m in ("mamba2", "nemotron-h"):
-        for label, tokens in (("eager", 48), ("prefill", 1)):
-            v[f"t-{m}-{label}"] = Variant(f"{m}, patched eager rollout, {tokens} sampled token(s), training on "
-                                          "vLLM's kernels", m, patches=mamba, tokens=tokens,
-                                          options=(("mamba_ssm_cache_dtype", "float32"),  # the SSM states
-                                                   ("kv_cache_memory_bytes", 4 << 30),  # fp32, per request
-                                                   ("gpu_memory_utilization", 0.15)))
+        for label, tokens, patches in (("eager", 48, replay), ("prefill", 1, replay),
+                                       ("nodecode", 48, (*PATCHES, "mamba-ssd-fixed-config"))):
+            v[f"t-{m}-{label}"] = Variant(f"{m}, {'patched' if 'mamba-decode-replay' in patches else 'stock-decode'} "
+                                          f"eager rollout, {tokens} sampled token(s), training on vLLM's kernels", m,
+                                          patches=patches, tokens=tokens, options=mamba_options)
     v["t-dense-bi"] = Variant("dense, batch-invariant rollout without patches, training on vLLM's kernels",
                               "dense", patches=(), batch_invariant=True, locate=False)
     v["t-dense-bi-locate"] = Variant("t-dense-bi with the locator on (C5 fails: FA3 decode vs prefill)", "dense",

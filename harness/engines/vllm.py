@@ -129,20 +129,26 @@ def mode_refusals(options: dict, train_kernels: str) -> list[str]:
     return out
 
 
-def recurrent_refusals(model_config: dict) -> list[str]:
-    """Why a vLLM rollout of this model is outside what tic makes consistent: its Mamba-2 mixers (one line, for C0;
-    guides/ops/recurrent-layers.md says what a decode patch has to change)."""
+def recurrent_refusals(model_config: dict, options: dict, patch_names) -> list[str]:
+    """Why a vLLM rollout of this model is outside what tic makes consistent: Mamba-2 mixers without the
+    mamba-decode-replay patch, or with it outside eager mode (one line each, for C0)."""
     from tic.harness.kernels.mamba_modules import is_mixer
     from tic.harness.model.layer_structure import build_meta
 
     mixers = sum(1 for m in build_meta(model_config).modules() if is_mixer(m))
     if not mixers:
         return []
-    return [f"rollout.engine: vllm on a model with {mixers} Mamba-2 mixer(s): vLLM 0.26 decodes a mixer by the "
-            "single-step state update (selective_state_update), which rounds differently from the chunked scan "
-            "that prefilled the sequence and that the training forward runs, and tic bundles no patch yet that "
-            "makes vLLM's decode replay the chunk (guides/ops/recurrent-layers.md); roll out with engine: hf, "
-            "kernels: consistent"]
+    if "mamba-decode-replay" not in patch_names:
+        return [f"rollout.engine: vllm on a model with {mixers} Mamba-2 mixer(s): vLLM 0.26 decodes a mixer by the "
+                "single-step state update (selective_state_update), which rounds differently from the chunked "
+                "scan that prefilled the sequence and that the training forward runs; list the patch "
+                "mamba-decode-replay in rollout.patches (eager), or roll out with engine: hf, kernels: consistent "
+                "(guides/ops/recurrent-layers.md)"]
+    o = {**OPTIONS, **options}
+    if not o["enforce_eager"]:
+        return ["rollout.patches: mamba-decode-replay runs eager only (it reads each request's chunk count on the "
+                "host, which CUDA graphs cannot capture); set rollout.options.enforce_eager: true"]
+    return []
 
 
 # -- conversions between vLLM outputs, plain records and Samples (no vLLM needed) ---------------------------

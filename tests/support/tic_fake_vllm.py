@@ -79,6 +79,21 @@ FAKE = {
                     out[:, s + t] = F.silu(acc[:, t].contiguous())
                 conv_states[line] = full[:, -(K - 1):]
             return out
+
+        def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
+                                 **kw):
+            # vLLM's decode conv: its own kernel (here the taps summed newest first, another rounding order)
+            dim, K = weight.shape
+            out = torch.empty_like(x)
+            for r in range(x.shape[0]):
+                line = int(conv_state_indices.reshape(x.shape[0], -1)[r, 0])
+                full = torch.cat([conv_state[line], x[r][:, None]], dim=1)
+                acc = bias.clone() if bias is not None else x.new_zeros(dim)
+                for k in reversed(range(K)):
+                    acc = acc + full[:, k] * weight[:, k]
+                out[r] = F.silu(acc.contiguous())
+                conv_state[line] = full[:, 1:]
+            return out
         """,
     "vllm/model_executor/layers/mamba/ops/ssd_combined.py": """
         import torch
@@ -126,6 +141,89 @@ FAKE = {
                 states.append(end.to(state_dtype))
             states = torch.stack(states)
             return states if return_intermediate_states else states[last_chunk_indices]
+        """,
+    "vllm/model_executor/layers/mamba/ops/ssu_dispatch.py": """
+        import torch
+        import torch.nn.functional as F
+
+        def selective_state_update(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplus=False,
+                                   state_batch_indices=None, dst_state_batch_indices=None, out=None, **kw):
+            # vLLM's decode: one step of the recurrence S <- exp(A dt) S + dt B x, y = C S + D x
+            H = x.shape[1]
+            for r in range(x.shape[0]):
+                s = int(state_batch_indices.reshape(x.shape[0], -1)[r, 0])
+                d = dt[r].float() + dt_bias.float()
+                d = F.softplus(d) if dt_softplus else d
+                Bh, Ch = (t[r].float().repeat_interleave(H // t.shape[1], dim=0) for t in (B, C))
+                S = state[s].float() * torch.exp(A * d[..., None]) + (d * x[r].float())[..., None] * Bh[:, None]
+                state[s] = S.to(state.dtype)
+                out[r] = ((S * Ch[:, None]).sum(-1) + D.float() * x[r].float()).to(out.dtype)
+        """,
+    "vllm/forward_context.py": """
+        _forward_context = None
+
+        class ForwardContext:
+            def __init__(self, attn_metadata):
+                self.attn_metadata = attn_metadata
+
+        def get_forward_context():
+            return _forward_context
+
+        def set_forward_context(ctx):
+            global _forward_context
+            _forward_context = ctx
+        """,
+    "vllm/model_executor/layers/mamba/mamba_mixer2.py": """
+        import torch
+
+        from vllm.forward_context import get_forward_context
+        from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+        from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
+        from vllm.model_executor.layers.mamba.ops.ssu_dispatch import selective_state_update
+
+        class MambaMixer2:
+            # conv_ssm_forward as vLLM 0.26's, without prefix caching and speculative decoding (I, H, P, G, N:
+            # intermediate size, heads, head dim, groups, state size; kv_cache = (conv [slots, K-1, dim], ssm))
+            def conv_ssm_forward(self, projected_states, output):
+                I, H, P, G, N = self.I, self.H, self.P, self.G, self.N
+                xBC, dt = torch.split(projected_states[..., I:], [I + 2 * G * N, H], dim=-1)
+                m = get_forward_context().attn_metadata[self.prefix]
+                conv_state, ssm_state = self.kv_cache[0].transpose(-1, -2), self.kv_cache[1]
+                nd, npt, ndt = m.num_decodes, m.num_prefill_tokens, m.num_decode_tokens
+                xBC_d, xBC_p = torch.split(xBC[:ndt + npt], [ndt, npt])
+                dt_d, dt_p = torch.split(dt[:ndt + npt], [ndt, npt])
+                out_d, out_p = torch.split(output[:ndt + npt], [ndt, npt])
+                split = lambda t: torch.split(t, [I, G * N, G * N], dim=-1)  # noqa: E731
+                if m.num_prefills:
+                    xBC_p = causal_conv1d_fn(xBC_p.transpose(0, 1), self.conv_weights, self.bias,
+                                             conv_states=conv_state, query_start_loc=m.query_start_loc_p,
+                                             cache_indices=m.state_indices_tensor_p,
+                                             has_initial_state=m.has_initial_states_p, activation="silu"
+                                             ).transpose(0, 1)
+                    x, B, C = split(xBC_p)
+                    init = None
+                    if m.prep_initial_states:
+                        init = torch.where(m.has_initial_states_p[:, None, None, None],
+                                           ssm_state[m.state_indices_tensor_p], 0)
+                    states = mamba_chunk_scan_combined_varlen(
+                        x.reshape(npt, H, P), dt_p, self.A, B.reshape(npt, G, N), C.reshape(npt, G, N),
+                        chunk_size=self.Q, D=self.D, z=None, dt_bias=self.dt_bias, seq_idx=m.seq_idx_p,
+                        cu_seqlens=m.query_start_loc_p, cu_chunk_seqlens=m.cu_chunk_seqlen_p,
+                        last_chunk_indices=m.last_chunk_indices_p, initial_states=init,
+                        return_intermediate_states=False, dt_softplus=True, dt_limit=(0.0, float("inf")),
+                        out=out_p.view(npt, H, P), state_dtype=ssm_state.dtype)
+                    ssm_state[m.state_indices_tensor_p] = states
+                if nd:
+                    xBC_d = causal_conv1d_update(xBC_d, conv_state, self.conv_weights, self.bias, "silu",
+                                                 conv_state_indices=m.state_indices_tensor_d,
+                                                 num_accepted_tokens=None)
+                    x, B, C = split(xBC_d)
+                    selective_state_update(
+                        ssm_state, x.reshape(nd, H, P), dt_d[:, :, None].expand(-1, -1, P),
+                        self.A[:, None, None].expand(-1, P, N).float(), B.reshape(nd, G, N), C.reshape(nd, G, N),
+                        self.D[:, None].expand(-1, P), self.dt_bias[:, None].expand(-1, P), dt_softplus=True,
+                        state_batch_indices=m.state_indices_tensor_d, dst_state_batch_indices=m.state_indices_tensor_d,
+                        out=out_d.view(nd, H, P))
         """,
     "vllm/model_executor/layers/mamba/ops/layernorm_gated.py": """
         import torch
