@@ -66,6 +66,6 @@ PATCH = Patch(
         "process sums a chunk on the same tiles",
     guide="guides/ops/recurrent-layers.md",
     cost="not measured: the first config (32 x 32 x 32 for the scan, 128 x 256 x 64 for the C.B product) may be "
-         "slower than the tuned choice on a long prefill; vLLM's decode step does not run these kernels",
+         "slower than the tuned choice on a long prefill (and in mamba-decode-replay's decode, which runs them)",
     _apply=_apply, _revert=_revert, _is_applied=_is_applied,
 )
