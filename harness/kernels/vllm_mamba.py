@@ -20,7 +20,8 @@ and the new ones go through the same scan from the chunk's start state, and the 
 is exact if the scan computes a token's row from its chunk's start state and the chunk's tokens up to it alone,
 whatever the chunk holds after it: its Triton kernels mask positions past the chunk's length to zero and reduce
 within a chunk on tiles fixed by the autotuned config (the mamba-ssd-fixed-config patch pins one config in every
-process, so the rollout and this process tile alike). C4 on a vLLM-kernel side measures that claim.
+process, so the rollout and this process tile alike). The vLLM rollout's mamba-decode-replay patch rests on the
+same claim; the GPU probe benchmarks/gpu/mamba_replay_probe.py and C4 on that rollout measure it.
 
 An all-zero start state (and an all-zero conv window) is read as a sequence's start, where vLLM passes no initial
 state: a continued sequence's state is never exactly zero in practice.
