@@ -138,12 +138,12 @@ def test_locator_names_the_mixer_that_decodes_by_the_single_step_recurrence(tmp_
     assert "DIFFERS model.layers.3.mixer" in res["repro_check"]["output"]
 
 
-def test_kernels_without_the_mamba_kernels_are_refused_in_one_line(example):
-    ctx = GateContext(load_config(example("tiny-mamba2") / "tic-consistent.yaml"))
+@pytest.mark.parametrize("name", MODELS)
+def test_both_providers_cover_the_mamba_mixer_and_relu2(example, name):
+    """kernels: vllm runs the mixer on vLLM's kernels (tests/test_mamba_vllm.py); relu2 on both."""
+    ctx = GateContext(load_config(example(name) / "tic-consistent.yaml"))
     model = hf.load_model(ctx.model.dir, "float32", kernels="stock", shared=False)
-    assert coverage_problems(model, "vllm") == [
-        "backbone.layers.{0,1,2} (Mamba2Block): mixer:mamba2 is not implemented by kernels: vllm (config "
-        "layer_types='mamba')"]
+    assert coverage_problems(model, "vllm") == coverage_problems(model, "consistent") == []
 
 
 def test_nemotron_h_moe_blocks_are_named_as_not_covered():
@@ -162,3 +162,24 @@ def test_nemotron_h_moe_blocks_are_named_as_not_covered():
     problems = coverage_problems(model)
     assert any("model.layers.1.mixer (NemotronHMoE)" in p for p in problems), problems
     assert not any("layers.0" in p or "layers.2" in p for p in problems), problems  # mixer and attention: covered
+
+
+@pytest.mark.parametrize("name, rollout, why", [
+    ("tiny-nemotron-h", "{engine: vllm}", "Mamba-2 mixer(s): vLLM 0.26 decodes"),
+    ("tiny-mamba2", "{engine: vllm, patches: [mamba-ssd-fixed-config]}", "Mamba-2 mixer(s): vLLM 0.26 decodes"),
+    ("tiny-mamba2", "{engine: vllm, patches: [mamba-decode-replay], options: {enforce_eager: false}}",
+     "mamba-decode-replay runs eager only"),
+    ("tiny-mamba2", "{engine: vllm, patches: [mamba-decode-replay]}", None),
+    ("tiny-qwen3", "{engine: vllm}", None)])
+def test_c0_refuses_a_vllm_rollout_of_a_mamba_model_without_the_eager_replay_patch(example, workdir, tic, name,
+                                                                                    rollout, why):
+    import json
+
+    ex = example(name)
+    (ex / "r.yaml").write_text(f"model: {{path: ., generate: {{seed: 0}}}}\nrollout: {rollout}\n")
+    code, out, _ = tic("gate", "C0", "-c", str(ex / "r.yaml"), "--json")
+    rec = json.loads(out)["results"][0]
+    if why:
+        assert (rec["verdict"], code) == ("fail", 1) and why in rec["reason"], rec["reason"]
+    else:
+        assert (rec["verdict"], code) == ("pass", 0), rec["reason"]

@@ -94,7 +94,8 @@ def _define_row_count_dependent_rms_norm():
 def test_registry_metadata_is_complete():
     reg = {n: p for n, p in patches.registry().items() if p.target == "vllm"}  # tests/test_megatron_patches.py: the rest
     assert set(reg) == {"fa3-fixed-tile", "fp8-gemm-one-kernel", "gemm-fixed-m", "gemm-fixed-order",
-                        "moe-slot-order-sum", "rmsnorm-fixed-block"}
+                        "mamba-decode-replay", "mamba-ssd-fixed-config", "moe-slot-order-sum",
+                        "rmsnorm-fixed-block"}
     for name, p in reg.items():
         assert p.target == "vllm" and p.gate in {f"C{i}" for i in range(11)}
         assert p.symptom and p.fix and p.cost
@@ -148,6 +149,20 @@ def test_apply_revert_and_active_read_from_the_patched_objects(fake_vllm):
 
     patches.apply(["gemm-fixed-m"])
     assert environment_fingerprint()["patches"] == ["gemm-fixed-m"]
+
+
+def test_mamba_ssd_fixed_config_leaves_each_autotuner_its_first_config(fake_vllm):
+    from tic.patches.vllm.mamba_ssd_fixed_config import KERNELS
+
+    tuners = [getattr(__import__(home, fromlist=[attr]), attr) for home, attr in KERNELS]
+    for t in tuners:
+        t.cache["tuned"] = t.configs[-1]  # what a process had timed before the patch
+    lists = [list(t.configs) for t in tuners]
+    patches.apply(["mamba-ssd-fixed-config"])
+    patches.apply(["mamba-ssd-fixed-config"])  # idempotent
+    assert [t.configs for t in tuners] == [c[:1] for c in lists] and not any(t.cache for t in tuners)
+    patches.apply([])
+    assert [t.configs for t in tuners] == lists
 
 
 def test_fa3_fixed_tile_pins_every_launch(fake_vllm):

@@ -85,6 +85,8 @@ class Variant:
     locate: bool = True                 # the locator on each failing gate
     ladder: bool = False                # LADDER's perf, training and scale_up sections (C1, C8-C10 read them)
     fp8: bool = False                   # block-FP8 weights (128x128, generated) and an FP8 KV cache on both sides
+    tokens: int = 48                    # sampled per request (1: the first token only, scored by vLLM's prefill)
+    options: tuple = ()                 # extra rollout options, (key, value) pairs
 
 
 def _variants() -> dict[str, Variant]:
@@ -128,6 +130,19 @@ def _variants() -> dict[str, Variant]:
         v[f"t-{m}-eager-no-rms"] = Variant(f"t-{m}-eager without rmsnorm-fixed-block (its with/without run)", m,
                                            patches=tuple(p for p in PATCHES if p != "rmsnorm-fixed-block"),
                                            locate=False)
+    # Mamba-2 hybrids (issue 31): decode replays the current chunk (mamba-decode-replay), the SSD kernels on one
+    # config in both processes, the SSM state between chunks in float32 on both sides, training on vLLM's conv,
+    # chunked scan and gated norm. `-prefill` samples one token, whose logprob vLLM's prefill computes (C5 of the
+    # training forward alone); `-nodecode` drops the replay patch (C0 refuses it: C4/C5 from C3 record the flip).
+    replay = (*PATCHES, "mamba-decode-replay", "mamba-ssd-fixed-config")
+    mamba_options = (("mamba_ssm_cache_dtype", "float32"), ("kv_cache_memory_bytes", 4 << 30),
+                     ("gpu_memory_utilization", 0.15))  # float32 SSM states per request, more than 512 MiB
+    for m in ("mamba2", "nemotron-h"):
+        for label, tokens, patches in (("eager", 48, replay), ("prefill", 1, replay),
+                                       ("nodecode", 48, (*PATCHES, "mamba-ssd-fixed-config"))):
+            v[f"t-{m}-{label}"] = Variant(f"{m}, {'patched' if 'mamba-decode-replay' in patches else 'stock-decode'} "
+                                          f"eager rollout, {tokens} sampled token(s), training on vLLM's kernels", m,
+                                          patches=patches, tokens=tokens, options=mamba_options)
     v["t-dense-bi"] = Variant("dense, batch-invariant rollout without patches, training on vLLM's kernels",
                               "dense", patches=(), batch_invariant=True, locate=False)
     v["t-dense-bi-locate"] = Variant("t-dense-bi with the locator on (C5 fails: FA3 decode vs prefill)", "dense",
@@ -212,8 +227,9 @@ def config(name: str) -> dict:
                "kv_cache_memory_bytes": 512 << 20,  # fixed: engines sharing the GPU never profile its memory
                "max_model_len": w["max_model_len"],
                "record": f"records/{name}-vllm.jsonl"}  # every raw vLLM output (benchmarks/gpu/check.py reads it)
+    options.update(dict(v.options))
     cfg = tic_yaml(name, MODELS_DIR / v.model, v.mode, v.patches, min_len=w["min_len"], max_len=w["max_len"],
-                   train=v.train, options=options, batch_invariant=v.batch_invariant,
+                   tokens=v.tokens, train=v.train, options=options, batch_invariant=v.batch_invariant,
                    rollout_parallel=v.rollout_parallel, train_parallel=v.train_parallel)
     cfg["locate"] = {"enabled": v.locate}
     if v.fp8:

@@ -39,6 +39,8 @@ OPTIONS: dict[str, Any] = {
     "max_model_len": None,            # None: min(max_position_embeddings, 2048)
     "kv_cache_dtype": None,           # e.g. fp8: LLM(kv_cache_dtype=...); a train side on vLLM's kernels sets its
                                       # hf option kv_cache_dtype alike (K/V make the same FP8 round trip)
+    "mamba_ssm_cache_dtype": None,    # e.g. float32: LLM(mamba_ssm_cache_dtype=...), the Mamba-2 state between
+                                      # chunks (a train side on vLLM's kernels runs it in float32)
     "seed": 0,                        # LLM(seed=...): vLLM's global seed; requests carry their own seeds
     "compilation_config": None,       # passed to LLM(compilation_config=...) (int level or dict)
     "cudagraph_mode": None,           # shorthand for compilation_config.cudagraph_mode (NONE, PIECEWISE, FULL, ...)
@@ -125,6 +127,28 @@ def mode_refusals(options: dict, train_kernels: str) -> list[str]:
                        "vllm) calls, by generated code; keep them with compilation_config.custom_ops: [all] and "
                        "ir_op_priority: {rms_norm: [vllm_c], fused_add_rms_norm: [vllm_c]}, or set mode: 0")
     return out
+
+
+def recurrent_refusals(model_config: dict, options: dict, patch_names) -> list[str]:
+    """Why a vLLM rollout of this model is outside what tic makes consistent: Mamba-2 mixers without the
+    mamba-decode-replay patch, or with it outside eager mode (one line each, for C0)."""
+    from tic.harness.kernels.mamba_modules import is_mixer
+    from tic.harness.model.layer_structure import build_meta
+
+    mixers = sum(1 for m in build_meta(model_config).modules() if is_mixer(m))
+    if not mixers:
+        return []
+    if "mamba-decode-replay" not in patch_names:
+        return [f"rollout.engine: vllm on a model with {mixers} Mamba-2 mixer(s): vLLM 0.26 decodes a mixer by the "
+                "single-step state update (selective_state_update), which rounds differently from the chunked "
+                "scan that prefilled the sequence and that the training forward runs; list the patch "
+                "mamba-decode-replay in rollout.patches (eager), or roll out with engine: hf, kernels: consistent "
+                "(guides/ops/recurrent-layers.md)"]
+    o = {**OPTIONS, **options}
+    if not o["enforce_eager"]:
+        return ["rollout.patches: mamba-decode-replay runs eager only (it reads each request's chunk count on the "
+                "host, which CUDA graphs cannot capture); set rollout.options.enforce_eager: true"]
+    return []
 
 
 # -- conversions between vLLM outputs, plain records and Samples (no vLLM needed) ---------------------------
@@ -304,7 +328,8 @@ class VLLMEngine(Engine):
         if dcp > 1:
             kwargs["decode_context_parallel_size"] = dcp
         for k in ("attention_backend", "kv_cache_memory_bytes", "kv_cache_dtype", "enable_chunked_prefill",
-                  "max_num_batched_tokens", "max_num_seqs", "async_scheduling", "ir_op_priority"):
+                  "max_num_batched_tokens", "max_num_seqs", "async_scheduling", "ir_op_priority",
+                  "mamba_ssm_cache_dtype"):
             if o[k] is not None:
                 kwargs[k] = o[k]
         comp = o["compilation_config"]

@@ -70,8 +70,10 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("decoder:hybrid_block", "norm, one mixer (Mamba-2, attention or MLP), residual add (Mamba-2, "
                                           "NemotronH)"),
     OperatorClass("mixer:mamba2", "Mamba-2 mixer: causal conv, chunked scan whose decode replays prefill's "
-                                  "chunks, gated grouped RMSNorm", frozenset({"consistent"})),
-    OperatorClass("mlp:relu2", "up, relu(x)^2, down (NemotronH)", frozenset({"consistent"})),
+                                  "chunks, gated grouped RMSNorm"),
+    # relu2 runs as HF's relu then square: the float product of two model-dtype values is exact, rounded once,
+    # as vLLM's _C.relu_squared rounds it
+    OperatorClass("mlp:relu2", "up, relu(x)^2, down (NemotronH)"),
 ]}
 
 DECODER_NORMS = {("input_layernorm", "post_attention_layernorm"): "decoder:two_norm",

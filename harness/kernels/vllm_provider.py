@@ -9,7 +9,8 @@ gelu_tanh_and_mul, the final logit softcap as vLLM's logits processor computes i
 GEMM dispatch (in batch-invariant mode vLLM's Triton `linear_batch_invariant`, as its linear layers call it), prefill attention
 through the varlen entry of vLLM's FlashAttention backend over a paged K/V cache of vLLM's page size (with the
 backend's window_size (window - 1, 0) on a sliding layer and its softcap argument), MoE
-through vLLM's fused_topk and fused_experts, logprobs as vLLM's sampler computes them (float32 log_softmax of
+through vLLM's fused_topk and fused_experts, Mamba-2 mixers through vLLM's causal_conv1d_fn, chunked scan and
+gated RMSNorm (tic.harness.kernels.vllm_mamba), logprobs as vLLM's sampler computes them (float32 log_softmax of
 the model-dtype logits).
 
 Under torch.compile (vLLM's default graph mode) vLLM runs its `native` RMSNorm through Inductor instead of
@@ -36,6 +37,7 @@ from tic.harness.kernels.rope import hf_cos_sin_cache
 from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE, KernelProvider
 from tic.harness.kernels.varlen import paged_layout, paged_rows_layout, varlen_from_mask
 from tic.harness.kernels.vllm_fp8 import BlockFp8Linear, fp8_kv_attention, fused_experts_fp8
+from tic.harness.kernels.vllm_mamba import VLLMMambaKernels
 from tic.patches.plugin import load as load_patches
 
 
@@ -101,7 +103,7 @@ def _slots(vl, pages, T: int, block_size: int) -> torch.Tensor:
     return (vl.index // T) * (pages.row_pages * block_size) + vl.index % T
 
 
-class VLLMProvider(KernelProvider):
+class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harness.kernels.vllm_mamba
     name = "vllm"
     kernels = "vllm"
     fuse_projections = True

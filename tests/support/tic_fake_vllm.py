@@ -50,6 +50,235 @@ FAKE = {
                 acc = acc + input[:, k]
             output.copy_(acc)
         """,
+    # Mamba-2 (tic.harness.kernels.vllm_mamba, the mamba-ssd-fixed-config patch): the entry points vLLM's
+    # MambaMixer2 calls, checking the layouts vLLM's kernels assert, and recording each call
+    "vllm/model_executor/layers/mamba/__init__.py": "", "vllm/model_executor/layers/mamba/ops/__init__.py": "",
+    "vllm/model_executor/layers/mamba/ops/causal_conv1d.py": """
+        import torch
+        import torch.nn.functional as F
+
+        CALLS = []
+
+        def causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, cache_indices=None,
+                             has_initial_state=None, activation="silu", **kw):
+            assert x.stride(0) == 1 and x.stride(1) > 1, "Need to run in channel-last layout"
+            dim, K = weight.shape
+            assert weight.stride(1) == 1 and conv_states.shape[1:] == (dim, K - 1)
+            CALLS.append(dict(x_shape=tuple(x.shape), has_initial_state=has_initial_state.tolist(),
+                              activation=activation))
+            out = torch.empty_like(x)
+            qsl = query_start_loc.tolist()
+            for i, (s, e) in enumerate(zip(qsl[:-1], qsl[1:])):
+                line = int(cache_indices[i])
+                window = conv_states[line] if bool(has_initial_state[i]) else x.new_zeros(dim, K - 1)
+                full = torch.cat([window.to(x.dtype), x[:, s:e]], dim=1)
+                acc = bias[:, None].expand(dim, e - s) if bias is not None else x.new_zeros(dim, e - s)
+                for k in range(K):  # tap by tap, as the kernel accumulates: a token's value is its own
+                    acc = acc + full[:, k:k + e - s] * weight[:, k:k + 1]
+                for t in range(e - s):  # elementwise math per token: CPU vector code varies with the length
+                    out[:, s + t] = F.silu(acc[:, t].contiguous())
+                conv_states[line] = full[:, -(K - 1):]
+            return out
+
+        def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None,
+                                 **kw):
+            # vLLM's decode conv: its own kernel (here the taps summed newest first, another rounding order)
+            dim, K = weight.shape
+            out = torch.empty_like(x)
+            for r in range(x.shape[0]):
+                line = int(conv_state_indices.reshape(x.shape[0], -1)[r, 0])
+                full = torch.cat([conv_state[line], x[r][:, None]], dim=1)
+                acc = bias.clone() if bias is not None else x.new_zeros(dim)
+                for k in reversed(range(K)):
+                    acc = acc + full[:, k] * weight[:, k]
+                out[r] = F.silu(acc.contiguous())
+                conv_state[line] = full[:, 1:]
+            return out
+        """,
+    "vllm/model_executor/layers/mamba/ops/ssd_combined.py": """
+        import torch
+        import torch.nn.functional as F
+
+        CALLS = []
+
+        def _chunk(S, x, dt, A, B, C, D, Q):
+            # the SSD decomposition of one chunk, every reduction over the chunk padded to Q positions (as the
+            # kernel's tiles): a token's row does not depend on the tokens after it
+            n, H, P = x.shape
+            pad = lambda t: torch.cat([t, t.new_zeros(Q - n, *t.shape[1:])])  # noqa: E731
+            rep = lambda t: t.float().repeat_interleave(H // t.shape[1], dim=1)  # noqa: E731
+            xs, dts, Bs, Cs = pad(x.float()), pad(dt), pad(rep(B)), pad(rep(C))
+            acum = torch.cumsum(A[None] * dts, dim=0)  # [Q, H]
+            causal = torch.ones(Q, Q, dtype=torch.bool).tril()
+            decay = torch.exp((acum[:, None] - acum[None]).masked_fill(~causal[..., None], float("-inf")))
+            w = (Cs[:, None] * Bs[None]).sum(-1) * decay * dts[None]  # [Q(row), Q(col), H]
+            y = (w[..., None] * xs[None]).sum(1) + (S[None] * Cs[:, :, None]).sum(-1) * torch.exp(acum)[..., None]
+            y = y + D.float()[None, :, None] * xs
+            tail = torch.exp(acum[-1:] - acum) * dts  # [Q, H]
+            end = torch.exp(acum[-1])[:, None, None] * S + (tail[..., None, None] * xs[..., None] * Bs[:, :, None]).sum(0)
+            return y[:n], end
+
+        def mamba_chunk_scan_combined_varlen(x, dt, A, B, C, chunk_size, cu_seqlens, cu_chunk_seqlens,
+                                             last_chunk_indices, seq_idx, out, D=None, z=None, dt_bias=None,
+                                             initial_states=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                                             return_intermediate_states=False, state_dtype=None):
+            CALLS.append(dict(chunks=cu_chunk_seqlens.tolist(), initial=initial_states is not None,
+                              dt_softplus=dt_softplus, dt_limit=dt_limit, state_dtype=state_dtype,
+                              out_dtype=out.dtype, z=z, A_dtype=A.dtype))
+            H, P, N = x.shape[1], x.shape[2], B.shape[2]
+            dt = dt.float() + dt_bias.float()
+            if dt_softplus:  # per token: CPU vector code varies with the length
+                dt = torch.stack([F.softplus(row) for row in dt])
+            dt = dt.clamp(*dt_limit)
+            bounds, seqs, states = cu_chunk_seqlens.tolist(), seq_idx.tolist(), []
+            for c, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+                s = seqs[c]
+                first = c == 0 or seqs[c - 1] != s
+                S = (initial_states[s].float() if initial_states is not None else x.new_zeros(H, P, N).float()) \
+                    if first else states[-1].float()
+                y, end = _chunk(S, x[a:b], dt[a:b], A, B[a:b], C[a:b], D, chunk_size)
+                out[a:b] = y.to(out.dtype)
+                states.append(end.to(state_dtype))
+            states = torch.stack(states)
+            return states if return_intermediate_states else states[last_chunk_indices]
+        """,
+    "vllm/model_executor/layers/mamba/ops/ssu_dispatch.py": """
+        import torch
+        import torch.nn.functional as F
+
+        def selective_state_update(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplus=False,
+                                   state_batch_indices=None, dst_state_batch_indices=None, out=None, **kw):
+            # vLLM's decode: one step of the recurrence S <- exp(A dt) S + dt B x, y = C S + D x
+            H = x.shape[1]
+            for r in range(x.shape[0]):
+                s = int(state_batch_indices.reshape(x.shape[0], -1)[r, 0])
+                d = dt[r].float() + dt_bias.float()
+                d = F.softplus(d) if dt_softplus else d
+                Bh, Ch = (t[r].float().repeat_interleave(H // t.shape[1], dim=0) for t in (B, C))
+                S = state[s].float() * torch.exp(A * d[..., None]) + (d * x[r].float())[..., None] * Bh[:, None]
+                state[s] = S.to(state.dtype)
+                out[r] = ((S * Ch[:, None]).sum(-1) + D.float() * x[r].float()).to(out.dtype)
+        """,
+    "vllm/forward_context.py": """
+        _forward_context = None
+
+        class ForwardContext:
+            def __init__(self, attn_metadata):
+                self.attn_metadata = attn_metadata
+
+        def get_forward_context():
+            return _forward_context
+
+        def set_forward_context(ctx):
+            global _forward_context
+            _forward_context = ctx
+        """,
+    "vllm/model_executor/layers/mamba/mamba_mixer2.py": """
+        import torch
+
+        from vllm.forward_context import get_forward_context
+        from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+        from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
+        from vllm.model_executor.layers.mamba.ops.ssu_dispatch import selective_state_update
+
+        class MambaMixer2:
+            # conv_ssm_forward as vLLM 0.26's, without prefix caching and speculative decoding (I, H, P, G, N:
+            # intermediate size, heads, head dim, groups, state size; kv_cache = (conv [slots, K-1, dim], ssm))
+            def conv_ssm_forward(self, projected_states, output):
+                I, H, P, G, N = self.I, self.H, self.P, self.G, self.N
+                xBC, dt = torch.split(projected_states[..., I:], [I + 2 * G * N, H], dim=-1)
+                m = get_forward_context().attn_metadata[self.prefix]
+                conv_state, ssm_state = self.kv_cache[0].transpose(-1, -2), self.kv_cache[1]
+                nd, npt, ndt = m.num_decodes, m.num_prefill_tokens, m.num_decode_tokens
+                xBC_d, xBC_p = torch.split(xBC[:ndt + npt], [ndt, npt])
+                dt_d, dt_p = torch.split(dt[:ndt + npt], [ndt, npt])
+                out_d, out_p = torch.split(output[:ndt + npt], [ndt, npt])
+                split = lambda t: torch.split(t, [I, G * N, G * N], dim=-1)  # noqa: E731
+                if m.num_prefills:
+                    xBC_p = causal_conv1d_fn(xBC_p.transpose(0, 1), self.conv_weights, self.bias,
+                                             conv_states=conv_state, query_start_loc=m.query_start_loc_p,
+                                             cache_indices=m.state_indices_tensor_p,
+                                             has_initial_state=m.has_initial_states_p, activation="silu"
+                                             ).transpose(0, 1)
+                    x, B, C = split(xBC_p)
+                    init = None
+                    if m.prep_initial_states:
+                        init = torch.where(m.has_initial_states_p[:, None, None, None],
+                                           ssm_state[m.state_indices_tensor_p], 0)
+                    states = mamba_chunk_scan_combined_varlen(
+                        x.reshape(npt, H, P), dt_p, self.A, B.reshape(npt, G, N), C.reshape(npt, G, N),
+                        chunk_size=self.Q, D=self.D, z=None, dt_bias=self.dt_bias, seq_idx=m.seq_idx_p,
+                        cu_seqlens=m.query_start_loc_p, cu_chunk_seqlens=m.cu_chunk_seqlen_p,
+                        last_chunk_indices=m.last_chunk_indices_p, initial_states=init,
+                        return_intermediate_states=False, dt_softplus=True, dt_limit=(0.0, float("inf")),
+                        out=out_p.view(npt, H, P), state_dtype=ssm_state.dtype)
+                    ssm_state[m.state_indices_tensor_p] = states
+                if nd:
+                    xBC_d = causal_conv1d_update(xBC_d, conv_state, self.conv_weights, self.bias, "silu",
+                                                 conv_state_indices=m.state_indices_tensor_d,
+                                                 num_accepted_tokens=None)
+                    x, B, C = split(xBC_d)
+                    selective_state_update(
+                        ssm_state, x.reshape(nd, H, P), dt_d[:, :, None].expand(-1, -1, P),
+                        self.A[:, None, None].expand(-1, P, N).float(), B.reshape(nd, G, N), C.reshape(nd, G, N),
+                        self.D[:, None].expand(-1, P), self.dt_bias[:, None].expand(-1, P), dt_softplus=True,
+                        state_batch_indices=m.state_indices_tensor_d, dst_state_batch_indices=m.state_indices_tensor_d,
+                        out=out_d.view(nd, H, P))
+        """,
+    "vllm/model_executor/layers/mamba/ops/layernorm_gated.py": """
+        import torch
+
+        CALLS = []
+
+        def rms_norm_gated(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
+            CALLS.append(dict(shape=tuple(x.shape), group_size=group_size, norm_before_gate=norm_before_gate))
+            h = x.float() * torch.nn.functional.silu(z.float())
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+            return (h * weight.float()).to(x.dtype)
+        """,
+    "vllm/model_executor/layers/mamba/ops/ssd_chunk_state.py": """
+        class Autotuner:  # triton.runtime.Autotuner's configs and cache
+            def __init__(self, *configs):
+                self.configs, self.cache = list(configs), {}
+
+        _chunk_cumsum_fwd_kernel = Autotuner("h2", "h4")
+        _chunk_state_fwd_kernel = Autotuner("m32", "m64")
+        """,
+    "vllm/model_executor/layers/mamba/ops/ssd_bmm.py": """
+        from vllm.model_executor.layers.mamba.ops.ssd_chunk_state import Autotuner
+
+        _bmm_chunk_fwd_kernel = Autotuner("m128", "m64")
+        """,
+    "vllm/model_executor/layers/mamba/ops/ssd_state_passing.py": """
+        from vllm.model_executor.layers.mamba.ops.ssd_chunk_state import Autotuner
+
+        _state_passing_fwd_kernel = Autotuner("b64", "b128")
+        """,
+    "vllm/model_executor/layers/mamba/ops/ssd_chunk_scan.py": """
+        from vllm.model_executor.layers.mamba.ops.ssd_chunk_state import Autotuner
+
+        _chunk_scan_fwd_kernel = Autotuner("m32", "m64")
+        """,
+    "vllm/v1/attention/backends/mamba2_attn.py": """
+        import torch
+
+        def compute_varlen_chunk_metadata(query_start_loc, chunk_size):
+            q = query_start_loc.tolist()
+            lens, seq, last = [], [], []
+            for b, (s, e) in enumerate(zip(q[:-1], q[1:])):
+                pos = s
+                while pos < e:
+                    take = min(chunk_size - pos % chunk_size, e - pos)
+                    lens.append(take)
+                    seq.append(b)
+                    pos += take
+                last.append(len(lens) - 1)
+            cu = [0]
+            for n in lens:
+                cu.append(cu[-1] + n)
+            i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+            return i32(cu), i32(last), i32(seq)
+        """,
     "vllm/distributed/__init__.py": "",
     "vllm/distributed/parallel_state.py": "_EP = None  # vLLM's expert-parallel GroupCoordinator once initialised\n",
     "vllm/kernels/__init__.py": "",

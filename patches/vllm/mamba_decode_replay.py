@@ -1,0 +1,270 @@
+"""Mamba-2 decode that replays the current chunk through the prefill's chunked scan (eager rollouts).
+
+vLLM 0.26 decodes a MambaMixer2 by the single-step update (`selective_state_update`: S <- exp(A dt) S + dt B x,
+y = C S + D x), a different rounding order from the chunked scan (`mamba_chunk_scan_combined_varlen`) that
+prefills the same tokens, so a decoded token's logprob differs from the same token prefilled (C4) and from the
+training forward (C5). This patch keeps, per request and mixer, the start state of the current chunk (in vLLM's
+own `ssm_state` slot) and the chunk's tokens so far (x, raw dt, B: a side buffer per state slot), and computes each
+decoded token with the chunked scan over those tokens plus the new one, from that start state; a full chunk's end
+state replaces the start state. A prefill stores the same (the start state of the chunk each sequence ends in,
+and its partial chunk), and a chunked-prefill continuation prepends the buffered tokens, so chunk boundaries sit
+at multiples of chunk_size from each sequence's first token whatever the scheduler's steps. The decode conv runs
+the prefill's `causal_conv1d_fn` over the new token and the carried window instead of `causal_conv1d_update`.
+
+Exact if the chunked scan gives a token's row from its chunk's start state and the chunk's tokens up to it alone
+(benchmarks/gpu/mamba_replay_probe.py measures that on vLLM's kernels). Eager only: the replay reads the buffer
+counts on the host (C0 refuses the patch with CUDA graphs or torch.compile); prefix caching (mamba_cache_mode
+all) and speculative decoding stop the mixer with the reason. Cost: a decode step rescans up to chunk_size tokens
+per request; the buffers take chunk_size x (H x P + H + G x N) elements per state slot and mixer.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass, field
+
+from tic.patches._swap import swap_everywhere, restore_everywhere, is_swapped
+from tic.patches.base import Patch
+
+NAME = "mamba-decode-replay"
+_MIXER = "vllm.model_executor.layers.mamba.mamba_mixer2"
+_LAYER: list = []  # the mixer whose conv_ssm_forward runs now (the kernels' wrappers read its state)
+
+
+@dataclass
+class _Chunks:
+    """One mixer's replay state per ssm_state slot: tokens of the sequence so far and the current chunk's tokens."""
+    x: object
+    dt: object
+    B: object
+    count: list = field(default_factory=list)   # the current chunk's tokens per slot
+    length: list = field(default_factory=list)  # the sequence's tokens per slot
+
+
+def _chunks(layer, x, dt, B) -> _Chunks:
+    import torch
+
+    slots, Q = layer.kv_cache[1].shape[0], int(layer._tic_chunk_size)
+    store = getattr(layer, "_tic_chunks", None)
+    if store is None or store.x.shape[0] != slots:
+        new = lambda t: torch.zeros(slots, Q, *t.shape[1:], dtype=t.dtype, device=t.device)  # noqa: E731
+        store = layer._tic_chunks = _Chunks(new(x), new(dt), new(B), [0] * slots, [0] * slots)
+    return store
+
+
+def _streams(lengths: list[int], Q: int):
+    """Varlen chunk metadata for streams that each start at a chunk boundary: (cu_seqlens, cu_chunk_seqlens,
+    last_chunk_indices, seq_idx) as lists; chunks cut at multiples of Q from each stream's start."""
+    cu, chunks, last, seq = [0], [0], [], []
+    for b, n in enumerate(lengths):
+        for start in range(0, n, Q):
+            chunks.append(chunks[-1] + min(Q, n - start))
+            seq.append(b)
+        last.append(len(seq) - 1)
+        cu.append(cu[-1] + n)
+    return cu, chunks, last, seq
+
+
+def _scan(original, x, dt, A, B, C, Q, lengths, starts, D, dt_bias, state_dtype, dt_limit):
+    """The chunked scan over streams (each from a chunk boundary; starts: per stream its start state or None);
+    returns (out [tokens, H, P], per-chunk end states, stream metadata)."""
+    import torch
+
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=x.device)  # noqa: E731
+    cu, chunks, last, seq = _streams(lengths, Q)
+    init = None
+    if any(s is not None for s in starts):
+        zero = torch.zeros(x.shape[1], x.shape[2], B.shape[2], dtype=state_dtype, device=x.device)
+        init = torch.stack([zero if s is None else s.to(state_dtype) for s in starts])
+    out = torch.empty_like(x)
+    states = original(x, dt, A, B, C, chunk_size=Q, cu_seqlens=i32(cu), cu_chunk_seqlens=i32(chunks),
+                      last_chunk_indices=i32(last), seq_idx=i32(seq), out=out, D=D, z=None, dt_bias=dt_bias,
+                      initial_states=init, dt_softplus=True, dt_limit=dt_limit, return_intermediate_states=True,
+                      state_dtype=state_dtype)
+    return out, states, (cu, last)
+
+
+def _keep(store, slot, ssm_state, start, states, last_chunk, first_chunk, n, total, xs, dts, Bs) -> None:
+    """After a stream of n tokens (ending its sequence at `total` tokens): the start state of the chunk the
+    sequence ends in into the slot, the partial chunk's tokens into the buffer."""
+    Q = store.x.shape[1]
+    if n % Q == 0:
+        ssm_state[slot] = states[last_chunk]
+    elif last_chunk > first_chunk:
+        ssm_state[slot] = states[last_chunk - 1]
+    elif start is not None:
+        ssm_state[slot] = start
+    else:
+        ssm_state[slot] = 0
+    r = n % Q
+    store.count[slot], store.length[slot] = r, total
+    if r:
+        store.x[slot, :r], store.dt[slot, :r], store.B[slot, :r] = xs[n - r:n], dts[n - r:n], Bs[n - r:n]
+
+
+def _replay_prefill(original):
+    @functools.wraps(original)
+    def scan(x, dt, A, B, C, chunk_size, cu_seqlens, cu_chunk_seqlens, last_chunk_indices, seq_idx, out, D=None,
+             z=None, dt_bias=None, initial_states=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+             return_intermediate_states=False, state_dtype=None):
+        meta = _metadata()
+        if meta is None or z is not None or not dt_softplus or return_intermediate_states:
+            return original(x, dt, A, B, C, chunk_size, cu_seqlens, cu_chunk_seqlens, last_chunk_indices, seq_idx,
+                            out, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states, dt_softplus=dt_softplus,
+                            dt_limit=dt_limit, return_intermediate_states=return_intermediate_states,
+                            state_dtype=state_dtype)
+        import torch
+
+        layer, Q = _LAYER[-1], int(chunk_size)
+        layer._tic_chunk_size = Q
+        ssm_state, store = layer.kv_cache[1], _chunks(layer, x, dt, B)
+        slots = [int(s) for s in meta.state_indices_tensor_p.reshape(-1).tolist()]
+        cont = meta.has_initial_states_p.tolist() if meta.has_initial_states_p is not None else [False] * len(slots)
+        qsl = cu_seqlens.tolist()
+        pieces, lengths, starts = [], [], []
+        for i, slot in enumerate(slots):
+            m = store.count[slot] if cont[i] else 0
+            a, b = qsl[i], qsl[i + 1]
+            C0 = C.new_zeros(m, *C.shape[1:])  # a buffered token's C reaches its own row alone
+            pieces.append((torch.cat([store.x[slot, :m], x[a:b]]), torch.cat([store.dt[slot, :m], dt[a:b]]),
+                           torch.cat([store.B[slot, :m], B[a:b]]), torch.cat([C0, C[a:b]]), m))
+            lengths.append(m + b - a)
+            chunk_start = store.length[slot] - m if cont[i] else 0
+            starts.append(ssm_state[slot].clone() if cont[i] and chunk_start > 0 else None)
+        xs, dts, Bs, Cs = (torch.cat([p[k] for p in pieces]) for k in range(4))
+        full, states, (cu, last) = _scan(original, xs, dts, A, Bs, Cs, Q, lengths, starts, D, dt_bias,
+                                         state_dtype or C.dtype, dt_limit)
+        kept = []
+        for i, slot in enumerate(slots):
+            m, (a, b) = pieces[i][4], (qsl[i], qsl[i + 1])
+            out[a:b] = full[cu[i] + m:cu[i + 1]]
+            first = last[i - 1] + 1 if i else 0
+            before = store.length[slot] - m if cont[i] else 0
+            _keep(store, slot, ssm_state, starts[i], states, last[i], first, lengths[i], before + lengths[i],
+                  xs[cu[i]:cu[i + 1]], dts[cu[i]:cu[i + 1]], Bs[cu[i]:cu[i + 1]])
+            kept.append(ssm_state[slot].clone())
+        return torch.stack(kept)  # the mixer writes these into ssm_state[state_indices_tensor_p]: the same values
+    return scan
+
+
+def _replay_decode(original):
+    @functools.wraps(original)
+    def update(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplus=False, state_batch_indices=None,
+               dst_state_batch_indices=None, out=None, num_accepted_tokens=None, cu_seqlens=None, **kw):
+        import torch
+        from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen as scan
+
+        layer = _LAYER[-1] if _LAYER else None
+        if layer is None or z is not None or not dt_softplus or num_accepted_tokens is not None:
+            raise RuntimeError(f"patch {NAME}: a Mamba-2 decode outside MambaMixer2's plain path (gate z, no "
+                               "softplus or speculative tokens) is not covered")
+        Q = int(getattr(layer, "_tic_chunk_size", 0) or layer.model_config.get_mamba_chunk_size())
+        layer._tic_chunk_size = Q
+        raw_dt, A1, D1, bias = dt[..., 0], A[:, 0, 0], D[:, 0], dt_bias[:, 0]
+        store = _chunks(layer, x, raw_dt, B)
+        slots = [int(s) for s in state_batch_indices.reshape(x.shape[0], -1)[:, 0].tolist()]
+        for first_chunk in (True, False):  # sequences still in their first chunk prefilled without a start state
+            rows = [r for r, s in enumerate(slots) if s >= 0 and (store.length[s] < Q) == first_chunk]  # -1: pad
+            if not rows:
+                continue
+            ms = [store.count[slots[r]] for r in rows]
+            xs = torch.cat([torch.cat([store.x[slots[r], :m], x[r:r + 1]]) for r, m in zip(rows, ms)])
+            dts = torch.cat([torch.cat([store.dt[slots[r], :m], raw_dt[r:r + 1]]) for r, m in zip(rows, ms)])
+            Bs = torch.cat([torch.cat([store.B[slots[r], :m], B[r:r + 1]]) for r, m in zip(rows, ms)])
+            Cs = torch.cat([torch.cat([C.new_zeros(m, *C.shape[1:]), C[r:r + 1]]) for r, m in zip(rows, ms)])
+            starts = [None if first_chunk else state[slots[r]].clone() for r in rows]
+            full, states, (cu, last) = _scan(scan, xs, dts, A1, Bs, Cs, Q, [m + 1 for m in ms], starts, D1, bias,
+                                             state.dtype, (0.0, float("inf")))
+            for k, (r, m) in enumerate(zip(rows, ms)):
+                s = slots[r]
+                out[r] = full[cu[k + 1] - 1]
+                _keep(store, s, state, starts[k], states, last[k], last[k], m + 1, store.length[s] + 1,
+                      xs[cu[k]:cu[k + 1]], dts[cu[k]:cu[k + 1]], Bs[cu[k]:cu[k + 1]])
+    return update
+
+
+def _conv_as_prefill(original):
+    @functools.wraps(original)
+    def conv_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None, **kw):
+        import torch
+        from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
+
+        if x.dim() != 2 or kw.get("num_accepted_tokens") is not None:
+            return original(x, conv_state, weight, bias, activation, conv_state_indices, **kw)
+        n = x.shape[0]
+        idx = conv_state_indices.reshape(n, -1)[:, 0].contiguous()
+        out = causal_conv1d_fn(x.transpose(0, 1), weight, bias, conv_states=conv_state,
+                               query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=x.device),
+                               cache_indices=idx, has_initial_state=torch.ones(n, dtype=torch.bool, device=x.device),
+                               activation=activation)
+        return out.transpose(0, 1)
+    return conv_update
+
+
+def _metadata():
+    """The running mixer's Mamba2 metadata, or None outside a model step (profile run, warm-up)."""
+    if not _LAYER:
+        return None
+    from vllm.forward_context import get_forward_context
+
+    meta = get_forward_context().attn_metadata
+    return None if meta is None else meta[_LAYER[-1].prefix]
+
+
+def _tracking(original):
+    @functools.wraps(original)
+    def conv_ssm_forward(self, projected_states, output):
+        if self.cache_config.mamba_cache_mode == "all" or getattr(self, "num_spec", 0) > 0:
+            raise RuntimeError(f"patch {NAME}: prefix caching of Mamba states (mamba_cache_mode all) and "
+                               "speculative decoding are not covered; turn them off or drop the patch")
+        _LAYER.append(self)
+        try:
+            return original(self, projected_states, output)
+        finally:
+            _LAYER.pop()
+    return conv_ssm_forward
+
+
+_FUNCS = (("mamba_chunk_scan_combined_varlen", _replay_prefill), ("selective_state_update", _replay_decode),
+          ("causal_conv1d_update", _conv_as_prefill))
+
+
+def _apply() -> None:
+    for attr, make in _FUNCS:  # the names the mixer module imported: the mixer's calls alone change
+        swap_everywhere(_MIXER, attr, make, NAME, _MIXER)
+    mixer = importlib.import_module(_MIXER).MambaMixer2
+    if getattr(mixer.conv_ssm_forward, "__tic_patch__", None) != NAME:
+        wrapped = _tracking(mixer.conv_ssm_forward)
+        wrapped.__tic_patch__ = NAME
+        mixer.conv_ssm_forward = wrapped
+
+
+def _revert() -> None:
+    for attr, _ in _FUNCS:
+        restore_everywhere(_MIXER, attr, NAME, _MIXER)
+    mixer = importlib.import_module(_MIXER).MambaMixer2
+    if getattr(mixer.conv_ssm_forward, "__tic_patch__", None) == NAME:
+        mixer.conv_ssm_forward = mixer.conv_ssm_forward.__wrapped__
+
+
+def _is_applied() -> bool:
+    try:
+        mixer = importlib.import_module(_MIXER).MambaMixer2
+    except (ImportError, AttributeError):
+        return False
+    return all(is_swapped(_MIXER, attr, NAME) for attr, _ in _FUNCS) and \
+        getattr(mixer.conv_ssm_forward, "__tic_patch__", None) == NAME
+
+
+PATCH = Patch(
+    name=NAME, target="vllm", versions=">=0.26.0,<0.27", gate="C4",
+    symptom="C4 (and C5) fails in a Mamba-2 mixer (mixer): a decoded token differs from the same token prefilled; "
+            "vLLM's decode runs selective_state_update, its prefill the chunked scan",
+    fix="a Mamba-2 decode step replays its current chunk through the prefill's chunked scan from the chunk's start "
+        "state (kept in vLLM's ssm_state slot) with the chunk's earlier tokens (a buffer per slot); prefill and "
+        "chunked-prefill continuations keep the same state; the decode conv runs the prefill's conv kernel",
+    guide="guides/ops/recurrent-layers.md",
+    cost="not measured: each decode step rescans up to chunk_size tokens per request, eager only",
+    _apply=_apply, _revert=_revert, _is_applied=_is_applied,
+)

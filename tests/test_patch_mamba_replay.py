@@ -1,0 +1,111 @@
+"""The mamba-decode-replay patch on CPU, against a stand-in of vLLM 0.26's MambaMixer2.conv_ssm_forward and its
+kernels (tests/support/tic_fake_vllm.py: a chunked scan whose reductions are padded to the chunk, a single-step
+decode and a decode conv that round otherwise). Two requests go through vLLM-style steps (a chunked prefill
+continued mid-chunk next to a decode, then decodes): with the patch every token's mixer output equals that
+request's whole sequence prefilled alone; without it, decoded tokens differ. The GPU run validates vLLM's kernels."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from tic import patches
+
+H, P, G, N, Q, K, SLOTS = 4, 3, 2, 5, 4, 4, 4
+I, DIM = H * P, H * P + 2 * G * N
+WIDTH = I + DIM + H  # gate | x B C | dt, as in_proj writes them
+
+
+def _mixer(seed=0):
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+
+    g = torch.Generator().manual_seed(seed)
+    m = MambaMixer2()
+    m.I, m.H, m.P, m.G, m.N, m.Q, m.prefix, m.num_spec = I, H, P, G, N, Q, "mixer", 0
+    m.conv_weights, m.bias = 0.5 * torch.randn(DIM, K, generator=g), 0.1 * torch.randn(DIM, generator=g)
+    m.A = -torch.exp(torch.rand(H, generator=g))
+    m.D, m.dt_bias = torch.randn(H, generator=g), 0.5 * torch.randn(H, generator=g)
+    m.kv_cache = (torch.zeros(SLOTS, K - 1, DIM), torch.zeros(SLOTS, H, P, N))
+    m.cache_config = SimpleNamespace(mamba_cache_mode="none")
+    m.model_config = SimpleNamespace(get_mamba_chunk_size=lambda: Q)
+    return m
+
+
+def _step(m, decodes, prefills):
+    """One vLLM step: decodes [(slot, row [WIDTH])], prefills [(slot, computed, rows [n, WIDTH])]; the chunk
+    metadata as vLLM's builder cuts it (a continuation's first chunk ends at the next multiple of Q)."""
+    from vllm.forward_context import ForwardContext, set_forward_context
+
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    cu, chunks, seq, last = [0], [0], [], []
+    for i, (_, c, rows) in enumerate(prefills):
+        pos, end = c, c + rows.shape[0]
+        while pos < end:
+            take = min(Q - pos % Q, end - pos)
+            chunks.append(chunks[-1] + take)
+            seq.append(i)
+            pos += take
+        last.append(len(seq) - 1)
+        cu.append(cu[-1] + rows.shape[0])
+    meta = SimpleNamespace(
+        num_decodes=len(decodes), num_decode_tokens=len(decodes), num_prefills=len(prefills),
+        num_prefill_tokens=cu[-1], query_start_loc_p=i32(cu), state_indices_tensor_p=i32([p[0] for p in prefills]),
+        has_initial_states_p=torch.tensor([p[1] > 0 for p in prefills]),
+        prep_initial_states=any(p[1] > 0 for p in prefills), seq_idx_p=i32(seq), cu_chunk_seqlen_p=i32(chunks),
+        last_chunk_indices_p=i32(last), state_indices_tensor_d=i32([[d[0]] for d in decodes]))
+    rows = [d[1][None] for d in decodes] + [p[2] for p in prefills]
+    projected = torch.cat(rows)
+    out = torch.zeros(projected.shape[0], I)
+    set_forward_context(ForwardContext({"mixer": meta}))
+    m.conv_ssm_forward(projected, out)
+    return out
+
+
+def _serve(m, a, b):
+    """Request a (slot 0): prompt 11, prefilled 5 + 6 (the second piece beside b's first decode); request b
+    (slot 1): prompt 6; then both decode. Returns each request's mixer outputs per token."""
+    out_a, out_b = [], []
+    o = _step(m, [], [(0, 0, a[:5]), (1, 0, b[:6])])
+    out_a.append(o[:5]), out_b.append(o[5:])
+    o = _step(m, [(1, b[6])], [(0, 5, a[5:11])])
+    out_b.append(o[:1]), out_a.append(o[1:])
+    pos = {0: 11, 1: 7}
+    while any(pos[s] < t.shape[0] for s, t in ((0, a), (1, b))):
+        live = [(s, t) for s, t in ((0, a), (1, b)) if pos[s] < t.shape[0]]
+        o = _step(m, [(s, t[pos[s]]) for s, t in live], [])
+        for r, (s, _) in enumerate(live):
+            (out_a if s == 0 else out_b).append(o[r:r + 1])
+            pos[s] += 1
+    return torch.cat(out_a), torch.cat(out_b)
+
+
+def test_decode_and_a_continued_prefill_replay_the_chunk_as_one_prefill(fake_vllm):
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(17, WIDTH, generator=g), torch.randn(14, WIDTH, generator=g)
+    whole_a = _step(_mixer(), [], [(2, 0, a)])  # each request prefilled alone, by vLLM's own prefill
+    whole_b = _step(_mixer(), [], [(3, 0, b)])
+    patches.apply(["mamba-decode-replay"])
+    assert patches.active() == ["mamba-decode-replay"]
+    got_a, got_b = _serve(_mixer(), a, b)
+    assert got_a.shape == whole_a.shape and got_b.shape == whole_b.shape
+    assert torch.equal(got_a, whole_a) and torch.equal(got_b, whole_b)
+    patches.apply([])  # the control: vLLM's own steps
+    assert patches.active() == []
+    stock_a, stock_b = _serve(_mixer(), a, b)
+    assert torch.equal(stock_a[:5], whole_a[:5]) and torch.equal(stock_b[:6], whole_b[:6])  # first prefills
+    assert not torch.equal(stock_a[5:], whole_a[5:]) and not torch.equal(stock_b[6:], whole_b[6:])
+
+
+def test_prefix_caching_and_speculative_decoding_stop_the_mixer_with_the_reason(fake_vllm):
+    import pytest
+
+    patches.apply(["mamba-decode-replay"])
+    for field, value in (("mamba_cache_mode", "all"), ("num_spec", 1)):
+        m = _mixer()
+        if field == "num_spec":
+            m.num_spec = value
+        else:
+            m.cache_config.mamba_cache_mode = value
+        with pytest.raises(RuntimeError, match="mamba-decode-replay: prefix caching .* speculative decoding"):
+            _step(m, [], [(0, 0, torch.randn(3, WIDTH))])
