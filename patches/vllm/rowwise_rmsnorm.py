@@ -56,6 +56,7 @@ def rms_norm_rows(x, weight, epsilon: float, residual=None):
     h = x.shape[-1]
     x2 = _rows(x)
     r2 = _rows(residual) if residual is not None else None
+    weight = weight.contiguous() if weight is not None else None
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     ro = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if residual is not None else y
     if x2.shape[0]:
