@@ -197,7 +197,7 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
         weight = w.float() + 1.0  # GemmaRMSNorm.forward_native's weight
         if residual is None:
             return ir.ops.rms_norm(flat(x), weight, eps).reshape(shape)
-        out, res = ir.ops.fused_add_rms_norm(flat(x).clone(), flat(residual).clone(), weight, eps)
+        out, res = ir.ops.fused_add_rms_norm(flat(x), flat(residual), weight, eps)  # functional: inputs intact
         return out.reshape(shape), res.reshape(shape)
 
     def rms_norm(self, x, w, eps, offset: float = 0.0):
