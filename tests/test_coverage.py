@@ -20,7 +20,7 @@ from tic.skill.runner import run_gate
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2")
+FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2", "tiny-phi3")
 
 
 def meta_of(name: str, **changes) -> nn.Module:
@@ -41,6 +41,8 @@ def meta_of(name: str, **changes) -> nn.Module:
                     "moe:topk_silu"}, {"embedding", "rope:one_table"}),
     ("tiny-olmo2", {"decoder:post_norm", "norm:rms", "attention:full", "attention:qk_norm_projection",
                     "mlp:silu_and_mul"}, {"embedding", "rope:one_table"}),
+    ("tiny-phi3", {"decoder:two_norm", "norm:rms", "attention:full", "mlp:silu_and_mul"},  # fused qkv, gate_up
+     {"embedding", "rope:one_table"}),
 ])
 def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
     rows = coverage_table(meta_of(name))
@@ -49,6 +51,14 @@ def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
     assert all(r["covered_by"] == kernels and not r["refused"] for r in rows[:-1])
     assert rows[-1]["covered_by"] == ["consistent", "vllm"] and not rows[-1]["refused"]
     assert all(c in REGISTRY for r in rows for c in r["operator_classes"])
+
+
+def test_a_dropout_that_drops_is_refused_one_of_probability_zero_is_the_identity():
+    """Phi-3's layers hold residual dropouts: of probability 0 they are the identity the wrappers leave out; any
+    other probability is refused, naming the module (the wrappers' forward runs without dropout)."""
+    assert not coverage_table(meta_of("tiny-phi3"))[0]["refused"]
+    refused = coverage_table(meta_of("tiny-phi3", resid_pdrop=0.1))[0]["refused"]
+    assert any("resid_attn_dropout" in r and "dropout of probability 0.1" in r for r in refused), refused
 
 
 def test_inventory_reads_mistrals_window_on_every_layer():

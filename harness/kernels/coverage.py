@@ -134,13 +134,29 @@ def is_moe_block(m) -> bool:
             and hasattr(m.gate, "weight") and hasattr(m.gate, "top_k"))
 
 
+def _linears(m, *names) -> bool:
+    return all(isinstance(getattr(m, a, None), nn.Linear) for a in names)
+
+
 def is_gated_mlp(m) -> bool:
-    return all(isinstance(getattr(m, a, None), nn.Linear) for a in ("gate_proj", "up_proj", "down_proj"))
+    """gate, up and down projections, gate and up separate or as one fused [gate | up] linear (Phi-3, GLM)."""
+    return _linears(m, "down_proj") and (_linears(m, "gate_proj", "up_proj") or _linears(m, "gate_up_proj"))
 
 
 def is_attention(m) -> bool:
-    return all(isinstance(getattr(m, a, None), nn.Linear) for a in ("q_proj", "k_proj", "v_proj", "o_proj")) \
+    """q, k, v and o projections, q/k/v separate or as one fused [q | k | v] linear (Phi-3)."""
+    return _linears(m, "o_proj") and (_linears(m, "q_proj", "k_proj", "v_proj") or _linears(m, "qkv_proj")) \
         and hasattr(m, "head_dim") and hasattr(m, "layer_idx")
+
+
+def mlp_activation(m):
+    """A gated MLP's activation module (transformers names it act_fn, or activation_fn in Phi-3 and GLM)."""
+    return getattr(m, "act_fn", None) or getattr(m, "activation_fn", None)
+
+
+def is_identity_dropout(m) -> bool:
+    """A dropout of probability 0: the identity, which the wrappers' forward may leave out."""
+    return isinstance(m, nn.Dropout) and float(m.p) == 0.0
 
 
 def is_decoder_layer(m) -> bool:
@@ -262,10 +278,13 @@ def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
 def _read_qk_norms(cov: LayerCoverage, name: str, m) -> None:
     """q_norm/k_norm: per head (each norm over head_dim features) or over the whole projection (each over its
     projection's width, heads * head_dim); anything else, or one of each, is refused."""
+    if getattr(m, "q_norm", None) is None and getattr(m, "k_norm", None) is None:
+        return
+    if not hasattr(m, "q_proj"):
+        cov.refusals.append(Refusal(name, type(m).__name__, "q/k norms beside a fused qkv projection"))
+        return
     norms = [(n, getattr(m, n, None), proj) for n, proj in (("q_norm", m.q_proj), ("k_norm", m.k_proj))]
     norms = [(n, norm, proj) for n, norm, proj in norms if norm is not None]
-    if not norms:
-        return
     kinds = set()
     for norm_name, norm, proj in norms:
         features = int(norm.weight.shape[-1]) if getattr(norm, "weight", None) is not None else 0
@@ -301,7 +320,7 @@ def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
                                         *_act_field(cfg)))
         cov.classes["moe:topk_silu"] = ("num_experts", getattr(cfg, "num_experts", None))
     elif is_gated_mlp(m):
-        variant = activation_variant(getattr(m, "act_fn", None))
+        variant = activation_variant(mlp_activation(m))
         if variant is None:
             cov.refusals.append(Refusal(name, kind, "a gated MLP whose activation is neither SiLU nor GELU-tanh",
                                         *_act_field(cfg)))
@@ -309,14 +328,18 @@ def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
             cov.classes[variant] = _act_field(cfg)
             cov.variants[name] = variant
     else:
-        cov.refusals.append(Refusal(name, kind, "an MLP that is neither a gated MLP (gate/up/down) nor a top-k MoE"))
+        cov.refusals.append(Refusal(name, kind, "an MLP that is neither a gated MLP (gate/up or fused gate_up, down) nor a top-k MoE"))
 
 
 def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
     """One decoder layer: its structure (which norms), attention, MLP and norms."""
     cov = LayerCoverage(name, type(layer).__name__)
     children = dict(layer.named_children())
-    norms = tuple(n for n in children if n not in ("self_attn", "mlp"))
+    for n, c in children.items():
+        if isinstance(c, nn.Dropout) and not is_identity_dropout(c):
+            cov.refusals.append(Refusal(f"{name}.{n}", type(c).__name__, f"dropout of probability {c.p} (the "
+                                        "wrappers' forward runs without dropout)"))
+    norms = tuple(n for n, c in children.items() if n not in ("self_attn", "mlp") and not isinstance(c, nn.Dropout))
     structure = next((kind for names, kind in DECODER_NORMS.items() if set(names) == set(norms)), None)
     if structure is None:
         cov.refusals.append(Refusal(name, cov.module_class, f"a decoder layer of children {', '.join(children)}; "
@@ -331,7 +354,7 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
         _read_attention(cov, f"{name}.self_attn", layer.self_attn, cfg)
     else:
         cov.refusals.append(Refusal(f"{name}.self_attn", type(layer.self_attn).__name__,
-                                    "attention without q/k/v/o projections"))
+                                    "attention without q/k/v (or fused qkv) and o projections"))
     _read_mlp(cov, f"{name}.mlp", layer.mlp, cfg)
     cov.classes["linear"] = (None, None)
     return cov

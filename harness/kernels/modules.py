@@ -221,12 +221,16 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     ops: Ops = self._tic_ops
     B, T = hidden_states.shape[:2]
     D = self.head_dim
-    projs = (self.q_proj, self.k_proj, self.v_proj)
-    if ops.provider.fuse_projections:
+    if hasattr(self, "qkv_proj"):  # one fused [q | k | v] linear (Phi-3), split as the model splits it
+        cfg = self.config
+        q_width, kv_width = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
+        q, k, v = self.qkv_proj(hidden_states).split([q_width, kv_width, kv_width], dim=-1)
+    elif ops.provider.fuse_projections:
+        projs = (self.q_proj, self.k_proj, self.v_proj)
         qkv = ops.linear(hidden_states, [p.weight for p in projs], [p.bias for p in projs])
         q, k, v = qkv.split([p.weight.shape[0] for p in projs], dim=-1)
     else:
-        q, k, v = (p(hidden_states) for p in projs)
+        q, k, v = (p(hidden_states) for p in (self.q_proj, self.k_proj, self.v_proj))
     if self._tic_norm_projection:  # OLMoE, OLMo-2: [B, T, heads * D] views of the fused output, as vLLM's passes
         q, k = self.q_norm(q), self.k_norm(k)
     q, k, v = q.reshape(B, T, -1, D), k.reshape(B, T, -1, D), v.reshape(B, T, -1, D)
@@ -252,7 +256,9 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 
 def _mlp_forward(self, x):
     ops: Ops = self._tic_ops
-    if ops.provider.fuse_projections:
+    if hasattr(self, "gate_up_proj"):  # one fused [gate | up] linear (Phi-3, GLM)
+        gu = self.gate_up_proj(x)
+    elif ops.provider.fuse_projections:
         gu = ops.linear(x, [self.gate_proj.weight, self.up_proj.weight],
                         [getattr(self.gate_proj, "bias", None), getattr(self.up_proj, "bias", None)])
     else:
