@@ -229,6 +229,40 @@ def rotary_per_layer_type(rotary: nn.Module) -> bool:
     return "layer_type" in inspect.signature(type(rotary).forward).parameters
 
 
+def rotary_problem(model: nn.Module) -> str | None:
+    """Why the model's rotary is not the wrappers' (neox over the whole head), read by computation: the modeling
+    module's own `apply_rotary_pos_emb` on seeded q, k and cos|sin rows against the neox formula, and the rotary
+    table's width against head_dim. None when it is neox, or when the model has no such function to probe (C2's
+    fidelity check still compares the whole forward)."""
+    import sys
+
+    attn = next((m for m in model.modules() if is_attention(m)), None)
+    apply = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None) if attn else None
+    if apply is None:
+        return None
+    d = int(attn.head_dim)
+    for _, rotary in rotary_modules(model):
+        freqs = getattr(rotary, "inv_freq", None)
+        if isinstance(freqs, torch.Tensor) and freqs.dim() == 1 and 2 * freqs.shape[0] != d:
+            return f"a rotary over {2 * freqs.shape[0]} of {d} head features (partial rotary)"
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 5, d, generator=g), torch.randn(1, 2, 5, d, generator=g)
+    cos, sin = torch.randn(1, 5, d, generator=g), torch.randn(1, 5, d, generator=g)
+    try:
+        got = apply(q, k, cos, sin)
+    except Exception:  # noqa: BLE001 - another signature: nothing to compare here, C2 compares the forward
+        return None
+
+    def neox(x):
+        half = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
+        return x * cos[:, None] + half * sin[:, None]
+
+    if not all(torch.allclose(a, neox(x), rtol=1e-5, atol=1e-6) for a, x in zip(got, (q, k))):
+        return f"a rotary applied otherwise than neox over the whole head ({type(attn).__module__}." \
+               "apply_rotary_pos_emb: e.g. interleaved pairs)"
+    return None
+
+
 def attention_window(m, cfg) -> int | None:
     """The sliding window of one attention module: its own `sliding_window` (None on a full layer) where it
     has one, else the config's, which then applies to every layer (Mistral)."""
@@ -392,6 +426,9 @@ def read_model(model: nn.Module) -> LayerCoverage:
         cov.classes["rope:per_layer_type"] = ("layer_types", sorted(set(getattr(cfg, "layer_types", []) or [])))
     else:
         cov.classes["rope:one_table"] = (None, None)
+    why = rotary_problem(model) if rotary else None
+    if why is not None:
+        cov.refusals.append(Refusal("rotary", type(rotary[0][1]).__name__, why))
     final = final_norm(model)
     if final is None:
         cov.refusals.append(Refusal("model.norm", "none", "no final norm (model.model.norm)"))
