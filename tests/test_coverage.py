@@ -77,6 +77,17 @@ def test_rotary_is_read_by_computation(arch, model_type, extra, why):
     assert (rotary == []) if why is None else (len(rotary) == 1 and why in rotary[0]), refused
 
 
+@pytest.mark.parametrize("multiplier, refused", [(0.22, True), (1.0, False)])
+def test_a_scaled_residual_add_is_refused(multiplier, refused):
+    """Granite scales each sublayer's output before the residual add; the wrappers' layers add it unscaled, so C0
+    refuses a multiplier other than 1 (the control: 1 is covered)."""
+    cfg = {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "vocab_size": 64, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 64, "residual_multiplier": multiplier}
+    lines = coverage_table(build_meta(cfg))[0]["refused"]
+    assert any("residual_multiplier=0.22" in r and "scaled by 0.22" in r for r in lines) == refused, lines
+
+
 def test_inventory_reads_mistrals_window_on_every_layer():
     from tic.harness.model.families import layer_kinds
 

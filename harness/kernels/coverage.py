@@ -382,6 +382,10 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
     else:
         cov.classes[structure] = (None, None)
         cov.variants[name] = structure
+    scale = getattr(layer, "residual_multiplier", None)  # Granite: residual + sublayer(x) * multiplier
+    if scale is not None and float(scale) != 1.0:
+        cov.refusals.append(Refusal(name, cov.module_class, f"sublayer outputs scaled by {scale} before the "
+                                    "residual add (the wrappers add them unscaled)", "residual_multiplier", scale))
     for n in norms:
         _read_norm(cov, f"{name}.{n}", children[n])
     if is_attention(layer.self_attn):
