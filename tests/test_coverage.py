@@ -63,12 +63,14 @@ def test_a_dropout_that_drops_is_refused_one_of_probability_zero_is_the_identity
 
 @pytest.mark.parametrize("arch, model_type, extra, why", [
     ("HeliumForCausalLM", "helium", {}, "applied otherwise than neox over the whole head"),  # interleaved pairs
-    ("GlmForCausalLM", "glm", {"partial_rotary_factor": 0.5}, "a rotary over 8 of 16 head features"),
-    ("LlamaForCausalLM", "llama", {}, None),  # the control: neox over the whole head
+    ("GlmForCausalLM", "glm", {"partial_rotary_factor": 0.5}, "over 8 of 16 head features"),  # interleaved
+    ("LlamaForCausalLM", "llama", {}, None),  # the controls: neox over the whole head,
+    ("Phi3ForCausalLM", "phi3", {"partial_rotary_factor": 0.5}, None),  # and over its first half (rotate_neox)
 ])
 def test_rotary_is_read_by_computation(arch, model_type, extra, why):
-    """C0 runs the modeling module's own apply_rotary_pos_emb on seeded rows against the neox formula and reads the
-    rotary table's width: an interleaved or partial rotary is refused in one line (C2 would only name o_proj)."""
+    """C0 runs the modeling module's own apply_rotary_pos_emb on seeded rows of the table's width against the
+    wrappers' rotate_neox: an interleaved rotary is refused in one line (C2 would only name o_proj), a partial
+    neox one is covered."""
     cfg = {"architectures": [arch], "model_type": model_type, "vocab_size": 64, "hidden_size": 64,
            "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
            "head_dim": 16, "max_position_embeddings": 64, "pad_token_id": 0, **extra}

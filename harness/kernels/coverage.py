@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import inspect
 import re
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 hybrids, issue 31
+from tic.harness.kernels.rope import rotate_neox
 
 KERNELS = ("consistent", "vllm")  # tic.yaml train.kernels values that run through the wrappers
 _BOTH = frozenset(KERNELS)
@@ -154,11 +156,6 @@ def mlp_activation(m):
     return getattr(m, "act_fn", None) or getattr(m, "activation_fn", None)
 
 
-def is_identity_dropout(m) -> bool:
-    """A dropout of probability 0: the identity, which the wrappers' forward may leave out."""
-    return isinstance(m, nn.Dropout) and float(m.p) == 0.0
-
-
 def is_decoder_layer(m) -> bool:
     return hasattr(m, "self_attn") and hasattr(m, "mlp") and (hasattr(m, "input_layernorm")
                                                                or hasattr(m, "post_attention_layernorm"))
@@ -229,36 +226,29 @@ def rotary_per_layer_type(rotary: nn.Module) -> bool:
     return "layer_type" in inspect.signature(type(rotary).forward).parameters
 
 
-def rotary_problem(model: nn.Module) -> str | None:
-    """Why the model's rotary is not the wrappers' (neox over the whole head), read by computation: the modeling
-    module's own `apply_rotary_pos_emb` on seeded q, k and cos|sin rows against the neox formula, and the rotary
-    table's width against head_dim. None when it is neox, or when the model has no such function to probe (C2's
-    fidelity check still compares the whole forward)."""
-    import sys
-
+def rotary_problem(model: nn.Module, rotary: nn.Module) -> str | None:
+    """Why the model's rotary is not the wrappers' (rope.rotate_neox: neox over the table's first R head features,
+    the rest passed through), read by computation: the modeling module's own `apply_rotary_pos_emb` on seeded
+    q, k and cos|sin rows of the table's width. None when they agree, or when the model has no such function to
+    probe (C2's fidelity check still compares the whole forward)."""
     attn = next((m for m in model.modules() if is_attention(m)), None)
     apply = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None) if attn else None
-    if apply is None:
+    freqs = getattr(rotary, "inv_freq", None)
+    if apply is None or not isinstance(freqs, torch.Tensor) or freqs.dim() != 1:
         return None
-    d = int(attn.head_dim)
-    for _, rotary in rotary_modules(model):
-        freqs = getattr(rotary, "inv_freq", None)
-        if isinstance(freqs, torch.Tensor) and freqs.dim() == 1 and 2 * freqs.shape[0] != d:
-            return f"a rotary over {2 * freqs.shape[0]} of {d} head features (partial rotary)"
+    d, half, t = int(attn.head_dim), int(freqs.shape[0]), 5
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(1, 2, 5, d, generator=g), torch.randn(1, 2, 5, d, generator=g)
-    cos, sin = torch.randn(1, 5, d, generator=g), torch.randn(1, 5, d, generator=g)
-    try:
-        got = apply(q, k, cos, sin)
+    q, k = torch.randn(1, 2, t, d, generator=g), torch.randn(1, 2, t, d, generator=g)
+    c, s = torch.randn(t, half, generator=g), torch.randn(t, half, generator=g)
+    try:  # HF's layout: q [B, H, T, D], cos and sin [B, T, R] with both halves equal
+        got = apply(q, k, torch.cat([c, c], -1)[None], torch.cat([s, s], -1)[None])
     except Exception:  # noqa: BLE001 - another signature: nothing to compare here, C2 compares the forward
         return None
-
-    def neox(x):
-        half = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
-        return x * cos[:, None] + half * sin[:, None]
-
-    if not all(torch.allclose(a, neox(x), rtol=1e-5, atol=1e-6) for a, x in zip(got, (q, k))):
-        return f"a rotary applied otherwise than neox over the whole head ({type(attn).__module__}." \
+    table, positions = torch.cat([c, s], -1), torch.arange(t)
+    want = [rotate_neox(x[0].transpose(0, 1), positions, table).transpose(0, 1)[None] for x in (q, k)]
+    if not all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, want)):
+        span = "the whole head" if 2 * half == d else f"{2 * half} of {d} head features"
+        return f"a rotary applied otherwise than neox over {span} ({type(attn).__module__}." \
                "apply_rotary_pos_emb: e.g. interleaved pairs)"
     return None
 
@@ -362,7 +352,8 @@ def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
             cov.classes[variant] = _act_field(cfg)
             cov.variants[name] = variant
     else:
-        cov.refusals.append(Refusal(name, kind, "an MLP that is neither a gated MLP (gate/up or fused gate_up, down) nor a top-k MoE"))
+        cov.refusals.append(Refusal(name, kind, "an MLP that is neither a gated MLP (gate/up or fused gate_up, "
+                                    "down) nor a top-k MoE"))
 
 
 def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
@@ -370,7 +361,7 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
     cov = LayerCoverage(name, type(layer).__name__)
     children = dict(layer.named_children())
     for n, c in children.items():
-        if isinstance(c, nn.Dropout) and not is_identity_dropout(c):
+        if isinstance(c, nn.Dropout) and float(c.p) != 0.0:
             cov.refusals.append(Refusal(f"{name}.{n}", type(c).__name__, f"dropout of probability {c.p} (the "
                                         "wrappers' forward runs without dropout)"))
     norms = tuple(n for n, c in children.items() if n not in ("self_attn", "mlp") and not isinstance(c, nn.Dropout))
@@ -430,7 +421,7 @@ def read_model(model: nn.Module) -> LayerCoverage:
         cov.classes["rope:per_layer_type"] = ("layer_types", sorted(set(getattr(cfg, "layer_types", []) or [])))
     else:
         cov.classes["rope:one_table"] = (None, None)
-    why = rotary_problem(model) if rotary else None
+    why = rotary_problem(model, rotary[0][1]) if len(rotary) == 1 else None
     if why is not None:
         cov.refusals.append(Refusal("rotary", type(rotary[0][1]).__name__, why))
     final = final_norm(model)
