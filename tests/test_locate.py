@@ -340,3 +340,24 @@ def test_children_of_a_module_sharing_a_submodule():
     assert module_children(modules, "layers.0.self_attn") == ["layers.0.self_attn.q_proj",
                                                               "layers.0.self_attn.rotary_emb"]
     assert module_children(modules, "layers.1.self_attn") == ["layers.1.self_attn.q_proj"]
+
+
+def test_first_divergent_stage_skips_a_difference_that_a_later_stage_no_longer_shows():
+    """An operation the two models place in different modules (an embedding scale inside one side's embedding,
+    after the other's) makes that stage differ while the next agrees: the divergence is the later one that
+    reaches the output."""
+    from tic.harness.locate.capture import Capture
+    from tic.harness.locate.search import compare_stages
+
+    row = lambda v: {0: (torch.full((4,), v),), 1: (torch.full((4,), v + 1),)}  # noqa: E731
+    stages = ["embed", "layers.0", "layers.1", "layers.2"]
+    a = Capture(outputs={s: row(v) for s, v in zip(stages, (1.0, 2.0, 3.0, 4.0))})
+    b = Capture(outputs={s: row(v) for s, v in zip(stages, (8.0, 2.0, 3.5, 4.5))})
+    table, first = compare_stages(stages, a, b)
+    assert first == "layers.1"
+    assert [r["equal"] for r in table] == [False, True, False, False]
+    assert [r["first_divergent"] for r in table] == [False, False, True, False]
+    # a divergence that reaches the output from the first stage on is still the first stage
+    c = Capture(outputs={s: row(v) for s, v in zip(stages, (8.0, 9.0, 3.5, 4.5))})
+    assert compare_stages(stages, a, c)[1] == "embed"
+    assert compare_stages(stages, a, a)[1] is None

@@ -476,16 +476,22 @@ class _Runs:
 
 
 def compare_stages(stages: list[str], cap_a: Capture, cap_b: Capture) -> tuple[list[dict], str | None]:
-    """Each stage's rows on both sides, in order, and the first stage that differs."""
-    table, first = [], None
-    for s in stages:
-        c = compare_rows(cap_a.outputs.get(s, {}), cap_b.outputs.get(s, {}))
-        row = {"stage": s, **c, "first_divergent": False}
-        if first is None and not c["equal"] and c["positions"]:
-            first = s
-            row["first_divergent"] = True
-        table.append(row)
-    return table, first
+    """Each stage's rows on both sides, in order, and the first divergent stage: the first that differs after the
+    last stage that agrees. A difference that a later stage no longer shows did not reach the output: the two
+    models place an operation in different modules (Gemma's embedding scale: inside transformers' embedding,
+    after vLLM's), so its stage is reported as differing but the search starts after it."""
+    table = [{"stage": s, **compare_rows(cap_a.outputs.get(s, {}), cap_b.outputs.get(s, {})), "first_divergent": False}
+             for s in stages]
+    differs = [not r["equal"] and r["positions"] > 0 for r in table]
+    agree = [i for i, r in enumerate(table) if r["equal"] and r["positions"] > 0]
+    start = agree[-1] + 1 if agree and agree[-1] < len(table) - 1 else 0
+    first = next((i for i in range(start, len(table)) if differs[i]), None)
+    if first is None:
+        first = next((i for i, d in enumerate(differs) if d), None)
+    if first is None:
+        return table, None
+    table[first]["first_divergent"] = True
+    return table, table[first]["stage"]
 
 
 def descend(runs: _Runs, runner: CaptureRunner, cap_a: Capture, first: str) -> tuple[str | None, list[dict], dict]:
