@@ -7,7 +7,7 @@ import json
 
 from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.harness.engines.megatron import refusals as megatron_refusals
-from tic.harness.engines.vllm import mode_refusals, recurrent_refusals
+from tic.harness.engines.vllm import mode_refusals, recurrent_refusals, window_refusals
 from tic.harness.model.inventory import build_manifest
 from tic.harness.kernels.coverage import KERNELS, coverage_problems, coverage_table, format_table
 from tic.harness.model.layer_structure import build_meta
@@ -28,6 +28,7 @@ def measure(ctx) -> Measurement:
         rejected += mode_refusals(cfg.rollout.options,
                                   cfg.train.kernels if cfg.train.engine in ("hf", "megatron") else "stock")
         rejected += recurrent_refusals(ctx.model_config, cfg.rollout.options, cfg.rollout.patches)  # issue 31
+        rejected += window_refusals(ctx.model_config, cfg.rollout.options)
     if cfg.train.engine == "megatron":  # the Megatron train engine's own limits (issue 32)
         rejected += megatron_refusals(cfg.train, ctx.model_config)
     coverage = kernel_coverage(cfg, ctx.model_config)
@@ -94,7 +95,8 @@ GATE = Gate(
                    "on the owning rank in slot order; DP, EP and training CP are covered), exactly 1 update "
                    "per step, no speculative decoding/MTP; a vLLM rollout neither in batch-invariant mode nor "
                    "compiled with Inductor over the kernels a kernels: vllm training forward calls, nor of a model "
-                   "with Mamba-2 mixers unless eager with the mamba-decode-replay patch",
+                   "with Mamba-2 mixers unless eager with the mamba-decode-replay patch, nor of a model whose sliding "
+                   "window is shorter than the rollout's context",
     inputs=["model.path (config.json, *.safetensors headers)", "rollout/train parallel layouts and options",
             "training"],
     artifacts=["artifacts/C0/manifest.json"], guide="guides/C0.md", reads=("model",),

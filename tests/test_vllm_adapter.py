@@ -448,3 +448,18 @@ def test_baseline_is_vllm_as_users_run_it_and_only_the_switch_may_differ():
     assert differences(base, cons, allowed) == []
     other = fp({"enforce_eager": False, "max_num_seqs": 32}, base["engine"]["effective"], [])
     assert differences(base, other, allowed) == ["engine.llm.max_num_seqs: 64 vs 32"]  # anything else is refused
+
+
+@pytest.mark.parametrize("example", ["tiny-gemma2", "tiny-gemma3", "tiny-mistral-sliding"])
+def test_c0_refuses_a_vllm_rollout_whose_sliding_window_is_shorter_than_its_context(example):
+    from tic.harness.engines.vllm import window_refusals
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = json.loads((root / "examples" / example / "config.json").read_text())
+    (line,) = window_refusals(cfg, {"max_model_len": 256})
+    assert "sliding-window" in line and f"window {cfg['sliding_window']} < max_model_len 256" in line
+    assert window_refusals(cfg, {"max_model_len": cfg["sliding_window"]}) == []  # the window never masks
+    full = {k: v for k, v in cfg.items() if k not in ("sliding_window", "layer_types")}
+    assert window_refusals(full, {"max_model_len": 256}) == []  # the control: no window
+    qwen2 = {**full, "model_type": "qwen2", "sliding_window": 4, "use_sliding_window": False}
+    assert window_refusals(qwen2, {"max_model_len": 256}) == []  # a window the config switches off
