@@ -454,8 +454,7 @@ def test_baseline_is_vllm_as_users_run_it_and_only_the_switch_may_differ():
 def test_c0_refuses_a_vllm_rollout_whose_sliding_window_is_shorter_than_its_context(example):
     from tic.harness.engines.vllm import window_refusals
 
-    root = Path(__file__).resolve().parents[1]
-    cfg = json.loads((root / "examples" / example / "config.json").read_text())
+    cfg = json.loads((REPO / "examples" / example / "config.json").read_text())
     (line,) = window_refusals(cfg, {"max_model_len": 256})
     assert "sliding-window" in line and f"window {cfg['sliding_window']} < max_model_len 256" in line
     assert window_refusals(cfg, {"max_model_len": cfg["sliding_window"]}) == []  # the window never masks

@@ -151,6 +151,11 @@ def recurrent_refusals(model_config: dict, options: dict, patch_names) -> list[s
     return []
 
 
+def context_length(options: dict, max_positions: int) -> int:
+    """The rollout's max_model_len: rollout.options.max_model_len, else the model's positions up to 2048."""
+    return int(options.get("max_model_len") or min(int(max_positions), 2048))
+
+
 def window_refusals(model_config: dict, options: dict) -> list[str]:
     """Why a vLLM rollout of this model is outside what tic makes consistent: attention layers with a sliding
     window shorter than the rollout's context (one line, for C0). On the H200 (vLLM 0.26, FA3 with fa3-fixed-tile)
@@ -165,13 +170,13 @@ def window_refusals(model_config: dict, options: dict) -> list[str]:
     sliding = [i for i, k in enumerate(layer_kinds(cfg)) if k["attention"] == "sliding"]
     if not sliding or not isinstance(window, int) or window <= 0:
         return []
-    context = options.get("max_model_len") or min(int(cfg.get("max_position_embeddings") or 2048), 2048)
-    if int(context) <= window:
+    context = context_length(options, cfg.get("max_position_embeddings") or 2048)
+    if context <= window:
         return []  # no row ever sees a key outside its window: the layer computes full causal attention
     return [f"rollout.engine: vllm on a model with sliding-window attention ({len(sliding)} layer(s), window "
             f"{window} < max_model_len {context}): FA3's windowed decode and prefill give a row different bits "
             "(C4 fails in the sliding layers' attention); set rollout.options.max_model_len to at most the "
-            "window, or roll out with engine: hf, kernels: consistent (guides/ops/attention.md)"]
+            "window, or roll out with engine: hf, kernels: consistent (guides/ops/attention-prefill-decode.md)"]
 
 
 # -- conversions between vLLM outputs, plain records and Samples (no vLLM needed) ---------------------------
@@ -340,7 +345,7 @@ class VLLMEngine(Engine):
         o = self.opts
         self.batch_invariant = (bool(o["batch_invariant"]) if own and o["batch_invariant"] is not None
                                 else os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1")
-        self.max_model_len = o["max_model_len"] or min(max_positions, 2048)
+        self.max_model_len = context_length(o, max_positions)
         kwargs: dict[str, Any] = dict(
             model=str(self.model_dir), skip_tokenizer_init=True, dtype=dtype, seed=o["seed"],
             enforce_eager=o["enforce_eager"], gpu_memory_utilization=o["gpu_memory_utilization"],

@@ -484,9 +484,8 @@ def compare_stages(stages: list[str], cap_a: Capture, cap_b: Capture) -> tuple[l
              for s in stages]
     differs = [not r["equal"] and r["positions"] > 0 for r in table]
     agree = [i for i, r in enumerate(table) if r["equal"] and r["positions"] > 0]
-    start = agree[-1] + 1 if agree and agree[-1] < len(table) - 1 else 0
-    first = next((i for i in range(start, len(table)) if differs[i]), None)
-    if first is None:
+    first = next((i for i in range(agree[-1] + 1 if agree else 0, len(table)) if differs[i]), None)
+    if first is None:  # nothing differs after the last agreeing stage: the earliest difference, if any
         first = next((i for i, d in enumerate(differs) if d), None)
     if first is None:
         return table, None
