@@ -108,6 +108,38 @@ def test_mixers_the_wrapper_does_not_implement_are_named(example):
     assert any("backbone.layers.1.mixer" in p and "conv activation gelu" in p for p in problems), problems
 
 
+class _WholeWidthGatedNorm(torch.nn.Module):
+    """Mamba-2's gated norm as transformers before 5.2x defined it: no groups, one statistic over the whole width."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
+
+    def forward(self, hidden_states, gate=None):
+        h = hidden_states.float() * torch.nn.functional.silu(gate.float())
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(hidden_states.dtype)
+
+
+def test_a_gated_norm_without_groups_is_covered_as_one_group_over_its_width(example, monkeypatch):
+    """The wrapped mixer reproduces such a norm within the fidelity bound; run with n_groups groups it would not."""
+    from tic.harness.kernels import mamba_modules
+    from tic.harness.measure.fidelity import compare_forward, fidelity_inputs
+
+    d = GateContext(load_config(example("tiny-mamba2") / "tic-consistent.yaml")).model.dir
+    stock = hf.load_model(d, "float32", kernels="stock", shared=False)
+    wrapped = hf.load_model(d, "float32", kernels="consistent", shared=False)
+    for model in (stock, wrapped):
+        for layer in model.backbone.layers:
+            layer.mixer.norm = _WholeWidthGatedNorm(layer.mixer.norm)
+    assert coverage_problems(wrapped) == []
+    ids, mask = fidelity_inputs(stock.config.vocab_size, "cpu")
+    whole = compare_forward(stock, wrapped, ids, mask)
+    assert whole["first_parting"] is None, whole
+    monkeypatch.setattr(mamba_modules, "norm_group_size", lambda norm: norm.weight.shape[-1] // stock.config.n_groups)
+    assert compare_forward(stock, wrapped, ids, mask)["first_parting"] is not None
+
+
 def test_locator_names_the_mixer_that_decodes_by_the_single_step_recurrence(tmp_path, monkeypatch):
     """Decode side A (the plant in layer 3's mixer) against score side B: the first divergent layer and module, and
     a repro of the mixer that shows the difference in a fresh process (exit 1)."""

@@ -156,9 +156,16 @@ def _mixer_forward(self, hidden_states, cache=None, attention_mask=None, cache_p
                 carried[b] = state
         rows.append(torch.cat(pieces + [proj.new_zeros(T - col, I, dtype=torch.float32)]))
     normed = run(ops, "gated_rms_norm", torch.stack(rows), gate, self.norm.weight,
-                 group_size=int(self.norm.group_size), eps=float(self.norm.variance_epsilon),
+                 group_size=norm_group_size(self.norm), eps=float(self.norm.variance_epsilon),
                  out_dtype=hidden_states.dtype)
     return self.out_proj(normed)
+
+
+def norm_group_size(norm: nn.Module) -> int:
+    """The width each RMS statistic covers: the norm's groups, or its whole width where it has none (transformers
+    before 5.2x normalized Mamba-2's gated output over all of it, whatever n_groups; vLLM groups it by n_groups, so
+    such a checkpoint's two sides compute different functions when n_groups > 1 and C5 shows it)."""
+    return int(getattr(norm, "group_size", None) or norm.weight.shape[-1])
 
 
 # -- coverage and installation -------------------------------------------------------------------------------------
@@ -171,8 +178,9 @@ def mixer_problems(m: nn.Module) -> list[str]:
     if m.in_proj.out_features != want:
         problems.append(f"in_proj of {m.in_proj.out_features} features (the wrapper splits gate | conv input | dt "
                         f"= {want}; an extra MLP branch is not covered)")
-    if not hasattr(m.norm, "group_size"):
-        problems.append(f"norm {type(m.norm).__name__} without groups (the wrapper runs the gated grouped RMSNorm)")
+    if getattr(m.norm, "weight", None) is None or not hasattr(m.norm, "variance_epsilon"):
+        problems.append(f"norm {type(m.norm).__name__} without a weight and variance_epsilon (the wrapper runs the "
+                        f"gated RMSNorm)")
     return problems
 
 
