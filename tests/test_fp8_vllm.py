@@ -34,41 +34,76 @@ def _modules(monkeypatch, **mods):
         monkeypatch.setitem(sys.modules, name, m)
 
 
-def test_linear_runs_vllms_fp8_linear_method_on_a_layer_prepared_once_per_copy(monkeypatch):
+def test_linear_runs_vllms_fp8_linear_method_on_a_layer_made_once_per_copy(monkeypatch, tmp_path):
+    """Under the rollout's config for the checkpoint: the method from its quant config, create_weights for the
+    copy's shape (vLLM selects the GEMM kernel there), the copy in the layer, prepared once, applied per call."""
+    import contextlib
+
     calls = []
 
-    class Fp8Config:
-        def __init__(self, **kw):
-            self.kw = kw
-
     class Fp8LinearMethod:
-        def __init__(self, cfg):
-            calls.append(("config", cfg.kw))
+        def __init__(self, quant_config):
+            calls.append(("method", quant_config, CURRENT[-1]))
+
+        def create_weights(self, layer, K, partitions, k, n, dtype, weight_loader=None):
+            calls.append(("create", K, partitions, dtype, torch.get_default_dtype()))
+            layer.weight = torch.nn.Parameter(torch.empty(sum(partitions), K, dtype=torch.float8_e4m3fn),
+                                              requires_grad=False)
+            layer.weight_scale_inv = torch.nn.Parameter(torch.empty(sum(partitions) // 16, K // 16),
+                                                        requires_grad=False)
 
         def process_weights_after_loading(self, layer):
-            calls.append(("prepare", layer.weight.shape, layer.weight_block_size))
+            calls.append(("prepare", CURRENT[-1]))
 
         def apply(self, layer, x, bias=None):
-            calls.append(("apply",))
+            calls.append(("apply", CURRENT[-1]))
             return x @ (layer.weight.float() * layer.weight_scale_inv.repeat_interleave(16, 0)
                         .repeat_interleave(16, 1)).t()
 
-    _modules(monkeypatch, **{"vllm.model_executor.layers.quantization.fp8":
-                             dict(Fp8Config=Fp8Config, Fp8LinearMethod=Fp8LinearMethod)})
+    CURRENT = [None]
+
+    @contextlib.contextmanager
+    def set_current_vllm_config(cfg):
+        CURRENT.append(cfg)
+        yield
+        CURRENT.pop()
+
+    @contextlib.contextmanager
+    def set_default_torch_dtype(dtype):
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        yield
+        torch.set_default_dtype(old)
+
+    class VllmConfig:
+        def __init__(self, model_config):
+            self.model_config, self.quant_config = model_config, ("quant config of", model_config["model"])
+
+    _modules(monkeypatch, **{"vllm.model_executor.layers.quantization.fp8": dict(Fp8LinearMethod=Fp8LinearMethod),
+                             "vllm.config": dict(VllmConfig=VllmConfig, set_current_vllm_config=set_current_vllm_config,
+                                                 ModelConfig=lambda **kw: kw),
+                             "vllm.utils.torch_utils": dict(set_default_torch_dtype=set_default_torch_dtype)})
     prov = _cpu_vllm_provider(monkeypatch)
-    w = torch.nn.Parameter(torch.randn(32, 16) * 0.1)
-    quant = QuantizedCopies((16, 16))
+    w = torch.nn.Parameter(torch.randn(32, 16, dtype=torch.float64) * 0.1)
+    quant = QuantizedCopies((16, 16), tmp_path)
     quant.register("w", w)
-    x = torch.randn(3, 16)
-    for _ in range(2):
+    x = torch.randn(3, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="checkpoint"):
         prov.fp8_linear(x, *quant.get(w), None, (16, 16))
-    assert calls[0] == ("config", dict(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
-                                       weight_block_size=[16, 16]))
-    assert [c[0] for c in calls] == ["config", "prepare", "apply", "apply"]
+    outs = [prov.fp8_linear(x, *quant.get(w), None, (16, 16), checkpoint=tmp_path) for _ in range(2)]
+    cfg = calls[0][2]
+    assert cfg.model_config == dict(model=str(tmp_path), dtype=torch.float64, enforce_eager=True,
+                                    skip_tokenizer_init=True)
+    assert calls == [("method", ("quant config of", str(tmp_path)), cfg),
+                     ("create", 16, [32], torch.float64, torch.float64), ("prepare", cfg), ("apply", cfg),
+                     ("apply", cfg)]
+    codes, scales = quant.get(w)
+    want = x @ (codes.float() * scales.repeat_interleave(16, 0).repeat_interleave(16, 1)).t().double()
+    assert torch.equal(outs[0], outs[1]) and torch.allclose(outs[0], want)  # the copy is what the layer holds
     with torch.no_grad():
-        w.mul_(2)  # an update: the copy is requantized in place, the prepared layer rebuilt
-    prov.fp8_linear(x, *quant.get(w), None, (16, 16))
-    assert [c[0] for c in calls[4:]] == ["prepare", "apply"]
+        w.mul_(2)  # an update: the copy is requantized in place, the layer made again
+    prov.fp8_linear(x, *quant.get(w), None, (16, 16), checkpoint=tmp_path)
+    assert [c[0] for c in calls[5:]] == ["method", "create", "prepare", "apply"]
 
 
 def test_experts_get_vllms_fp8_block_quant_config(monkeypatch):

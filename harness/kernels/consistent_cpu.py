@@ -158,7 +158,7 @@ class CPUProvider(MambaCPUKernels, KernelProvider):  # Mamba-2 kernels: tic.harn
         return row_log_softmax(logits.float())
 
     # -- block FP8 (tic.harness.kernels.fp8): dynamic per-token-group activations, the block-scaled GEMM ---------
-    def fp8_linear(self, x, wq, ws, b, block):
+    def fp8_linear(self, x, wq, ws, b, block, checkpoint=None):
         return fp8_cpu.fp8_linear(x, wq, ws, b, block)
 
     def fp8_moe_experts(self, x, weights, ids, gu_q, gu_s, d_q, d_s, block):

@@ -41,8 +41,10 @@ class _Copy:
 class QuantizedCopies:
     """The block-FP8 copy (codes, scales) of each registered master weight, kept while that weight is unchanged."""
 
-    def __init__(self, block: tuple[int, int]):
+    def __init__(self, block: tuple[int, int], checkpoint: Path | None = None):
+        """checkpoint: the block-FP8 checkpoint the copies come from (vLLM's kernels read its quantization config)."""
         self.block = check_block_size(block)
+        self.checkpoint = checkpoint
         self._copies: dict[int, _Copy] = {}
         self._joined: dict[tuple, tuple] = {}  # weight ids -> (their states, concatenated codes and scales)
         self.requantized = 0  # copies rebuilt from a changed master weight (tests and benchmarks read it)
@@ -113,7 +115,7 @@ def _fp8_linear_kernel(provider, x, *wb, n, quant: QuantizedCopies):
     codes, scales = quant.joined(wb[:n])
     biases = wb[n:]
     b = None if biases[0] is None else (biases[0] if n == 1 else torch.cat(biases))
-    return provider.fp8_linear(x, codes, scales, b, quant.block)
+    return provider.fp8_linear(x, codes, scales, b, quant.block, checkpoint=quant.checkpoint)
 
 
 def _fp8_experts_kernel(provider, x, weights, ids, gate_up, down, quant: QuantizedCopies):
@@ -171,7 +173,7 @@ def attach_checkpoint(model: nn.Module, model_dir: Path) -> QuantizedCopies | No
     block = block_size_of(json.loads((Path(model_dir) / "config.json").read_text()))
     if block is None:
         return None
-    quant = QuantizedCopies(block)
+    quant = QuantizedCopies(block, Path(model_dir))
     params = dict(model.named_parameters())
     experts: dict[str, dict] = {}
     for name, (codes, scales) in read_block_fp8(model_dir).items():

@@ -1,8 +1,9 @@
 """vLLM's FP8 kernels for the training forward (GPU; tic.harness.kernels.vllm_provider calls these).
 
-- Linear: a block-FP8 layer as vLLM builds one for a checkpoint with quantization_config fp8 / weight_block_size:
-  vLLM's own Fp8LinearMethod prepares a stand-in layer holding the copy's codes and `weight_scale_inv`
-  (process_weights_after_loading: the scale layout its GEMM backend wants) and runs its `apply`, i.e.
+- Linear: a block-FP8 layer as vLLM builds one for a checkpoint with quantization_config fp8 / weight_block_size,
+  under the config an eager rollout of that checkpoint has: vLLM's own Fp8LinearMethod creates a layer holding the
+  copy's codes and `weight_scale_inv`, prepares it (process_weights_after_loading: the scale layout its GEMM
+  backend wants) and runs its `apply`, i.e.
   W8A8BlockFp8LinearOp: vLLM's per-token-group activation quantizer, then whichever block-FP8 GEMM vLLM selects
   on this GPU (DeepGEMM, CUTLASS, FlashInfer or Triton), the same selection its rollout layers make.
 - Experts: vLLM's fused_experts with its FP8 W8A8 block quant config (activations quantized per token group
@@ -16,43 +17,66 @@ vLLM is imported when one of these is first built or called, never at tic import
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from pathlib import Path
 
 import torch
 
 
+def rollout_vllm_config(model_dir: Path, dtype: torch.dtype):
+    """The config vLLM builds for an eager rollout of this checkpoint: its quantization config (read from the
+    checkpoint's quantization_config as the rollout reads it) and the model dtype, both of which Fp8LinearMethod and
+    the kernel it selects read from the current config."""
+    from vllm.config import ModelConfig, VllmConfig
+
+    return VllmConfig(model_config=ModelConfig(model=str(model_dir), dtype=dtype, enforce_eager=True,
+                                               skip_tokenizer_init=True))
+
+
 class BlockFp8Linear:
-    """vLLM's block-FP8 linear for (codes, scales) copies; one prepared stand-in layer per copy, rebuilt when the
-    copy changed (requantized in place: tensor version; a new tensor: its own entry)."""
+    """vLLM's block-FP8 linear for one checkpoint's (codes, scales) copies. Each copy gets the method and layer the
+    rollout's loader makes for a layer of its shape (Fp8LinearMethod.create_weights selects the GEMM kernel there),
+    filled with the copy and prepared by process_weights_after_loading; rebuilt when the copy changed (requantized
+    in place: tensor version; a new tensor: its own entry)."""
 
-    def __init__(self, block: tuple[int, int]):
-        from vllm.model_executor.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
+    def __init__(self, model_dir: Path, dtype: torch.dtype):
+        self.config = rollout_vllm_config(model_dir, dtype)
+        self.dtype = dtype
+        self._layers: dict[int, tuple] = {}  # id(codes) -> (weakref, state, method, prepared layer)
 
-        self.block = block
-        self.method = Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
-                                                weight_block_size=list(block)))
-        self._layers: dict[int, tuple] = {}  # id(codes) -> (weakref, state, prepared layer)
+    @contextlib.contextmanager
+    def _vllm_context(self, device: torch.device):
+        from vllm.config import set_current_vllm_config
+        from vllm.utils.torch_utils import set_default_torch_dtype
 
-    def _layer(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.nn.Module:
+        with set_current_vllm_config(self.config), set_default_torch_dtype(self.dtype), torch.device(device):
+            yield
+
+    def _layer(self, codes: torch.Tensor, scales: torch.Tensor) -> tuple:
+        from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+
         state = (codes.data_ptr(), codes._version, scales.data_ptr(), scales._version)
         held = self._layers.get(id(codes))
         if held is not None and held[0]() is codes and held[1] == state:
-            return held[2]
+            return held[2:]
         self._layers = {k: v for k, v in self._layers.items() if v[0]() is not None}
-        layer = torch.nn.Module()
-        # clones: vLLM may rewrite a layer's weight and scales in place while preparing them (UE8M0 requantization)
-        layer.weight = torch.nn.Parameter(codes.clone(), requires_grad=False)
-        layer.weight_scale_inv = torch.nn.Parameter(scales.clone(), requires_grad=False)
-        layer.input_scale = None
-        layer.logical_widths = [codes.shape[0]]
-        layer.input_size_per_partition, layer.output_size_per_partition = codes.shape[1], codes.shape[0]
-        layer.orig_dtype, layer.weight_block_size = dtype, list(self.block)
-        self.method.process_weights_after_loading(layer)
-        self._layers[id(codes)] = (weakref.ref(codes), state, layer)
-        return layer
+        N, K = codes.shape
+        with self._vllm_context(codes.device):
+            method = Fp8LinearMethod(self.config.quant_config)
+            layer = torch.nn.Module()
+            method.create_weights(layer, K, [N], K, N, self.dtype, weight_loader=None)
+            # copies: vLLM may rewrite a layer's weight and scales in place while preparing them
+            layer.weight.data.copy_(codes)
+            layer.weight_scale_inv.data.copy_(scales)
+            method.process_weights_after_loading(layer)
+        self._layers[id(codes)] = (weakref.ref(codes), state, method, layer)
+        return method, layer
 
     def __call__(self, x, codes, scales, bias):
-        return self.method.apply(self._layer(codes, scales, x.dtype), x, bias)
+        method, layer = self._layer(codes, scales)
+        with self._vllm_context(x.device):
+            return method.apply(layer, x, bias)
 
 
 def fused_experts_fp8(x, weights, ids, gu_q, gu_s, d_q, d_s, block):

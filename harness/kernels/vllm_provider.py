@@ -114,7 +114,7 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
         kv_cache_dtype: the rollout's (fp8: K/V make the FP8 round trip, tic.harness.kernels.vllm_fp8)."""
         self.kv_block_size = int(kv_block_size)
         self.kv_cache_dtype = kv_cache_dtype
-        self._fp8_linears: dict = {}  # weight block -> vllm_fp8.BlockFp8Linear
+        self._fp8_linears: dict = {}  # (checkpoint, dtype) -> vllm_fp8.BlockFp8Linear
         self._layouts = TensorMemo(_build_layout)  # once per mask: every layer of one forward passes the same one
         self._load_vllm()
 
@@ -340,10 +340,14 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
         return logits.log_softmax(dim=-1, dtype=torch.float32)
 
     # -- block FP8 (tic.harness.kernels.fp8 calls these; vLLM's own entry points in vllm_fp8) --------------------
-    def fp8_linear(self, x, wq, ws, b, block):
-        if block not in self._fp8_linears:
-            self._fp8_linears[block] = BlockFp8Linear(block)
-        return self._fp8_linears[block](x, wq, ws, b)
+    def fp8_linear(self, x, wq, ws, b, block, checkpoint=None):
+        if checkpoint is None:
+            raise ValueError("vLLM's block-FP8 linear needs the checkpoint its copies come from (its quantization "
+                             "config is the rollout's)")
+        key = (str(checkpoint), x.dtype)
+        if key not in self._fp8_linears:
+            self._fp8_linears[key] = BlockFp8Linear(checkpoint, x.dtype)
+        return self._fp8_linears[key](x, wq, ws, b)
 
     def fp8_moe_experts(self, x, weights, ids, gu_q, gu_s, d_q, d_s, block):
         return fused_experts_fp8(x, weights, ids, gu_q, gu_s, d_q, d_s, block)
