@@ -94,8 +94,8 @@ def _define_row_count_dependent_rms_norm():
 def test_registry_metadata_is_complete():
     reg = {n: p for n, p in patches.registry().items() if p.target == "vllm"}  # tests/test_megatron_patches.py: the rest
     assert set(reg) == {"fa3-fixed-tile", "fp8-gemm-one-kernel", "gemm-fixed-m", "gemm-fixed-order",
-                        "mamba-decode-replay", "mamba-ssd-fixed-config", "moe-slot-order-sum",
-                        "rmsnorm-fixed-block"}
+                        "mamba-decode-replay", "mamba-ssd-fixed-config", "moe-fixed-config",
+                        "moe-slot-order-sum", "rmsnorm-fixed-block"}
     for name, p in reg.items():
         assert p.target == "vllm" and p.gate in {f"C{i}" for i in range(11)}
         assert p.symptom and p.fix and p.cost
@@ -502,3 +502,26 @@ def test_fp8_gemm_one_kernel_takes_deepgemm_for_every_row_count(fake_vllm):
     assert flashinfer.envs.__wrapped__ is real
     patches.apply([])
     assert flashinfer.envs is real and flashinfer.dynamic_blockscale_gemm(1) == "flashinfer"
+
+
+def test_moe_fixed_config_gives_every_step_the_prefill_sized_config(fake_vllm):
+    """vLLM's rule picks the fused-MoE tiles from the step's token count; patched, the caller inside fused_moe and
+    a module that imported the rule by name both get the config of a 4096-token step for every M; reverted, the
+    small steps get their own tiles again."""
+    from vllm.model_executor.layers.fused_moe import fused_moe
+    from vllm.model_executor.layers.fused_moe.experts import triton_moe
+
+    shapes = ((8, 64, 32), (8, 32, 32), 2, "fp8_w8a8", )
+    small, large = (fused_moe.try_get_optimal_moe_config(*shapes, m, block_shape=[128, 128]) for m in (4, 4096))
+    assert small["BLOCK_SIZE_M"] == 16 and large["BLOCK_SIZE_M"] == 64
+    patches.apply(["moe-fixed-config"])
+    assert patches.registry()["moe-fixed-config"].is_applied()
+    for m in (1, 4, 64, 65, 100000):
+        assert fused_moe.fused_experts_config(*shapes, m, [128, 128]) == large
+        assert triton_moe.experts_config(*shapes, m, [128, 128]) == large
+    patches.apply(["moe-fixed-config"])  # idempotent: one wrapper
+    assert fused_moe.try_get_optimal_moe_config.__wrapped__.__name__ == "try_get_optimal_moe_config"
+    assert not hasattr(fused_moe.try_get_optimal_moe_config.__wrapped__, "__wrapped__")
+    patches.apply([])
+    assert fused_moe.fused_experts_config(*shapes, 4, [128, 128]) == small
+    assert triton_moe.experts_config(*shapes, 4, [128, 128]) == small

@@ -26,7 +26,8 @@ MODELS_DIR = Path(__file__).resolve().parent / "models"
 
 PATCHES = ("fa3-fixed-tile", "rmsnorm-fixed-block", "gemm-fixed-order")  # the C3/C4 patches, rollout side
 SLOT_ORDER = "moe-slot-order-sum"  # the EP merge patch (parallel layouts)
-FP8_PATCHES = (*PATCHES, "fp8-gemm-one-kernel")  # block-FP8 models: one FP8 GEMM kernel for every batch size
+# block-FP8 models: one FP8 GEMM kernel and one fused-MoE tile config for every batch size
+FP8_PATCHES = (*PATCHES, "fp8-gemm-one-kernel", "moe-fixed-config")
 
 # Rollout modes: vLLM options on top of the workload's.
 MODES = {
@@ -156,7 +157,10 @@ def _variants() -> dict[str, Variant]:
         v[f"f-{m}-eager"] = Variant(f"{m}, block-FP8 weights and FP8 KV cache, patched eager rollout, training on "
                                     "vLLM's FP8 kernels", m, patches=FP8_PATCHES, fp8=True)
         v[f"f-{m}-eager-no-fp8gemm"] = Variant(f"f-{m}-eager without fp8-gemm-one-kernel (its with/without run)", m,
+                                               patches=tuple(p for p in FP8_PATCHES if p != "fp8-gemm-one-kernel"),
                                                fp8=True, locate=False)
+    v["f-moe-eager-no-moecfg"] = Variant("f-moe-eager without moe-fixed-config (its with/without run)", "moe",
+                                         patches=tuple(p for p in FP8_PATCHES if p != "moe-fixed-config"), fp8=True)
     v["f-moe-ladder"] = Variant("moe, block FP8 and FP8 KV cache, the whole ladder (C8: FP8 weight sync)", "moe",
                                 patches=FP8_PATCHES, fp8=True, ladder=True)
     # the whole ladder C0-C10

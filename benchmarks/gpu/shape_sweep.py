@@ -14,7 +14,9 @@ Each (shape, rollout mode, variant) is one tic.yaml under WORK, run by run_gates
   compiled (vLLM's default mode 3 / FULL_AND_PIECEWISE with its CUDA kernels kept: custom_ops [all], vllm_c norms);
 - variants: patched (rollout.patches: tic's three vLLM patches), stock (none), no-gemm (the patches less the dense
   GEMM one: its with/without run), previous (the patched config run on another tic tree, --previous-pythonpath,
-  e.g. the release before a patch change: its with/without run).
+  e.g. the release before a patch change: its with/without run), fp8 (block-FP8 weights 128 x 128 quantized from
+  the seeded ones, an FP8 KV cache on both sides, the patches plus the FP8 ones), fp8-no-moecfg (fp8 less
+  moe-fixed-config: its with/without run).
 Eager runs C0, C3-C7; the CUDA-graph modes run C0, C3-C5 (C6 and C7 compare the training side with itself and
 are the eager run's). Runs share the GPU: a run starts when its estimated memory fits beside the running ones.
 Weights are generated once per shape (seeded, tic's model cache) and removed when the shape's runs are done.
@@ -38,14 +40,14 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from configs import PATCHES as TIC_PATCHES, tic_yaml  # noqa: E402
+from configs import FP8_PATCHES, PATCHES as TIC_PATCHES, tic_yaml  # noqa: E402
 from shapes import Shape, by_name  # noqa: E402
 
 PATCHES = list(TIC_PATCHES)
 # the sweep's modes: graph = CUDA graphs of the decode steps without torch.compile; compiled = vLLM's default
 # compilation with its CUDA kernels kept
 MODES = {"eager": "eager", "graph": "decode-graphs", "compiled": "compiled"}
-VARIANTS = ("patched", "stock", "no-gemm", "previous")
+VARIANTS = ("patched", "stock", "no-gemm", "previous", "fp8", "fp8-no-moecfg")
 ROLLOUT_GATES = "C0,C3,C4,C5"
 ALL_GATES = "C0,C3,C4,C5,C6,C7"
 GATE_COLUMNS = ("C0", "C3", "C4", "C5", "C6", "C7")
@@ -93,12 +95,18 @@ def run_config(s: Shape, mode: str, variant: str, w: dict, model_dir: Path) -> d
     kv = w["requests"] * w["model_len"] * kv_bytes_per_token(s)
     options = {"max_model_len": w["model_len"], "kv_cache_memory_bytes": int(1.2 * kv) + (256 << 20),
                "gpu_memory_utilization": round(min(0.9, (2 * s.params() + 1.2 * kv + 3 * GiB) / (140 * GiB)), 3)}
-    patches = {"stock": ()}.get(variant, PATCHES)
+    patches = {"stock": (), "fp8": FP8_PATCHES,
+               "fp8-no-moecfg": tuple(p for p in FP8_PATCHES if p != "moe-fixed-config")}.get(variant, PATCHES)
     if variant == "no-gemm":
         patches = tuple(p for p in PATCHES if not p.startswith("gemm-"))
-    return tic_yaml(f"{s.slug}-{mode}-{variant}", model_dir, MODES[mode], patches,
-                    requests=w["requests"], min_len=w["min_len"], max_len=w["max_len"], tokens=w["tokens"],
-                    options=options)
+    cfg = tic_yaml(f"{s.slug}-{mode}-{variant}", model_dir, MODES[mode], patches,
+                   requests=w["requests"], min_len=w["min_len"], max_len=w["max_len"], tokens=w["tokens"],
+                   options=options)
+    if variant.startswith("fp8"):
+        cfg["model"]["generate"].update(quantization="fp8", weight_block_size=[128, 128])
+        cfg["rollout"]["options"]["kv_cache_dtype"] = "fp8"
+        cfg["train"]["options"] = {"kv_cache_dtype": "fp8"}
+    return cfg
 
 
 def plan(args) -> tuple[list[Run], dict[str, dict]]:

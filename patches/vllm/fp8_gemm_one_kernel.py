@@ -38,6 +38,6 @@ PATCH = Patch(
     fix="the dynamic FlashInfer/DeepGEMM block-FP8 dispatch takes its DeepGEMM branch (vLLM's batch-invariant "
         "choice) for every row count",
     guide="guides/C3.md",
-    cost="decode steps below 32 tokens run DeepGEMM instead of FlashInfer's small-batch kernel; not yet measured",
+    cost="decode steps below 32 tokens run DeepGEMM instead of FlashInfer's small-batch kernel; its speed not yet measured",
     **swap_hooks(NAME, (_HOME, "envs", _DeepGemmEveryBatch, _HOME)),
 )

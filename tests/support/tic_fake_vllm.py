@@ -338,6 +338,22 @@ FAKE = {
                 return "deepgemm"
             return "flashinfer" if rows < 32 else "deepgemm"
         """,
+    "vllm/model_executor/layers/fused_moe/__init__.py": "",
+    "vllm/model_executor/layers/fused_moe/fused_moe.py": """
+        def try_get_optimal_moe_config(w1_shape, w2_shape, top_k, dtype, M, block_shape=None):
+            # like vLLM's default for block FP8: the M tile (and with it Hopper's swap-AB kernel) follows M
+            return {"BLOCK_SIZE_M": 16 if M <= 64 else 64, "BLOCK_SIZE_N": block_shape[0] if block_shape else 64}
+
+        def fused_experts_config(w1_shape, w2_shape, top_k, dtype, M, block_shape):
+            return try_get_optimal_moe_config(w1_shape, w2_shape, top_k, dtype, M, block_shape=block_shape)
+        """,
+    "vllm/model_executor/layers/fused_moe/experts/__init__.py": "",
+    "vllm/model_executor/layers/fused_moe/experts/triton_moe.py": """
+        from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+
+        def experts_config(w1_shape, w2_shape, top_k, dtype, M, block_shape):
+            return try_get_optimal_moe_config(w1_shape, w2_shape, top_k, dtype, M, block_shape=block_shape)
+        """,
     "vllm/plugins/__init__.py": """
         from importlib.metadata import entry_points
 
