@@ -36,7 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from configs import MODES, PATCHES as TIC_PATCHES  # noqa: E402
+from configs import FP8_PATCHES, MODES, PATCHES as TIC_PATCHES  # noqa: E402
 from shapes import Shape, by_name  # noqa: E402
 
 from tic.harness.model.quantize import block_fp8_config, unquantized_linears  # noqa: E402
@@ -53,11 +53,15 @@ SIDES = {
 }
 
 
-def side_spec(name: str) -> tuple[dict, dict]:
-    """A named side, or `only:P1+P2`: the consistent side's compilation with only those patches (A/B one patch)."""
+def side_spec(name: str, fp8: bool = False) -> tuple[dict, dict]:
+    """A named side, or `only:P1+P2`: the consistent side's compilation with only those patches (A/B one patch).
+    fp8: the sides with tic's patches take the FP8 ones too (configs.FP8_PATCHES)."""
     if name.startswith("only:"):
         return KEEP_KERNELS, {"TIC_PATCHES": name[5:].replace("+", ","), "VLLM_BATCH_INVARIANT": "0"}
-    return SIDES[name]
+    options, env = SIDES[name]
+    if fp8 and env["TIC_PATCHES"] == PATCHES:
+        env = {**env, "TIC_PATCHES": ",".join(FP8_PATCHES)}
+    return options, env
 
 
 GiB = 1 << 30
@@ -103,8 +107,8 @@ class Side:
     """A side's process; `start` returns at once, `wait_ready` blocks until its engine is up."""
 
     def __init__(self, name: str, model_dir: Path, kv_bytes: int, max_len: int, memory_fraction: float,
-                 common: dict | None = None):
-        options, env = side_spec(name)
+                 common: dict | None = None, fp8: bool = False):
+        options, env = side_spec(name, fp8)
         options = {**options, **(common or {}), "gpu_memory_utilization": round(memory_fraction, 3)}
         self.name = name
         self.proc = subprocess.Popen(
@@ -131,13 +135,17 @@ class Side:
         self.proc.wait(timeout=300)
 
 
-def weights_gib(s: Shape, layers: int) -> float:
-    return 2 * s.params(layers) / GiB
+def weights_gib(s: Shape, layers: int, fp8: bool = False) -> float:
+    """bf16 weights; with fp8 one byte per layer weight (the scales are a 1/16384 share), embeddings kept bf16."""
+    if not fp8:
+        return 2 * s.params(layers) / GiB
+    emb = s.params(0)
+    return (s.params(layers) - emb + 2 * emb) / GiB
 
 
-def side_gib(shape: Shape, layers: int, kv_bytes: int) -> float:
+def side_gib(shape: Shape, layers: int, kv_bytes: int, fp8: bool = False) -> float:
     """What one side holds on the GPU: weights, KV cache, and room for activations, graphs and the allocator."""
-    return weights_gib(shape, layers) + kv_bytes / GiB + 6
+    return weights_gib(shape, layers, fp8) + kv_bytes / GiB + 6
 
 
 def order(names: list[str], r: int) -> list[str]:
@@ -160,15 +168,15 @@ def timed_rounds(sides: dict[str, Side], works: list[dict], rounds: int) -> dict
 
 
 def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict], rounds: int, kv_bytes: int,
-                  memory_gb: float, model_dir: Path, common: dict | None = None) -> list[dict]:
+                  memory_gb: float, model_dir: Path, common: dict | None = None, fp8: bool = False) -> list[dict]:
     """Every side on every workload. Sides that fit on the GPU together are resident at once and take turns,
     pass by pass; otherwise each side is a process of its own in turn (default first and last). common: LLM
-    options every side gets (--fp8: the FP8 KV cache)."""
+    options every side gets (--fp8: the FP8 KV cache); fp8: block-FP8 weights (memory, the FP8 patches)."""
     max_len = max(w["input"] + w["output"] for w in works)
-    need = side_gib(shape, layers, kv_bytes)
+    need = side_gib(shape, layers, kv_bytes, fp8)
     together = len(names) * need <= memory_gb
     if together:
-        sides = {n: Side(n, model_dir, kv_bytes, max_len, need / TOTAL_GIB, common) for n in names}
+        sides = {n: Side(n, model_dir, kv_bytes, max_len, need / TOTAL_GIB, common, fp8) for n in names}
         try:
             for s in sides.values():
                 s.wait_ready()
@@ -179,7 +187,7 @@ def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict]
     else:
         got = {w["label"]: {n: [] for n in names} for w in works}
         for n in [*names, "default"]:
-            one = Side(n, model_dir, kv_bytes, max_len, need / TOTAL_GIB, common)
+            one = Side(n, model_dir, kv_bytes, max_len, need / TOTAL_GIB, common, fp8)
             try:
                 one.wait_ready()
                 for label, passes in timed_rounds({n: one}, works, rounds).items():
@@ -253,7 +261,7 @@ def main() -> int:
         (model_dir / "config.json").write_text(json.dumps(cfg))
         common = {"kv_cache_dtype": "fp8"} if a.fp8 else {}
         for res in measure_model(shape, layers, names, works, a.rounds, int(a.kv_gb * GiB), a.memory_gb, model_dir,
-                                 common):
+                                 common, a.fp8):
             results.append({**res, "fp8": a.fp8})
             print(json.dumps(results[-1]), flush=True)
     print("\n| model (layers) | workload | side | default tok/s | side tok/s | side / default: median (min-max) |")
