@@ -361,3 +361,22 @@ def test_first_divergent_stage_skips_a_difference_that_a_later_stage_no_longer_s
     c = Capture(outputs={s: row(v) for s, v in zip(stages, (8.0, 9.0, 3.5, 4.5))})
     assert compare_stages(stages, a, c)[1] == "embed"
     assert compare_stages(stages, a, a)[1] is None
+
+
+def test_model_level_parts_are_found_by_convention_or_by_class(example):
+    """embed_tokens / norm where a model has them, else the child of that kind (Mamba-2: embeddings, norm_f): the
+    vLLM capture maps a forward step's rows at the embedding's call, so a model without embed_tokens must still
+    name one."""
+    from tic.config.schema import load_config
+    from tic.harness.engines import hf
+    from tic.harness.locate.capture import model_part
+    from tic.skill.context import GateContext
+
+    for name, prefix, want in (("tiny-mamba2", "backbone", ("backbone.embeddings", "backbone.norm_f")),
+                               ("tiny-qwen3", "model", ("model.embed_tokens", "model.norm"))):
+        d = GateContext(load_config(example(name) / "tic.yaml" if name == "tiny-qwen3"
+                                    else example(name) / "tic-consistent.yaml")).model.dir
+        modules = dict(hf.load_model(d, "float32", kernels="stock", shared=False).named_modules())
+        got = (model_part(modules, prefix, "embed_tokens", "Embedding"), model_part(modules, prefix, "norm", "Norm"))
+        assert got == want
+    assert model_part({"model": torch.nn.Module()}, "model", "embed_tokens", "Embedding") is None

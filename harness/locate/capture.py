@@ -71,6 +71,16 @@ def module_children(modules: dict, name: str) -> list[str]:
     return [k for k in kids if k in modules]
 
 
+def model_part(modules: dict, prefix: str, usual: str, kind: str) -> str | None:
+    """A model-level part under `prefix`: `prefix.usual` (embed_tokens, norm) where it exists, else the first child
+    whose class name contains `kind` (Embedding, Norm: Mamba-2's `embeddings` and `norm_f`); None without one."""
+    if f"{prefix}.{usual}" in modules:
+        return f"{prefix}.{usual}"
+    if prefix not in modules:
+        return None
+    return next((n for n in module_children(modules, prefix) if kind in type(modules[n]).__name__), None)
+
+
 def rows_equal(a: RowTensors, b: RowTensors) -> bool:
     """The same elements bit for bit, in the same order, whatever shape each side's layout gives a token's row."""
     return len(a) == len(b) and all(same_bits(x.reshape(-1), y.reshape(-1)) for x, y in zip(a, b))

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from tic.harness.engines.hf import cache_kwargs, packed_row, padded_batch
-from tic.harness.locate.capture import Capture, CaptureSpec, HookSet, RowLayout, keyed_values, module_children
+from tic.harness.locate.capture import (Capture, CaptureSpec, HookSet, RowLayout, keyed_values, model_part,
+                                        module_children)
 from tic.harness.locate.provenance import token_view
 from tic.harness.locate.trail import tensors_of
 
@@ -106,8 +107,9 @@ class HFCaptureRunner:
     def stages(self) -> list[str]:
         layers = self.layer_names()
         prefix = layers[0].rsplit(".", 2)[0] if layers else "model"
-        pre = [n for n in (f"{prefix}.embed_tokens", f"{prefix}.rotary_emb") if n in self.modules]
-        post = [n for n in (f"{prefix}.norm", "lm_head") if n in self.modules]
+        pre = [n for n in (model_part(self.modules, prefix, "embed_tokens", "Embedding"), f"{prefix}.rotary_emb")
+               if n in self.modules]
+        post = [n for n in (model_part(self.modules, prefix, "norm", "Norm"), "lm_head") if n in self.modules]
         return pre + layers + post
 
     def children(self, name: str) -> list[str]:

@@ -25,7 +25,7 @@ import torch
 from tic.core.errors import TicInputError
 from tic.harness.engines.base import Sampling
 from tic.harness.engines.vllm import _exact_f32, scored_from_record
-from tic.harness.locate.capture import HookSet, RowLayout, module_children
+from tic.harness.locate.capture import HookSet, RowLayout, model_part, module_children
 
 
 def _float_rows(x, n: int) -> bool:
@@ -252,8 +252,8 @@ class VLLMCaptureRunner:
     # names (the same stable names as the HF runner: embed_tokens, layers.<i>, norm; vLLM has no model-level
     # rotary module and computes the head's logits outside a module call on a row subset, so neither is a stage)
     def stages(self) -> list[str]:
-        pre = [n for n in (f"{self.prefix}.embed_tokens",) if n in self.modules]
-        post = [n for n in (f"{self.prefix}.norm",) if n in self.modules]
+        pre = [n for n in (model_part(self.modules, self.prefix, "embed_tokens", "Embedding"),) if n]
+        post = [n for n in (model_part(self.modules, self.prefix, "norm", "Norm"),) if n]
         return pre + self.layers + post
 
     def children(self, name: str) -> list[str]:
@@ -264,8 +264,11 @@ class VLLMCaptureRunner:
 
     def _run(self, prompts, params, kind, rids, probe: int, spec):
         prompt = tuple(int(t) for t in prompts[probe])
-        layout = FlatRows(lambda n: _step_targets(self.runner, prompt, n), self._layer_set,
-                          f"{self.prefix}.embed_tokens")
+        embedding = model_part(self.modules, self.prefix, "embed_tokens", "Embedding")
+        if embedding is None:
+            raise RuntimeError(f"capture: no token embedding module under {self.prefix} in vLLM's model (the "
+                               f"forward step's rows are mapped at its call)")
+        layout = FlatRows(lambda n: _step_targets(self.runner, prompt, n), self._layer_set, embedding)
         with HookSet(self.modules, spec, layout) as hooks:
             try:
                 recs = self.engine._run(prompts, params, kind, rids)
