@@ -13,6 +13,7 @@ from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.harness.model.cut import CUT_RECORD
 from tic.harness.engines.hf import WRAPPED_KERNELS, load_model
 from tic.harness.measure.fidelity import compare_forward, fidelity_inputs
+from tic.harness.measure.fp8_reference import use_fp8_kv_cache
 from tic.harness.model.cut_check import CutRequest, check_cut, cut_dir_for
 from tic.core.fsio import atomic_write_text
 
@@ -24,13 +25,16 @@ def cut_request(cfg, state) -> CutRequest:
 
 def wrapper_fidelity(ctx) -> dict | None:
     """The training side's wrapped model against the stock HF model (eager attention, same weights, dtype and
-    device) on seeded inputs; None when the training side does not run through the wrappers."""
+    device; with an FP8 KV cache, attention over FP8-rounded q, k, v) on seeded inputs; None when the training side
+    does not run through the wrappers."""
     train = ctx.cfg.train
     if train.engine not in ("hf", "megatron") or train.kernels not in WRAPPED_KERNELS:
         return None
     engine = ctx.train_engine()
     stock = load_model(engine.model_dir, engine.dtype, "stock", attn="eager", device=str(engine.device),
                        shared=False)
+    if str(train.options.get("kv_cache_dtype", "auto")).startswith("fp8"):
+        use_fp8_kv_cache(stock)  # the model the two sides run: attention over FP8-rounded q, k, v
     ids, mask = fidelity_inputs(engine.vocab_size, engine.device)
     view = {}
     if train.engine == "megatron":  # the GPTModel's modules under the checkpoint's names, hidden states [T, B, H]

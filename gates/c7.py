@@ -58,7 +58,8 @@ def measure(ctx) -> Measurement:
     routes = [engine.expert_routes(s) for s in samples]
     routing: dict = {}
     ref = reference_gradients(ctx.model.dir, samples, ctx.sampling, adv, device=tc.device,
-                              routes=routes if any(routes) else None, report=routing)
+                              routes=routes if any(routes) else None, report=routing,
+                              kv_cache_dtype=str(tc.options.get("kv_cache_dtype", "auto")))
     if routing:
         details["routing"] = routing
     rows = [{**r, "cosine": _finite(r["cosine"]), "rel_error": _finite(r["rel_error"])} for r in compare(grads, ref)]

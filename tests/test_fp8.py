@@ -294,3 +294,49 @@ def test_checkpoint_weights_for_an_fp8_rollout_are_codes_and_scales_as_the_check
     assert torch.equal(sent[name].view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(sent[name[: -len(".weight")] + ".weight_scale_inv"], s)
     assert not torch.equal(s, stored[name][1])
+
+
+def test_fp8_kv_cache_reference_attends_over_e4m3_rounded_q_k_v_with_a_straight_through_gradient(example,
+                                                                                                  monkeypatch):
+    """C2's stock model and C7's reference with an FP8 KV cache: the model's own eager attention receives q, k, v
+    that are e4m3 values (scale 1, saturating), the logits move accordingly, and the gradient still flows."""
+    import sys
+
+    from tic.harness.measure.fp8_reference import fp8_round_trip, use_fp8_kv_cache
+
+    t = torch.tensor([0.1234, -3.3, 1000.0], requires_grad=True)
+    r = fp8_round_trip(t)
+    assert torch.equal(r.detach(), torch.tensor([0.125, -3.25, 448.0]))
+    r.sum().backward()
+    assert torch.equal(t.grad, torch.ones(3))
+
+    d = GateContext(load_config(example("tiny-qwen3") / "tic.yaml")).model.dir
+    plain = hf.load_model(d, "float32", kernels="stock", attn="eager", shared=False)
+    model = hf.load_model(d, "float32", kernels="stock", attn="eager", shared=False)
+    modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    seen, own = [], modeling.eager_attention_forward
+
+    def recording(module, q, k, v, *args, **kwargs):
+        seen.append((q, k, v))
+        return own(module, q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(modeling, "eager_attention_forward", recording)
+    use_fp8_kv_cache(model)
+    model.requires_grad_(True)
+    ids = torch.tensor([[5, 9, 2, 7, 11, 3]])
+    logits = model(input_ids=ids).logits
+    assert len(seen) == len(model.model.layers)
+    for tensors in seen:
+        for x in tensors:
+            assert torch.equal(x.detach(), x.detach().to(torch.float8_e4m3fn).float())
+    with torch.no_grad():
+        ref = plain(input_ids=ids).logits
+    assert not torch.equal(logits.detach(), ref) and torch.allclose(logits.detach(), ref, atol=0.05)
+    logits.sum().backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+    # the control: without the rounding it is the plain model bit for bit (same masks, same eager attention)
+    from tic.harness.measure import fp8_reference
+
+    monkeypatch.setattr(fp8_reference, "fp8_round_trip", lambda x: x)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref)

@@ -8,9 +8,16 @@ same trajectory: each quantized module's output is, in value, the fake-quantized
 quantized per token group by the deployment format, weights the checkpoint's codes times scales, float32
 arithmetic), and, for autograd, the module's own float32 graph. Its backward is transformers' autograd through
 that graph: nothing of tic's kernel wrappers or written-out backwards is on its path.
+
+With an FP8 KV cache (method 4.2) both engines' attention reads q, k and v rounded to e4m3 (scale 1: vLLM's
+uncalibrated scales). `use_fp8_kv_cache` gives a transformers model the same round trip in value, straight
+through for autograd, before the model's own eager attention: C7's reference and C2's stock model then compute
+the model the two sides run.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -74,3 +81,34 @@ def install(model: nn.Module, model_dir) -> list | None:
         elif hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and quant.covers([m.gate_up_proj, m.down_proj]):
             handles.append(m.register_forward_hook(_experts_hook(quant), with_kwargs=True))
     return handles
+
+
+# -- the FP8 KV cache ---------------------------------------------------------------------------------------------
+FP8_KV_ATTENTION = "tic_fp8_kv_eager"  # the name it is registered under in transformers' attention interface
+
+
+def fp8_round_trip(t: torch.Tensor) -> torch.Tensor:
+    """t rounded to e4m3 and back, saturating at its largest finite value as vLLM's FP8 cache and query quantizers
+    do; the gradient passes straight through."""
+    top = torch.finfo(torch.float8_e4m3fn).max
+    rounded = t.detach().clamp(-top, top).to(torch.float8_e4m3fn).to(t.dtype)
+    return t + (rounded - t).detach()
+
+
+def _fp8_kv_eager(module, query, key, value, attention_mask, **kwargs):
+    own = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if own is None:
+        raise RuntimeError(f"{type(module).__name__}: its modeling file has no eager_attention_forward to run the "
+                           "FP8 KV cache's reference attention with")
+    return own(module, fp8_round_trip(query), fp8_round_trip(key), fp8_round_trip(value), attention_mask, **kwargs)
+
+
+def use_fp8_kv_cache(model: nn.Module) -> None:
+    """Run `model`'s attention (its own eager attention) on q, k and v rounded as an FP8 KV cache rounds them."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(FP8_KV_ATTENTION, _fp8_kv_eager)
+    # the masks eager attention takes: a name without a mask function of its own gets none (no causal mask)
+    AttentionMaskInterface.register(FP8_KV_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    model.set_attn_implementation(FP8_KV_ATTENTION)

@@ -81,9 +81,10 @@ class RoutingPin:
 
 def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampling, adv: list[float],
                         device: str = "cpu", routes: list[dict] | None = None,
-                        report: dict | None = None) -> dict[str, torch.Tensor]:
+                        report: dict | None = None, kv_cache_dtype: str = "auto") -> dict[str, torch.Tensor]:
     """routes: per sample, the path under test's top-k ids per MoE block name (None: the reference routes
-    itself); report receives the routing-pin counts."""
+    itself); report receives the routing-pin counts; kv_cache_dtype: the training side's (fp8: the reference's
+    attention reads q, k, v rounded as the FP8 cache rounds them)."""
     from transformers import AutoModelForCausalLM
 
     from tic.harness.kernels.fp8 import unquantized_config
@@ -96,6 +97,8 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
                                                      **fp8)
     model.to(device).train(False)
     fp8_reference.install(model, model_dir)  # block FP8: the FP8 forward's values, the float32 graph's gradient
+    if kv_cache_dtype.startswith("fp8"):
+        fp8_reference.use_fp8_kv_cache(model)
     model.requires_grad_(True)
     pin = RoutingPin(model)
     n_tokens = sum(int(s.mask.sum()) if s.mask is not None else len(s.response_ids) for s in samples)
