@@ -35,6 +35,20 @@ def _locate(gate: Gate, ctx: GateContext, measured: Measurement) -> tuple[dict |
     return findings, evidence
 
 
+def _locate_nonfinite(gate: Gate, ctx: GateContext, e: NonFiniteLogprob) -> dict | None:
+    """The module and operator that made a failing gate's NaN or Inf (tic.harness.locate.nonfinite), or why not."""
+    if not (gate.locate_on_fail and ctx.cfg.locate.enabled):
+        return None
+    from tic.harness.locate.nonfinite import locate_nonfinite
+
+    try:
+        return locate_nonfinite(ctx, e.side, e.sequence)
+    except TicInputError:
+        raise
+    except Exception as err:  # the verdict stands; the record says why the search broke
+        return {"status": f"locator error: {type(err).__name__}: {err} (at {raised_at(err)})"}
+
+
 def _layouts(ctx: GateContext) -> dict:
     return {side: getattr(ctx.cfg, side).parallel.model_dump() for side in ("rollout", "train")}
 
@@ -85,6 +99,9 @@ def run_gate(gate: Gate, ctx: GateContext, save: bool = True) -> GateResult:
         raise
     except NonFiniteLogprob as e:
         verdict, reason, key = Verdict.FAIL, f"non-finite logprob: {e}", "NaN/Inf"
+        found = _locate_nonfinite(gate, ctx, e)
+        if found is not None:
+            details["locate"] = found
     except Exception as e:
         verdict, reason, key = Verdict.ERROR, f"{type(e).__name__}: {e}", ""
         details = {"traceback": traceback.format_exc()}

@@ -380,3 +380,34 @@ def test_model_level_parts_are_found_by_convention_or_by_class(example):
         got = (model_part(modules, prefix, "embed_tokens", "Embedding"), model_part(modules, prefix, "norm", "Norm"))
         assert got == want
     assert model_part({"model": torch.nn.Module()}, "model", "embed_tokens", "Embedding") is None
+
+
+def test_a_nan_made_in_training_is_located_to_its_module_and_operator(example, workdir):
+    """C5 with a NaN planted in one weight of layer 2 after the rollout sampled: the training recompute's logprob is
+    NaN, the gate fails on it and the record names layer 2's module and the operator that made the NaN from
+    finite inputs; the control, before the plant, finds nothing to search."""
+    from tic.config.schema import load_config
+    from tic.gates import get
+    from tic.harness.engines import hf
+    from tic.harness.locate.nonfinite import first_nonfinite
+    from tic.skill.context import GateContext
+    from tic.skill.runner import run_gate
+
+    hf._MODELS.clear()
+    cfg = load_config(example("tiny-qwen3") / "tic-consistent.yaml")
+    cfg.prompts.count, cfg.sampling.max_tokens = 3, 4
+    ctx = GateContext(cfg)
+    model = ctx.train_engine().model
+    ids = torch.tensor([ctx.rollout_samples()[0].ids])
+    assert first_nonfinite(model, lambda: model(input_ids=ids, use_cache=False))["status"].startswith("no module")
+    with torch.no_grad():
+        model.model.layers[2].mlp.down_proj.weight[0, 0] = float("nan")
+    try:
+        res = run_gate(get("C5"), ctx, save=False)
+    finally:
+        hf._MODELS.clear()
+    assert res.verdict == "fail" and res.key_figure == "NaN/Inf"
+    found = res.details["locate"]
+    assert found["status"] == "localized" and found["side"] == "train", found
+    assert found["module"].startswith("model.layers.2.mlp"), found
+    assert found["operator"] is not None and found["operator_arguments_finite"] is False, found  # the weight

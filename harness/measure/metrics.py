@@ -27,7 +27,12 @@ VERL_NAMES = {
 
 
 class NonFiniteLogprob(Exception):
-    """NaN or Inf in a compared logprob: a failure with its own message, never a number to average."""
+    """NaN or Inf in a compared logprob: a failure with its own message, never a number to average. side: the
+    name of the side whose logprob it is ("rollout", "train", ...); sequence: the index of its sequence."""
+
+    def __init__(self, message: str, side: str = "", sequence: int = -1):
+        super().__init__(message)
+        self.side, self.sequence = side, sequence
 
 
 @dataclass
@@ -81,7 +86,8 @@ def _check_finite(name: str, seq: int, t: torch.Tensor) -> None:
     bad = ~torch.isfinite(t)
     if bad.any():
         pos = int(bad.nonzero()[0, 0])
-        raise NonFiniteLogprob(f"{name} logprob is {t[pos].item()} at sequence {seq}, response position {pos}")
+        raise NonFiniteLogprob(f"{name} logprob is {t[pos].item()} at sequence {seq}, response position {pos}",
+                               name, seq)
 
 
 class LogprobComparison:
