@@ -97,3 +97,32 @@ def test_gated_norm_takes_vllms_triton_kernel_for_one_group_and_its_torch_path_f
     grouped = h.view(2, 3, 2, 4)
     want = w * (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + 1e-5)).view(h.shape).bfloat16()
     assert torch.equal(two, want)
+
+
+def test_grouped_gated_norm_patch_sends_several_groups_to_the_triton_kernel_on_both_sides(fake_vllm):
+    """mamba-gated-norm-triton: vLLM's Mixer2RMSNormGated (several groups) and the training provider, which calls
+    vLLM's own forward_cuda, both take rms_norm_gated with the group size; reverted, both go back to torch's
+    forward_native; one group is untouched."""
+    from tic import patches
+    from vllm.model_executor.layers.mamba.ops import layernorm_gated
+
+    prov, g = MambaOnVLLM(), torch.Generator().manual_seed(0)
+    y, gate = (torch.randn(2, 3, 8, generator=g) for _ in range(2))
+    w = torch.randn(8, generator=g).bfloat16()
+    native = prov.gated_rms_norm(y, gate, w, group_size=4, eps=1e-5, out_dtype=torch.bfloat16)
+    layernorm_gated.CALLS.clear()
+    patches.apply(["mamba-gated-norm-triton"])
+    assert patches.registry()["mamba-gated-norm-triton"].is_applied()
+    patches.apply(["mamba-gated-norm-triton"])  # idempotent: one wrapper
+    grouped = prov.gated_rms_norm(y, gate, w, group_size=4, eps=1e-5, out_dtype=torch.bfloat16)
+    assert layernorm_gated.CALLS == [dict(shape=(6, 8), group_size=4, norm_before_gate=False)]
+    h = y.to(torch.bfloat16).float() * torch.nn.functional.silu(gate.float())
+    grp = h.view(2, 3, 2, 4)
+    want = ((grp * torch.rsqrt(grp.pow(2).mean(-1, keepdim=True) + 1e-5)).view(h.shape) * w.float()).bfloat16()
+    assert torch.equal(grouped, want) and not torch.equal(grouped, native)  # the weight applied in float32 here
+    prov.gated_rms_norm(y, gate, w, group_size=8, eps=1e-5, out_dtype=torch.bfloat16)
+    assert layernorm_gated.CALLS[-1]["group_size"] == 8
+    patches.apply([])
+    layernorm_gated.CALLS.clear()
+    assert torch.equal(prov.gated_rms_norm(y, gate, w, group_size=4, eps=1e-5, out_dtype=torch.bfloat16), native)
+    assert layernorm_gated.CALLS == []

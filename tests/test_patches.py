@@ -94,7 +94,7 @@ def _define_row_count_dependent_rms_norm():
 def test_registry_metadata_is_complete():
     reg = {n: p for n, p in patches.registry().items() if p.target == "vllm"}  # tests/test_megatron_patches.py: the rest
     assert set(reg) == {"fa3-fixed-tile", "fp8-gemm-one-kernel", "gemm-fixed-m", "gemm-fixed-order",
-                        "mamba-decode-replay", "mamba-ssd-fixed-config", "moe-fixed-config",
+                        "mamba-decode-replay", "mamba-gated-norm-triton", "mamba-ssd-fixed-config", "moe-fixed-config",
                         "moe-slot-order-sum", "rmsnorm-fixed-block"}
     for name, p in reg.items():
         assert p.target == "vllm" and p.gate in {f"C{i}" for i in range(11)}

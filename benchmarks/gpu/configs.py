@@ -135,12 +135,14 @@ def _variants() -> dict[str, Variant]:
     # config in both processes, the SSM state between chunks in float32 on both sides, training on vLLM's conv,
     # chunked scan and gated norm. `-prefill` samples one token, whose logprob vLLM's prefill computes (C5 of the
     # training forward alone); `-nodecode` drops the replay patch (C0 refuses it: C4/C5 from C3 record the flip).
-    replay = (*PATCHES, "mamba-decode-replay", "mamba-ssd-fixed-config")
+    # `-no-gatednorm` drops mamba-gated-norm-triton (its with/without run on NemotronH, 8 groups)
+    replay = (*PATCHES, "mamba-decode-replay", "mamba-ssd-fixed-config", "mamba-gated-norm-triton")
     mamba_options = (("mamba_ssm_cache_dtype", "float32"), ("kv_cache_memory_bytes", 4 << 30),
                      ("gpu_memory_utilization", 0.15))  # float32 SSM states per request, more than 512 MiB
     for m in ("mamba2", "nemotron-h"):
         for label, tokens, patches in (("eager", 48, replay), ("prefill", 1, replay),
-                                       ("nodecode", 48, (*PATCHES, "mamba-ssd-fixed-config"))):
+                                       ("nodecode", 48, (*PATCHES, "mamba-ssd-fixed-config")),
+                                       ("no-gatednorm", 48, replay[:-1])):
             v[f"t-{m}-{label}"] = Variant(f"{m}, {'patched' if 'mamba-decode-replay' in patches else 'stock-decode'} "
                                           f"eager rollout, {tokens} sampled token(s), training on vLLM's kernels", m,
                                           patches=patches, tokens=tokens, options=mamba_options)

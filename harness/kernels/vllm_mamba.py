@@ -11,9 +11,10 @@ What the mixer passes, and so what these calls pass:
         no other), the output written in the model dtype, chunks cut at multiples of chunk_size from
         the sequence's first token (vLLM's `compute_varlen_chunk_metadata`), no initial state at a sequence's
         start, the SSM state in MAMBA_STATE_DTYPE.
-  norm: Mixer2RMSNormGated.forward_cuda at TP 1: one group -> `rms_norm_gated` (Triton, norm_before_gate=False);
-        several groups -> its torch `forward_native` (x * silu(gate) in float32, per-group RMS, rounded to the
-        model dtype, times the weight in the model dtype), written out here op by op.
+  norm: vLLM's own Mixer2RMSNormGated.forward_cuda at TP 1, called on a stand-in with the norm's settings: one
+        group -> `rms_norm_gated` (Triton, norm_before_gate=False); several groups -> its torch `forward_native`
+        (x * silu(gate) in float32, per-group RMS, rounded to the model dtype, times the weight), or, with the
+        mamba-gated-norm-triton patch, `rms_norm_gated` per group.
 
 A decode step of the wrapper (tic.harness.kernels.mamba_modules) replays the current chunk: the buffered tokens
 and the new ones go through the same scan from the chunk's start state, and the new tokens' rows are kept. This
@@ -92,14 +93,19 @@ class VLLMMambaKernels:
         shape = y.shape
         x = y.to(out_dtype).reshape(-1, shape[-1])  # vLLM's scan wrote its output in the model dtype
         z = gate.reshape(-1, shape[-1])
-        if group_size == shape[-1]:
-            from vllm.model_executor.layers.mamba.ops.layernorm_gated import rms_norm_gated
+        return _gated_norm_call(w, group_size, eps)(x, z).reshape(shape)
 
-            out = rms_norm_gated(x, w.data, bias=None, z=z, eps=eps, norm_before_gate=False)
-        else:  # Mixer2RMSNormGated.forward_native, TP 1, several groups
-            h = x * torch.nn.functional.silu(z.to(torch.float32))
-            grouped = h.view(h.shape[0], -1, group_size)
-            variance = grouped.pow(2).mean(-1, keepdim=True)
-            h = (grouped * torch.rsqrt(variance + eps)).view(h.shape)
-            out = w * h.to(out_dtype)
-        return out.reshape(shape)
+
+def _gated_norm_call(w: torch.Tensor, group_size: int, eps: float):
+    """vLLM's own Mixer2RMSNormGated.forward_cuda (TP 1) on a stand-in holding this norm's settings: the code the
+    rollout's mixer runs, with whatever a rollout patch (mamba-gated-norm-triton) made of it."""
+    import types
+
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import Mixer2RMSNormGated
+
+    width = w.shape[-1]
+    norm = types.SimpleNamespace(weight=w, variance_epsilon=eps, group_size=group_size, n_groups=width // group_size,
+                                 tp_size=1, tp_rank=0, full_hidden_size=width, per_rank_hidden_size=width,
+                                 use_rms_norm=True)
+    norm.forward_native = types.MethodType(Mixer2RMSNormGated.forward_native, norm)
+    return types.MethodType(Mixer2RMSNormGated.forward_cuda, norm)

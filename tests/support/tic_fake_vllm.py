@@ -179,7 +179,24 @@ FAKE = {
         from vllm.forward_context import get_forward_context
         from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
         from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
+        from vllm.model_executor.layers.mamba.ops.layernorm_gated import rms_norm_gated
         from vllm.model_executor.layers.mamba.ops.ssu_dispatch import selective_state_update
+
+        class Mixer2RMSNormGated:
+            # vLLM 0.26's gated norm at TP 1: Triton for one group, torch's forward_native for several
+            def forward_native(self, x, gate):
+                input_dtype = x.dtype
+                x = x * torch.nn.functional.silu(gate.to(torch.float32))
+                *prefix_dims, hidden_dim = x.shape
+                x_grouped = x.view(*prefix_dims, hidden_dim // self.group_size, self.group_size)
+                x_grouped = x_grouped * torch.rsqrt(x_grouped.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+                return self.weight * x_grouped.view(*prefix_dims, hidden_dim).to(input_dtype)
+
+            def forward_cuda(self, x, gate):
+                if ((self.n_groups % self.tp_size) != 0) or self.n_groups != 1:
+                    return self.forward_native(x, gate)
+                return rms_norm_gated(x, self.weight.data, bias=None, z=gate, eps=self.variance_epsilon,
+                                      norm_before_gate=False)
 
         class MambaMixer2:
             # conv_ssm_forward as vLLM 0.26's, without prefix caching and speculative decoding (I, H, P, G, N:
@@ -233,7 +250,8 @@ FAKE = {
         def rms_norm_gated(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
             CALLS.append(dict(shape=tuple(x.shape), group_size=group_size, norm_before_gate=norm_before_gate))
             h = x.float() * torch.nn.functional.silu(z.float())
-            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+            g = h.view(*h.shape[:-1], -1, group_size or h.shape[-1])  # one program per row and group
+            h = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)).view(h.shape)
             return (h * weight.float()).to(x.dtype)
         """,
     "vllm/model_executor/layers/mamba/ops/ssd_chunk_state.py": """
