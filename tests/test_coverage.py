@@ -20,7 +20,8 @@ from tic.skill.runner import run_gate
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2", "tiny-phi3")
+FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2", "tiny-phi3",
+            "tiny-granite")
 
 
 def meta_of(name: str, **changes) -> nn.Module:
@@ -43,6 +44,8 @@ def meta_of(name: str, **changes) -> nn.Module:
                     "mlp:silu_and_mul"}, {"embedding", "rope:one_table"}),
     ("tiny-phi3", {"decoder:two_norm", "norm:rms", "attention:full", "mlp:silu_and_mul"},  # fused qkv, gate_up
      {"embedding", "rope:one_table"}),
+    ("tiny-granite", {"decoder:scaled_residual", "norm:rms", "attention:full", "mlp:silu_and_mul"},
+     {"embedding", "embedding:tied", "rope:one_table", "logits:scaled"}),
 ])
 def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
     rows = coverage_table(meta_of(name))
@@ -79,15 +82,16 @@ def test_rotary_is_read_by_computation(arch, model_type, extra, why):
     assert (rotary == []) if why is None else (len(rotary) == 1 and why in rotary[0]), refused
 
 
-@pytest.mark.parametrize("multiplier, refused", [(0.22, True), (1.0, False)])
-def test_a_scaled_residual_add_is_refused(multiplier, refused):
-    """Granite scales each sublayer's output before the residual add; the wrappers' layers add it unscaled, so C0
-    refuses a multiplier other than 1 (the control: 1 is covered)."""
+@pytest.mark.parametrize("multiplier, structure", [(0.22, "decoder:scaled_residual"), (1.0, "decoder:two_norm")])
+def test_a_scaled_residual_add_is_read_as_its_own_layer_kind(multiplier, structure):
+    """Granite scales each sublayer's output before the residual add: a layer kind of its own (the control: a
+    multiplier of 1 is a plain two-norm layer)."""
     cfg = {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "vocab_size": 64, "hidden_size": 64,
            "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
            "max_position_embeddings": 64, "residual_multiplier": multiplier}
-    lines = coverage_table(build_meta(cfg))[0]["refused"]
-    assert any("residual_multiplier=0.22" in r and "scaled by 0.22" in r for r in lines) == refused, lines
+    (layer,) = [c for c in read_coverage(build_meta(cfg)) if c.layer != "model"]
+    other = ({"decoder:scaled_residual", "decoder:two_norm"} - {structure}).pop()
+    assert not layer.refusals and structure in layer.classes and other not in layer.classes
 
 
 def test_inventory_reads_mistrals_window_on_every_layer():
@@ -475,3 +479,20 @@ def test_vllm_provider_norms_the_whole_projection_on_the_view_vllm_passes(monkey
     q, kv = cfg["hidden_size"], cfg["num_key_value_heads"] * cfg["hidden_size"] // cfg["num_attention_heads"]
     assert ((10, q), (q + 2 * kv, 1)) in seen and ((10, kv), (q + 2 * kv, 1)) in seen
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("plant", ["residual", "logits"])
+def test_fidelity_fails_a_granite_wrapper_that_drops_a_multiplier(example, workdir, plant):
+    """The wrapped Granite with its residual multiplier (or its logits scale) planted to 1 agrees with itself
+    bitwise; C2 refuses it: at the first layer, or at the logits."""
+    ctx = small_ctx(example, "tiny-granite")
+    model = ctx.train_engine().model
+    if plant == "residual":
+        model.model.layers[0].residual_multiplier = 1.0
+    else:
+        model.get_output_embeddings()._tic_logit_scale = 1.0
+    res = run_gate(get("C2"), ctx)
+    first = res.details["fidelity"]["first_parting_module"]
+    assert res.verdict == "fail", res.reason
+    assert first.startswith("model.layers.0.") if plant == "residual" else first == "logits", first
+    hf._MODELS.clear()

@@ -48,6 +48,8 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("decoder:post_norm", "no input norm; attention, its output normed then added to the residual; "
                                        "MLP, likewise (OLMo-2); plain adds, no fused add+norm",
                   frozenset({"consistent"})),  # vLLM 0.26 runs OLMo-2 through its Transformers backend (HF rotary)
+    OperatorClass("decoder:scaled_residual", "input norm, attention, post-attention norm, MLP, each sublayer output "
+                                             "times residual_multiplier before a plain residual add (Granite)"),
     OperatorClass("norm:rms", "RMSNorm w * x_hat, x_hat rounded to the model dtype first (Llama, Qwen)"),
     OperatorClass("norm:rms_1p", "RMSNorm (1 + w) * x_hat in float32, rounded once (Gemma)"),
     OperatorClass("attention:full", "causal attention over each sequence's keys"),
@@ -68,6 +70,8 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("embedding:scaled", "token embedding times a constant in the model dtype (Gemma sqrt(hidden))"),
     OperatorClass("embedding:tied", "lm_head shares the embedding's weight"),
     OperatorClass("logits:softcap", "final logits cap * tanh(z / cap) (Gemma-2 final_logit_softcapping)"),
+    OperatorClass("logits:scaled", "final logits times 1 / logits_scaling in the model dtype, as vLLM's logits "
+                                   "processor scales them (Granite)"),
     # tic: Mamba-2 hybrids (issue 31); tic.harness.kernels.mamba holds the kernels, mamba_modules the wrapper
     OperatorClass("decoder:hybrid_block", "norm, one mixer (Mamba-2, attention or MLP), residual add (Mamba-2, "
                                           "NemotronH)"),
@@ -371,12 +375,17 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
                                     "the wrappers implement two-norm (Llama), four-norm (Gemma) and post-norm "
                                     "(OLMo-2) layers"))
     else:
-        cov.classes[structure] = (None, None)
+        scale = getattr(layer, "residual_multiplier", None)  # Granite: residual + sublayer(x) * multiplier
+        if scale is not None and float(scale) != 1.0:
+            if structure == "decoder:two_norm":
+                structure = "decoder:scaled_residual"
+            else:
+                cov.refusals.append(Refusal(name, cov.module_class, f"sublayer outputs scaled by {scale} before "
+                                            f"the residual add of a {structure} layer (the wrappers scale them in "
+                                            "two-norm layers only)", "residual_multiplier", scale))
+        cov.classes[structure] = ("residual_multiplier", scale) if structure == "decoder:scaled_residual" \
+            else (None, None)
         cov.variants[name] = structure
-    scale = getattr(layer, "residual_multiplier", None)  # Granite: residual + sublayer(x) * multiplier
-    if scale is not None and float(scale) != 1.0:
-        cov.refusals.append(Refusal(name, cov.module_class, f"sublayer outputs scaled by {scale} before the "
-                                    "residual add (the wrappers add them unscaled)", "residual_multiplier", scale))
     for n in norms:
         _read_norm(cov, f"{name}.{n}", children[n])
     if is_attention(layer.self_attn):
@@ -432,6 +441,12 @@ def read_model(model: nn.Module) -> LayerCoverage:
     cap = getattr(cfg, "final_logit_softcapping", None)
     if cap is not None:
         cov.classes["logits:softcap"] = ("final_logit_softcapping", cap)
+    scaling = getattr(cfg, "logits_scaling", None)
+    if scaling is not None and float(scaling) != 1.0:
+        if cap is not None:
+            cov.refusals.append(Refusal("lm_head", type(model).__name__, "final logits both softcapped and scaled",
+                                        "logits_scaling", scaling))
+        cov.classes["logits:scaled"] = ("logits_scaling", scaling)
     return cov
 
 

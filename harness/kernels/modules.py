@@ -212,7 +212,23 @@ def _post_norm_layer_forward(self, hidden_states, attention_mask=None, position_
     return h + self.post_feedforward_layernorm(delta[0] if isinstance(delta, tuple) else delta)
 
 
+def _scaled_residual_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                                   use_cache=False, position_embeddings=None, **kwargs):
+    """A two-norm layer whose sublayer outputs are scaled before the residual add (Granite), as vLLM's
+    GraniteDecoderLayer runs it: plain norms, output * residual_multiplier, then a plain add (no fused add+norm:
+    the next layer and the final norm read the sum)."""
+    kwargs.pop("past_key_values", None)
+    scale = self.residual_multiplier
+    h = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+                       position_ids=position_ids, cache=cache, use_cache=use_cache,
+                       position_embeddings=position_embeddings, **kwargs)[0]
+    h = hidden_states + h * scale
+    delta = self.mlp(self.post_attention_layernorm(h))
+    return h + (delta[0] if isinstance(delta, tuple) else delta) * scale
+
+
 LAYER_FORWARDS = {"decoder:two_norm": _decoder_layer_forward, "decoder:four_norm": _four_norm_layer_forward,
+                  "decoder:scaled_residual": _scaled_residual_layer_forward,
                   "decoder:post_norm": _post_norm_layer_forward}
 
 
@@ -315,12 +331,25 @@ def _wrap_rotary(model: nn.Module, provider, dtype, cfg) -> dict:
     return ropes
 
 
+def _lm_head_scaled_forward(self, x):
+    """lm_head then the logits times 1 / logits_scaling, as vLLM's logits processor scales the model-dtype logits
+    (a product by the reciprocal, not transformers' division; one rounding per element either way)."""
+    return _linear_forward(self, x) * self._tic_logit_scale
+
+
 def _wrap_logits(model: nn.Module, cfg) -> None:
-    """Final logit softcapping moved from the model's forward into lm_head's, through the wrappers' softcap (on
-    CPU one row at a time). The wrapped model's config then reads None there: the value lives in lm_head, and a
-    wrapped model is never saved."""
+    """Final logit softcapping (or Granite's logits_scaling) moved from the model's forward into lm_head's,
+    through the wrappers' softcap (on CPU one row at a time) or vLLM's scaling rule. The wrapped model's config
+    then reads None (scaling: 1.0) there: the value lives in lm_head, and a wrapped model is never saved."""
     cap = getattr(cfg, "final_logit_softcapping", None)
     head = model.get_output_embeddings()
+    scaling = getattr(cfg, "logits_scaling", None)
+    if head is not None and scaling is not None and float(scaling) != 1.0:
+        head._tic_logit_scale = 1.0 / float(scaling)
+        head.forward = types.MethodType(_lm_head_scaled_forward, head)
+        for c in {id(model.config): model.config, id(cfg): cfg}.values():
+            c.logits_scaling = 1.0  # now applied once, in lm_head
+        return
     if cap is None or head is None:
         return
     head._tic_softcap = float(cap)
