@@ -21,7 +21,7 @@ from tic.skill.runner import run_gate
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2", "tiny-phi3",
-            "tiny-granite")
+            "tiny-granite", "tiny-qwen2-moe")
 
 
 def meta_of(name: str, **changes) -> nn.Module:
@@ -46,6 +46,8 @@ def meta_of(name: str, **changes) -> nn.Module:
      {"embedding", "rope:one_table"}),
     ("tiny-granite", {"decoder:scaled_residual", "norm:rms", "attention:full", "mlp:silu_and_mul"},
      {"embedding", "embedding:tied", "rope:one_table", "logits:scaled"}),
+    ("tiny-qwen2-moe", {"decoder:two_norm", "norm:rms", "attention:full", "mlp:silu_and_mul"},  # layer 0: dense
+     {"embedding", "rope:one_table"}),
 ])
 def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
     rows = coverage_table(meta_of(name))
@@ -495,4 +497,18 @@ def test_fidelity_fails_a_granite_wrapper_that_drops_a_multiplier(example, workd
     first = res.details["fidelity"]["first_parting_module"]
     assert res.verdict == "fail", res.reason
     assert first.startswith("model.layers.0.") if plant == "residual" else first == "logits", first
+    hf._MODELS.clear()
+
+
+def test_qwen2_moe_shared_expert_is_read_and_a_wrapper_dropping_its_gate_fails_c2(example, workdir):
+    """The MoE layers read as top-k experts plus a sigmoid-gated shared expert; a wrapped block that adds the
+    shared expert ungated agrees with itself bitwise, and C2 refuses it at that block."""
+    cov = {c.layer: c for c in read_coverage(meta_of("tiny-qwen2-moe"))}
+    assert {"moe:topk_silu", "moe:shared_expert", "mlp:silu_and_mul"} <= set(cov["model.layers.1"].classes)
+    assert not cov["model.layers.1"].refusals
+    ctx = small_ctx(example, "tiny-qwen2-moe")
+    ctx.train_engine().model.model.layers[1].mlp.shared_expert_gate = None
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail", res.reason
+    assert res.details["fidelity"]["first_parting_module"] == "model.layers.1.mlp", res.details["fidelity"]
     hf._MODELS.clear()

@@ -89,6 +89,10 @@ def softcap_ref(x, cap):
     return torch.tanh(_wide(x) / cap) * cap
 
 
+def sigmoid_gate_ref(g, y):
+    return torch.sigmoid(_wide(g)) * _wide(y)
+
+
 def attention_ref(q, k, v, mask, scale, softcap=None, window=None):
     """q [B, H, Q, D], k/v [B, Hkv, K, D], mask bool [B, 1, Q, K] or None (causal, within `window` keys when
     given) -> [B, Q, H, D]. torch's SDPA in float32 (its fused backward on GPU); with a softcap the scores
@@ -557,6 +561,7 @@ OPS: dict[str, Op] = {op.name: op for op in [
     Op("gelu_tanh_and_mul", lambda p, x: p.gelu_tanh_and_mul(x), gelu_tanh_and_mul_ref,
        _gelu_tanh_and_mul_backward),
     Op("softcap", lambda p, x, cap: p.softcap(x, cap), softcap_ref, _softcap_backward),
+    Op("sigmoid_gate", lambda p, g, y: p.sigmoid_gate(g, y), sigmoid_gate_ref),  # backward: autograd of the ref
     Op("attention", lambda p, q, k, v, mask, scale, softcap=None, window=None:
        p.attention(q, k, v, mask, scale, **_attention_options(softcap, window)), attention_ref, _attention_backward),
     Op("moe_route", lambda p, logits, top_k, renormalize: p.moe_route(logits, top_k, renormalize),
@@ -603,6 +608,9 @@ class Ops:
 
     def softcap(self, x, cap: float):
         return self._run("softcap", x, cap=float(cap))
+
+    def sigmoid_gate(self, g, y):
+        return self._run("sigmoid_gate", g, y)
 
     def attention(self, q, k, v, mask, scale, softcap: float | None = None, window: int | None = None):
         return self._run("attention", q, k, v, mask, scale=scale, **_attention_options(softcap, window))

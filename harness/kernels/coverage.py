@@ -64,6 +64,8 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("mlp:silu_and_mul", "gated MLP, silu(gate) * up rounded once"),
     OperatorClass("mlp:gelu_tanh_and_mul", "gated MLP, gelu_tanh(gate) * up rounded once (Gemma)"),
     OperatorClass("moe:topk_silu", "softmax top-k router, SiLU experts combined in float32 in slot order"),
+    OperatorClass("moe:shared_expert", "a gated MLP on every token, times sigmoid of a one-feature linear, added "
+                                       "to the routed experts' output (Qwen2-MoE)"),
     OperatorClass("rope:one_table", "neox rotary, one cos|sin table for all layers"),
     OperatorClass("rope:per_layer_type", "neox rotary, one table per layer type (Gemma-3 local/global bases)"),
     OperatorClass("embedding", "token embedding"),
@@ -336,13 +338,33 @@ def _read_qk_norms(cov: LayerCoverage, name: str, m) -> None:
         cov.variants[name] = "attention:qk_norm_projection"  # the wrapper norms before the heads split
 
 
+def _read_shared_expert(cov: LayerCoverage, name: str, m, cfg) -> None:
+    """Qwen2-MoE's shared expert: a gated MLP on every token, times sigmoid(shared_expert_gate(x)) (a linear to one
+    feature) when the block has that gate, added to the routed experts' output."""
+    shared, gate = m.shared_expert, getattr(m, "shared_expert_gate", None)
+    field = ("shared_expert_intermediate_size", getattr(cfg, "shared_expert_intermediate_size", None))
+    variant = activation_variant(mlp_activation(shared)) if is_gated_mlp(shared) else None
+    if variant is None:
+        cov.refusals.append(Refusal(f"{name}.shared_expert", type(shared).__name__, "a shared expert that is not a "
+                                    "gated MLP with SiLU or GELU-tanh", *field))
+        return
+    if gate is not None and not (isinstance(gate, nn.Linear) and gate.out_features == 1):
+        cov.refusals.append(Refusal(f"{name}.shared_expert_gate", type(gate).__name__, "a shared-expert gate that "
+                                    "is not a linear to one feature"))
+        return
+    cov.classes[variant] = _act_field(cfg)
+    cov.variants[f"{name}.shared_expert"] = variant
+    cov.classes["moe:shared_expert"] = field
+
+
 def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
     kind = type(m).__name__
     if is_moe_block(m):
-        for a in ("shared_expert", "shared_experts"):
-            if hasattr(m, a):
-                cov.refusals.append(Refusal(name, kind, "shared experts", "shared_expert_intermediate_size",
-                                            getattr(cfg, "shared_expert_intermediate_size", None)))
+        if hasattr(m, "shared_experts"):  # DeepSeek-style: ungated, with routed scaling
+            cov.refusals.append(Refusal(name, kind, "shared experts without a sigmoid gate (shared_experts)",
+                                        "n_shared_experts", getattr(cfg, "n_shared_experts", None)))
+        if hasattr(m, "shared_expert"):
+            _read_shared_expert(cov, name, m, cfg)
         if activation_variant(getattr(m.experts, "act_fn", None)) != "mlp:silu_and_mul":
             cov.refusals.append(Refusal(name, kind, "MoE experts with an activation other than SiLU",
                                         *_act_field(cfg)))

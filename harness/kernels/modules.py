@@ -293,7 +293,13 @@ def _moe_forward(self, hidden_states):
     calls = self._tic_routes.calls
     if calls is not None:
         calls.setdefault(self._tic_name, []).append(ids.detach().to("cpu"))
-    return ops.moe_experts(x, weights, ids, experts.gate_up_proj, experts.down_proj).reshape(shape)
+    out = ops.moe_experts(x, weights, ids, experts.gate_up_proj, experts.down_proj)
+    shared = getattr(self, "shared_expert", None)  # Qwen2-MoE: a gated MLP on every token, sigmoid-gated
+    if shared is not None:
+        y = shared(x)
+        gate = getattr(self, "shared_expert_gate", None)
+        out = (ops.sigmoid_gate(gate(x), y) if gate is not None else y) + out  # vLLM: shared_output + fused_output
+    return out.reshape(shape)
 
 
 # -- attention mask registration (bool masks, never skipped as "causal") ---------------------------------------

@@ -293,6 +293,11 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
         tanh, multiply (elementwise on the GPU: a row's bits do not depend on its neighbours)."""
         return torch.tanh(x / cap) * cap
 
+    def sigmoid_gate(self, g, y):
+        """A shared expert's gate as vLLM's Qwen2MoeMLP applies it: F.sigmoid(gate(x)) * out, elementwise in the
+        model dtype."""
+        return torch.sigmoid(g) * y
+
     def _layout(self, mask, B: int, T: int, device, block_size: int, window: int | None = None):
         """(varlen, paged layout) for one mask, built once per mask (tic.harness.kernels.memo.TensorMemo)."""
         return self._layouts.get(mask, B, T, device, block_size, window)

@@ -114,6 +114,8 @@ def compare_forward(stock: nn.Module, wrapped: nn.Module, input_ids, attention_m
             continue
         if a.dim() >= 2 and a.shape[:2] == keep.shape:
             a, b = a[keep], b[keep]
+        elif a.dim() >= 1 and a.shape[0] == keep.numel():  # tokens flattened [B * T, ...] (a MoE block's inside)
+            a, b = a[keep.reshape(-1)], b[keep.reshape(-1)]
         checked += 1
         diff, scale = float((a - b).abs().max()) if a.numel() else 0.0, float(a.abs().max()) if a.numel() else 0.0
         bound = rtol * scale + FIDELITY_ATOL
