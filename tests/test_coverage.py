@@ -21,7 +21,7 @@ from tic.skill.runner import run_gate
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2", "tiny-phi3",
-            "tiny-granite", "tiny-qwen2-moe")
+            "tiny-granite", "tiny-qwen2-moe", "tiny-stablelm")
 
 
 def meta_of(name: str, **changes) -> nn.Module:
@@ -48,6 +48,8 @@ def meta_of(name: str, **changes) -> nn.Module:
      {"embedding", "embedding:tied", "rope:one_table", "logits:scaled"}),
     ("tiny-qwen2-moe", {"decoder:two_norm", "norm:rms", "attention:full", "mlp:silu_and_mul"},  # layer 0: dense
      {"embedding", "rope:one_table"}),
+    ("tiny-stablelm", {"decoder:two_norm", "norm:layer", "attention:full", "mlp:silu_and_mul"},
+     {"embedding", "rope:one_table", "norm:layer"}),
 ])
 def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
     rows = coverage_table(meta_of(name))
@@ -512,3 +514,20 @@ def test_qwen2_moe_shared_expert_is_read_and_a_wrapper_dropping_its_gate_fails_c
     assert res.verdict == "fail", res.reason
     assert res.details["fidelity"]["first_parting_module"] == "model.layers.1.mlp", res.details["fidelity"]
     hf._MODELS.clear()
+
+
+def test_stablelm_layernorm_plant_fails_c2_and_its_unsupported_variants_are_refused(example, workdir):
+    """A wrapper that runs an RMSNorm where the model has a LayerNorm agrees with itself bitwise; C2 refuses it at
+    that norm. StableLM's parallel residual (one norm per layer) and its per-head q/k LayerNorms are refused at C0,
+    naming them."""
+    ctx = small_ctx(example, "tiny-stablelm")
+    norm = ctx.train_engine().model.model.layers[0].input_layernorm
+    norm.forward = lambda x, residual=None: norm._tic_ops.rms_norm(x, norm.weight, norm.eps)
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail", res.reason
+    assert res.details["fidelity"]["first_parting_module"] == "model.layers.0.input_layernorm"
+    hf._MODELS.clear()
+    parallel = coverage_table(meta_of("tiny-stablelm", use_parallel_residual=True))[0]["refused"]
+    assert any("a decoder layer of children" in r for r in parallel), parallel
+    qk = coverage_table(meta_of("tiny-stablelm", qk_layernorm=True))[0]["refused"]
+    assert any("q_layernorm" in r and "qk_layernorm=True" in r for r in qk), qk

@@ -89,6 +89,11 @@ def softcap_ref(x, cap):
     return torch.tanh(_wide(x) / cap) * cap
 
 
+def layer_norm_ref(x, w, b, eps):
+    return F.layer_norm(_wide(x), (x.shape[-1],), None if w is None else _wide(w), None if b is None else _wide(b),
+                        eps)
+
+
 def sigmoid_gate_ref(g, y):
     return torch.sigmoid(_wide(g)) * _wide(y)
 
@@ -562,6 +567,7 @@ OPS: dict[str, Op] = {op.name: op for op in [
        _gelu_tanh_and_mul_backward),
     Op("softcap", lambda p, x, cap: p.softcap(x, cap), softcap_ref, _softcap_backward),
     Op("sigmoid_gate", lambda p, g, y: p.sigmoid_gate(g, y), sigmoid_gate_ref),  # backward: autograd of the ref
+    Op("layer_norm", lambda p, x, w, b, eps: p.layer_norm(x, w, b, eps), layer_norm_ref),  # likewise
     Op("attention", lambda p, q, k, v, mask, scale, softcap=None, window=None:
        p.attention(q, k, v, mask, scale, **_attention_options(softcap, window)), attention_ref, _attention_backward),
     Op("moe_route", lambda p, logits, top_k, renormalize: p.moe_route(logits, top_k, renormalize),
@@ -611,6 +617,9 @@ class Ops:
 
     def sigmoid_gate(self, g, y):
         return self._run("sigmoid_gate", g, y)
+
+    def layer_norm(self, x, w, b, eps: float):
+        return self._run("layer_norm", x, w, b, eps=float(eps))
 
     def attention(self, q, k, v, mask, scale, softcap: float | None = None, window: int | None = None):
         return self._run("attention", q, k, v, mask, scale=scale, **_attention_options(softcap, window))

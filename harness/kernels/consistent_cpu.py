@@ -123,6 +123,9 @@ class CPUProvider(MambaCPUKernels, KernelProvider):  # Mamba-2 kernels: tic.harn
         vector tail, so a whole-batch call would round a row by where it sits)."""
         return rowwise(lambda r: torch.tanh(r / cap) * cap, x)
 
+    def layer_norm(self, x, w, b, eps):
+        return rowwise(lambda r: F.layer_norm(r, (x.shape[-1],), w, b, eps), x)
+
     def sigmoid_gate(self, g, y):
         """sigmoid(g) * y one row at a time (CPU sigmoid, like tanh, takes another path for a vector's tail)."""
         rows = [torch.sigmoid(g[i:i + 1]) * y[i:i + 1] for i in range(g.shape[0])]

@@ -52,6 +52,8 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
                                              "times residual_multiplier before a plain residual add (Granite)"),
     OperatorClass("norm:rms", "RMSNorm w * x_hat, x_hat rounded to the model dtype first (Llama, Qwen)"),
     OperatorClass("norm:rms_1p", "RMSNorm (1 + w) * x_hat in float32, rounded once (Gemma)"),
+    OperatorClass("norm:layer", "torch's LayerNorm (w * (x - mean) / std + b); where it joins the residual, a plain "
+                                "add then the norm of the sum, as vLLM's models run nn.LayerNorm (StableLM)"),
     OperatorClass("attention:full", "causal attention over each sequence's keys"),
     OperatorClass("attention:sliding", "causal attention over the last `sliding_window` keys (Gemma, Mistral)"),
     OperatorClass("attention:softcap", "attention scores cap * tanh(s / cap) (Gemma-2 attn_logit_softcapping)"),
@@ -135,6 +137,11 @@ class LayerCoverage:
 # -- recognising modules by structure ------------------------------------------------------------------------
 def is_rmsnorm(m) -> bool:
     return type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), torch.Tensor)
+
+
+def is_layernorm(m) -> bool:
+    """torch's own LayerNorm over the last dimension (a subclass with a forward of its own is not assumed to be)."""
+    return isinstance(m, nn.LayerNorm) and type(m).forward is nn.LayerNorm.forward and len(m.normalized_shape) == 1
 
 
 def is_moe_block(m) -> bool:
@@ -278,10 +285,11 @@ def attention_clip(m, cfg) -> float | None:
 
 # -- reading a model's coverage --------------------------------------------------------------------------------
 def _read_norm(cov: LayerCoverage, name: str, norm) -> None:
-    variant = norm_variant(norm) if is_rmsnorm(norm) else None
+    variant = "norm:layer" if is_layernorm(norm) else norm_variant(norm) if is_rmsnorm(norm) else None
     if variant is None:
         cov.refusals.append(Refusal(name, type(norm).__name__, "a norm computing neither w * x_hat nor "
-                                    "(1 + w) * x_hat (RMSNorm), the norms the wrappers implement"))
+                                    "(1 + w) * x_hat (RMSNorm) nor torch's LayerNorm, the norms the wrappers "
+                                    "implement"))
     else:
         cov.classes[variant] = (None, None)
         cov.variants[name] = variant
@@ -302,6 +310,10 @@ def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
                                     "use_bidirectional_attention", getattr(cfg, "use_bidirectional_attention", None)))
     if attention_clip(m, cfg) is not None:
         cov.classes["attention:clip_qkv"] = ("clip_qkv", attention_clip(m, cfg))
+    for a in ("q_layernorm", "k_layernorm"):  # StableLM's qk_layernorm: per-head LayerNorms the wrappers lack
+        if getattr(m, a, None) is not None:
+            cov.refusals.append(Refusal(f"{name}.{a}", type(getattr(m, a)).__name__, "per-head LayerNorms of q and "
+                                        "k", "qk_layernorm", True))
     _read_qk_norms(cov, name, m)
 
 

@@ -39,8 +39,8 @@ from tic.config.schema import BackwardConfig
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 mixers (hybrids), issue 31
 from tic.harness.kernels.autograd import OPS, Backward, Ops
 from tic.harness.kernels.coverage import (attention_clip, attention_softcap, attention_window, final_norm,
-                                          is_attention, is_decoder_layer, is_gated_mlp, is_moe_block, is_rmsnorm,
-                                          norm_eps, problem_lines, read_coverage, rotary_modules,
+                                          is_attention, is_decoder_layer, is_gated_mlp, is_layernorm, is_moe_block,
+                                          is_rmsnorm, norm_eps, problem_lines, read_coverage, rotary_modules,
                                           rotary_per_layer_type)
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
@@ -142,6 +142,15 @@ def _rmsnorm_forward(self, x, residual=None):
     return self._tic_ops.rms_norm(x, self.weight, eps, offset)
 
 
+def _layernorm_forward(self, x, residual=None):
+    """torch's LayerNorm as vLLM's models run nn.LayerNorm: where the layer joins the residual, a plain add
+    (residual + x) and the norm of the sum, no fused add+norm."""
+    if residual is not None:
+        total = residual + x
+        return self._tic_ops.layer_norm(total, self.weight, self.bias, self.eps), total
+    return self._tic_ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
 def _lm_head_softcap_forward(self, x):
     """lm_head then the final logit softcap (the model's own forward no longer applies it: apply moved it
     here), as vLLM's logits processor runs it on the model-dtype logits."""
@@ -149,10 +158,11 @@ def _lm_head_softcap_forward(self, x):
 
 
 def _final_norm_forward(self, x):
+    norm = _layernorm_forward if is_layernorm(self) else _rmsnorm_forward
     pair = self._tic_stream.take(x)
     if pair is not None:
-        return _rmsnorm_forward(self, pair[0], residual=pair[1])[0]
-    return _rmsnorm_forward(self, x)
+        return norm(self, pair[0], residual=pair[1])[0]
+    return norm(self, x)
 
 
 def _layer_attention(self, hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings,
@@ -384,6 +394,8 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m.forward = types.MethodType(LAYER_FORWARDS[variant], m)
     elif isinstance(m, nn.Linear):
         m.forward = types.MethodType(_linear_forward, m)
+    elif is_layernorm(m):
+        m.forward = types.MethodType(_layernorm_forward, m)
     elif is_rmsnorm(m):
         m._tic_norm_offset = 1.0 if variant == "norm:rms_1p" else 0.0
         m.forward = types.MethodType(_rmsnorm_forward, m)

@@ -9,6 +9,7 @@ Shapes (T = tokens of any leading shape, flattened by the caller where a kernel 
   linear(x [.., K], w [N, K], b [N] | None) -> [.., N]
   rms_norm(x [.., D], w [D], eps[, offset]) -> [.., D]   (w * x_hat; with offset 1: (1 + w) * x_hat, Gemma)
   add_rms_norm(x, residual, w, eps[, offset]) -> (rms_norm(x + residual), x + residual)
+  layer_norm(x [.., D], w [D] | None, b [D] | None, eps) -> torch's LayerNorm
   cos_sin_cache(hf rotary module, config, P, dtype, device[, layer_type]) -> [P, R] (cos | sin halves)
   rotary(q [T, Hq, D], k [T, Hk, D], positions [T], cos_sin [P, R]) -> (q, k)   (neox style, R = rotary dims)
   silu_and_mul(x [.., 2I]) -> silu(x[..., :I]) * x[..., I:], rounded once

@@ -293,6 +293,11 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
         tanh, multiply (elementwise on the GPU: a row's bits do not depend on its neighbours)."""
         return torch.tanh(x / cap) * cap
 
+    def layer_norm(self, x, w, b, eps):
+        """nn.LayerNorm as vLLM's models call it (torch's kernel: one block per row, so a row's bits do not follow
+        the batch)."""
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, eps)
+
     def sigmoid_gate(self, g, y):
         """A shared expert's gate as vLLM's Qwen2MoeMLP applies it: F.sigmoid(gate(x)) * out, elementwise in the
         model dtype."""
