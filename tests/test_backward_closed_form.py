@@ -228,6 +228,12 @@ def test_log_softmax():
     check("log_softmax", (r(4, 13) * 3,))
 
 
+def test_layer_norm_and_the_shared_expert_gate():
+    check("layer_norm", (r(5, 16), r(16), r(16)), {"eps": 1e-5})
+    check("layer_norm", (r(2, 3, 16), None, None), {"eps": 1e-5})
+    check("sigmoid_gate", (r(6, 1), r(6, 12)))
+
+
 def test_every_operator_has_a_written_out_backward():
     assert all(op.backward is not None for op in ag.OPS.values())
 

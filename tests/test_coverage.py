@@ -151,7 +151,8 @@ def test_a_norm_computing_another_function_is_refused_with_its_module():
     model.model.layers[1].post_attention_layernorm = OffsetRMSNorm(64)
     problems = coverage_problems(model)
     assert problems == ["model.layers.1.post_attention_layernorm (OffsetRMSNorm): a norm computing neither "
-                        "w * x_hat nor (1 + w) * x_hat (RMSNorm), the norms the wrappers implement"]
+                        "w * x_hat nor (1 + w) * x_hat (RMSNorm) nor torch's LayerNorm, the norms the wrappers "
+                        "implement"]
 
 
 def test_an_unknown_layer_structure_is_refused():

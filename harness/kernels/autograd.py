@@ -300,6 +300,45 @@ def _rms_norm_input_grads(x, w, g, eps, need_x: bool, need_w: bool, offset: floa
     return gx, gw
 
 
+def _layer_norm_input_grads(x, w, g, eps, need_x: bool, need_w: bool, need_b: bool):
+    """y = w * n + b, n = (x - mean(x)) * r, r = (var(x) + eps)^-1/2 (biased var): gx = r * (gn - mean(gn) -
+    n * mean(gn n)), gn = g w; gw = sum g n; gb = sum g."""
+    x32 = _wide(x)
+    mu = x32.mean(-1, keepdim=True)
+    r = torch.rsqrt((x32 - mu).pow(2).mean(-1, keepdim=True) + eps)
+    n = (x32 - mu) * r
+    g32 = g.to(x32.dtype)
+    flat = lambda t: t.reshape(-1, t.shape[-1]).sum(0)  # noqa: E731
+    gw = flat(g32 * n) if need_w else None
+    gb = flat(g32) if need_b else None
+    gx = None
+    if need_x:
+        gn = g32 * _wide(w) if w is not None else g32
+        gx = r * (gn - gn.mean(-1, keepdim=True) - n * (gn * n).mean(-1, keepdim=True))
+    return gx, gw, gb
+
+
+def _layer_norm_backward(tensors, fixed, grads, kw, needs, run):
+    x, w, b = tensors
+    return run.fused(_layer_norm_input_grads, x, w, grads[0], kw["eps"], needs[0], w is not None and needs[1],
+                     b is not None and needs[2])
+
+
+def _sigmoid_gate_input_grads(g, y, grad, need_g: bool, need_y: bool):
+    """out = s * y, s = sigmoid(g) (g [T, 1] broadcast over y's features): gg = sum(grad y) s (1 - s), gy = grad s."""
+    s = torch.sigmoid(_wide(g))
+    grad32 = grad.to(s.dtype)
+    gg = (grad32 * _wide(y)).sum(-1, keepdim=True) * s * (1 - s) if need_g else None
+    gy = grad32 * s if need_y else None
+    return gg, gy
+
+
+def _sigmoid_gate_backward(tensors, fixed, grads, kw, needs, run):
+    if grads[0] is None:
+        return (None, None)
+    return run.fused(_sigmoid_gate_input_grads, tensors[0], tensors[1], grads[0], needs[0], needs[1])
+
+
 def _rms_norm_backward(tensors, fixed, grads, kw, needs, run):
     x, w = tensors
     return run.fused(_rms_norm_input_grads, x, w, grads[0], kw["eps"], needs[0], needs[1], kw.get("offset", 0.0))
@@ -566,8 +605,8 @@ OPS: dict[str, Op] = {op.name: op for op in [
     Op("gelu_tanh_and_mul", lambda p, x: p.gelu_tanh_and_mul(x), gelu_tanh_and_mul_ref,
        _gelu_tanh_and_mul_backward),
     Op("softcap", lambda p, x, cap: p.softcap(x, cap), softcap_ref, _softcap_backward),
-    Op("sigmoid_gate", lambda p, g, y: p.sigmoid_gate(g, y), sigmoid_gate_ref),  # backward: autograd of the ref
-    Op("layer_norm", lambda p, x, w, b, eps: p.layer_norm(x, w, b, eps), layer_norm_ref),  # likewise
+    Op("sigmoid_gate", lambda p, g, y: p.sigmoid_gate(g, y), sigmoid_gate_ref, _sigmoid_gate_backward),
+    Op("layer_norm", lambda p, x, w, b, eps: p.layer_norm(x, w, b, eps), layer_norm_ref, _layer_norm_backward),
     Op("attention", lambda p, q, k, v, mask, scale, softcap=None, window=None:
        p.attention(q, k, v, mask, scale, **_attention_options(softcap, window)), attention_ref, _attention_backward),
     Op("moe_route", lambda p, logits, top_k, renormalize: p.moe_route(logits, top_k, renormalize),
