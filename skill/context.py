@@ -26,6 +26,10 @@ def _kv_cache_dtype(options: dict) -> str:
 
 
 def check_kernels(cfg: TicConfig) -> None:
+    if cfg.train.kernels != "vllm" and _kv_cache_dtype(cfg.train.options) != "auto":
+        # only the vLLM provider makes K/V's cache round trip; C2 and C7 would model one the forward does not make
+        raise TicInputError(f"train.options.kv_cache_dtype {_kv_cache_dtype(cfg.train.options)!r} needs train.kernels "
+                            f"vllm (kernels {cfg.train.kernels} keep K/V in the model dtype)")
     if cfg.train.kernels == "vllm" and cfg.rollout.engine == "vllm" and \
             _kv_cache_dtype(cfg.rollout.options) != _kv_cache_dtype(cfg.train.options):
         # the training forward's K/V must make the rollout's cache round trip (tic.harness.kernels.vllm_fp8)
