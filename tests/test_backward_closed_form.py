@@ -234,6 +234,11 @@ def test_layer_norm_and_the_shared_expert_gate():
     check("sigmoid_gate", (r(6, 1), r(6, 12)))
 
 
+@pytest.mark.parametrize("kind", ["gelu", "gelu_tanh", "relu", "silu"])
+def test_an_ungated_mlps_activation(kind):
+    check("activation", (r(4, 24) * 3,), {"kind": kind})
+
+
 def test_every_operator_has_a_written_out_backward():
     assert all(op.backward is not None for op in ag.OPS.values())
 

@@ -21,7 +21,7 @@ from tic.skill.runner import run_gate
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2", "tiny-phi3",
-            "tiny-granite", "tiny-qwen2-moe", "tiny-stablelm")
+            "tiny-granite", "tiny-qwen2-moe", "tiny-stablelm", "tiny-starcoder2")
 
 
 def meta_of(name: str, **changes) -> nn.Module:
@@ -50,6 +50,8 @@ def meta_of(name: str, **changes) -> nn.Module:
      {"embedding", "rope:one_table"}),
     ("tiny-stablelm", {"decoder:two_norm", "norm:layer", "attention:full", "mlp:silu_and_mul"},
      {"embedding", "rope:one_table", "norm:layer"}),
+    ("tiny-starcoder2", {"decoder:two_norm", "norm:layer", "attention:full", "mlp:plain"},
+     {"embedding", "embedding:tied", "rope:one_table", "norm:layer"}),
 ])
 def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
     rows = coverage_table(meta_of(name))
@@ -532,3 +534,20 @@ def test_stablelm_layernorm_plant_fails_c2_and_its_unsupported_variants_are_refu
     assert any("a decoder layer of children" in r for r in parallel), parallel
     qk = coverage_table(meta_of("tiny-stablelm", qk_layernorm=True))[0]["refused"]
     assert any("q_layernorm" in r and "qk_layernorm=True" in r for r in qk), qk
+
+
+def test_an_ungated_mlp_with_the_wrong_activation_fails_c2_and_gelu_new_is_refused(example, workdir):
+    """StarCoder2's ungated MLP wrapped with ReLU instead of its tanh GELU agrees with itself bitwise; C2 refuses
+    it at that MLP. gelu_new (transformers' own tanh formula, not torch's) is refused at C0 with the
+    field that selects it; relu is covered."""
+    ctx = small_ctx(example, "tiny-starcoder2")
+    mlp = ctx.train_engine().model.model.layers[0].mlp
+    mlp._tic_plain = (*mlp._tic_plain[:2], "relu")
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail", res.reason
+    assert res.details["fidelity"]["first_parting_module"].startswith("model.layers.0.mlp")
+    hf._MODELS.clear()
+    assert coverage_problems(meta_of("tiny-starcoder2", hidden_act="gelu_new"), "consistent") == []
+    refused = coverage_problems(meta_of("tiny-starcoder2", hidden_act="gelu_new"), "vllm")
+    assert refused and all("mlp:plain_vllm_kernel" in r for r in refused), refused
+    assert coverage_problems(meta_of("tiny-starcoder2", hidden_act="relu"), "vllm") == []

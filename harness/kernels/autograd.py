@@ -89,6 +89,37 @@ def softcap_ref(x, cap):
     return torch.tanh(_wide(x) / cap) * cap
 
 
+PLAIN_ACTS = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu}
+
+
+def activation_ref(x, kind):
+    return PLAIN_ACTS[kind](_wide(x))
+
+
+def _activation_input_grad(x, g, kind: str):
+    """d/dx of gelu = Phi(x) + x phi(x); of gelu_tanh = 0.5 (1 + t) + 0.5 x (1 - t^2) u', t = tanh(u),
+    u = c (x + 0.044715 x^3), u' = c (1 + 3 * 0.044715 x^2); of relu = [x > 0]; of silu = s (1 + x (1 - s))."""
+    x = _wide(x)
+    if kind == "gelu":
+        d = 0.5 * (1 + torch.erf(x * 0.7071067811865476)) + x * torch.exp(-0.5 * x * x) * 0.3989422804014327
+    elif kind == "gelu_tanh":
+        c = 0.7978845608028654
+        t = torch.tanh(c * (x + 0.044715 * x ** 3))
+        d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
+    elif kind == "relu":
+        d = (x > 0).to(x.dtype)
+    else:
+        sg = torch.sigmoid(x)
+        d = sg * (1 + x * (1 - sg))
+    return g.to(x.dtype) * d
+
+
+def _activation_backward(tensors, fixed, grads, kw, needs, run):
+    if not needs[0] or grads[0] is None:
+        return (None,)
+    return (run.fused(_activation_input_grad, tensors[0], grads[0], kw["kind"]),)
+
+
 def layer_norm_ref(x, w, b, eps):
     return F.layer_norm(_wide(x), (x.shape[-1],), None if w is None else _wide(w), None if b is None else _wide(b),
                         eps)
@@ -607,6 +638,7 @@ OPS: dict[str, Op] = {op.name: op for op in [
     Op("softcap", lambda p, x, cap: p.softcap(x, cap), softcap_ref, _softcap_backward),
     Op("sigmoid_gate", lambda p, g, y: p.sigmoid_gate(g, y), sigmoid_gate_ref, _sigmoid_gate_backward),
     Op("layer_norm", lambda p, x, w, b, eps: p.layer_norm(x, w, b, eps), layer_norm_ref, _layer_norm_backward),
+    Op("activation", lambda p, x, kind: p.activation(x, kind), activation_ref, _activation_backward),
     Op("attention", lambda p, q, k, v, mask, scale, softcap=None, window=None:
        p.attention(q, k, v, mask, scale, **_attention_options(softcap, window)), attention_ref, _attention_backward),
     Op("moe_route", lambda p, logits, top_k, renormalize: p.moe_route(logits, top_k, renormalize),
@@ -659,6 +691,9 @@ class Ops:
 
     def layer_norm(self, x, w, b, eps: float):
         return self._run("layer_norm", x, w, b, eps=float(eps))
+
+    def activation(self, x, kind: str):
+        return self._run("activation", x, kind=kind)
 
     def attention(self, q, k, v, mask, scale, softcap: float | None = None, window: int | None = None):
         return self._run("attention", q, k, v, mask, scale=scale, **_attention_options(softcap, window))

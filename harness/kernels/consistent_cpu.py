@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tic.harness.kernels import fp8_cpu
+from tic.harness.kernels.autograd import PLAIN_ACTS
 from tic.harness.kernels.mamba import MambaCPUKernels
 from tic.harness.kernels.rope import hf_cos_sin_cache, rotate_neox
 from tic.harness.kernels.spec import KernelProvider
@@ -122,6 +123,10 @@ class CPUProvider(MambaCPUKernels, KernelProvider):  # Mamba-2 kernels: tic.harn
         """cap * tanh(x / cap) in x's dtype, one row at a time (CPU tanh takes another path for a tensor's
         vector tail, so a whole-batch call would round a row by where it sits)."""
         return rowwise(lambda r: torch.tanh(r / cap) * cap, x)
+
+    def activation(self, x, kind):
+        """An ungated MLP's activation one row at a time (CPU erf/tanh take another path for a vector's tail)."""
+        return rowwise(PLAIN_ACTS[kind], x)
 
     def layer_norm(self, x, w, b, eps):
         return rowwise(lambda r: F.layer_norm(r, (x.shape[-1],), w, b, eps), x)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 hybrids, issue 31
+from tic.harness.kernels.autograd import PLAIN_ACTS
 from tic.harness.kernels.rope import rotate_neox
 
 KERNELS = ("consistent", "vllm")  # tic.yaml train.kernels values that run through the wrappers
@@ -65,6 +66,11 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("linear", "GEMM, with or without bias"),
     OperatorClass("mlp:silu_and_mul", "gated MLP, silu(gate) * up rounded once"),
     OperatorClass("mlp:gelu_tanh_and_mul", "gated MLP, gelu_tanh(gate) * up rounded once (Gemma)"),
+    OperatorClass("mlp:plain", "an ungated MLP: up projection, one elementwise activation (GELU, GELU-tanh, ReLU "
+                               "or SiLU, torch's), down projection (StarCoder2, GPT-2-style)"),
+    OperatorClass("mlp:plain_vllm_kernel", "an ungated MLP whose activation name (gelu_new, gelu_fast, ...) vLLM "
+                                           "runs through a kernel of its own, not torch's function",
+                  frozenset({"consistent"})),
     OperatorClass("moe:topk_silu", "softmax top-k router, SiLU experts combined in float32 in slot order"),
     OperatorClass("moe:shared_expert", "a gated MLP on every token, times sigmoid of a one-feature linear, added "
                                        "to the routed experts' output (Qwen2-MoE)"),
@@ -205,6 +211,38 @@ def norm_variant(m) -> str | None:
 
 
 ACTIVATIONS = {"mlp:silu_and_mul": F.silu, "mlp:gelu_tanh_and_mul": lambda x: F.gelu(x, approximate="tanh")}
+
+
+# the activation names vLLM 0.26's get_act_fn answers with torch's own function on CUDA (the others: its own kernels)
+TORCH_ACTIVATION_NAMES = {"gelu", "gelu_pytorch_tanh", "relu", "silu", "swish"}
+
+
+def plain_mlp_parts(m) -> tuple[str, str, str] | None:
+    """(up, down, activation child) of an ungated MLP: exactly two linears, the first widening what the second
+    narrows back, and one other child (the activation; dropouts of probability 0 aside); None for anything else."""
+    kids = {n: c for n, c in m.named_children() if not (isinstance(c, nn.Dropout) and float(c.p) == 0.0)}
+    linears = [n for n, c in kids.items() if isinstance(c, nn.Linear)]
+    others = [n for n in kids if n not in linears]
+    if len(linears) != 2 or len(others) != 1 or _linears(m, "gate_proj") or hasattr(m, "experts"):
+        return None
+    for up, down in (linears, linears[::-1]):
+        u, d = kids[up], kids[down]
+        if u.out_features == d.in_features and u.in_features == d.out_features:
+            return up, down, others[0]
+    return None
+
+
+def plain_activation(act) -> str | None:
+    """The ungated activation (autograd.PLAIN_ACTS: torch's functions, which vLLM's models also call on the GPU for
+    these names) `act` computes bit for bit on a CPU probe (gelu_new's formula is not torch's tanh GELU, and is
+    refused), or None."""
+    x = _probe_input(16).reshape(-1) * 2
+    try:
+        with torch.no_grad():
+            y = act(x)
+    except Exception:  # noqa: BLE001
+        return None
+    return next((n for n, fn in PLAIN_ACTS.items() if y.shape == x.shape and torch.equal(y, fn(x))), None)
 
 
 def activation_variant(act) -> str | None:
@@ -389,9 +427,21 @@ def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
         else:
             cov.classes[variant] = _act_field(cfg)
             cov.variants[name] = variant
+    elif plain_mlp_parts(m) is not None:
+        up, down, act = plain_mlp_parts(m)
+        variant = plain_activation(getattr(m, act))
+        if variant is None:
+            cov.refusals.append(Refusal(name, kind, f"an ungated MLP whose activation ({type(getattr(m, act)).__name__}"
+                                        f") is none of torch's {', '.join(PLAIN_ACTS)}", *_act_field(cfg)))
+        else:
+            field = _act_field(cfg)
+            cov.classes["mlp:plain"] = field
+            if str(field[1]).lower() not in TORCH_ACTIVATION_NAMES:
+                cov.classes["mlp:plain_vllm_kernel"] = field
+            cov.variants[name] = f"mlp:plain:{up}:{down}:{act}:{variant}"
     else:
         cov.refusals.append(Refusal(name, kind, "an MLP that is neither a gated MLP (gate/up or fused gate_up, "
-                                    "down) nor a top-k MoE"))
+                                    "down), an ungated one (up, activation, down) nor a top-k MoE"))
 
 
 def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:

@@ -280,6 +280,12 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     return self.o_proj(out.reshape(B, T, -1)), None
 
 
+def _plain_mlp_forward(self, x):
+    """An ungated MLP (StarCoder2's c_fc / act / c_proj): up projection, the activation, down projection."""
+    up, down, kind = self._tic_plain
+    return down(self._tic_ops.activation(up(x), kind))
+
+
 def _mlp_forward(self, x):
     ops: Ops = self._tic_ops
     if hasattr(self, "gate_up_proj"):  # one fused [gate | up] linear (Phi-3, GLM)
@@ -384,6 +390,10 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
     elif is_gated_mlp(m):
         m._tic_act = variant
         m.forward = types.MethodType(_mlp_forward, m)
+    elif variant is not None and variant.startswith("mlp:plain:"):  # coverage: mlp:plain:<up>:<down>:<act>:<kind>
+        up, down, _, kind = variant.split(":")[2:]
+        m._tic_plain = (getattr(m, up), getattr(m, down), kind)
+        m.forward = types.MethodType(_plain_mlp_forward, m)
     elif is_attention(m):
         m._tic_rope = ropes.get(getattr(m, "layer_type", None), ropes.get(None))
         m._tic_window, m._tic_softcap = attention_window(m, cfg), attention_softcap(m, cfg)

@@ -32,6 +32,7 @@ import torch
 
 from tic import patches
 from tic.core.errors import TicInputError
+from tic.harness.kernels.autograd import PLAIN_ACTS
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.rope import hf_cos_sin_cache
 from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE, KernelProvider
@@ -292,6 +293,11 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
         """The final logit softcap as vLLM's LogitsProcessor applies it to the model-dtype logits: divide,
         tanh, multiply (elementwise on the GPU: a row's bits do not depend on its neighbours)."""
         return torch.tanh(x / cap) * cap
+
+    def activation(self, x, kind):
+        """An ungated MLP's activation: the torch function vLLM's get_act_fn gives for gelu, gelu_pytorch_tanh,
+        relu and silu on CUDA (elementwise: a row's bits do not follow the batch)."""
+        return PLAIN_ACTS[kind](x)
 
     def layer_norm(self, x, w, b, eps):
         """nn.LayerNorm as vLLM's models call it (torch's kernel: one block per row, so a row's bits do not follow
