@@ -462,3 +462,25 @@ def test_c0_refuses_a_vllm_rollout_whose_sliding_window_is_shorter_than_its_cont
     assert window_refusals(full, {"max_model_len": 256}) == []  # the control: no window
     qwen2 = {**full, "model_type": "qwen2", "sliding_window": 4, "use_sliding_window": False}
     assert window_refusals(qwen2, {"max_model_len": 256}) == []  # a window the config switches off
+
+
+def test_c0_refuses_training_on_vllms_kernels_against_its_transformers_backend(monkeypatch):
+    """Read from vLLM's registry: an architecture it implements natively passes; one it maps to (or, absent, falls
+    back on) its Transformers backend, or model_impl: transformers, is refused for train.kernels: vllm only."""
+    import types
+
+    from tic.harness.engines.vllm import backend_refusals
+
+    registry = types.ModuleType("vllm.model_executor.models.registry")
+    registry._VLLM_MODELS = {"Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+                             "Starcoder2ForCausalLM": ("transformers", "TransformersForCausalLM")}
+    for name in ("vllm", "vllm.model_executor", "vllm.model_executor.models"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.models.registry", registry)
+    qwen3, star = {"architectures": ["Qwen3ForCausalLM"]}, {"architectures": ["Starcoder2ForCausalLM"]}
+    assert backend_refusals(qwen3, {}, "vllm") == []
+    (line,) = backend_refusals(star, {}, "vllm")
+    assert "Starcoder2ForCausalLM through its Transformers backend" in line
+    assert backend_refusals({"architectures": ["NewArchForCausalLM"]}, {}, "vllm")  # absent: the fallback
+    assert backend_refusals(qwen3, {"model_impl": "transformers"}, "vllm")
+    assert backend_refusals(star, {}, "consistent") == backend_refusals(star, {}, "stock") == []

@@ -156,6 +156,27 @@ def context_length(options: dict, max_positions: int) -> int:
     return int(options.get("max_model_len") or min(int(max_positions), 2048))
 
 
+def backend_refusals(model_config: dict, options: dict, train_kernels: str) -> list[str]:
+    """A training forward on vLLM's kernels mirrors vLLM's native model code (its rotary, norms, MLPs). vLLM runs an
+    architecture its registry does not implement (or any, with model_impl: transformers) through its Transformers
+    backend, HF's modeling code with vLLM's attention and linears, whose rotary and norms are HF's torch code: the
+    two sides would run different operators. Read from the installed vLLM's registry; none where vLLM is absent
+    (C0 refuses a vLLM rollout on such a machine for that reason already)."""
+    if train_kernels != "vllm":
+        return []
+    try:
+        from vllm.model_executor.models.registry import _VLLM_MODELS
+    except ImportError:
+        return []
+    archs = list(model_config.get("architectures") or [])
+    native = [a for a in archs if a in _VLLM_MODELS and _VLLM_MODELS[a][0] != "transformers"]
+    if native and str(options.get("model_impl", "auto")) != "transformers":
+        return []
+    return [f"rollout.engine: vllm runs {', '.join(archs) or 'this model'} through its Transformers backend (HF's "
+            "modeling code, HF's rotary and norms in torch), which train.kernels: vllm does not mirror; use an "
+            "architecture vLLM implements natively, or kernels: consistent on both sides (guides/vllm.md)"]
+
+
 def window_refusals(model_config: dict, options: dict) -> list[str]:
     """Why a vLLM rollout of this model is outside what tic makes consistent: attention layers with a sliding
     window shorter than the rollout's context (one line, for C0). On the H200 (vLLM 0.26, FA3 with fa3-fixed-tile)
