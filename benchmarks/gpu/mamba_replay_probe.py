@@ -8,8 +8,9 @@ tokens through vLLM's chunked scan, called as tic's vLLM provider calls it (tic.
   replay   the prefix prefilled, then each later token from its chunk's start state with the chunk's earlier tokens
            (the provider's decode, and the premise of the decode patch guides/ops/recurrent-layers.md designs);
   vllm     the prefix prefilled, then vLLM's decode: `selective_state_update` from the prefill's final state.
-The causal conv alike: `causal_conv1d_fn` over the whole sequence against the provider's per-token replay and
-vLLM's `causal_conv1d_update`. Prints rows equal out of the decoded ones; exits 1 when a replayed row differs.
+The causal conv alike: `causal_conv1d_fn` over the whole sequence against the provider's per-token replay (from a
+conv state; its largest difference and how many elements differ), the same token run as a fresh sequence with
+its K-1 predecessors, and vLLM's `causal_conv1d_update`. Prints rows equal out of the decoded ones; exits 1 when a replayed row differs.
 Without --stock the SSD kernels run on the mamba-ssd-fixed-config patch's one config, as the t-mamba2/t-nemotron-h
 configs run them.
 """
@@ -76,7 +77,9 @@ def _scan_rows(prov, t, Q, p0):
 
 
 def _conv_rows(prov, L, dim, K, p0, g, dtype):
-    """(full rows, replayed rows, vLLM update rows) of the conv's tokens p0.., [n, dim]."""
+    """(full rows, replayed rows, vLLM update rows, fresh rows) of the conv's tokens p0.., [n, dim]. Fresh: each
+    token with its K-1 predecessors run as a sequence of their own without an initial state (the last row kept),
+    so the kernel reads every input from x as the prefill does, none from a conv state."""
     import torch
     from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
 
@@ -91,7 +94,9 @@ def _conv_rows(prov, L, dim, K, p0, g, dtype):
     steps = [causal_conv1d_update(u[i:i + 1].clone(), conv_state, w.view(dim, K), bias, "silu",
                                   conv_state_indices=torch.tensor([0], dtype=torch.int32, device="cuda"))
              for i in range(p0, L)]
-    return full[p0:], replay, torch.cat(steps)
+    zeros = torch.zeros(K - 1, dim, dtype=dtype, device="cuda")
+    fresh = torch.cat([prov.mamba_conv(u[i - K + 1:i + 1], zeros, w, bias)[-1:] for i in range(p0, L)])
+    return full[p0:], replay, torch.cat(steps), fresh
 
 
 def _equal_rows(a, b) -> int:
@@ -115,15 +120,17 @@ def main() -> int:
     print(f"{a.decode} tokens decoded after a {p0}-token prefill; rows equal to the whole sequence's prefill "
           f"(patches: {', '.join(patches.active()) or 'none'})")
     print(f"{'shape':<16} {'scan replay':>12} {'scan vllm':>10} {'vllm max|d|':>12} {'conv replay':>12} "
-          f"{'conv vllm':>10}")
+          f"{'replay max|d|':>13} {'elements off':>12} {'conv fresh':>11} {'conv vllm':>10}")
     for name, H, P, N, G, Q, K in SHAPES:
         full, replay, single = _scan_rows(prov, _inputs(L, H, P, N, G, g, dtype), Q, p0)
-        cfull, creplay, cupdate = _conv_rows(prov, L, H * P + 2 * G * N, K, p0, g, dtype)
+        cfull, creplay, cupdate, cfresh = _conv_rows(prov, L, H * P + 2 * G * N, K, p0, g, dtype)
         rs, cs = _equal_rows(full, replay), _equal_rows(cfull, creplay)
         failed |= rs < a.decode or cs < a.decode
+        off = int((cfull != creplay).sum())  # how many elements of the replayed rows differ (all, or a few lanes)
         print(f"{name:<16} {rs:>5}/{a.decode:<6} {_equal_rows(full, single):>4}/{a.decode:<5} "
               f"{float((full - single).abs().max()):>12.3e} {cs:>5}/{a.decode:<6} "
-              f"{_equal_rows(cfull, cupdate):>4}/{a.decode:<5}")
+              f"{float((cfull.float() - creplay.float()).abs().max()):>13.3e} {off:>5}/{cfull.numel():<6} "
+              f"{_equal_rows(cfull, cfresh):>4}/{a.decode:<6} {_equal_rows(cfull, cupdate):>4}/{a.decode:<5}")
     return 1 if failed else 0
 
 
