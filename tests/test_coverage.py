@@ -21,7 +21,7 @@ from tic.skill.runner import run_gate
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2", "tiny-phi3",
-            "tiny-granite", "tiny-qwen2-moe", "tiny-stablelm", "tiny-starcoder2")
+            "tiny-granite", "tiny-qwen2-moe", "tiny-stablelm", "tiny-starcoder2", "tiny-phi2")
 
 
 def meta_of(name: str, **changes) -> nn.Module:
@@ -52,6 +52,8 @@ def meta_of(name: str, **changes) -> nn.Module:
      {"embedding", "rope:one_table", "norm:layer"}),
     ("tiny-starcoder2", {"decoder:two_norm", "norm:layer", "attention:full", "mlp:plain"},
      {"embedding", "embedding:tied", "rope:one_table", "norm:layer"}),
+    ("tiny-phi2", {"decoder:parallel", "norm:layer", "attention:full", "mlp:plain", "mlp:plain_vllm_kernel"},
+     {"embedding", "rope:one_table", "norm:layer"}),
 ])
 def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
     rows = coverage_table(meta_of(name))
@@ -521,8 +523,8 @@ def test_qwen2_moe_shared_expert_is_read_and_a_wrapper_dropping_its_gate_fails_c
 
 def test_stablelm_layernorm_plant_fails_c2_and_its_unsupported_variants_are_refused(example, workdir):
     """A wrapper that runs an RMSNorm where the model has a LayerNorm agrees with itself bitwise; C2 refuses it at
-    that norm. StableLM's parallel residual (one norm per layer) and its per-head q/k LayerNorms are refused at C0,
-    naming them."""
+    that norm. StableLM's parallel residual (one norm per layer) reads as a parallel layer; its per-head q/k
+    LayerNorms are refused at C0, naming them."""
     ctx = small_ctx(example, "tiny-stablelm")
     norm = ctx.train_engine().model.model.layers[0].input_layernorm
     norm.forward = lambda x, residual=None: norm._tic_ops.rms_norm(x, norm.weight, norm.eps)
@@ -530,8 +532,8 @@ def test_stablelm_layernorm_plant_fails_c2_and_its_unsupported_variants_are_refu
     assert res.verdict == "fail", res.reason
     assert res.details["fidelity"]["first_parting_module"] == "model.layers.0.input_layernorm"
     hf._MODELS.clear()
-    parallel = coverage_table(meta_of("tiny-stablelm", use_parallel_residual=True))[0]["refused"]
-    assert any("a decoder layer of children" in r for r in parallel), parallel
+    parallel = read_coverage(meta_of("tiny-stablelm", use_parallel_residual=True))[0]
+    assert "decoder:parallel" in parallel.classes and not parallel.refusals  # one norm, side by side
     qk = coverage_table(meta_of("tiny-stablelm", qk_layernorm=True))[0]["refused"]
     assert any("q_layernorm" in r and "qk_layernorm=True" in r for r in qk), qk
 
@@ -551,3 +553,23 @@ def test_an_ungated_mlp_with_the_wrong_activation_fails_c2_and_gelu_new_is_refus
     refused = coverage_problems(meta_of("tiny-starcoder2", hidden_act="gelu_new"), "vllm")
     assert refused and all("mlp:plain_vllm_kernel" in r for r in refused), refused
     assert coverage_problems(meta_of("tiny-starcoder2", hidden_act="relu"), "vllm") == []
+
+
+def test_phi_parallel_layer_run_in_sequence_fails_c2(example, workdir):
+    """Phi's attention and MLP read one norm's output side by side; a wrapper that feeds the MLP the post-attention
+    sum instead agrees with itself bitwise, and C2 refuses it inside layer 0."""
+    import types
+
+    ctx = small_ctx(example, "tiny-phi2")
+    layer = ctx.train_engine().model.model.layers[0]
+
+    def in_sequence(self, hidden_states, **kw):
+        kw.pop("past_key_values", None)
+        h = hidden_states + self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kw)[0]
+        return h + self.mlp(self.input_layernorm(h))
+
+    layer.forward = types.MethodType(in_sequence, layer)
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail", res.reason
+    assert res.details["fidelity"]["first_parting_module"].startswith("model.layers.0"), res.details["fidelity"]
+    hf._MODELS.clear()

@@ -51,6 +51,8 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
                   frozenset({"consistent"})),  # vLLM 0.26 runs OLMo-2 through its Transformers backend (HF rotary)
     OperatorClass("decoder:scaled_residual", "input norm, attention, post-attention norm, MLP, each sublayer output "
                                              "times residual_multiplier before a plain residual add (Granite)"),
+    OperatorClass("decoder:parallel", "one input norm feeding attention and MLP side by side, attention + MLP + "
+                                      "residual (Phi, vLLM's order)"),
     OperatorClass("norm:rms", "RMSNorm w * x_hat, x_hat rounded to the model dtype first (Llama, Qwen)"),
     OperatorClass("norm:rms_1p", "RMSNorm (1 + w) * x_hat in float32, rounded once (Gemma)"),
     OperatorClass("norm:layer", "torch's LayerNorm (w * (x - mean) / std + b); where it joins the residual, a plain "
@@ -95,7 +97,8 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
 DECODER_NORMS = {("input_layernorm", "post_attention_layernorm"): "decoder:two_norm",
                  ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                   "post_feedforward_layernorm"): "decoder:four_norm",
-                 ("post_attention_layernorm", "post_feedforward_layernorm"): "decoder:post_norm"}
+                 ("post_attention_layernorm", "post_feedforward_layernorm"): "decoder:post_norm",
+                 ("input_layernorm",): "decoder:parallel"}
 
 
 @dataclass(frozen=True)
@@ -164,9 +167,19 @@ def is_gated_mlp(m) -> bool:
     return _linears(m, "down_proj") and (_linears(m, "gate_proj", "up_proj") or _linears(m, "gate_up_proj"))
 
 
+def output_projection_name(m) -> str | None:
+    """An attention's output projection: o_proj, or dense beside separate q/k/v projections (Phi)."""
+    if isinstance(getattr(m, "o_proj", None), nn.Linear):
+        return "o_proj"
+    if isinstance(getattr(m, "dense", None), nn.Linear) and _linears(m, "q_proj", "k_proj", "v_proj"):
+        return "dense"
+    return None
+
+
 def is_attention(m) -> bool:
     """q, k, v and o projections, q/k/v separate or as one fused [q | k | v] linear (Phi-3)."""
-    return _linears(m, "o_proj") and (_linears(m, "q_proj", "k_proj", "v_proj") or _linears(m, "qkv_proj")) \
+    return _linears(m, output_projection_name(m) or "o_proj") and \
+        (_linears(m, "q_proj", "k_proj", "v_proj") or _linears(m, "qkv_proj")) \
         and hasattr(m, "head_dim") and hasattr(m, "layer_idx")
 
 
@@ -536,7 +549,8 @@ def read_model(model: nn.Module) -> LayerCoverage:
 
 def final_norm(model: nn.Module) -> nn.Module | None:
     base = getattr(model, "base_model", getattr(model, "model", model))
-    return getattr(base, "norm", None) or getattr(base, "norm_f", None)  # norm_f: Mamba-2, NemotronH
+    # norm_f: Mamba-2, NemotronH; final_layernorm: Phi
+    return getattr(base, "norm", None) or getattr(base, "norm_f", None) or getattr(base, "final_layernorm", None)
 
 
 def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

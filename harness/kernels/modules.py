@@ -40,8 +40,8 @@ from tic.harness.kernels import mamba_modules  # tic: Mamba-2 mixers (hybrids), 
 from tic.harness.kernels.autograd import OPS, Backward, Ops
 from tic.harness.kernels.coverage import (attention_clip, attention_softcap, attention_window, final_norm,
                                           is_attention, is_decoder_layer, is_gated_mlp, is_layernorm, is_moe_block,
-                                          is_rmsnorm, norm_eps, problem_lines, read_coverage, rotary_modules,
-                                          rotary_per_layer_type)
+                                          is_rmsnorm, norm_eps, output_projection_name, problem_lines,
+                                          read_coverage, rotary_modules, rotary_per_layer_type)
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.stand_ins import stands_for
@@ -237,7 +237,20 @@ def _scaled_residual_layer_forward(self, hidden_states, attention_mask=None, pos
     return h + (delta[0] if isinstance(delta, tuple) else delta) * scale
 
 
+def _parallel_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                            use_cache=False, position_embeddings=None, **kwargs):
+    """One norm feeding attention and the MLP side by side (Phi), summed as vLLM's PhiLayer sums them:
+    (attention + MLP) + residual, plain adds."""
+    kwargs.pop("past_key_values", None)
+    h = self.input_layernorm(hidden_states)
+    attn = self.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                          use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)[0]
+    delta = self.mlp(h)
+    return attn + (delta[0] if isinstance(delta, tuple) else delta) + hidden_states
+
+
 LAYER_FORWARDS = {"decoder:two_norm": _decoder_layer_forward, "decoder:four_norm": _four_norm_layer_forward,
+                  "decoder:parallel": _parallel_layer_forward,
                   "decoder:scaled_residual": _scaled_residual_layer_forward,
                   "decoder:post_norm": _post_norm_layer_forward}
 
@@ -277,7 +290,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask == 0
     out = ops.attention(q, k, v, attention_mask, self.scaling, softcap=self._tic_softcap, window=self._tic_window)
-    return self.o_proj(out.reshape(B, T, -1)), None
+    return getattr(self, self._tic_out_proj)(out.reshape(B, T, -1)), None
 
 
 def _plain_mlp_forward(self, x):
@@ -395,6 +408,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m._tic_plain = (getattr(m, up), getattr(m, down), kind)
         m.forward = types.MethodType(_plain_mlp_forward, m)
     elif is_attention(m):
+        m._tic_out_proj = output_projection_name(m)
         m._tic_rope = ropes.get(getattr(m, "layer_type", None), ropes.get(None))
         m._tic_window, m._tic_softcap = attention_window(m, cfg), attention_softcap(m, cfg)
         m._tic_norm_projection, m._tic_clip = variant == "attention:qk_norm_projection", attention_clip(m, cfg)
