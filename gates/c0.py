@@ -98,7 +98,8 @@ GATE = Gate(
                    "per step, no speculative decoding/MTP; a vLLM rollout neither in batch-invariant mode nor "
                    "compiled with Inductor over the kernels a kernels: vllm training forward calls, nor of a model "
                    "with Mamba-2 mixers unless eager with the mamba-decode-replay patch, nor of a model whose sliding "
-                   "window is shorter than the rollout's context",
+                   "window is shorter than the rollout's context, nor, against a kernels: vllm training forward, of "
+                   "an architecture vLLM runs through its Transformers backend",
     inputs=["model.path (config.json, *.safetensors headers)", "rollout/train parallel layouts and options",
             "training"],
     artifacts=["artifacts/C0/manifest.json"], guide="guides/C0.md", reads=("model",),
