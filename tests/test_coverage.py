@@ -21,7 +21,7 @@ from tic.skill.runner import run_gate
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2", "tiny-phi3",
-            "tiny-granite", "tiny-qwen2-moe", "tiny-stablelm", "tiny-starcoder2", "tiny-phi2")
+            "tiny-granite", "tiny-qwen2-moe", "tiny-stablelm", "tiny-starcoder2", "tiny-phi2", "tiny-gpt-neox")
 
 
 def meta_of(name: str, **changes) -> nn.Module:
@@ -54,6 +54,8 @@ def meta_of(name: str, **changes) -> nn.Module:
      {"embedding", "embedding:tied", "rope:one_table", "norm:layer"}),
     ("tiny-phi2", {"decoder:parallel", "norm:layer", "attention:full", "mlp:plain", "mlp:plain_vllm_kernel"},
      {"embedding", "rope:one_table", "norm:layer"}),
+    ("tiny-gpt-neox", {"decoder:parallel_two_norm", "norm:layer", "attention:full", "attention:qkv_per_head",
+                       "mlp:plain"}, {"embedding", "rope:one_table", "norm:layer"}),
 ])
 def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
     rows = coverage_table(meta_of(name))
@@ -572,4 +574,18 @@ def test_phi_parallel_layer_run_in_sequence_fails_c2(example, workdir):
     res = run_gate(get("C2"), ctx)
     assert res.verdict == "fail", res.reason
     assert res.details["fidelity"]["first_parting_module"].startswith("model.layers.0"), res.details["fidelity"]
+    hf._MODELS.clear()
+
+
+def test_gpt_neox_qkv_split_as_one_block_fails_c2(example, workdir):
+    """GPT-NeoX's query_key_value is laid out per head; a wrapper that splits it as [q | k | v] blocks (Phi-3's
+    layout) agrees with itself bitwise, and C2 refuses it at layer 0's attention."""
+    ctx = small_ctx(example, "tiny-gpt-neox")
+    attn = ctx.train_engine().model.gpt_neox.layers[0].attention
+    qkv = attn.query_key_value
+    attn.qkv_proj, attn.config.num_key_value_heads = qkv, attn.config.num_attention_heads
+    del attn._modules["query_key_value"]
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail", res.reason
+    assert res.details["fidelity"]["first_parting_module"].startswith("gpt_neox.layers.0"), res.details["fidelity"]
     hf._MODELS.clear()

@@ -49,6 +49,11 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("decoder:post_norm", "no input norm; attention, its output normed then added to the residual; "
                                        "MLP, likewise (OLMo-2); plain adds, no fused add+norm",
                   frozenset({"consistent"})),  # vLLM 0.26 runs OLMo-2 through its Transformers backend (HF rotary)
+    OperatorClass("decoder:parallel_two_norm", "attention on input_layernorm(x) and the MLP on "
+                                               "post_attention_layernorm(x) side by side, MLP + attention + residual "
+                                               "(GPT-NeoX use_parallel_residual)"),
+    OperatorClass("attention:qkv_per_head", "one fused query_key_value linear laid out per head as [q | k | v] "
+                                            "(GPT-NeoX), split per head as the model splits it"),
     OperatorClass("decoder:scaled_residual", "input norm, attention, post-attention norm, MLP, each sublayer output "
                                              "times residual_multiplier before a plain residual add (Granite)"),
     OperatorClass("decoder:parallel", "one input norm feeding attention and MLP side by side, attention + MLP + "
@@ -168,19 +173,33 @@ def is_gated_mlp(m) -> bool:
 
 
 def output_projection_name(m) -> str | None:
-    """An attention's output projection: o_proj, or dense beside separate q/k/v projections (Phi)."""
+    """An attention's output projection: o_proj, or dense beside q/k/v projections (Phi) or GPT-NeoX's fused
+    query_key_value."""
     if isinstance(getattr(m, "o_proj", None), nn.Linear):
         return "o_proj"
-    if isinstance(getattr(m, "dense", None), nn.Linear) and _linears(m, "q_proj", "k_proj", "v_proj"):
+    if isinstance(getattr(m, "dense", None), nn.Linear) and (_linears(m, "q_proj", "k_proj", "v_proj")
+                                                              or _linears(m, "query_key_value")):
         return "dense"
     return None
 
 
+def head_dim_of(attn) -> int:
+    return int(getattr(attn, "head_dim", None) or attn.head_size)  # head_size: GPT-NeoX
+
+
+def attention_name(layer) -> str | None:
+    """A decoder layer's attention child: self_attn, or attention (GPT-NeoX)."""
+    for n in ("self_attn", "attention"):
+        if is_attention(getattr(layer, n, None)):
+            return n
+    return "self_attn" if hasattr(layer, "self_attn") else None
+
+
 def is_attention(m) -> bool:
     """q, k, v and o projections, q/k/v separate or as one fused [q | k | v] linear (Phi-3)."""
-    return _linears(m, output_projection_name(m) or "o_proj") and \
-        (_linears(m, "q_proj", "k_proj", "v_proj") or _linears(m, "qkv_proj")) \
-        and hasattr(m, "head_dim") and hasattr(m, "layer_idx")
+    return m is not None and _linears(m, output_projection_name(m) or "o_proj") and \
+        (_linears(m, "q_proj", "k_proj", "v_proj") or _linears(m, "qkv_proj") or _linears(m, "query_key_value")) \
+        and (hasattr(m, "head_dim") or hasattr(m, "head_size")) and hasattr(m, "layer_idx")
 
 
 def mlp_activation(m):
@@ -189,7 +208,8 @@ def mlp_activation(m):
 
 
 def is_decoder_layer(m) -> bool:
-    return hasattr(m, "self_attn") and hasattr(m, "mlp") and (hasattr(m, "input_layernorm")
+    return (hasattr(m, "self_attn") or is_attention(getattr(m, "attention", None))) and hasattr(m, "mlp") and \
+        (hasattr(m, "input_layernorm")
                                                                or hasattr(m, "post_attention_layernorm"))
 
 
@@ -300,7 +320,7 @@ def rotary_problem(model: nn.Module, rotary: nn.Module) -> str | None:
     freqs = getattr(rotary, "inv_freq", None)
     if apply is None or not isinstance(freqs, torch.Tensor) or freqs.dim() != 1:
         return None
-    d, half, t = int(attn.head_dim), int(freqs.shape[0]), 5
+    d, half, t = head_dim_of(attn), int(freqs.shape[0]), 5
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 2, t, d, generator=g), torch.randn(1, 2, t, d, generator=g)
     c, s = torch.randn(t, half, generator=g), torch.randn(t, half, generator=g)
@@ -348,6 +368,8 @@ def _read_norm(cov: LayerCoverage, name: str, norm) -> None:
 
 def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
     kind = type(m).__name__
+    if _linears(m, "query_key_value"):
+        cov.classes["attention:qkv_per_head"] = (None, None)
     window = attention_window(m, cfg)
     if window:
         fld = "layer_types" if getattr(cfg, "layer_types", None) else "sliding_window"
@@ -465,7 +487,8 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
         if isinstance(c, nn.Dropout) and float(c.p) != 0.0:
             cov.refusals.append(Refusal(f"{name}.{n}", type(c).__name__, f"dropout of probability {c.p} (the "
                                         "wrappers' forward runs without dropout)"))
-    norms = tuple(n for n, c in children.items() if n not in ("self_attn", "mlp") and not isinstance(c, nn.Dropout))
+    attn_name = attention_name(layer)
+    norms = tuple(n for n, c in children.items() if n not in (attn_name, "mlp") and not isinstance(c, nn.Dropout))
     structure = next((kind for names, kind in DECODER_NORMS.items() if set(names) == set(norms)), None)
     if structure is None:
         cov.refusals.append(Refusal(name, cov.module_class, f"a decoder layer of children {', '.join(children)}; "
@@ -480,15 +503,18 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
                 cov.refusals.append(Refusal(name, cov.module_class, f"sublayer outputs scaled by {scale} before "
                                             f"the residual add of a {structure} layer (the wrappers scale them in "
                                             "two-norm layers only)", "residual_multiplier", scale))
+        if getattr(layer, "use_parallel_residual", False) and structure == "decoder:two_norm":
+            structure = "decoder:parallel_two_norm"  # GPT-NeoX: attention and MLP each on a norm of the input
         cov.classes[structure] = ("residual_multiplier", scale) if structure == "decoder:scaled_residual" \
-            else (None, None)
+            else ("use_parallel_residual", True) if structure == "decoder:parallel_two_norm" else (None, None)
         cov.variants[name] = structure
     for n in norms:
         _read_norm(cov, f"{name}.{n}", children[n])
-    if is_attention(layer.self_attn):
-        _read_attention(cov, f"{name}.self_attn", layer.self_attn, cfg)
+    attn = getattr(layer, attn_name)
+    if is_attention(attn):
+        _read_attention(cov, f"{name}.{attn_name}", attn, cfg)
     else:
-        cov.refusals.append(Refusal(f"{name}.self_attn", type(layer.self_attn).__name__,
+        cov.refusals.append(Refusal(f"{name}.{attn_name}", type(attn).__name__,
                                     "attention without q/k/v (or fused qkv) and o projections"))
     _read_mlp(cov, f"{name}.mlp", layer.mlp, cfg)
     cov.classes["linear"] = (None, None)
@@ -550,7 +576,8 @@ def read_model(model: nn.Module) -> LayerCoverage:
 def final_norm(model: nn.Module) -> nn.Module | None:
     base = getattr(model, "base_model", getattr(model, "model", model))
     # norm_f: Mamba-2, NemotronH; final_layernorm: Phi
-    return getattr(base, "norm", None) or getattr(base, "norm_f", None) or getattr(base, "final_layernorm", None)
+    return (getattr(base, "norm", None) or getattr(base, "norm_f", None) or getattr(base, "final_layernorm", None)
+            or getattr(base, "final_layer_norm", None))  # final_layer_norm: GPT-NeoX
 
 
 def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -38,7 +38,8 @@ from tic.core.errors import TicInputError
 from tic.config.schema import BackwardConfig
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 mixers (hybrids), issue 31
 from tic.harness.kernels.autograd import OPS, Backward, Ops
-from tic.harness.kernels.coverage import (attention_clip, attention_softcap, attention_window, final_norm,
+from tic.harness.kernels.coverage import (attention_clip, attention_name, attention_softcap, attention_window,
+                                          final_norm, head_dim_of,
                                           is_attention, is_decoder_layer, is_gated_mlp, is_layernorm, is_moe_block,
                                           is_rmsnorm, norm_eps, output_projection_name, problem_lines,
                                           read_coverage, rotary_modules, rotary_per_layer_type)
@@ -165,16 +166,25 @@ def _final_norm_forward(self, x):
     return norm(self, x)
 
 
+def _layer_cache(cache, kwargs: dict):
+    """The KV cache a layer was handed: as `cache` (transformers 5.2x), `past_key_values`, or `layer_past`
+    (GPT-NeoX); the other names are taken out of kwargs so the attention call does not get them twice."""
+    for name in ("past_key_values", "layer_past"):
+        other = kwargs.pop(name, None)
+        cache = cache if cache is not None else other
+    return cache
+
+
 def _layer_attention(self, hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings,
                      kwargs):
     """(attention output, residual): the input add+norm (or plain norm for the first layer) and attention."""
-    kwargs.pop("past_key_values", None)
+    cache = _layer_cache(cache, kwargs)
     pair = self._tic_stream.take(hidden_states)
     if pair is not None:
         h, residual = self.input_layernorm(pair[0], residual=pair[1])
     else:
         residual, h = hidden_states, self.input_layernorm(hidden_states)
-    h = self.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+    h = self._tic_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                        use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)[0]
     return h, residual
 
@@ -214,8 +224,8 @@ def _post_norm_layer_forward(self, hidden_states, attention_mask=None, position_
     """A post-norm layer (OLMo-2), as vLLM's Olmo3DecoderLayer runs it: no input norm; each sublayer's output
     normed alone, then a plain add to the residual (no fused add+norm: the next layer and the final norm read
     the sum)."""
-    kwargs.pop("past_key_values", None)
-    h = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+    cache = _layer_cache(cache, kwargs)
+    h = self._tic_attn(hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                        cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)[0]
     h = hidden_states + self.post_attention_layernorm(h)
     delta = self.mlp(h)
@@ -227,9 +237,9 @@ def _scaled_residual_layer_forward(self, hidden_states, attention_mask=None, pos
     """A two-norm layer whose sublayer outputs are scaled before the residual add (Granite), as vLLM's
     GraniteDecoderLayer runs it: plain norms, output * residual_multiplier, then a plain add (no fused add+norm:
     the next layer and the final norm read the sum)."""
-    kwargs.pop("past_key_values", None)
+    cache = _layer_cache(cache, kwargs)
     scale = self.residual_multiplier
-    h = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+    h = self._tic_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
                        position_ids=position_ids, cache=cache, use_cache=use_cache,
                        position_embeddings=position_embeddings, **kwargs)[0]
     h = hidden_states + h * scale
@@ -241,16 +251,29 @@ def _parallel_layer_forward(self, hidden_states, attention_mask=None, position_i
                             use_cache=False, position_embeddings=None, **kwargs):
     """One norm feeding attention and the MLP side by side (Phi), summed as vLLM's PhiLayer sums them:
     (attention + MLP) + residual, plain adds."""
-    kwargs.pop("past_key_values", None)
+    cache = _layer_cache(cache, kwargs)
     h = self.input_layernorm(hidden_states)
-    attn = self.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+    attn = self._tic_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                           use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)[0]
     delta = self.mlp(h)
     return attn + (delta[0] if isinstance(delta, tuple) else delta) + hidden_states
 
 
+def _parallel_two_norm_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                                     use_cache=False, position_embeddings=None, **kwargs):
+    """Attention on input_layernorm(x) and the MLP on post_attention_layernorm(x) side by side (GPT-NeoX
+    use_parallel_residual), summed as vLLM's GPTNeoXLayer and transformers sum them: MLP + attention + residual."""
+    cache = _layer_cache(cache, kwargs)
+    attn = self._tic_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+                          position_ids=position_ids, cache=cache, use_cache=use_cache,
+                          position_embeddings=position_embeddings, **kwargs)[0]
+    delta = self.mlp(self.post_attention_layernorm(hidden_states))
+    return (delta[0] if isinstance(delta, tuple) else delta) + attn + hidden_states
+
+
 LAYER_FORWARDS = {"decoder:two_norm": _decoder_layer_forward, "decoder:four_norm": _four_norm_layer_forward,
                   "decoder:parallel": _parallel_layer_forward,
+                  "decoder:parallel_two_norm": _parallel_two_norm_layer_forward,
                   "decoder:scaled_residual": _scaled_residual_layer_forward,
                   "decoder:post_norm": _post_norm_layer_forward}
 
@@ -259,8 +282,10 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
                        position_ids=None, **kwargs):
     ops: Ops = self._tic_ops
     B, T = hidden_states.shape[:2]
-    D = self.head_dim
-    if hasattr(self, "qkv_proj"):  # one fused [q | k | v] linear (Phi-3), split as the model splits it
+    D = self._tic_head_dim
+    if hasattr(self, "query_key_value"):  # GPT-NeoX: one fused linear laid out per head as [q | k | v]
+        q, k, v = self.query_key_value(hidden_states).view(B, T, -1, 3 * D).chunk(3, dim=-1)
+    elif hasattr(self, "qkv_proj"):  # one fused [q | k | v] linear (Phi-3), split as the model splits it
         cfg = self.config
         q_width, kv_width = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
         q, k, v = self.qkv_proj(hidden_states).split([q_width, kv_width, kv_width], dim=-1)
@@ -409,12 +434,14 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m.forward = types.MethodType(_plain_mlp_forward, m)
     elif is_attention(m):
         m._tic_out_proj = output_projection_name(m)
+        m._tic_head_dim = head_dim_of(m)
         m._tic_rope = ropes.get(getattr(m, "layer_type", None), ropes.get(None))
         m._tic_window, m._tic_softcap = attention_window(m, cfg), attention_softcap(m, cfg)
         m._tic_norm_projection, m._tic_clip = variant == "attention:qk_norm_projection", attention_clip(m, cfg)
         m.forward = types.MethodType(_attention_forward, m)
     elif is_decoder_layer(m):
         m._tic_stream = stream
+        m._tic_attn = getattr(m, attention_name(m))
         m.forward = types.MethodType(LAYER_FORWARDS[variant], m)
     elif isinstance(m, nn.Linear):
         m.forward = types.MethodType(_linear_forward, m)
