@@ -589,3 +589,16 @@ def test_gpt_neox_qkv_split_as_one_block_fails_c2(example, workdir):
     assert res.verdict == "fail", res.reason
     assert res.details["fidelity"]["first_parting_module"].startswith("gpt_neox.layers.0"), res.details["fidelity"]
     hf._MODELS.clear()
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-gpt-neox"])
+def test_wrapping_leaves_the_models_modules_and_state_dict_keys_as_they_were(example, name):
+    """The wrappers keep what they need as plain attributes: no module is registered a second time (a state dict
+    with its weights twice would be saved, synced and restored twice)."""
+    ctx = small_ctx(example, name)
+    stock = hf.load_model(ctx.model.dir, "float32", kernels="stock", shared=False)
+    wrapped = hf.load_model(ctx.model.dir, "float32", kernels="consistent", shared=False)
+    assert list(wrapped.state_dict()) == list(stock.state_dict())
+    assert [n for n, _ in wrapped.named_modules(remove_duplicate=False)] == \
+        [n for n, _ in stock.named_modules(remove_duplicate=False)]
+    hf._MODELS.clear()

@@ -166,6 +166,15 @@ def _final_norm_forward(self, x):
     return norm(self, x)
 
 
+def _attend(layer, h, attention_mask, position_ids, cache, use_cache, position_embeddings, kwargs):
+    """The layer's attention (self_attn, or GPT-NeoX's attention) on h: its output, the weights dropped; the cache
+    as the layer was handed it."""
+    cache = _layer_cache(cache, kwargs)  # before kwargs are passed on: it takes the cache's other names out
+    return getattr(layer, layer._tic_attn_name)(hidden_states=h, attention_mask=attention_mask,
+                                                position_ids=position_ids, cache=cache, use_cache=use_cache,
+                                                position_embeddings=position_embeddings, **kwargs)[0]
+
+
 def _layer_cache(cache, kwargs: dict):
     """The KV cache a layer was handed: as `cache` (transformers 5.2x), `past_key_values`, or `layer_past`
     (GPT-NeoX); the other names are taken out of kwargs so the attention call does not get them twice."""
@@ -178,14 +187,12 @@ def _layer_cache(cache, kwargs: dict):
 def _layer_attention(self, hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings,
                      kwargs):
     """(attention output, residual): the input add+norm (or plain norm for the first layer) and attention."""
-    cache = _layer_cache(cache, kwargs)
     pair = self._tic_stream.take(hidden_states)
     if pair is not None:
         h, residual = self.input_layernorm(pair[0], residual=pair[1])
     else:
         residual, h = hidden_states, self.input_layernorm(hidden_states)
-    h = self._tic_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                       use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)[0]
+    h = _attend(self, h, attention_mask, position_ids, cache, use_cache, position_embeddings, kwargs)
     return h, residual
 
 
@@ -224,9 +231,7 @@ def _post_norm_layer_forward(self, hidden_states, attention_mask=None, position_
     """A post-norm layer (OLMo-2), as vLLM's Olmo3DecoderLayer runs it: no input norm; each sublayer's output
     normed alone, then a plain add to the residual (no fused add+norm: the next layer and the final norm read
     the sum)."""
-    cache = _layer_cache(cache, kwargs)
-    h = self._tic_attn(hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                       cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)[0]
+    h = _attend(self, hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings, kwargs)
     h = hidden_states + self.post_attention_layernorm(h)
     delta = self.mlp(h)
     return h + self.post_feedforward_layernorm(delta[0] if isinstance(delta, tuple) else delta)
@@ -237,11 +242,9 @@ def _scaled_residual_layer_forward(self, hidden_states, attention_mask=None, pos
     """A two-norm layer whose sublayer outputs are scaled before the residual add (Granite), as vLLM's
     GraniteDecoderLayer runs it: plain norms, output * residual_multiplier, then a plain add (no fused add+norm:
     the next layer and the final norm read the sum)."""
-    cache = _layer_cache(cache, kwargs)
     scale = self.residual_multiplier
-    h = self._tic_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
-                       position_ids=position_ids, cache=cache, use_cache=use_cache,
-                       position_embeddings=position_embeddings, **kwargs)[0]
+    h = _attend(self, self.input_layernorm(hidden_states), attention_mask, position_ids, cache, use_cache,
+                position_embeddings, kwargs)
     h = hidden_states + h * scale
     delta = self.mlp(self.post_attention_layernorm(h))
     return h + (delta[0] if isinstance(delta, tuple) else delta) * scale
@@ -251,10 +254,8 @@ def _parallel_layer_forward(self, hidden_states, attention_mask=None, position_i
                             use_cache=False, position_embeddings=None, **kwargs):
     """One norm feeding attention and the MLP side by side (Phi), summed as vLLM's PhiLayer sums them:
     (attention + MLP) + residual, plain adds."""
-    cache = _layer_cache(cache, kwargs)
     h = self.input_layernorm(hidden_states)
-    attn = self._tic_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                          use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)[0]
+    attn = _attend(self, h, attention_mask, position_ids, cache, use_cache, position_embeddings, kwargs)
     delta = self.mlp(h)
     return attn + (delta[0] if isinstance(delta, tuple) else delta) + hidden_states
 
@@ -263,10 +264,8 @@ def _parallel_two_norm_layer_forward(self, hidden_states, attention_mask=None, p
                                      use_cache=False, position_embeddings=None, **kwargs):
     """Attention on input_layernorm(x) and the MLP on post_attention_layernorm(x) side by side (GPT-NeoX
     use_parallel_residual), summed as vLLM's GPTNeoXLayer and transformers sum them: MLP + attention + residual."""
-    cache = _layer_cache(cache, kwargs)
-    attn = self._tic_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
-                          position_ids=position_ids, cache=cache, use_cache=use_cache,
-                          position_embeddings=position_embeddings, **kwargs)[0]
+    attn = _attend(self, self.input_layernorm(hidden_states), attention_mask, position_ids, cache, use_cache,
+                   position_embeddings, kwargs)
     delta = self.mlp(self.post_attention_layernorm(hidden_states))
     return (delta[0] if isinstance(delta, tuple) else delta) + attn + hidden_states
 
@@ -441,7 +440,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m.forward = types.MethodType(_attention_forward, m)
     elif is_decoder_layer(m):
         m._tic_stream = stream
-        m._tic_attn = getattr(m, attention_name(m))
+        m._tic_attn_name = attention_name(m)  # a name: a module attribute would register the attention twice
         m.forward = types.MethodType(LAYER_FORWARDS[variant], m)
     elif isinstance(m, nn.Linear):
         m.forward = types.MethodType(_linear_forward, m)
