@@ -209,8 +209,7 @@ def mlp_activation(m):
 
 def is_decoder_layer(m) -> bool:
     return (hasattr(m, "self_attn") or is_attention(getattr(m, "attention", None))) and hasattr(m, "mlp") and \
-        (hasattr(m, "input_layernorm")
-                                                               or hasattr(m, "post_attention_layernorm"))
+        (hasattr(m, "input_layernorm") or hasattr(m, "post_attention_layernorm"))
 
 
 def norm_eps(m) -> float:
@@ -269,25 +268,32 @@ def plain_activation(act) -> str | None:
     """The ungated activation (autograd.PLAIN_ACTS: torch's functions, which vLLM's models also call on the GPU for
     these names) `act` computes bit for bit on a CPU probe (gelu_new's formula is not torch's tanh GELU, and is
     refused), or None."""
-    x = _probe_input(16).reshape(-1) * 2
-    try:
-        with torch.no_grad():
-            y = act(x)
-    except Exception:  # noqa: BLE001
+    probe = _activation_probe(act)
+    if probe is None:
         return None
+    x, y = probe
     return next((n for n, fn in PLAIN_ACTS.items() if y.shape == x.shape and torch.equal(y, fn(x))), None)
 
 
-def activation_variant(act) -> str | None:
-    """The registered gated-MLP class whose activation `act` (an HF act_fn module) computes, on a CPU probe."""
+def _activation_probe(act) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x, act(x)) on a CPU probe, or None for an activation that does not run on one (not one the wrappers
+    know)."""
     if act is None:
         return None
     x = _probe_input(16).reshape(-1) * 2
     try:
         with torch.no_grad():
-            y = act(x).float()
-    except Exception:  # noqa: BLE001 - an activation that does not run on a probe is not one the wrappers know
+            return x, act(x)
+    except Exception:  # noqa: BLE001
         return None
+
+
+def activation_variant(act) -> str | None:
+    """The registered gated-MLP class whose activation `act` (an HF act_fn module) computes, on a CPU probe."""
+    probe = _activation_probe(act)
+    if probe is None:
+        return None
+    x, y = probe[0], probe[1].float()
     for name, fn in ACTIVATIONS.items():
         if y.shape == x.shape and torch.allclose(y, fn(x), rtol=1e-5, atol=1e-6):
             return name
