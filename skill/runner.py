@@ -17,36 +17,41 @@ from tic.skill.preflight import validate_run
 from tic.skill.records import GateResult, environment_fingerprint
 
 
-def _locate(gate: Gate, ctx: GateContext, measured: Measurement) -> tuple[dict | None, list[str]]:
-    """On a failed consistency gate, run the locator and return its findings (or why it could not)."""
+def _guarded(gate: Gate, ctx: GateContext, load, *args) -> dict | None:
+    """On a failed consistency gate with the locator on, load()(*args): a search's findings, or why it could not
+    run; None when the locator is off. The verdict stands whatever the search does."""
     if not (gate.locate_on_fail and ctx.cfg.locate.enabled):
-        return None, []
+        return None
     try:
-        from tic.harness.locate.search import locate_for_gate
+        search = load()
     except ImportError:
-        return {"status": "locator not available in this release"}, []
+        return {"status": "locator not available in this release"}
     try:
-        findings = locate_for_gate(ctx, gate.id, measured)
+        return search(*args)
     except TicInputError:
         raise
-    except Exception as e:  # the verdict stands even if localisation breaks; say so in the record, and where
-        return {"status": f"locator error: {type(e).__name__}: {e} (at {raised_at(e)})"}, []
+    except Exception as e:  # localisation broke: say so in the record, and where
+        return {"status": f"locator error: {type(e).__name__}: {e} (at {raised_at(e)})"}
+
+
+def _locate(gate: Gate, ctx: GateContext, measured: Measurement) -> tuple[dict | None, list[str]]:
+    """On a failed consistency gate, run the locator and return its findings (or why it could not)."""
+    def load():
+        from tic.harness.locate.search import locate_for_gate
+        return locate_for_gate
+
+    findings = _guarded(gate, ctx, load, ctx, gate.id, measured)
     evidence = [v for k, v in (findings or {}).items() if k in ("report", "repro", "chart") and v]
     return findings, evidence
 
 
 def _locate_nonfinite(gate: Gate, ctx: GateContext, e: NonFiniteLogprob) -> dict | None:
     """The module and operator that made a failing gate's NaN or Inf (tic.harness.locate.nonfinite), or why not."""
-    if not (gate.locate_on_fail and ctx.cfg.locate.enabled):
-        return None
-    from tic.harness.locate.nonfinite import locate_nonfinite
+    def load():
+        from tic.harness.locate.nonfinite import locate_nonfinite
+        return locate_nonfinite
 
-    try:
-        return locate_nonfinite(ctx, e.side, e.sequence)
-    except TicInputError:
-        raise
-    except Exception as err:  # the verdict stands; the record says why the search broke
-        return {"status": f"locator error: {type(err).__name__}: {err} (at {raised_at(err)})"}
+    return _guarded(gate, ctx, load, ctx, e.side, e.sequence)
 
 
 def _layouts(ctx: GateContext) -> dict:
