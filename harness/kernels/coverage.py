@@ -580,10 +580,11 @@ def read_model(model: nn.Module) -> LayerCoverage:
 
 
 def final_norm(model: nn.Module) -> nn.Module | None:
+    """The norm after the last layer: the base model's `norm` (whatever it computes: C0 reads it), else its last
+    child that is a norm, whatever its name (norm_f, final_layernorm, final_layer_norm)."""
     base = getattr(model, "base_model", getattr(model, "model", model))
-    # norm_f: Mamba-2, NemotronH; final_layernorm: Phi
-    return (getattr(base, "norm", None) or getattr(base, "norm_f", None) or getattr(base, "final_layernorm", None)
-            or getattr(base, "final_layer_norm", None))  # final_layer_norm: GPT-NeoX
+    norms = [c for _, c in base.named_children() if is_rmsnorm(c) or is_layernorm(c)]
+    return getattr(base, "norm", None) or (norms[-1] if norms else None)
 
 
 def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
