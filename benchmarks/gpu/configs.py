@@ -227,6 +227,14 @@ def tic_yaml(name: str, model_dir: Path, mode: str, patches, *, requests: int = 
     }
 
 
+def use_block_fp8(cfg: dict) -> None:
+    """A tic.yaml mapping turned block-FP8: weights quantized 128 x 128 from the seeded ones, an FP8 KV cache on
+    both sides."""
+    cfg["model"]["generate"].update(quantization="fp8", weight_block_size=[128, 128])
+    cfg["rollout"]["options"]["kv_cache_dtype"] = "fp8"
+    cfg["train"]["options"] = {"kv_cache_dtype": "fp8"}
+
+
 def config(name: str) -> dict:
     """The tic.yaml of one variant, as a mapping."""
     v = VARIANTS[name]
@@ -241,9 +249,7 @@ def config(name: str) -> dict:
                    rollout_parallel=v.rollout_parallel, train_parallel=v.train_parallel)
     cfg["locate"] = {"enabled": v.locate}
     if v.fp8:
-        cfg["model"]["generate"].update(quantization="fp8", weight_block_size=[128, 128])
-        cfg["rollout"]["options"]["kv_cache_dtype"] = "fp8"
-        cfg["train"]["options"] = {"kv_cache_dtype": "fp8"}
+        use_block_fp8(cfg)
     if v.ladder:
         cfg.update(copy.deepcopy(LADDER))
     return cfg

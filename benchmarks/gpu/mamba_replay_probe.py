@@ -10,7 +10,8 @@ tokens through vLLM's chunked scan, called as tic's vLLM provider calls it (tic.
   vllm     the prefix prefilled, then vLLM's decode: `selective_state_update` from the prefill's final state.
 The causal conv alike: `causal_conv1d_fn` over the whole sequence against the provider's per-token replay (from a
 conv state; its largest difference and how many elements differ), the same token run as a fresh sequence with
-its K-1 predecessors, and vLLM's `causal_conv1d_update`. Prints rows equal out of the decoded ones; exits 1 when a replayed row differs.
+its K-1 predecessors, and vLLM's `causal_conv1d_update`. Prints rows equal out of the decoded ones; exits 1 when
+a replayed row differs.
 Without --stock the SSD kernels run on the mamba-ssd-fixed-config patch's one config, as the t-mamba2/t-nemotron-h
 configs run them.
 """

@@ -139,8 +139,7 @@ def weights_gib(s: Shape, layers: int, fp8: bool = False) -> float:
     """bf16 weights; with fp8 one byte per layer weight (the scales are a 1/16384 share), embeddings kept bf16."""
     if not fp8:
         return 2 * s.params(layers) / GiB
-    emb = s.params(0)
-    return (s.params(layers) - emb + 2 * emb) / GiB
+    return (s.params(layers) + s.params(0)) / GiB  # every weight's byte, and the embeddings' second one
 
 
 def side_gib(shape: Shape, layers: int, kv_bytes: int, fp8: bool = False) -> float:

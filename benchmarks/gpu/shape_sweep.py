@@ -40,7 +40,7 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from configs import FP8_PATCHES, PATCHES as TIC_PATCHES, tic_yaml  # noqa: E402
+from configs import FP8_PATCHES, PATCHES as TIC_PATCHES, tic_yaml, use_block_fp8  # noqa: E402
 from shapes import Shape, by_name  # noqa: E402
 
 PATCHES = list(TIC_PATCHES)
@@ -103,9 +103,7 @@ def run_config(s: Shape, mode: str, variant: str, w: dict, model_dir: Path) -> d
                    requests=w["requests"], min_len=w["min_len"], max_len=w["max_len"], tokens=w["tokens"],
                    options=options)
     if variant.startswith("fp8"):
-        cfg["model"]["generate"].update(quantization="fp8", weight_block_size=[128, 128])
-        cfg["rollout"]["options"]["kv_cache_dtype"] = "fp8"
-        cfg["train"]["options"] = {"kv_cache_dtype": "fp8"}
+        use_block_fp8(cfg)
     return cfg
 
 
