@@ -46,18 +46,56 @@ def is_swapped(home: str, attr: str, name: str) -> bool:
     return getattr(getattr(mod, attr, None), _MARK, None) == name
 
 
-def swap_hooks(name: str, *swaps: tuple[str, str, Callable[[Callable], Callable], str]) -> dict:
-    """A Patch's `_apply`, `_revert` and `_is_applied` for a patch that only swaps module-level functions: each
-    swap is (home module, attribute, make(original) -> replacement, module prefix to rebind in)."""
+def _owner(home: str, cls: str):
+    return getattr(importlib.import_module(home), cls)
+
+
+def swap_method(home: str, cls: str, attr: str, make: Callable[[Callable], Callable], name: str) -> None:
+    """Replace the method `home.cls.attr` by `make(original)`; instances made afterwards (vLLM binds a CustomOp's
+    forward at construction) and calls through the class see it."""
+    owner = _owner(home, cls)
+    original = getattr(owner, attr)
+    if getattr(original, _MARK, None) == name:
+        return
+    wrapped = make(original)
+    setattr(wrapped, _MARK, name)
+    wrapped.__wrapped__ = original
+    setattr(owner, attr, wrapped)
+
+
+def restore_method(home: str, cls: str, attr: str, name: str) -> None:
+    owner = _owner(home, cls)
+    wrapped = getattr(owner, attr)
+    if getattr(wrapped, _MARK, None) == name:
+        setattr(owner, attr, wrapped.__wrapped__)
+
+
+def method_swapped(home: str, cls: str, attr: str, name: str) -> bool:
+    try:
+        return getattr(getattr(_owner(home, cls), attr), _MARK, None) == name
+    except (ImportError, AttributeError):
+        return False
+
+
+def swap_hooks(name: str, *swaps: tuple[str, str, Callable[[Callable], Callable], str],
+               methods: tuple[tuple[str, str, str, Callable[[Callable], Callable]], ...] = ()) -> dict:
+    """A Patch's `_apply`, `_revert` and `_is_applied` for a patch that only swaps module-level functions and
+    methods: each swap is (home module, attribute, make(original) -> replacement, module prefix to rebind in),
+    each method (home module, class, method, make(original) -> replacement)."""
     def apply() -> None:
         for home, attr, make, prefix in swaps:
             swap_everywhere(home, attr, make, name, prefix)
+        for home, cls, attr, make in methods:
+            swap_method(home, cls, attr, make, name)
 
     def revert() -> None:
         for home, attr, _, prefix in swaps:
             restore_everywhere(home, attr, name, prefix)
+        for home, cls, attr, _ in methods:
+            restore_method(home, cls, attr, name)
 
     def is_applied() -> bool:
-        return all(is_swapped(home, attr, name) for home, attr, _, _ in swaps)
+        return all(is_swapped(home, attr, name) for home, attr, _, _ in swaps) and \
+            all(method_swapped(home, cls, attr, name) for home, cls, attr, _ in methods)
 
     return {"_apply": apply, "_revert": revert, "_is_applied": is_applied}

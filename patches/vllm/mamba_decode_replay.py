@@ -21,10 +21,9 @@ per request; the buffers take chunk_size x (H x P + H + G x N) elements per stat
 from __future__ import annotations
 
 import functools
-import importlib
 from dataclasses import dataclass, field
 
-from tic.patches._swap import swap_everywhere, restore_everywhere, is_swapped
+from tic.patches._swap import swap_hooks
 from tic.patches.base import Patch
 
 NAME = "mamba-decode-replay"
@@ -230,33 +229,6 @@ _FUNCS = (("mamba_chunk_scan_combined_varlen", _replay_prefill), ("selective_sta
           ("causal_conv1d_update", _conv_as_prefill))
 
 
-def _apply() -> None:
-    for attr, make in _FUNCS:  # the names the mixer module imported: the mixer's calls alone change
-        swap_everywhere(_MIXER, attr, make, NAME, _MIXER)
-    mixer = importlib.import_module(_MIXER).MambaMixer2
-    if getattr(mixer.conv_ssm_forward, "__tic_patch__", None) != NAME:
-        wrapped = _tracking(mixer.conv_ssm_forward)
-        wrapped.__tic_patch__ = NAME
-        mixer.conv_ssm_forward = wrapped
-
-
-def _revert() -> None:
-    for attr, _ in _FUNCS:
-        restore_everywhere(_MIXER, attr, NAME, _MIXER)
-    mixer = importlib.import_module(_MIXER).MambaMixer2
-    if getattr(mixer.conv_ssm_forward, "__tic_patch__", None) == NAME:
-        mixer.conv_ssm_forward = mixer.conv_ssm_forward.__wrapped__
-
-
-def _is_applied() -> bool:
-    try:
-        mixer = importlib.import_module(_MIXER).MambaMixer2
-    except (ImportError, AttributeError):
-        return False
-    return all(is_swapped(_MIXER, attr, NAME) for attr, _ in _FUNCS) and \
-        getattr(mixer.conv_ssm_forward, "__tic_patch__", None) == NAME
-
-
 PATCH = Patch(
     name=NAME, target="vllm", versions=">=0.26.0,<0.27", gate="C4",
     symptom="C4 (and C5) fails in a Mamba-2 mixer (mixer): a decoded token differs from the same token prefilled; "
@@ -266,5 +238,6 @@ PATCH = Patch(
         "chunked-prefill continuations keep the same state; the decode conv runs the prefill's conv kernel",
     guide="guides/ops/recurrent-layers.md",
     cost="not measured: each decode step rescans up to chunk_size tokens per request, eager only",
-    _apply=_apply, _revert=_revert, _is_applied=_is_applied,
+    **swap_hooks(NAME, *((_MIXER, attr, make, _MIXER) for attr, make in _FUNCS),  # the mixer's calls alone
+                 methods=((_MIXER, "MambaMixer2", "conv_ssm_forward", _tracking),)),
 )

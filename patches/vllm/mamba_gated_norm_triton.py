@@ -10,17 +10,11 @@ fixed by the group size: no row count enters. This patch sends the several-group
 
 from __future__ import annotations
 
-import importlib
-
+from tic.patches._swap import swap_hooks
 from tic.patches.base import Patch
 
 NAME = "mamba-gated-norm-triton"
 _HOME = "vllm.model_executor.layers.mamba.mamba_mixer2"
-_MARK = "__tic_patch__"
-
-
-def _class():
-    return importlib.import_module(_HOME).Mixer2RMSNormGated
 
 
 def _grouped_through_triton(original):
@@ -31,28 +25,7 @@ def _grouped_through_triton(original):
 
         return rms_norm_gated(x, self.weight.data, bias=None, z=gate, eps=self.variance_epsilon,
                               group_size=self.group_size, norm_before_gate=False)
-    setattr(forward_cuda, _MARK, NAME)
-    forward_cuda.__wrapped__ = original
     return forward_cuda
-
-
-def _apply() -> None:
-    cls = _class()
-    if getattr(cls.forward_cuda, _MARK, None) != NAME:
-        cls.forward_cuda = _grouped_through_triton(cls.forward_cuda)
-
-
-def _revert() -> None:
-    cls = _class()
-    if getattr(cls.forward_cuda, _MARK, None) == NAME:
-        cls.forward_cuda = cls.forward_cuda.__wrapped__
-
-
-def _is_applied() -> bool:
-    try:
-        return getattr(_class().forward_cuda, _MARK, None) == NAME
-    except (ImportError, AttributeError):
-        return False
 
 
 PATCH = Patch(
@@ -64,5 +37,5 @@ PATCH = Patch(
         "groups (one program per row and group); applied before the engine builds its model (the plugin does)",
     guide="guides/ops/recurrent-layers.md",
     cost="not measured: one Triton launch instead of a few torch element-wise and reduction kernels",
-    _apply=_apply, _revert=_revert, _is_applied=_is_applied,
+    **swap_hooks(NAME, methods=((_HOME, "Mixer2RMSNormGated", "forward_cuda", _grouped_through_triton),)),
 )
