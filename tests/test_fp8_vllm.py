@@ -34,9 +34,9 @@ def _modules(monkeypatch, **mods):
         monkeypatch.setitem(sys.modules, name, m)
 
 
-def test_linear_runs_vllms_fp8_linear_method_on_a_layer_made_once_per_copy(monkeypatch, tmp_path):
-    """Under the rollout's config for the checkpoint: the method from its quant config, create_weights for the
-    copy's shape (vLLM selects the GEMM kernel there), the copy in the layer, prepared once, applied per call."""
+@pytest.fixture
+def fp8_method_calls(monkeypatch):
+    """vLLM's Fp8LinearMethod, its config context and default dtype stood in; the list of their calls."""
     import contextlib
 
     calls = []
@@ -83,6 +83,13 @@ def test_linear_runs_vllms_fp8_linear_method_on_a_layer_made_once_per_copy(monke
                              "vllm.config": dict(VllmConfig=VllmConfig, set_current_vllm_config=set_current_vllm_config,
                                                  ModelConfig=lambda **kw: kw),
                              "vllm.utils.torch_utils": dict(set_default_torch_dtype=set_default_torch_dtype)})
+    return calls
+
+
+def test_linear_runs_vllms_fp8_linear_method_on_a_layer_made_once_per_copy(monkeypatch, tmp_path, fp8_method_calls):
+    """Under the rollout's config for the checkpoint: the method from its quant config, create_weights for the
+    copy's shape (vLLM selects the GEMM kernel there), the copy in the layer, prepared once, applied per call."""
+    calls = fp8_method_calls
     prov = _cpu_vllm_provider(monkeypatch)
     w = torch.nn.Parameter(torch.randn(32, 16, dtype=torch.float64) * 0.1)
     quant = QuantizedCopies((16, 16), tmp_path)
@@ -104,6 +111,29 @@ def test_linear_runs_vllms_fp8_linear_method_on_a_layer_made_once_per_copy(monke
         w.mul_(2)  # an update: the copy is requantized in place, the layer made again
     prov.fp8_linear(x, *quant.get(w), None, (16, 16), checkpoint=tmp_path)
     assert [c[0] for c in calls[5:]] == ["method", "create", "prepare", "apply"]
+
+
+def test_a_first_call_inside_inference_mode_leaves_copies_the_training_forward_can_use(monkeypatch, tmp_path,
+                                                                                      fp8_method_calls):
+    """C5 scores under inference mode and may be the first forward of a run: the joined copy of q/k/v-like
+    weights and the prepared layer made there must be normal tensors (an inference tensor has no version counter,
+    which the copies and the layer are keyed by), so the grad-enabled forwards of C6/C7 after it run."""
+    prov = _cpu_vllm_provider(monkeypatch)
+    ws = [torch.nn.Parameter(torch.randn(16, 16, dtype=torch.float64) * 0.1) for _ in range(2)]
+    quant = QuantizedCopies((16, 16), tmp_path)
+    for i, w in enumerate(ws):
+        quant.register(f"w{i}", w)
+    x = torch.randn(3, 16, dtype=torch.float64)
+    with torch.inference_mode():
+        first = prov.fp8_linear(x, *quant.joined(ws), None, (16, 16), checkpoint=tmp_path)
+    codes, scales = quant.joined(ws)
+    assert not codes.is_inference() and not scales.is_inference()
+    again = prov.fp8_linear(x, codes, scales, None, (16, 16), checkpoint=tmp_path)
+    assert torch.equal(first, again)
+    assert [c[0] for c in fp8_method_calls].count("prepare") == 1  # the layer made in inference mode is reused
+    with torch.inference_mode():  # a copy that is itself an inference tensor: served, never cached
+        inf_codes, inf_scales = codes.clone(), scales.clone()
+    assert torch.equal(prov.fp8_linear(x, inf_codes, inf_scales, None, (16, 16), checkpoint=tmp_path), first)
 
 
 def test_experts_get_vllms_fp8_block_quant_config(monkeypatch):

@@ -106,7 +106,11 @@ class QuantizedCopies:
         state = tuple((self._copies[i].version, self._copies[i].ptr) for i in ids)
         held = self._joined.get(ids)
         if held is None or held[0] != state:
-            held = self._joined[ids] = (state, (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
+            # normal tensors even when first built inside an inference-mode forward (C5's recompute): the same
+            # copies serve the training forwards after it, and the kernel keys its prepared layer by their version
+            with torch.inference_mode(False), torch.no_grad():
+                cat = (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+            held = self._joined[ids] = (state, cat)
         return held[1]
 
 

@@ -56,13 +56,16 @@ class BlockFp8Linear:
     def _layer(self, codes: torch.Tensor, scales: torch.Tensor) -> tuple:
         from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 
-        state = (codes.data_ptr(), codes._version, scales.data_ptr(), scales._version)
+        # an inference-mode tensor has no version counter, so nothing would show it changed: made every time
+        fixed = not (codes.is_inference() or scales.is_inference())
+        state = (codes.data_ptr(), codes._version, scales.data_ptr(), scales._version) if fixed else None
         held = self._layers.get(id(codes))
-        if held is not None and held[0]() is codes and held[1] == state:
+        if fixed and held is not None and held[0]() is codes and held[1] == state:
             return held[2:]
         self._layers = {k: v for k, v in self._layers.items() if v[0]() is not None}
         N, K = codes.shape
-        with self._vllm_context(codes.device):
+        # the prepared layer serves later training forwards too: normal tensors, even inside an inference-mode call
+        with self._vllm_context(codes.device), torch.inference_mode(False), torch.no_grad():
             method = Fp8LinearMethod(self.config.quant_config)
             layer = torch.nn.Module()
             method.create_weights(layer, K, [N], K, N, self.dtype, weight_loader=None)
@@ -70,7 +73,8 @@ class BlockFp8Linear:
             layer.weight.data.copy_(codes)
             layer.weight_scale_inv.data.copy_(scales)
             method.process_weights_after_loading(layer)
-        self._layers[id(codes)] = (weakref.ref(codes), state, method, layer)
+        if fixed:
+            self._layers[id(codes)] = (weakref.ref(codes), state, method, layer)
         return method, layer
 
     def __call__(self, x, codes, scales, bias):
