@@ -296,19 +296,47 @@ def test_checkpoint_weights_for_an_fp8_rollout_are_codes_and_scales_as_the_check
     assert not torch.equal(s, stored[name][1])
 
 
-def test_fp8_kv_cache_reference_attends_over_e4m3_rounded_q_k_v_with_a_straight_through_gradient(example,
-                                                                                                  monkeypatch):
-    """C2's stock model and C7's reference with an FP8 KV cache: the model's own eager attention receives q, k, v
-    that are e4m3 values (scale 1, saturating), the logits move accordingly, and the gradient still flows."""
-    import sys
-
-    from tic.harness.measure.fp8_reference import fp8_round_trip, use_fp8_kv_cache
+def test_fp8_round_trip_rounds_to_e4m3_saturating_with_a_straight_through_gradient():
+    from tic.harness.measure.fp8_reference import fp8_round_trip
 
     t = torch.tensor([0.1234, -3.3, 1000.0], requires_grad=True)
     r = fp8_round_trip(t)
     assert torch.equal(r.detach(), torch.tensor([0.125, -3.25, 448.0]))
     r.sum().backward()
     assert torch.equal(t.grad, torch.ones(3))
+
+
+def test_fp8_attention_is_flash_attentions_fp8_forward_row_by_row():
+    """Per query row, written out: e4m3 q/k/v, P = exp(s - max) * 256 rounded to e4m3, P @ v over the float32 sum
+    of the unrounded P; GQA heads share their K/V head. Rounding only q/k/v (the earlier reference) is another value."""
+    from tic.harness.measure.fp8_reference import fp8_attention, fp8_round_trip
+
+    g = torch.Generator().manual_seed(0)
+    B, H, Hk, T, D = 2, 4, 2, 5, 8
+    q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (H, Hk, Hk))
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None].expand(B, 1, T, T)
+    out = fp8_attention(q, k, v, mask, 0.3, H // Hk)
+    assert out.shape == (B, T, H, D)
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                qr, kr, vr = (fp8_round_trip(x) for x in (q[b, h, t], k[b, h // 2, : t + 1], v[b, h // 2, : t + 1]))
+                p = torch.exp(kr @ qr * 0.3 - (kr @ qr * 0.3).max())
+                want = ((p * 256).to(torch.float8_e4m3fn).float() @ vr) / (p.sum() * 256)
+                assert torch.allclose(out[b, t, h], want, rtol=1e-6, atol=1e-7)
+    qkv_only = torch.softmax(fp8_round_trip(q) @ fp8_round_trip(k).repeat_interleave(2, 1).transpose(-1, -2) * 0.3
+                             + mask, -1) @ fp8_round_trip(v).repeat_interleave(2, 1)
+    assert not torch.allclose(out, qkv_only.transpose(1, 2), rtol=1e-3, atol=1e-4)
+
+
+def test_fp8_kv_cache_reference_runs_fp8_attention_in_value_and_the_models_eager_attention_for_autograd(
+        example, monkeypatch):
+    """C2's stock model and C7's reference with an FP8 KV cache: every layer's attention output is, in value,
+    fp8_attention of its q, k, v; its gradient is the model's own eager attention's on the unrounded inputs
+    (straight through, as the training side's SDPA backward); the logits move, a little."""
+    import sys
+
+    from tic.harness.measure import fp8_reference
 
     d = GateContext(load_config(example("tiny-qwen3") / "tic.yaml")).model.dir
     plain = hf.load_model(d, "float32", kernels="stock", attn="eager", shared=False)
@@ -317,26 +345,27 @@ def test_fp8_kv_cache_reference_attends_over_e4m3_rounded_q_k_v_with_a_straight_
     seen, own = [], modeling.eager_attention_forward
 
     def recording(module, q, k, v, *args, **kwargs):
-        seen.append((q, k, v))
-        return own(module, q, k, v, *args, **kwargs)
+        out = own(module, q, k, v, *args, **kwargs)
+        seen.append((q, k, v, out[0]))
+        return out
 
     monkeypatch.setattr(modeling, "eager_attention_forward", recording)
-    use_fp8_kv_cache(model)
+    fp8_reference.use_fp8_kv_cache(model)
     model.requires_grad_(True)
     ids = torch.tensor([[5, 9, 2, 7, 11, 3]])
+    layer = model.model.layers[0].self_attn
+    got = []
+    layer.o_proj.register_forward_hook(lambda m, args, out: got.append(args[0]))
     logits = model(input_ids=ids).logits
     assert len(seen) == len(model.model.layers)
-    for tensors in seen:
-        for x in tensors:
-            assert torch.equal(x.detach(), x.detach().to(torch.float8_e4m3fn).float())
+    q, k, v, graph = seen[0]
+    mask = torch.full((6, 6), float("-inf")).triu(1)[None, None]
+    want = fp8_reference.fp8_attention(q, k, v, mask, layer.scaling, q.shape[1] // k.shape[1])
+    assert torch.allclose(got[0].detach(), want.reshape(got[0].shape), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(want, graph.detach(), rtol=1e-3, atol=1e-4)  # the FP8 forward is another value
     with torch.no_grad():
         ref = plain(input_ids=ids).logits
     assert not torch.equal(logits.detach(), ref) and torch.allclose(logits.detach(), ref, atol=0.05)
-    logits.sum().backward()
-    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
-    # the control: without the rounding it is the plain model bit for bit (same masks, same eager attention)
-    from tic.harness.measure import fp8_reference
-
-    monkeypatch.setattr(fp8_reference, "fp8_round_trip", lambda x: x)
-    with torch.no_grad():
-        assert torch.equal(model(input_ids=ids).logits, ref)
+    # the gradient at the attention output reaches q/k/v through the eager graph, not through the rounding
+    gq = torch.autograd.grad(logits.sum(), q, retain_graph=True)[0]
+    assert gq.abs().sum() > 0

@@ -9,10 +9,12 @@ quantized per token group by the deployment format, weights the checkpoint's cod
 arithmetic), and, for autograd, the module's own float32 graph. Its backward is transformers' autograd through
 that graph: nothing of tic's kernel wrappers or written-out backwards is on its path.
 
-With an FP8 KV cache (method 4.2) both engines' attention reads q, k and v rounded to e4m3 (scale 1: vLLM's
-uncalibrated scales). `use_fp8_kv_cache` gives a transformers model the same round trip in value, straight
-through for autograd, before the model's own eager attention: C7's reference and C2's stock model then compute
-the model the two sides run.
+With an FP8 KV cache (method 4.2) both engines' attention is FlashAttention's FP8 forward: q, k and v rounded to
+e4m3 (scale 1: vLLM's uncalibrated scales), and the probabilities P = exp(s - max), scaled by 2**8 to use e4m3's
+range, rounded to e4m3 as well before the P @ V product (the row sum stays float32). `use_fp8_kv_cache` gives a
+transformers model that attention in value, and for autograd the model's own eager attention on the unrounded
+q, k, v (straight through, as the training side's attention backward): C7's reference and C2's stock model then
+compute the model the two sides run.
 """
 
 from __future__ import annotations
@@ -95,16 +97,43 @@ def fp8_round_trip(t: torch.Tensor) -> torch.Tensor:
     return t + (rounded - t).detach()
 
 
-def _fp8_kv_eager(module, query, key, value, attention_mask, **kwargs):
+P_SCALE = 2.0 ** 8  # FlashAttention's FP8 forward: exp(s - max) times 2**Max_offset (8) before P is rounded
+
+
+def fp8_attention(query, key, value, attention_mask, scaling: float, groups: int, softcap: float | None = None):
+    """FlashAttention's FP8 forward in float32 on [B, H, Q, D] / [B, Hk, K, D] inputs (an additive mask or None):
+    q, k, v rounded to e4m3, P = exp(s - row max) * 2**8 rounded to e4m3 for the P @ V product, divided by the
+    float32 row sum of the unrounded P. Returns [B, Q, H, Dv] in query's dtype."""
+    e4m3 = torch.float8_e4m3fn
+    q, k, v = (fp8_round_trip(t.detach()).float() for t in (query, key, value))
+    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    s = q @ k.transpose(-1, -2) * scaling
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    if attention_mask is not None:
+        s = s + attention_mask.float()
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    rounded = (p * P_SCALE).to(e4m3).float()
+    out = (rounded @ v) / (p.sum(-1, keepdim=True) * P_SCALE)
+    return out.transpose(1, 2).to(query.dtype)
+
+
+def _fp8_kv_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     own = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if own is None:
         raise RuntimeError(f"{type(module).__name__}: its modeling file has no eager_attention_forward to run the "
                            "FP8 KV cache's reference attention with")
-    return own(module, fp8_round_trip(query), fp8_round_trip(key), fp8_round_trip(value), attention_mask, **kwargs)
+    if kwargs.get("s_aux") is not None:
+        raise RuntimeError(f"{type(module).__name__}: attention sinks have no FP8 KV cache reference")
+    graph, weights = own(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    visible = fp8_attention(query, key, value, attention_mask, scaling, query.shape[1] // key.shape[1],
+                            kwargs.get("softcap"))
+    return _straight_through(visible, graph), weights
 
 
 def use_fp8_kv_cache(model: nn.Module) -> None:
-    """Run `model`'s attention (its own eager attention) on q, k and v rounded as an FP8 KV cache rounds them."""
+    """Run `model`'s attention as FlashAttention's FP8 forward in value (fp8_attention), its own eager attention
+    on the unrounded q, k, v for autograd."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
