@@ -13,7 +13,7 @@ from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.harness.model.cut import CUT_RECORD
 from tic.harness.engines.hf import WRAPPED_KERNELS, load_model
 from tic.harness.measure.fidelity import compare_forward, fidelity_inputs
-from tic.harness.measure.fp8_reference import use_fp8_kv_cache
+from tic.harness.measure import fp8_reference
 from tic.harness.model.cut_check import CutRequest, check_cut, cut_dir_for
 from tic.core.fsio import atomic_write_text
 
@@ -25,16 +25,19 @@ def cut_request(cfg, state) -> CutRequest:
 
 def wrapper_fidelity(ctx) -> dict | None:
     """The training side's wrapped model against the stock HF model (eager attention, same weights, dtype and
-    device; with an FP8 KV cache, attention over FP8-rounded q, k, v) on seeded inputs; None when the training side
-    does not run through the wrappers."""
+    device) on seeded inputs; None when the training side does not run through the wrappers. The stock model is the
+    model the two sides run: for a block-FP8 checkpoint its quantized linears and experts give the FP8 forward's
+    values (activations quantized per token group, the checkpoint's codes times scales), with an FP8 KV cache its
+    attention is FlashAttention's FP8 forward (tic.harness.measure.fp8_reference)."""
     train = ctx.cfg.train
     if train.engine not in ("hf", "megatron") or train.kernels not in WRAPPED_KERNELS:
         return None
     engine = ctx.train_engine()
     stock = load_model(engine.model_dir, engine.dtype, "stock", attn="eager", device=str(engine.device),
                        shared=False)
+    fp8_reference.install(stock, engine.model_dir)  # no-op for a checkpoint that is not block-FP8
     if str(train.options.get("kv_cache_dtype", "auto")).startswith("fp8"):
-        use_fp8_kv_cache(stock)  # the model the two sides run: attention over FP8-rounded q, k, v
+        fp8_reference.use_fp8_kv_cache(stock)
     ids, mask = fidelity_inputs(engine.vocab_size, engine.device)
     view = {}
     if train.engine == "megatron":  # the GPTModel's modules under the checkpoint's names, hidden states [T, B, H]

@@ -198,6 +198,19 @@ def test_fp8_model_passes_with_consistent_kernels(fp8_ctx, gate):
     assert res.verdict == "pass", res.reason
 
 
+def test_c2_compares_the_wrapped_fp8_model_with_transformers_following_the_fp8_forward(fp8_ctx, monkeypatch):
+    """C2's stock model for a block-FP8 checkpoint is the FP8 forward in value (activations quantized per token
+    group, codes times scales): the wrapped FP8 model matches it. Left dequantized (the plant: what C2 compared
+    before), the stock model computes another model and C2 fails at the first quantized projection."""
+    from tic.harness.measure import fp8_reference
+
+    res = run_gate(get("C2"), fp8_ctx)
+    assert res.verdict == "pass", res.reason
+    monkeypatch.setattr(fp8_reference, "install", lambda model, model_dir: None)
+    res = run_gate(get("C2"), fp8_ctx)
+    assert res.verdict == "fail" and "self_attn.q_proj" in res.reason, res.reason
+
+
 def test_c5_fails_when_training_holds_its_scales_in_bfloat16(fp8_ctx):
     """Planted: the train side's copy of one projection keeps the checkpoint's codes but its scales rounded to
     bfloat16 (a trainer that stores scales in the model dtype); C5 must see it."""
