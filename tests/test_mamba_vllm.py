@@ -126,3 +126,17 @@ def test_grouped_gated_norm_patch_sends_several_groups_to_the_triton_kernel_on_b
     layernorm_gated.CALLS.clear()
     assert torch.equal(prov.gated_rms_norm(y, gate, w, group_size=4, eps=1e-5, out_dtype=torch.bfloat16), native)
     assert layernorm_gated.CALLS == []
+
+
+def test_the_conv_state_never_sits_in_vllms_null_block(fake_vllm):
+    """vLLM reserves conv cache line NULL_BLOCK_ID (0) for padding: its kernel skips a sequence mapped there and
+    leaves the output unwritten (the stand-in: NaN). A fresh and a continued sequence both come back as the
+    float32 reference computes them."""
+    from tic.harness.kernels.mamba import mamba_conv_ref
+
+    g = torch.Generator().manual_seed(0)
+    u, w, b = torch.randn(9, 6, generator=g), 0.5 * torch.randn(6, 1, 4, generator=g), 0.1 * torch.randn(6, generator=g)
+    for window in (torch.zeros(3, 6), torch.randn(3, 6, generator=g)):
+        out = MambaOnVLLM().mamba_conv(u, window, w, b)
+        assert torch.isfinite(out).all()
+        assert torch.allclose(out, mamba_conv_ref(u, window, w, b), atol=1e-6)

@@ -63,19 +63,20 @@ def _step(m, decodes, prefills):
 
 
 def _serve(m, a, b):
-    """Request a (slot 0): prompt 11, prefilled 5 + 6 (the second piece beside b's first decode); request b
-    (slot 1): prompt 6; then both decode. Returns each request's mixer outputs per token."""
+    """Request a (slot 1): prompt 11, prefilled 5 + 6 (the second piece beside b's first decode); request b
+    (slot 2): prompt 6; then both decode. Returns each request's mixer outputs per token. (Slot 0 is vLLM's null
+    block: padding, which the kernels skip.)"""
     out_a, out_b = [], []
-    o = _step(m, [], [(0, 0, a[:5]), (1, 0, b[:6])])
+    o = _step(m, [], [(1, 0, a[:5]), (2, 0, b[:6])])
     out_a.append(o[:5]), out_b.append(o[5:])
-    o = _step(m, [(1, b[6])], [(0, 5, a[5:11])])
+    o = _step(m, [(2, b[6])], [(1, 5, a[5:11])])
     out_b.append(o[:1]), out_a.append(o[1:])
-    pos = {0: 11, 1: 7}
-    while any(pos[s] < t.shape[0] for s, t in ((0, a), (1, b))):
-        live = [(s, t) for s, t in ((0, a), (1, b)) if pos[s] < t.shape[0]]
+    pos = {1: 11, 2: 7}
+    while any(pos[s] < t.shape[0] for s, t in ((1, a), (2, b))):
+        live = [(s, t) for s, t in ((1, a), (2, b)) if pos[s] < t.shape[0]]
         o = _step(m, [(s, t[pos[s]]) for s, t in live], [])
         for r, (s, _) in enumerate(live):
-            (out_a if s == 0 else out_b).append(o[r:r + 1])
+            (out_a if s == 1 else out_b).append(o[r:r + 1])
             pos[s] += 1
     return torch.cat(out_a), torch.cat(out_b)
 

@@ -69,10 +69,13 @@ def _scan_rows(prov, t, Q, p0):
         dt_bias=t["dt_bias"], dt_softplus=True, state_dtype=torch.float32).contiguous()
     A = (-torch.exp(t["A_log"].float()))[:, None, None].expand(-1, P, N)
     out = torch.empty_like(x[p0:])
+    # the state in cache line 1: vLLM's line NULL_BLOCK_ID (0) is padding, which its kernels skip
+    states = torch.zeros(2, *state.shape[1:], dtype=state.dtype, device="cuda")
+    states[1] = state[0]
     for i in range(p0, L):
-        selective_state_update(state, x[i:i + 1], dt[i:i + 1, :, None].expand(-1, -1, P), A, B[i:i + 1],
+        selective_state_update(states, x[i:i + 1], dt[i:i + 1, :, None].expand(-1, -1, P), A, B[i:i + 1],
                                C[i:i + 1], t["D"][:, None].expand(-1, P), t["dt_bias"][:, None].expand(-1, P),
-                               dt_softplus=True, state_batch_indices=i32([0]), dst_state_batch_indices=i32([0]),
+                               dt_softplus=True, state_batch_indices=i32([1]), dst_state_batch_indices=i32([1]),
                                out=out[i - p0:i - p0 + 1])
     return full[p0:], torch.cat(replay), out.float()
 
@@ -89,11 +92,11 @@ def _conv_rows(prov, L, dim, K, p0, g, dtype):
     bias = (0.1 * torch.randn(dim, device="cuda", generator=g)).to(dtype)
     full = prov.mamba_conv(u, torch.zeros(K - 1, dim, dtype=dtype, device="cuda"), w, bias)
     replay = torch.cat([prov.mamba_conv(u[i:i + 1], u[i - K + 1:i], w, bias) for i in range(p0, L)])
-    conv_state = torch.zeros(1, K - 1, dim, dtype=dtype, device="cuda")
-    conv_state[0] = u[p0 - K + 1:p0]
-    conv_state = conv_state.transpose(-1, -2)  # [1, dim, K-1], as MambaMixer2 hands vLLM's cache to the kernel
+    conv_state = torch.zeros(2, K - 1, dim, dtype=dtype, device="cuda")  # line 0: vLLM's null block (padding)
+    conv_state[1] = u[p0 - K + 1:p0]
+    conv_state = conv_state.transpose(-1, -2)  # [2, dim, K-1], as MambaMixer2 hands vLLM's cache to the kernel
     steps = [causal_conv1d_update(u[i:i + 1].clone(), conv_state, w.view(dim, K), bias, "silu",
-                                  conv_state_indices=torch.tensor([0], dtype=torch.int32, device="cuda"))
+                                  conv_state_indices=torch.tensor([1], dtype=torch.int32, device="cuda"))
              for i in range(p0, L)]
     zeros = torch.zeros(K - 1, dim, dtype=dtype, device="cuda")
     fresh = torch.cat([prov.mamba_conv(u[i - K + 1:i + 1], zeros, w, bias)[-1:] for i in range(p0, L)])

@@ -4,7 +4,8 @@ MambaMixer2 (vllm/model_executor/layers/mamba/mamba_mixer2.py, 0.26) gives them 
 What the mixer passes, and so what these calls pass:
   conv: `causal_conv1d_fn` on the [conv_dim, tokens] transpose of the token-major input (channel-last), the
         [conv_dim, K] view of conv1d's weight, SiLU, a conv state per sequence and `has_initial_state` false at a
-        sequence's start (the kernel then reads no state).
+        sequence's start (the kernel then reads no state). The state sits in cache line NULL_BLOCK_ID + 1: vLLM
+        reserves line NULL_BLOCK_ID (0) for padding, and its kernel skips a sequence mapped there, output unwritten.
   scan: `mamba_chunk_scan_combined_varlen` on x [tokens, H, P], the raw dt of the projection, A = -exp(A_log) in
         float32 (vLLM's loader computes it so), B/C [tokens, G, N], the config's chunk_size, D, z = None,
         dt_bias, dt_softplus, dt_limit (0, inf) whatever the config's time_step_limit (vLLM 0.26's mixer passes
@@ -49,13 +50,20 @@ class VLLMMambaKernels:
     def mamba_conv(self, u, window, w, bias):
         from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
 
+        from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
+
         n, dim = u.shape
         if n == 0:
             return u.new_zeros(u.shape)
-        conv_states = window.to(u.dtype).clone()[None].transpose(-1, -2)  # [1, dim, K-1], as vLLM's SD layout
+        # the window in a cache line of its own: vLLM's line NULL_BLOCK_ID is padding, a sequence mapped to it is
+        # skipped by the kernel (its output left unwritten)
+        line = NULL_BLOCK_ID + 1
+        lines = torch.zeros(line + 1, *window.shape, dtype=u.dtype, device=u.device)
+        lines[line] = window
+        conv_states = lines.transpose(-1, -2)  # [lines, dim, K-1], as vLLM's SD layout
         has_state = torch.tensor([bool(window.any())], device=u.device)
         out = causal_conv1d_fn(u.t(), w.view(w.shape[0], w.shape[-1]), bias, conv_states=conv_states,
-                               query_start_loc=_i32([0, n], u.device), cache_indices=_i32([0], u.device),
+                               query_start_loc=_i32([0, n], u.device), cache_indices=_i32([line], u.device),
                                has_initial_state=has_state, activation="silu")
         return out.t()
 

@@ -8,6 +8,7 @@ from pathlib import Path
 FAKE = {
     "vllm/__init__.py": "__version__ = '{version}'\n",
     "vllm/v1/__init__.py": "", "vllm/v1/attention/__init__.py": "", "vllm/v1/attention/backends/__init__.py": "",
+    "vllm/v1/attention/backends/utils.py": "NULL_BLOCK_ID = 0  # cache line 0: padding, skipped by the Mamba kernels\n",
     "vllm/v1/attention/backends/flash_attn.py": """
         def flash_attn_varlen_func(**kwargs):
             return kwargs
@@ -66,10 +67,12 @@ FAKE = {
             assert weight.stride(1) == 1 and conv_states.shape[1:] == (dim, K - 1)
             CALLS.append(dict(x_shape=tuple(x.shape), has_initial_state=has_initial_state.tolist(),
                               activation=activation))
-            out = torch.empty_like(x)
+            out = torch.full_like(x, float("nan"))  # the kernel writes nothing for a skipped sequence
             qsl = query_start_loc.tolist()
             for i, (s, e) in enumerate(zip(qsl[:-1], qsl[1:])):
                 line = int(cache_indices[i])
+                if line == 0:  # vLLM's null block (padding): skipped
+                    continue
                 window = conv_states[line] if bool(has_initial_state[i]) else x.new_zeros(dim, K - 1)
                 full = torch.cat([window.to(x.dtype), x[:, s:e]], dim=1)
                 acc = bias[:, None].expand(dim, e - s) if bias is not None else x.new_zeros(dim, e - s)
@@ -84,9 +87,11 @@ FAKE = {
                                  **kw):
             # vLLM's decode conv: its own kernel (here the taps summed newest first, another rounding order)
             dim, K = weight.shape
-            out = torch.empty_like(x)
+            out = torch.full_like(x, float("nan"))
             for r in range(x.shape[0]):
                 line = int(conv_state_indices.reshape(x.shape[0], -1)[r, 0])
+                if line == 0:  # vLLM's null block (padding): skipped
+                    continue
                 full = torch.cat([conv_state[line], x[r][:, None]], dim=1)
                 acc = bias.clone() if bias is not None else x.new_zeros(dim)
                 for k in reversed(range(K)):
@@ -152,6 +157,8 @@ FAKE = {
             H = x.shape[1]
             for r in range(x.shape[0]):
                 s = int(state_batch_indices.reshape(x.shape[0], -1)[r, 0])
+                if s == 0:  # vLLM's null block (padding): skipped
+                    continue
                 d = dt[r].float() + dt_bias.float()
                 d = F.softplus(d) if dt_softplus else d
                 Bh, Ch = (t[r].float().repeat_interleave(H // t.shape[1], dim=0) for t in (B, C))
