@@ -82,6 +82,11 @@ def test_rotary(rot):
     check("rotary", (r(6, 4, 8), r(6, 2, 8), torch.tensor([0, 1, 2, 3, 0, 1]), r(10, rot)), frozen=(3,))
 
 
+@pytest.mark.parametrize("rot", [8, 4])
+def test_rotary_interleaved(rot):
+    check("rotary_interleaved", (r(6, 4, 8), r(6, 2, 8), torch.tensor([0, 1, 2, 3, 0, 1]), r(10, rot)), frozen=(3,))
+
+
 def test_rotary_with_a_trainable_table_falls_back_to_the_reference():
     table = torch.nn.Parameter(r(10, 8))
     check("rotary", (r(6, 4, 8), r(6, 2, 8), torch.tensor([0, 1, 2, 3, 0, 1]), table))

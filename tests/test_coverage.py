@@ -21,7 +21,8 @@ from tic.skill.runner import run_gate
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2", "tiny-phi3",
-            "tiny-granite", "tiny-qwen2-moe", "tiny-stablelm", "tiny-starcoder2", "tiny-phi2", "tiny-gpt-neox")
+            "tiny-granite", "tiny-qwen2-moe", "tiny-stablelm", "tiny-starcoder2", "tiny-phi2", "tiny-gpt-neox",
+            "tiny-glm")
 
 
 def meta_of(name: str, **changes) -> nn.Module:
@@ -56,6 +57,8 @@ def meta_of(name: str, **changes) -> nn.Module:
      {"embedding", "rope:one_table", "norm:layer"}),
     ("tiny-gpt-neox", {"decoder:parallel_two_norm", "norm:layer", "attention:full", "attention:qkv_per_head",
                        "mlp:plain"}, {"embedding", "rope:one_table", "norm:layer"}),
+    ("tiny-glm", {"decoder:two_norm", "norm:rms", "attention:full", "mlp:silu_and_mul"},  # fused gate_up
+     {"embedding", "rope:one_table", "rope:interleaved", "norm:rms"}),
 ])
 def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
     rows = coverage_table(meta_of(name))
@@ -74,22 +77,22 @@ def test_a_dropout_that_drops_is_refused_one_of_probability_zero_is_the_identity
     assert any("resid_attn_dropout" in r and "dropout of probability 0.1" in r for r in refused), refused
 
 
-@pytest.mark.parametrize("arch, model_type, extra, why", [
-    ("HeliumForCausalLM", "helium", {}, "applied otherwise than neox over the whole head"),  # interleaved pairs
-    ("GlmForCausalLM", "glm", {"partial_rotary_factor": 0.5}, "over 8 of 16 head features"),  # interleaved
-    ("LlamaForCausalLM", "llama", {}, None),  # the controls: neox over the whole head,
-    ("Phi3ForCausalLM", "phi3", {"partial_rotary_factor": 0.5}, None),  # and over its first half (rotate_neox)
+@pytest.mark.parametrize("arch, model_type, extra, interleaved", [
+    ("HeliumForCausalLM", "helium", {}, True),  # interleaved pairs over the whole head
+    ("GlmForCausalLM", "glm", {"partial_rotary_factor": 0.5}, True),  # interleaved over 8 of 16 head features
+    ("LlamaForCausalLM", "llama", {}, False),  # neox over the whole head,
+    ("Phi3ForCausalLM", "phi3", {"partial_rotary_factor": 0.5}, False),  # and over its first half (rotate_neox)
 ])
-def test_rotary_is_read_by_computation(arch, model_type, extra, why):
+def test_rotary_is_read_by_computation(arch, model_type, extra, interleaved):
     """C0 runs the modeling module's own apply_rotary_pos_emb on seeded rows of the table's width against the
-    wrappers' rotate_neox: an interleaved rotary is refused in one line (C2 would only name o_proj), a partial
-    neox one is covered."""
+    wrappers' two rotations: neox (halves paired) and interleaved (pairs 2i, 2i+1), whole or partial; either is
+    covered, and the interleaved one is named (rope:interleaved: the attention runs that rotation)."""
     cfg = {"architectures": [arch], "model_type": model_type, "vocab_size": 64, "hidden_size": 64,
            "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
            "head_dim": 16, "max_position_embeddings": 64, "pad_token_id": 0, **extra}
-    refused = coverage_table(build_meta(cfg))[-1]["refused"]
-    rotary = [r for r in refused if r.startswith("rotary")]
-    assert (rotary == []) if why is None else (len(rotary) == 1 and why in rotary[0]), refused
+    model = coverage_table(build_meta(cfg))[-1]
+    assert not [r for r in model["refused"] if r.startswith("rotary")], model["refused"]
+    assert ("rope:interleaved" in model["operator_classes"]) == interleaved, model["operator_classes"]
 
 
 @pytest.mark.parametrize("multiplier, structure", [(0.22, "decoder:scaled_residual"), (1.0, "decoder:two_norm")])
@@ -602,3 +605,29 @@ def test_wrapping_leaves_the_models_modules_and_state_dict_keys_as_they_were(exa
     assert [n for n, _ in wrapped.named_modules(remove_duplicate=False)] == \
         [n for n, _ in stock.named_modules(remove_duplicate=False)]
     hf._MODELS.clear()
+
+
+def test_glm_interleaved_rotary_is_read_and_a_neox_rotation_in_its_place_fails_c2(example, workdir):
+    """GLM turns feature pairs (2i, 2i+1): read by computation as rope:interleaved, run by the rotary_interleaved op.
+    A wrapper that turns the two halves instead (neox) agrees with itself bitwise; C2 refuses it in layer 0's
+    attention. A rotary that is neither (here: the modeling module's rotation with its pairs swapped) is refused."""
+    import sys
+
+    ctx = small_ctx(example, "tiny-glm")
+    model = ctx.train_engine().model
+    rope = model.model.layers[0].self_attn._tic_rope
+    assert rope.op == "rotary_interleaved"
+    rope.op = "rotary"
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail", res.reason
+    assert res.details["fidelity"]["first_parting_module"].startswith("model.layers.0.self_attn"), res.details
+    hf._MODELS.clear()
+    meta = meta_of("tiny-glm")
+    modeling = sys.modules[type(meta.model.layers[0].self_attn).__module__]
+    own = modeling.apply_rotary_pos_emb
+    try:
+        modeling.apply_rotary_pos_emb = lambda q, k, cos, sin, *a, **kw: own(q, k, cos, -sin, *a, **kw)
+        refused = coverage_table(meta)[-1]["refused"]
+    finally:
+        modeling.apply_rotary_pos_emb = own
+    assert any("neither" in r or "otherwise than neox or interleaved" in r for r in refused), refused

@@ -1,5 +1,5 @@
-"""The vLLM provider's block-FP8 plumbing on CPU, vLLM's kernels stood in (the GPU run validates the kernels):
-the linear runs vLLM's Fp8LinearMethod on a layer prepared once per copy, the experts get vLLM's FP8 block quant
+"""The vLLM provider's plumbing on CPU, vLLM's kernels stood in (the GPU run validates the kernels): the rotary
+kernel's pairing style; block FP8, where the linear runs vLLM's Fp8LinearMethod on a layer prepared once per copy, the experts get vLLM's FP8 block quant
 config, and with an FP8 KV cache K/V go through reshape_and_cache_flash into FP8 pages read by the same
 varlen FlashAttention call."""
 
@@ -212,3 +212,30 @@ def test_a_train_side_on_vllm_kernels_must_name_the_rollouts_kv_cache_dtype(exam
     code, _, err = tic("gate", "C5", "-c", str(ex / "kv.yaml"))
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert ("kv_cache_dtype" in err) == refused, err
+
+
+@pytest.mark.parametrize("op, neox", [("rotary", True), ("rotary_interleaved", False)])
+def test_rotary_calls_vllms_kernel_with_the_models_pairing(monkeypatch, op, neox):
+    """vLLM's rotary_embedding kernel in place on flat q/k copies: neox style for rotary, is_neox False for the
+    interleaved rotation (GLM, as vLLM's GLM layers set it); with the stand-in kernel the result is tic's own
+    rotation of that style."""
+    import types
+
+    from tic.harness.kernels.rope import rotate_interleaved, rotate_neox
+
+    seen = []
+
+    def rotary_embedding(positions, q, k, head, cos_sin, is_neox):
+        seen.append(is_neox)
+        rotate = rotate_neox if is_neox else rotate_interleaved
+        for t in (q, k):
+            t.copy_(rotate(t.view(t.shape[0], -1, head), positions, cos_sin).reshape(t.shape))
+
+    prov = _cpu_vllm_provider(monkeypatch)
+    prov.vops = types.SimpleNamespace(rotary_embedding=rotary_embedding)
+    g = torch.Generator().manual_seed(0)
+    q, k, table = torch.randn(5, 4, 8, generator=g), torch.randn(5, 2, 8, generator=g), torch.randn(9, 4, generator=g)
+    pos = torch.tensor([0, 3, 1, 8, 2])
+    got_q, got_k = getattr(prov, op)(q, k, pos, table)
+    rotate = rotate_neox if neox else rotate_interleaved
+    assert seen == [neox] and torch.equal(got_q, rotate(q, pos, table)) and torch.equal(got_k, rotate(k, pos, table))

@@ -31,7 +31,7 @@ from torch import nn
 
 from tic.config.schema import BackwardConfig
 from tic.harness.kernels.memo import TensorMemo
-from tic.harness.kernels.rope import rotate_neox
+from tic.harness.kernels.rope import rotate_interleaved, rotate_neox
 
 
 class StaleWeightError(RuntimeError):
@@ -73,6 +73,11 @@ def add_rms_norm_ref(x, residual, w, eps, offset=0.0):
 def rotary_ref(q, k, positions, cos_sin):
     c = _wide(cos_sin)
     return rotate_neox(_wide(q), positions, c), rotate_neox(_wide(k), positions, c)
+
+
+def rotary_interleaved_ref(q, k, positions, cos_sin):
+    c = _wide(cos_sin)
+    return rotate_interleaved(_wide(q), positions, c), rotate_interleaved(_wide(k), positions, c)
 
 
 def silu_and_mul_ref(x):
@@ -444,15 +449,31 @@ def _rotate_neox_input_grad(g, positions, cos_sin):
     return torch.cat([out, g32[..., rot:]], dim=-1) if g32.shape[-1] > rot else out
 
 
-def _rotary_backward(tensors, fixed, grads, kw, needs, run):
-    if needs[3]:
-        return None  # a trainable rotary table: autograd through the reference
-    q, k, positions, cos_sin = tensors
-    gq = run.fused(_rotate_neox_input_grad, grads[0], positions, cos_sin) if needs[0] and grads[0] is not None \
-        else None
-    gk = run.fused(_rotate_neox_input_grad, grads[1], positions, cos_sin) if needs[1] and grads[1] is not None \
-        else None
-    return gq, gk, None, None
+def _rotate_interleaved_input_grad(g, positions, cos_sin):
+    """Transpose of rotate_interleaved: per pair out0 = x0 c - x1 s, out1 = x1 c + x0 s, so gx0 = g0 c + g1 s,
+    gx1 = g1 c - g0 s."""
+    g32 = _wide(g)
+    rot = cos_sin.shape[-1]
+    cos, sin = _wide(cos_sin)[positions].to(g32.dtype).chunk(2, dim=-1)
+    cos, sin = cos[:, None], sin[:, None]
+    g0, g1 = g32[..., 0:rot:2], g32[..., 1:rot:2]
+    out = torch.stack((g0 * cos + g1 * sin, g1 * cos - g0 * sin), dim=-1).flatten(-2)
+    return torch.cat([out, g32[..., rot:]], dim=-1) if g32.shape[-1] > rot else out
+
+
+def _rotary_backward_of(input_grad):
+    def backward(tensors, fixed, grads, kw, needs, run):
+        if needs[3]:
+            return None  # a trainable rotary table: autograd through the reference
+        q, k, positions, cos_sin = tensors
+        gq = run.fused(input_grad, grads[0], positions, cos_sin) if needs[0] and grads[0] is not None else None
+        gk = run.fused(input_grad, grads[1], positions, cos_sin) if needs[1] and grads[1] is not None else None
+        return gq, gk, None, None
+    return backward
+
+
+_rotary_backward = _rotary_backward_of(_rotate_neox_input_grad)
+_rotary_interleaved_backward = _rotary_backward_of(_rotate_interleaved_input_grad)
 
 
 def _causal_rows(mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -632,6 +653,8 @@ OPS: dict[str, Op] = {op.name: op for op in [
     Op("add_rms_norm", lambda p, x, r, w, eps, offset=0.0: p.add_rms_norm(x, r, w, eps, **_offset(offset)),
        add_rms_norm_ref, _add_rms_norm_backward),
     Op("rotary", lambda p, q, k, pos, cs: p.rotary(q, k, pos, cs), rotary_ref, _rotary_backward),
+    Op("rotary_interleaved", lambda p, q, k, pos, cs: p.rotary_interleaved(q, k, pos, cs), rotary_interleaved_ref,
+       _rotary_interleaved_backward),
     Op("silu_and_mul", lambda p, x: p.silu_and_mul(x), silu_and_mul_ref, _silu_and_mul_backward),
     Op("gelu_tanh_and_mul", lambda p, x: p.gelu_tanh_and_mul(x), gelu_tanh_and_mul_ref,
        _gelu_tanh_and_mul_backward),
@@ -676,6 +699,9 @@ class Ops:
 
     def rotary(self, q, k, positions, cos_sin):
         return self._run("rotary", q, k, positions, cos_sin)
+
+    def rotary_interleaved(self, q, k, positions, cos_sin):
+        return self._run("rotary_interleaved", q, k, positions, cos_sin)
 
     def silu_and_mul(self, x):
         return self._run("silu_and_mul", x)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tic.harness.kernels import fp8_cpu
 from tic.harness.kernels.autograd import PLAIN_ACTS
 from tic.harness.kernels.mamba import MambaCPUKernels
-from tic.harness.kernels.rope import hf_cos_sin_cache, rotate_neox
+from tic.harness.kernels.rope import hf_cos_sin_cache, rotate_interleaved, rotate_neox
 from tic.harness.kernels.spec import KernelProvider
 
 
@@ -109,6 +109,9 @@ class CPUProvider(MambaCPUKernels, KernelProvider):  # Mamba-2 kernels: tic.harn
 
     def rotary(self, q, k, positions, cos_sin):
         return rotate_neox(q, positions, cos_sin), rotate_neox(k, positions, cos_sin)
+
+    def rotary_interleaved(self, q, k, positions, cos_sin):
+        return rotate_interleaved(q, positions, cos_sin), rotate_interleaved(k, positions, cos_sin)
 
     def silu_and_mul(self, x):
         half = x.shape[-1] // 2

@@ -29,7 +29,7 @@ from torch import nn
 
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 hybrids, issue 31
 from tic.harness.kernels.autograd import PLAIN_ACTS
-from tic.harness.kernels.rope import rotate_neox
+from tic.harness.kernels.rope import rotate_interleaved, rotate_neox
 
 KERNELS = ("consistent", "vllm")  # tic.yaml train.kernels values that run through the wrappers
 _BOTH = frozenset(KERNELS)
@@ -83,6 +83,8 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
                                        "to the routed experts' output (Qwen2-MoE)"),
     OperatorClass("rope:one_table", "neox rotary, one cos|sin table for all layers"),
     OperatorClass("rope:per_layer_type", "neox rotary, one table per layer type (Gemma-3 local/global bases)"),
+    OperatorClass("rope:interleaved", "interleaved rotary: features 2i and 2i+1 turned together (GLM; vLLM's "
+                                      "is_neox_style=False), on the table's first features"),
     OperatorClass("embedding", "token embedding"),
     OperatorClass("embedding:scaled", "token embedding times a constant in the model dtype (Gemma sqrt(hidden))"),
     OperatorClass("embedding:tied", "lm_head shares the embedding's weight"),
@@ -316,11 +318,10 @@ def rotary_per_layer_type(rotary: nn.Module) -> bool:
     return "layer_type" in inspect.signature(type(rotary).forward).parameters
 
 
-def rotary_problem(model: nn.Module, rotary: nn.Module) -> str | None:
-    """Why the model's rotary is not the wrappers' (rope.rotate_neox: neox over the table's first R head features,
-    the rest passed through), read by computation: the modeling module's own `apply_rotary_pos_emb` on seeded
-    q, k and cos|sin rows of the table's width. None when they agree, or when the model has no such function to
-    probe (C2's fidelity check still compares the whole forward)."""
+def _rotary_probe(model: nn.Module, rotary: nn.Module):
+    """The modeling module's own `apply_rotary_pos_emb` on seeded q, k and cos|sin rows of the table's width, in
+    HF's layout (q [B, H, T, D], cos and sin [B, T, R] with both halves equal): (its q and k, the inputs, the
+    table [T, R] and positions), or None when there is no such function to probe or it takes another signature."""
     attn = next((m for m in model.modules() if is_attention(m)), None)
     apply = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None) if attn else None
     freqs = getattr(rotary, "inv_freq", None)
@@ -330,17 +331,34 @@ def rotary_problem(model: nn.Module, rotary: nn.Module) -> str | None:
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 2, t, d, generator=g), torch.randn(1, 2, t, d, generator=g)
     c, s = torch.randn(t, half, generator=g), torch.randn(t, half, generator=g)
-    try:  # HF's layout: q [B, H, T, D], cos and sin [B, T, R] with both halves equal
+    try:
         got = apply(q, k, torch.cat([c, c], -1)[None], torch.cat([s, s], -1)[None])
     except Exception:  # noqa: BLE001 - another signature: nothing to compare here, C2 compares the forward
         return None
-    table, positions = torch.cat([c, s], -1), torch.arange(t)
-    want = [rotate_neox(x[0].transpose(0, 1), positions, table).transpose(0, 1)[None] for x in (q, k)]
-    if not all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, want)):
-        span = "the whole head" if 2 * half == d else f"{2 * half} of {d} head features"
-        return f"a rotary applied otherwise than neox over {span} ({type(attn).__module__}." \
-               "apply_rotary_pos_emb: e.g. interleaved pairs)"
-    return None
+    return attn, got, (q, k), torch.cat([c, s], -1), torch.arange(t)
+
+
+def _probe_matches(probe, rotate) -> bool:
+    _, got, inputs, table, positions = probe
+    want = [rotate(x[0].transpose(0, 1), positions, table).transpose(0, 1)[None] for x in inputs]
+    return all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, want))
+
+
+def rotary_style(model: nn.Module, rotary: nn.Module) -> tuple[str | None, str | None]:
+    """(style, problem) of the model's rotary, read by computation against the wrappers' two rotations over the
+    table's first R head features, the rest passed through: style "neox" (rope.rotate_neox) or "interleaved"
+    (rope.rotate_interleaved); (None, None) when there is nothing to probe (C2's fidelity check still compares the
+    whole forward); (None, why) for a rotary that is neither."""
+    probe = _rotary_probe(model, rotary)
+    if probe is None:
+        return None, None
+    for style, rotate in (("neox", rotate_neox), ("interleaved", rotate_interleaved)):
+        if _probe_matches(probe, rotate):
+            return style, None
+    attn, d, rot = probe[0], probe[2][0].shape[-1], probe[3].shape[-1]
+    span = "the whole head" if rot == d else f"{rot} of {d} head features"
+    return None, (f"a rotary applied otherwise than neox or interleaved pairs over {span} "
+                  f"({type(attn).__module__}.apply_rotary_pos_emb)")
 
 
 def attention_window(m, cfg) -> int | None:
@@ -559,7 +577,9 @@ def read_model(model: nn.Module) -> LayerCoverage:
         cov.classes["rope:per_layer_type"] = ("layer_types", sorted(set(getattr(cfg, "layer_types", []) or [])))
     else:
         cov.classes["rope:one_table"] = (None, None)
-    why = rotary_problem(model, rotary[0][1]) if len(rotary) == 1 else None
+    style, why = rotary_style(model, rotary[0][1]) if len(rotary) == 1 else (None, None)
+    if style == "interleaved":
+        cov.classes["rope:interleaved"] = (None, None)
     if why is not None:
         cov.refusals.append(Refusal("rotary", type(rotary[0][1]).__name__, why))
     final = final_norm(model)

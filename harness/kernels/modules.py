@@ -13,7 +13,7 @@ runs vLLM's kernels sees the calls vLLM makes:
 - the residual stream as a pair: layer i>0 starts with add+RMSNorm(previous MLP output, residual) and the
   attention output joins the residual inside the post-attention add+RMSNorm (vLLM's fused_add_rms_norm);
 - q/k/v and gate/up as one GEMM each over concatenated weights when the provider fuses projections;
-- neox rotary from a cos|sin table indexed by position; SiLU*mul (GELU-tanh*mul) rounded once; attention over
+- neox or interleaved rotary from a cos|sin table indexed by position; SiLU*mul (GELU-tanh*mul) rounded once; attention over
   exactly each sequence's keys (the window's, on a sliding layer); MoE routing top-k then the experts' outputs
   combined in float32 in slot order;
 - a four-norm layer as vLLM's Gemma layers: post-attention norm alone, then add+norm (pre-feedforward) of the
@@ -80,9 +80,11 @@ class RopeTable:
     rotary module, or as the provider's engine builds it), grown on demand; one table for all layers, or one per
     layer type (`layer_type`: the key a per-layer-type rotary module takes)."""
 
-    def __init__(self, rotary: nn.Module, dtype: torch.dtype, provider, config, layer_type: str | None = None):
+    def __init__(self, rotary: nn.Module, dtype: torch.dtype, provider, config, layer_type: str | None = None,
+                 interleaved: bool = False):
         self.rotary, self.dtype, self.provider, self.config, self.table = rotary, dtype, provider, config, None
         self.layer_type = layer_type
+        self.op = "rotary_interleaved" if interleaved else "rotary"  # the rotation its attention runs with it
         # rows a forward needs: one device read per position_ids tensor, not one per layer
         self._rows_needed = TensorMemo(lambda pos: int(pos.max()) + 1 if pos.numel() else 1)
 
@@ -307,7 +309,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     positions = position_ids.expand(B, T).reshape(-1)
     if self._tic_rope is not None:  # tic: attention without rotary (NemotronH), issue 31
         table = self._tic_rope.for_positions(position_ids, q.device)
-        q, k = ops.rotary(q.reshape(B * T, -1, D), k.reshape(B * T, -1, D), positions, table)
+        q, k = getattr(ops, self._tic_rope.op)(q.reshape(B * T, -1, D), k.reshape(B * T, -1, D), positions, table)
     q, k, v = q.reshape(B, T, -1, D).transpose(1, 2), k.reshape(B, T, -1, D).transpose(1, 2), v.transpose(1, 2)
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx)
@@ -377,14 +379,14 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTN_NAME, _mask_for_rowwise)
 
 
-def _wrap_rotary(model: nn.Module, provider, dtype, cfg) -> dict:
+def _wrap_rotary(model: nn.Module, provider, dtype, cfg, interleaved: bool = False) -> dict:
     """The rotary table(s), by layer type (None: the one table of all layers), and the rotary module patched to
-    read them."""
+    read them; interleaved: the attention turns pairs 2i, 2i+1 with them (coverage's rope:interleaved)."""
     if not rotary_modules(model):  # tic: a model without rotary (Mamba-2, NemotronH), issue 31
         return {}
     rotary = rotary_modules(model)[0][1]
     types_ = sorted(set(getattr(cfg, "layer_types", None) or [])) if rotary_per_layer_type(rotary) else [None]
-    ropes = {t: RopeTable(rotary, dtype, provider, cfg, t) for t in types_}
+    ropes = {t: RopeTable(rotary, dtype, provider, cfg, t, interleaved) for t in types_}
     rotary._tic_orig_forward, rotary._tic_ropes = rotary.forward, ropes
     rotary.forward = types.MethodType(_rotary_module_forward, rotary)
     return ropes
@@ -470,7 +472,8 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None, qu
     ops = Ops(provider, Backward(backward), {**OPS, **FP8_OPS} if quant is not None else None, quant)  # fp8
     cfg = model.config.get_text_config()
     stream, routes = ResidualStream(), RouteLog()
-    ropes = _wrap_rotary(model, provider, next(model.parameters()).dtype, cfg)
+    interleaved = any("rope:interleaved" in cov.classes for cov in coverage)
+    ropes = _wrap_rotary(model, provider, next(model.parameters()).dtype, cfg, interleaved)
     layout = mamba_modules.install(model)  # tic: the sequences Mamba-2 mixers read, issue 31
     for name, m in list(model.named_modules()):
         m._tic_ops = ops

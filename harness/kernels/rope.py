@@ -1,6 +1,7 @@
-"""Neox-style rotary embedding: q/k rotated by a cos|sin table looked up per position, and that table as an HF
-rotary module computes it. The CPU provider's kernel, autograd's reference and the vLLM provider's fallback table
-all come from here."""
+"""Rotary embedding, neox-style (the two halves of the rotated features paired) or interleaved (features 2i and 2i+1
+paired: GLM, vLLM's is_neox_style=False): q/k rotated by a cos|sin table looked up per position, and that table as
+an HF rotary module computes it. The CPU provider's kernels, autograd's references and the vLLM provider's fallback
+table all come from here."""
 
 from __future__ import annotations
 
@@ -17,6 +18,18 @@ def rotate_neox(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor)
     xr, rest = x[..., :rot], x[..., rot:]
     x1, x2 = xr.chunk(2, dim=-1)
     out = xr * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return torch.cat([out, rest], dim=-1) if rest.numel() else out
+
+
+def rotate_interleaved(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved rotary on the first R dims of x [T, H, D]: the pair (x[2i], x[2i+1]) turned by the angle of
+    table column i, in x's dtype (HF's GLM apply_rotary_pos_emb arithmetic: x * cos + rotate_every_two(x) * sin)."""
+    rot = cos_sin.shape[-1]
+    cos, sin = cos_sin[positions].to(x.dtype).chunk(2, dim=-1)
+    cos, sin = cos.repeat_interleave(2, dim=-1)[:, None], sin.repeat_interleave(2, dim=-1)[:, None]
+    xr, rest = x[..., :rot], x[..., rot:]
+    turned = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)
+    out = xr * cos + turned * sin
     return torch.cat([out, rest], dim=-1) if rest.numel() else out
 
 

@@ -12,6 +12,7 @@ Shapes (T = tokens of any leading shape, flattened by the caller where a kernel 
   layer_norm(x [.., D], w [D] | None, b [D] | None, eps) -> torch's LayerNorm
   cos_sin_cache(hf rotary module, config, P, dtype, device[, layer_type]) -> [P, R] (cos | sin halves)
   rotary(q [T, Hq, D], k [T, Hk, D], positions [T], cos_sin [P, R]) -> (q, k)   (neox style, R = rotary dims)
+  rotary_interleaved(q, k, positions, cos_sin) -> (q, k)   (features 2i, 2i+1 paired: GLM, vLLM's non-neox style)
   silu_and_mul(x [.., 2I]) -> silu(x[..., :I]) * x[..., I:], rounded once
   gelu_tanh_and_mul(x [.., 2I]) -> gelu_tanh(x[..., :I]) * x[..., I:], rounded once
   softcap(x, cap) -> cap * tanh(x / cap)   (final logits)

@@ -267,12 +267,16 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
             self.rope_source = f"hf rotary module (vllm get_rope: {type(e).__name__}: {str(e)[:80]})"
             return hf_cos_sin_cache(rotary, n, dtype, device, layer_type)
 
-    def rotary(self, q, k, positions, cos_sin):
+    def rotary(self, q, k, positions, cos_sin, neox: bool = True):
         T, Hq, D = q.shape
         qo = q.reshape(T, Hq * D).clone()
         ko = k.reshape(T, -1).clone()
-        self.vops.rotary_embedding(positions, qo, ko, D, cos_sin.to(q.dtype), True)
+        self.vops.rotary_embedding(positions, qo, ko, D, cos_sin.to(q.dtype), neox)
         return qo.reshape(q.shape), ko.reshape(k.shape)
+
+    def rotary_interleaved(self, q, k, positions, cos_sin):
+        """vLLM's rotary kernel with is_neox_style False, as its GLM layers run it (the same cos|sin cache)."""
+        return self.rotary(q, k, positions, cos_sin, neox=False)
 
     @staticmethod
     def _act_and_mul(kernel, x):
