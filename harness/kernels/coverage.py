@@ -320,8 +320,9 @@ def rotary_per_layer_type(rotary: nn.Module) -> bool:
 
 def _rotary_probe(model: nn.Module, rotary: nn.Module):
     """The modeling module's own `apply_rotary_pos_emb` on seeded q, k and cos|sin rows of the table's width, in
-    HF's layout (q [B, H, T, D], cos and sin [B, T, R] with both halves equal): (its q and k, the inputs, the
-    table [T, R] and positions), or None when there is no such function to probe or it takes another signature."""
+    HF's layout (q [B, H, T, D], cos and sin [B, T, R] with both halves equal): (the attention module, its q and k,
+    the inputs, the table [T, R], the positions), or None when there is no such function to probe or it takes
+    another signature."""
     attn = next((m for m in model.modules() if is_attention(m)), None)
     apply = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None) if attn else None
     freqs = getattr(rotary, "inv_freq", None)
