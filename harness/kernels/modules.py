@@ -14,8 +14,8 @@ runs vLLM's kernels sees the calls vLLM makes:
   attention output joins the residual inside the post-attention add+RMSNorm (vLLM's fused_add_rms_norm);
 - q/k/v and gate/up as one GEMM each over concatenated weights when the provider fuses projections;
 - neox or interleaved rotary from a cos|sin table indexed by position; SiLU*mul (GELU-tanh*mul) rounded once;
-  attention over exactly each sequence's keys (the window's, on a sliding layer); MoE routing top-k then the experts' outputs
-  combined in float32 in slot order;
+  attention over exactly each sequence's keys (the window's, on a sliding layer); MoE routing top-k then the
+  experts' outputs combined in float32 in slot order;
 - a four-norm layer as vLLM's Gemma layers: post-attention norm alone, then add+norm (pre-feedforward) of the
   residual, MLP, post-feedforward norm; the next layer's input add+norm takes that output and the residual;
 - a post-norm layer as vLLM's Olmo3 layer: each sublayer's output normed alone, then a plain residual add;
