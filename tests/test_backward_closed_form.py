@@ -236,6 +236,8 @@ def test_log_softmax():
 def test_layer_norm_and_the_shared_expert_gate():
     check("layer_norm", (r(5, 16), r(16), r(16)), {"eps": 1e-5})
     check("layer_norm", (r(2, 3, 16), None, None), {"eps": 1e-5})
+    check("layer_norm_float32", (r(5, 16), r(16), None), {"eps": 1e-5})  # CohereLayerNorm: weight, no bias
+    check("layer_norm_float32", (r(2, 3, 16), r(16), r(16)), {"eps": 1e-5})
     check("sigmoid_gate", (r(6, 1), r(6, 12)))
 
 

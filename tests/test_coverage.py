@@ -22,7 +22,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2", "tiny-phi3",
             "tiny-granite", "tiny-qwen2-moe", "tiny-stablelm", "tiny-starcoder2", "tiny-phi2", "tiny-gpt-neox",
-            "tiny-glm")
+            "tiny-glm", "tiny-cohere")
 
 
 def meta_of(name: str, **changes) -> nn.Module:
@@ -59,6 +59,8 @@ def meta_of(name: str, **changes) -> nn.Module:
                        "mlp:plain"}, {"embedding", "rope:one_table", "norm:layer"}),
     ("tiny-glm", {"decoder:two_norm", "norm:rms", "attention:full", "mlp:silu_and_mul"},  # fused gate_up
      {"embedding", "rope:one_table", "rope:interleaved", "norm:rms"}),
+    ("tiny-cohere", {"decoder:parallel_residual_first", "norm:layer_float32", "attention:full", "mlp:silu_and_mul"},
+     {"embedding", "embedding:tied", "rope:one_table", "rope:interleaved", "norm:layer_float32"}),
 ])
 def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
     rows = coverage_table(meta_of(name))
@@ -160,8 +162,8 @@ def test_a_norm_computing_another_function_is_refused_with_its_module():
     model.model.layers[1].post_attention_layernorm = OffsetRMSNorm(64)
     problems = coverage_problems(model)
     assert problems == ["model.layers.1.post_attention_layernorm (OffsetRMSNorm): a norm computing neither "
-                        "w * x_hat nor (1 + w) * x_hat (RMSNorm) nor torch's LayerNorm, the norms the wrappers "
-                        "implement"]
+                        "w * x_hat nor (1 + w) * x_hat (RMSNorm), torch's LayerNorm nor a LayerNorm written out "
+                        "in float32, the norms the wrappers implement"]
 
 
 def test_an_unknown_layer_structure_is_refused():
@@ -528,8 +530,8 @@ def test_qwen2_moe_shared_expert_is_read_and_a_wrapper_dropping_its_gate_fails_c
 
 def test_stablelm_layernorm_plant_fails_c2_and_its_unsupported_variants_are_refused(example, workdir):
     """A wrapper that runs an RMSNorm where the model has a LayerNorm agrees with itself bitwise; C2 refuses it at
-    that norm. StableLM's parallel residual (one norm per layer) reads as a parallel layer; its per-head q/k
-    LayerNorms are refused at C0, naming them."""
+    that norm. StableLM's parallel residual (one norm per layer) reads as a parallel layer summed residual first
+    (transformers' residual + attention + MLP); its per-head q/k LayerNorms are refused at C0, naming them."""
     ctx = small_ctx(example, "tiny-stablelm")
     norm = ctx.train_engine().model.model.layers[0].input_layernorm
     norm.forward = lambda x, residual=None: norm._tic_ops.rms_norm(x, norm.weight, norm.eps)
@@ -538,7 +540,7 @@ def test_stablelm_layernorm_plant_fails_c2_and_its_unsupported_variants_are_refu
     assert res.details["fidelity"]["first_parting_module"] == "model.layers.0.input_layernorm"
     hf._MODELS.clear()
     parallel = read_coverage(meta_of("tiny-stablelm", use_parallel_residual=True))[0]
-    assert "decoder:parallel" in parallel.classes and not parallel.refusals  # one norm, side by side
+    assert "decoder:parallel_residual_first" in parallel.classes and not parallel.refusals  # one norm
     qk = coverage_table(meta_of("tiny-stablelm", qk_layernorm=True))[0]["refused"]
     assert any("q_layernorm" in r and "qk_layernorm=True" in r for r in qk), qk
 
@@ -631,3 +633,43 @@ def test_glm_interleaved_rotary_is_read_and_a_neox_rotation_in_its_place_fails_c
     finally:
         modeling.apply_rotary_pos_emb = own
     assert any("neither" in r or "otherwise than neox or interleaved" in r for r in refused), refused
+
+
+def test_a_parallel_layers_sum_order_is_read_by_computation():
+    """Phi adds (attention + MLP) + residual, Cohere residual + attention + MLP; in floating point these differ,
+    and vLLM sums each model as transformers does, so the wrapper must too. Read from the layer's own forward."""
+    from tic.harness.kernels.coverage import parallel_sum_order
+
+    assert parallel_sum_order(meta_of("tiny-phi2").model.layers[0]) == "sublayers_first"
+    assert parallel_sum_order(meta_of("tiny-cohere").model.layers[0]) == "residual_first"
+
+
+def test_cohere_norm_and_rotary_layout_plants_fail_c2_and_per_head_norms_are_refused(example, workdir,
+                                                                                      monkeypatch):
+    """CohereLayerNorm (LayerNorm written out in float32, no bias) run as an RMSNorm, and the rotary table read as
+    halves where the Cohere module lays each angle out twice: each wrapper agrees with itself bitwise, and C2
+    refuses it. Per-head q/k CohereLayerNorms (use_qk_norm) are refused at C0."""
+    from tic.harness.kernels import rope
+
+    ctx = small_ctx(example, "tiny-cohere")
+    norm = ctx.train_engine().model.model.layers[0].input_layernorm
+    norm.forward = lambda x, residual=None: norm._tic_ops.rms_norm(x, norm.weight, 1e-5)
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail", res.reason
+    assert res.details["fidelity"]["first_parting_module"] == "model.layers.0.input_layernorm"
+    hf._MODELS.clear()
+    from tic.harness.kernels.consistent_cpu import CPUProvider
+
+    def halves(self, rotary, config, n, dtype, device, layer_type=None):
+        cos, sin = rope._rotary_output(rotary, n, device, layer_type)
+        half = cos.shape[-1] // 2
+        return torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).to(dtype)
+
+    monkeypatch.setattr(CPUProvider, "cos_sin_cache", halves)
+    ctx = GateContext(ctx.cfg)  # a fresh training model, its table read as halves
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail", res.reason
+    assert res.details["fidelity"]["first_parting_module"].startswith("model.layers.0.self_attn"), res.details
+    hf._MODELS.clear()
+    refused = coverage_table(meta_of("tiny-cohere", use_qk_norm=True))[0]["refused"]
+    assert any("q_norm" in r and "CohereLayerNorm" in r for r in refused), refused

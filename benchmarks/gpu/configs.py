@@ -124,8 +124,9 @@ def _variants() -> dict[str, Variant]:
     # training on vLLM's kernels against the patched eager rollout (C5-C7)
     # granite: scaled residual adds, embeddings and logits; qwen2-moe: a sigmoid-gated shared expert; stablelm:
     # LayerNorms with plain residual adds, partial rotary; gpt-neox: per-head fused qkv, parallel two-norm layers;
-    # glm: interleaved rotary over half of each head (vLLM's is_neox_style False)
-    for m in ("dense", "moe", "big", "llama", "granite", "qwen2-moe", "stablelm", "gpt-neox", "glm"):
+    # glm: interleaved rotary over half of each head (vLLM's is_neox_style False); cohere: float32 LayerNorms,
+    # residual-first parallel layers, interleaved rotary, logit_scale
+    for m in ("dense", "moe", "big", "llama", "granite", "qwen2-moe", "stablelm", "gpt-neox", "glm", "cohere"):
         v[f"t-{m}-eager"] = Variant(f"{m}, patched eager rollout, training on vLLM's kernels", m)
     # Gemma-style models (sliding and full layers, (1 + w) norms, GELU-tanh; gemma2 also softcaps attention and
     # the final logits): FlashAttention's window and softcap, GemmaRMSNorm, gelu_tanh_and_mul on the training side

@@ -130,6 +130,23 @@ def layer_norm_ref(x, w, b, eps):
                         eps)
 
 
+def layer_norm_float32_written_out(x, w, b, eps):
+    """LayerNorm written out in float32, rounded once to x's dtype: (x - mean) * rsqrt(var + eps) * w (+ b), the
+    mean and the variance of the centred values over the last dimension (transformers' CohereLayerNorm, vLLM's
+    commandr layer_norm_func)."""
+    h = x.to(torch.promote_types(x.dtype, torch.float32))  # float32, or wider for a float64 reference
+    mean = h.mean(-1, keepdim=True)
+    var = (h - mean).pow(2).mean(-1, keepdim=True)
+    h = (h - mean) * torch.rsqrt(var + eps)
+    h = (w.to(h.dtype) * h) if w is not None else h
+    return (h + b.to(h.dtype) if b is not None else h).to(x.dtype)
+
+
+def layer_norm_float32_ref(x, w, b, eps):
+    return layer_norm_float32_written_out(_wide(x), None if w is None else _wide(w), None if b is None else _wide(b),
+                                          eps)
+
+
 def sigmoid_gate_ref(g, y):
     return torch.sigmoid(_wide(g)) * _wide(y)
 
@@ -661,6 +678,8 @@ OPS: dict[str, Op] = {op.name: op for op in [
     Op("softcap", lambda p, x, cap: p.softcap(x, cap), softcap_ref, _softcap_backward),
     Op("sigmoid_gate", lambda p, g, y: p.sigmoid_gate(g, y), sigmoid_gate_ref, _sigmoid_gate_backward),
     Op("layer_norm", lambda p, x, w, b, eps: p.layer_norm(x, w, b, eps), layer_norm_ref, _layer_norm_backward),
+    Op("layer_norm_float32", lambda p, x, w, b, eps: p.layer_norm_float32(x, w, b, eps), layer_norm_float32_ref,
+       _layer_norm_backward),
     Op("activation", lambda p, x, kind: p.activation(x, kind), activation_ref, _activation_backward),
     Op("attention", lambda p, q, k, v, mask, scale, softcap=None, window=None:
        p.attention(q, k, v, mask, scale, **_attention_options(softcap, window)), attention_ref, _attention_backward),
@@ -699,6 +718,9 @@ class Ops:
 
     def rotary(self, q, k, positions, cos_sin):
         return self._run("rotary", q, k, positions, cos_sin)
+
+    def layer_norm_float32(self, x, w, b, eps: float):
+        return self._run("layer_norm_float32", x, w, b, eps=float(eps))
 
     def rotary_interleaved(self, q, k, positions, cos_sin):
         return self._run("rotary_interleaved", q, k, positions, cos_sin)

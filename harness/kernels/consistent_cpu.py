@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tic.harness.kernels import fp8_cpu
-from tic.harness.kernels.autograd import PLAIN_ACTS
+from tic.harness.kernels.autograd import PLAIN_ACTS, layer_norm_float32_written_out
 from tic.harness.kernels.mamba import MambaCPUKernels
 from tic.harness.kernels.rope import hf_cos_sin_cache, rotate_interleaved, rotate_neox
 from tic.harness.kernels.spec import KernelProvider
@@ -133,6 +133,9 @@ class CPUProvider(MambaCPUKernels, KernelProvider):  # Mamba-2 kernels: tic.harn
 
     def layer_norm(self, x, w, b, eps):
         return rowwise(lambda r: F.layer_norm(r, (x.shape[-1],), w, b, eps), x)
+
+    def layer_norm_float32(self, x, w, b, eps):
+        return rowwise(lambda r: layer_norm_float32_written_out(r, w, b, eps), x)
 
     def sigmoid_gate(self, g, y):
         """sigmoid(g) * y one row at a time (CPU sigmoid, like tanh, takes another path for a vector's tail)."""

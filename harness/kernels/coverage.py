@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 hybrids, issue 31
-from tic.harness.kernels.autograd import PLAIN_ACTS
+from tic.harness.kernels.autograd import PLAIN_ACTS, layer_norm_float32_written_out
 from tic.harness.kernels.rope import rotate_interleaved, rotate_neox
 
 KERNELS = ("consistent", "vllm")  # tic.yaml train.kernels values that run through the wrappers
@@ -56,10 +56,16 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
                                             "(GPT-NeoX), split per head as the model splits it"),
     OperatorClass("decoder:scaled_residual", "input norm, attention, post-attention norm, MLP, each sublayer output "
                                              "times residual_multiplier before a plain residual add (Granite)"),
+    OperatorClass("decoder:parallel_residual_first", "one input norm feeding attention and MLP side by side, "
+                                                     "summed residual + attention + MLP in that order (Cohere), "
+                                                     "read by computation"),
     OperatorClass("decoder:parallel", "one input norm feeding attention and MLP side by side, attention + MLP + "
                                       "residual (Phi, vLLM's order)"),
     OperatorClass("norm:rms", "RMSNorm w * x_hat, x_hat rounded to the model dtype first (Llama, Qwen)"),
     OperatorClass("norm:rms_1p", "RMSNorm (1 + w) * x_hat in float32, rounded once (Gemma)"),
+    OperatorClass("norm:layer_float32", "a LayerNorm written out in float32 and rounded once: (x - mean) * "
+                                        "rsqrt(var + eps) * w (+ b) (Cohere's CohereLayerNorm, vLLM's "
+                                        "layer_norm_func), read by computation"),
     OperatorClass("norm:layer", "torch's LayerNorm (w * (x - mean) / std + b); where it joins the residual, a plain "
                                 "add then the norm of the sum, as vLLM's models run nn.LayerNorm (StableLM)"),
     OperatorClass("attention:full", "causal attention over each sequence's keys"),
@@ -223,6 +229,33 @@ def _probe_input(d: int) -> torch.Tensor:
     return torch.linspace(-2.0, 3.0, 2 * d, dtype=torch.float32).reshape(2, d)
 
 
+def layer_norm_float32_variant(m) -> str | None:
+    """'norm:layer_float32' when a norm that is not torch's LayerNorm computes LayerNorm written out in float32 on a
+    CPU probe (a 1-D weight, an optional bias; autograd.layer_norm_float32_written_out), else None."""
+    w = getattr(m, "weight", None)
+    b = getattr(m, "bias", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 1 or (b is not None and not isinstance(b, torch.Tensor)):
+        return None
+    d = int(w.shape[-1])
+    probe = copy.copy(m)
+    probe._parameters = dict(probe._parameters)
+    weight = torch.linspace(0.25, 0.75, d, dtype=torch.float32)
+    bias = torch.linspace(-0.1, 0.1, d, dtype=torch.float32) if b is not None else None
+    probe._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        probe._parameters["bias"] = nn.Parameter(bias, requires_grad=False)
+    x = _probe_input(d)
+    try:
+        with torch.no_grad():
+            y = type(m).forward(probe, x)
+    except Exception:  # noqa: BLE001 - a norm that does not run on a probe is one the wrappers do not know
+        return None
+    y = y[0] if isinstance(y, tuple) else y
+    want = layer_norm_float32_written_out(x, weight, bias, norm_eps(m))
+    return "norm:layer_float32" if y.shape == x.shape and torch.allclose(y.float(), want, rtol=1e-5, atol=1e-6) \
+        else None
+
+
 def norm_variant(m) -> str | None:
     """'norm:rms' or 'norm:rms_1p', from the module's own forward on a CPU probe (weight 0.25 + a ramp): which
     of w * x_hat and (1 + w) * x_hat it computes; None for neither."""
@@ -318,9 +351,18 @@ def rotary_per_layer_type(rotary: nn.Module) -> bool:
     return "layer_type" in inspect.signature(type(rotary).forward).parameters
 
 
+def rotary_table_layout(rotary: nn.Module) -> str:
+    """How an HF rotary module lays out its cos/sin over the R rotated features: "halves" (Llama: the R/2 angles,
+    then again) or "pairs" (Cohere: each angle twice in a row), read from its own output on a few positions."""
+    from tic.harness.kernels.rope import rotary_output_layout
+
+    return rotary_output_layout(rotary)
+
+
 def _rotary_probe(model: nn.Module, rotary: nn.Module):
     """The modeling module's own `apply_rotary_pos_emb` on seeded q, k and cos|sin rows of the table's width, in
-    HF's layout (q [B, H, T, D], cos and sin [B, T, R] with both halves equal): (the attention module, its q and k,
+    HF's layout (q [B, H, T, D], cos and sin [B, T, R] laid out as the rotary module lays them out): (the attention
+    module, its q and k,
     the inputs, the table [T, R], the positions), or None when there is no such function to probe or it takes
     another signature."""
     attn = next((m for m in model.modules() if is_attention(m)), None)
@@ -332,8 +374,10 @@ def _rotary_probe(model: nn.Module, rotary: nn.Module):
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 2, t, d, generator=g), torch.randn(1, 2, t, d, generator=g)
     c, s = torch.randn(t, half, generator=g), torch.randn(t, half, generator=g)
+    spread = (lambda v: v.repeat_interleave(2, -1)) if rotary_table_layout(rotary) == "pairs" \
+        else (lambda v: torch.cat([v, v], -1))
     try:
-        got = apply(q, k, torch.cat([c, c], -1)[None], torch.cat([s, s], -1)[None])
+        got = apply(q, k, spread(c)[None], spread(s)[None])
     except Exception:  # noqa: BLE001 - another signature: nothing to compare here, C2 compares the forward
         return None
     return attn, got, (q, k), torch.cat([c, s], -1), torch.arange(t)
@@ -381,11 +425,12 @@ def attention_clip(m, cfg) -> float | None:
 
 # -- reading a model's coverage --------------------------------------------------------------------------------
 def _read_norm(cov: LayerCoverage, name: str, norm) -> None:
-    variant = "norm:layer" if is_layernorm(norm) else norm_variant(norm) if is_rmsnorm(norm) else None
+    variant = "norm:layer" if is_layernorm(norm) else norm_variant(norm) if is_rmsnorm(norm) \
+        else layer_norm_float32_variant(norm)
     if variant is None:
         cov.refusals.append(Refusal(name, type(norm).__name__, "a norm computing neither w * x_hat nor "
-                                    "(1 + w) * x_hat (RMSNorm) nor torch's LayerNorm, the norms the wrappers "
-                                    "implement"))
+                                    "(1 + w) * x_hat (RMSNorm), torch's LayerNorm nor a LayerNorm written out in "
+                                    "float32, the norms the wrappers implement"))
     else:
         cov.classes[variant] = (None, None)
         cov.variants[name] = variant
@@ -504,6 +549,39 @@ def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
                                     "down), an ungated one (up, activation, down) nor a top-k MoE"))
 
 
+class _Answer(nn.Module):
+    """A stand-in sublayer returning a constant the size of its input (the parallel-sum probe)."""
+
+    def __init__(self, value: float, pair: bool):
+        super().__init__()
+        self.value, self.pair = value, pair
+
+    def forward(self, hidden_states=None, *args, **kwargs):
+        out = torch.full_like(hidden_states, self.value)
+        return (out, None) if self.pair else out
+
+
+def parallel_sum_order(layer: nn.Module) -> str | None:
+    """How a one-norm parallel layer adds its residual r, attention a and MLP m in float32, from its own forward
+    with stand-ins (the norm passing x through, a = 2**25, m = -2**25, r = 1): "sublayers_first" for
+    (a + m) + r = 1 (Phi), "residual_first" for (r + a) + m = 0 (Cohere); None when the probe does not run."""
+    attn_name = attention_name(layer)
+    probe = copy.copy(layer)
+    probe._modules = dict(probe._modules)
+    probe._modules["input_layernorm"] = nn.Identity()
+    probe._modules[attn_name] = _Answer(2.0 ** 25, pair=True)
+    probe._modules["mlp"] = _Answer(-(2.0 ** 25), pair=False)
+    x = torch.ones(1, 1, 4)
+    try:
+        with torch.no_grad():
+            out = type(layer).forward(probe, x, attention_mask=None, position_ids=None, position_embeddings=None)
+    except Exception:  # noqa: BLE001 - a layer that does not run on the probe keeps the common reading
+        return None
+    out = out[0] if isinstance(out, tuple) else out
+    value = float(out.flatten()[0])
+    return "sublayers_first" if value == 1.0 else "residual_first" if value == 0.0 else None
+
+
 def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
     """One decoder layer: its structure (which norms), attention, MLP and norms."""
     cov = LayerCoverage(name, type(layer).__name__)
@@ -528,6 +606,8 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
                 cov.refusals.append(Refusal(name, cov.module_class, f"sublayer outputs scaled by {scale} before "
                                             f"the residual add of a {structure} layer (the wrappers scale them in "
                                             "two-norm layers only)", "residual_multiplier", scale))
+        if structure == "decoder:parallel" and parallel_sum_order(layer) == "residual_first":
+            structure = "decoder:parallel_residual_first"  # Cohere: residual + attention + MLP
         if getattr(layer, "use_parallel_residual", False) and structure == "decoder:two_norm":
             structure = "decoder:parallel_two_norm"  # GPT-NeoX: attention and MLP each on a norm of the input
         cov.classes[structure] = ("residual_multiplier", scale) if structure == "decoder:scaled_residual" \

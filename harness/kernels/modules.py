@@ -154,6 +154,16 @@ def _layernorm_forward(self, x, residual=None):
     return self._tic_ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
+def _layernorm_float32_forward(self, x, residual=None):
+    """A LayerNorm written out in float32 (Cohere): where the layer joins the residual, a plain add (residual + x)
+    and the norm of the sum."""
+    w, b, eps = self.weight, getattr(self, "bias", None), norm_eps(self)
+    if residual is not None:
+        total = residual + x
+        return self._tic_ops.layer_norm_float32(total, w, b, eps), total
+    return self._tic_ops.layer_norm_float32(x, w, b, eps)
+
+
 def _lm_head_softcap_forward(self, x):
     """lm_head then the final logit softcap (the model's own forward no longer applies it: apply moved it
     here), as vLLM's logits processor runs it on the model-dtype logits."""
@@ -161,7 +171,7 @@ def _lm_head_softcap_forward(self, x):
 
 
 def _final_norm_forward(self, x):
-    norm = _layernorm_forward if is_layernorm(self) else _rmsnorm_forward
+    norm = getattr(self, "_tic_norm", None) or (_layernorm_forward if is_layernorm(self) else _rmsnorm_forward)
     pair = self._tic_stream.take(x)
     if pair is not None:
         return norm(self, pair[0], residual=pair[1])[0]
@@ -262,6 +272,16 @@ def _parallel_layer_forward(self, hidden_states, attention_mask=None, position_i
     return attn + (delta[0] if isinstance(delta, tuple) else delta) + hidden_states
 
 
+def _parallel_residual_first_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                                           use_cache=False, position_embeddings=None, **kwargs):
+    """One norm feeding attention and the MLP side by side, summed residual + attention + MLP in that order, as
+    transformers' and vLLM's Cohere layers sum them."""
+    h = self.input_layernorm(hidden_states)
+    attn = _attend(self, h, attention_mask, position_ids, cache, use_cache, position_embeddings, kwargs)
+    delta = self.mlp(h)
+    return hidden_states + attn + (delta[0] if isinstance(delta, tuple) else delta)
+
+
 def _parallel_two_norm_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
                                      use_cache=False, position_embeddings=None, **kwargs):
     """Attention on input_layernorm(x) and the MLP on post_attention_layernorm(x) side by side (GPT-NeoX
@@ -274,6 +294,7 @@ def _parallel_two_norm_layer_forward(self, hidden_states, attention_mask=None, p
 
 LAYER_FORWARDS = {"decoder:two_norm": _decoder_layer_forward, "decoder:four_norm": _four_norm_layer_forward,
                   "decoder:parallel": _parallel_layer_forward,
+                  "decoder:parallel_residual_first": _parallel_residual_first_layer_forward,
                   "decoder:parallel_two_norm": _parallel_two_norm_layer_forward,
                   "decoder:scaled_residual": _scaled_residual_layer_forward,
                   "decoder:post_norm": _post_norm_layer_forward}
@@ -448,6 +469,9 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m.forward = types.MethodType(_linear_forward, m)
     elif is_layernorm(m):
         m.forward = types.MethodType(_layernorm_forward, m)
+    elif variant == "norm:layer_float32":
+        m._tic_norm = _layernorm_float32_forward
+        m.forward = types.MethodType(_layernorm_float32_forward, m)
     elif is_rmsnorm(m):
         m._tic_norm_offset = 1.0 if variant == "norm:rms_1p" else 0.0
         m.forward = types.MethodType(_rmsnorm_forward, m)

@@ -5,6 +5,8 @@ table all come from here."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -33,15 +35,42 @@ def rotate_interleaved(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.
     return torch.cat([out, rest], dim=-1) if rest.numel() else out
 
 
-def hf_cos_sin_cache(rotary: nn.Module, n: int, dtype: torch.dtype, device, layer_type: str | None = None) \
-        -> torch.Tensor:
-    """cos|sin [n, rot] from an HF rotary module (its inv_freq, rope scaling and attention factor), float32
-    arithmetic, then cast to dtype; `layer_type` picks one table of a module that holds one per layer type
-    (Gemma-3). A module the wrappers patched is read through its own forward."""
+def _rotary_output(rotary: nn.Module, n: int, device, layer_type: str | None = None):
     pos = torch.arange(n, dtype=torch.float32, device=device)[None]
     forward = getattr(rotary, "_tic_orig_forward", rotary)
     extra = (layer_type,) if layer_type is not None else ()
     with torch.no_grad():
-        cos, sin = forward(torch.zeros(1, dtype=torch.float32, device=device), pos, *extra)
+        return forward(torch.zeros(1, dtype=torch.float32, device=device), pos, *extra)
+
+
+def rotary_output_layout(rotary: nn.Module) -> str:
+    """"halves" when an HF rotary module's cos repeats its R/2 angles as two halves (Llama), "pairs" when it
+    repeats each angle twice in a row (Cohere); read on a few positions (a module that does not run on the CPU
+    probe reads as halves, the common layout, and C2 still compares the forward)."""
+    probe = copy.copy(rotary)  # shallow: the module's settings, a CPU inv_freq of its own, the class's own forward
+    probe._buffers = dict(probe._buffers)
+    freqs = probe._buffers.get("inv_freq")
+    if isinstance(freqs, torch.Tensor) and freqs.dim() == 1:  # the values do not matter, only where they go
+        probe._buffers["inv_freq"] = torch.linspace(0.1, 1.0, freqs.shape[0])
+    try:
+        with torch.no_grad():
+            cos, _ = type(rotary).forward(probe, torch.zeros(1), torch.arange(4, dtype=torch.float32)[None])
+    except Exception:  # noqa: BLE001 - a per-layer-type module or another signature: the common layout
+        return "halves"
+    half = cos.shape[-1] // 2
+    if not torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(cos[..., 0::2], cos[..., 1::2]):
+        return "pairs"
+    return "halves"
+
+
+def hf_cos_sin_cache(rotary: nn.Module, n: int, dtype: torch.dtype, device, layer_type: str | None = None) \
+        -> torch.Tensor:
+    """cos|sin [n, rot] (each R/2 angles once) from an HF rotary module (its inv_freq, rope scaling and attention
+    factor), float32 arithmetic, then cast to dtype; `layer_type` picks one table of a module that holds one per
+    layer type (Gemma-3). The module's own layout, halves or pairs, is read first (rotary_output_layout). A module
+    the wrappers patched is read through its own forward."""
+    cos, sin = _rotary_output(rotary, n, device, layer_type)
+    if rotary_output_layout(rotary) == "pairs":
+        return torch.cat([cos[0, :, 0::2], sin[0, :, 0::2]], dim=-1).to(dtype)
     half = cos.shape[-1] // 2
     return torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).to(dtype)

@@ -10,6 +10,7 @@ Shapes (T = tokens of any leading shape, flattened by the caller where a kernel 
   rms_norm(x [.., D], w [D], eps[, offset]) -> [.., D]   (w * x_hat; with offset 1: (1 + w) * x_hat, Gemma)
   add_rms_norm(x, residual, w, eps[, offset]) -> (rms_norm(x + residual), x + residual)
   layer_norm(x [.., D], w [D] | None, b [D] | None, eps) -> torch's LayerNorm
+  layer_norm_float32(x, w, b, eps) -> LayerNorm written out in float32, rounded once (CohereLayerNorm)
   cos_sin_cache(hf rotary module, config, P, dtype, device[, layer_type]) -> [P, R] (cos | sin halves)
   rotary(q [T, Hq, D], k [T, Hk, D], positions [T], cos_sin [P, R]) -> (q, k)   (neox style, R = rotary dims)
   rotary_interleaved(q, k, positions, cos_sin) -> (q, k)   (features 2i, 2i+1 paired: GLM, vLLM's non-neox style)

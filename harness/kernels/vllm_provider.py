@@ -32,7 +32,7 @@ import torch
 
 from tic import patches
 from tic.core.errors import TicInputError
-from tic.harness.kernels.autograd import PLAIN_ACTS
+from tic.harness.kernels.autograd import PLAIN_ACTS, layer_norm_float32_written_out
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.rope import hf_cos_sin_cache
 from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE, KernelProvider
@@ -307,6 +307,11 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
         """nn.LayerNorm as vLLM's models call it (torch's kernel: one block per row, so a row's bits do not follow
         the batch)."""
         return torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+    def layer_norm_float32(self, x, w, b, eps):
+        """A LayerNorm written out in float32 (CohereLayerNorm) as vLLM's commandr layer_norm_func runs it: torch
+        ops on the whole tensor, rounded once."""
+        return layer_norm_float32_written_out(x, w, b, eps)
 
     def sigmoid_gate(self, g, y):
         """A shared expert's gate as vLLM's Qwen2MoeMLP applies it: F.sigmoid(gate(x)) * out, elementwise in the
