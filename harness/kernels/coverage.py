@@ -29,7 +29,7 @@ from torch import nn
 
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 hybrids, issue 31
 from tic.harness.kernels.autograd import PLAIN_ACTS, layer_norm_float32_written_out
-from tic.harness.kernels.rope import rotate_interleaved, rotate_neox
+from tic.harness.kernels.rope import rotary_output_layout, rotate_interleaved, rotate_neox
 
 KERNELS = ("consistent", "vllm")  # tic.yaml train.kernels values that run through the wrappers
 _BOTH = frozenset(KERNELS)
@@ -351,14 +351,6 @@ def rotary_per_layer_type(rotary: nn.Module) -> bool:
     return "layer_type" in inspect.signature(type(rotary).forward).parameters
 
 
-def rotary_table_layout(rotary: nn.Module) -> str:
-    """How an HF rotary module lays out its cos/sin over the R rotated features: "halves" (Llama: the R/2 angles,
-    then again) or "pairs" (Cohere: each angle twice in a row), read from its own output on a few positions."""
-    from tic.harness.kernels.rope import rotary_output_layout
-
-    return rotary_output_layout(rotary)
-
-
 def _rotary_probe(model: nn.Module, rotary: nn.Module):
     """The modeling module's own `apply_rotary_pos_emb` on seeded q, k and cos|sin rows of the table's width, in
     HF's layout (q [B, H, T, D], cos and sin [B, T, R] laid out as the rotary module lays them out): (the attention
@@ -374,7 +366,7 @@ def _rotary_probe(model: nn.Module, rotary: nn.Module):
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 2, t, d, generator=g), torch.randn(1, 2, t, d, generator=g)
     c, s = torch.randn(t, half, generator=g), torch.randn(t, half, generator=g)
-    spread = (lambda v: v.repeat_interleave(2, -1)) if rotary_table_layout(rotary) == "pairs" \
+    spread = (lambda v: v.repeat_interleave(2, -1)) if rotary_output_layout(rotary) == "pairs" \
         else (lambda v: torch.cat([v, v], -1))
     try:
         got = apply(q, k, spread(c)[None], spread(s)[None])
