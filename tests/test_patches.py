@@ -233,6 +233,18 @@ def test_gemm_fixed_order_hands_vllm_tics_gemm_eager_and_as_a_custom_op(fake_vll
     assert gemm.__name__ == "tic_gemm" and torch.equal(gemm(None, x, w), rowwise(x, w))
     assert torch.equal(torch.ops.tic.linear_fixed_order(x, w, None), rowwise(x, w))
     assert seen[0] == 37
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Names(TorchDispatchMode):  # what tic's operator recorder sees: one GEMM operator, whatever the tile
+        ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Names():
+        assert torch.equal(gemm(None, x, w), rowwise(x, w))
+    assert Names.ops[0] == "tic.linear_fixed_order.default", Names.ops
     n = len(seen)  # float32 (a TF32 dot in the Triton GEMM) runs vLLM's own GEMM instead
     x32, w32 = x.float(), w.float()
     assert torch.equal(gemm(None, x32, w32), stock(None, x32, w32)) and len(seen) == n
