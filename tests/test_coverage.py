@@ -642,6 +642,21 @@ def test_a_parallel_layers_sum_order_is_read_by_computation():
 
     assert parallel_sum_order(meta_of("tiny-phi2").model.layers[0]) == "sublayers_first"
     assert parallel_sum_order(meta_of("tiny-cohere").model.layers[0]) == "residual_first"
+    model = meta_of("tiny-cohere")
+    layer = model.model.layers[0]
+
+    def residual_mlp_attention(self, hidden_states, **kwargs):  # (r + m) + a: an order the wrappers do not run
+        h = self.input_layernorm(hidden_states)
+        return hidden_states + self.mlp(h) + self.self_attn(hidden_states=h)[0]
+
+    own = type(layer).forward  # the probe runs the class's forward
+    type(layer).forward = residual_mlp_attention
+    try:
+        assert parallel_sum_order(layer) == "other"
+        refused = coverage_table(model)[0]["refused"]
+    finally:
+        type(layer).forward = own
+    assert any("in another order" in r for r in refused), refused
 
 
 def test_cohere_norm_and_rotary_layout_plants_fail_c2_and_per_head_norms_are_refused(example, workdir,

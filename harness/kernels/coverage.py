@@ -354,9 +354,8 @@ def rotary_per_layer_type(rotary: nn.Module) -> bool:
 def _rotary_probe(model: nn.Module, rotary: nn.Module):
     """The modeling module's own `apply_rotary_pos_emb` on seeded q, k and cos|sin rows of the table's width, in
     HF's layout (q [B, H, T, D], cos and sin [B, T, R] laid out as the rotary module lays them out): (the attention
-    module, its q and k,
-    the inputs, the table [T, R], the positions), or None when there is no such function to probe or it takes
-    another signature."""
+    module, its q and k, the inputs, the table [T, R], the positions), or None when there is no such function to
+    probe or it takes another signature."""
     attn = next((m for m in model.modules() if is_attention(m)), None)
     apply = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None) if attn else None
     freqs = getattr(rotary, "inv_freq", None)
@@ -553,25 +552,36 @@ class _Answer(nn.Module):
         return (out, None) if self.pair else out
 
 
-def parallel_sum_order(layer: nn.Module) -> str | None:
-    """How a one-norm parallel layer adds its residual r, attention a and MLP m in float32, from its own forward
-    with stand-ins (the norm passing x through, a = 2**25, m = -2**25, r = 1): "sublayers_first" for
-    (a + m) + r = 1 (Phi), "residual_first" for (r + a) + m = 0 (Cohere); None when the probe does not run."""
+def _parallel_sum(layer: nn.Module, r: float, a: float, m: float) -> float | None:
     attn_name = attention_name(layer)
     probe = copy.copy(layer)
     probe._modules = dict(probe._modules)
     probe._modules["input_layernorm"] = nn.Identity()
-    probe._modules[attn_name] = _Answer(2.0 ** 25, pair=True)
-    probe._modules["mlp"] = _Answer(-(2.0 ** 25), pair=False)
-    x = torch.ones(1, 1, 4)
+    probe._modules[attn_name] = _Answer(a, pair=True)
+    probe._modules["mlp"] = _Answer(m, pair=False)
+    x = torch.full((1, 1, 4), r)
     try:
         with torch.no_grad():
             out = type(layer).forward(probe, x, attention_mask=None, position_ids=None, position_embeddings=None)
     except Exception:  # noqa: BLE001 - a layer that does not run on the probe keeps the common reading
         return None
     out = out[0] if isinstance(out, tuple) else out
-    value = float(out.flatten()[0])
-    return "sublayers_first" if value == 1.0 else "residual_first" if value == 0.0 else None
+    return float(out.flatten()[0])
+
+
+def parallel_sum_order(layer: nn.Module) -> str | None:
+    """How a one-norm parallel layer adds its residual r, attention a and MLP m in float32, from its own forward
+    with stand-ins (the norm passing x through): "sublayers_first" for (a + m) + r (Phi), "residual_first" for
+    (r + a) + m (Cohere), "other" for another order; None when the probe does not run. Two probes where these
+    orders round differently: (r, a, m) = (1, 2**25, -2**25) gives 1, 0, 0 for the three orders above and
+    (r + m) + a; (2**25, 1, -2**25) gives 0, 0, 1 for (r + m) + a."""
+    big = 2.0 ** 25
+    first, second = _parallel_sum(layer, 1.0, big, -big), _parallel_sum(layer, big, 1.0, -big)
+    if first is None or second is None:
+        return None
+    if (first, second) == (1.0, 0.0):
+        return "sublayers_first"
+    return "residual_first" if (first, second) == (0.0, 0.0) else "other"
 
 
 def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
@@ -598,8 +608,13 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
                 cov.refusals.append(Refusal(name, cov.module_class, f"sublayer outputs scaled by {scale} before "
                                             f"the residual add of a {structure} layer (the wrappers scale them in "
                                             "two-norm layers only)", "residual_multiplier", scale))
-        if structure == "decoder:parallel" and parallel_sum_order(layer) == "residual_first":
+        order = parallel_sum_order(layer) if structure == "decoder:parallel" else None
+        if order == "residual_first":
             structure = "decoder:parallel_residual_first"  # Cohere: residual + attention + MLP
+        elif order == "other":
+            cov.refusals.append(Refusal(name, cov.module_class, "a parallel layer adding residual, attention and MLP "
+                                        "in another order than (attention + MLP) + residual or residual + "
+                                        "attention + MLP, the orders the wrappers implement"))
         if getattr(layer, "use_parallel_residual", False) and structure == "decoder:two_norm":
             structure = "decoder:parallel_two_norm"  # GPT-NeoX: attention and MLP each on a norm of the input
         cov.classes[structure] = ("residual_multiplier", scale) if structure == "decoder:scaled_residual" \
