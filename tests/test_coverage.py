@@ -22,7 +22,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2", "tiny-phi3",
             "tiny-granite", "tiny-qwen2-moe", "tiny-stablelm", "tiny-starcoder2", "tiny-phi2", "tiny-gpt-neox",
-            "tiny-glm", "tiny-cohere")
+            "tiny-glm", "tiny-cohere", "tiny-helium")
 
 
 def meta_of(name: str, **changes) -> nn.Module:
@@ -61,6 +61,8 @@ def meta_of(name: str, **changes) -> nn.Module:
      {"embedding", "rope:one_table", "rope:interleaved", "norm:rms"}),
     ("tiny-cohere", {"decoder:parallel_residual_first", "norm:layer_float32", "attention:full", "mlp:silu_and_mul"},
      {"embedding", "embedding:tied", "rope:one_table", "rope:interleaved", "norm:layer_float32"}),
+    ("tiny-helium", {"decoder:two_norm", "norm:rms", "attention:full", "mlp:silu_and_mul"},
+     {"embedding", "rope:one_table", "rope:interleaved", "norm:rms"}),
 ])
 def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
     rows = coverage_table(meta_of(name))
