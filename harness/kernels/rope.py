@@ -57,6 +57,11 @@ def rotary_output_layout(rotary: nn.Module) -> str:
             cos, _ = type(rotary).forward(probe, torch.zeros(1), torch.arange(4, dtype=torch.float32)[None])
     except Exception:  # noqa: BLE001 - a per-layer-type module or another signature: the common layout
         return "halves"
+    return _layout_of(cos)
+
+
+def _layout_of(cos: torch.Tensor) -> str:
+    """"pairs" for cos rows [.., R] that repeat each angle twice in a row and not as two halves, else "halves"."""
     half = cos.shape[-1] // 2
     if not torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(cos[..., 0::2], cos[..., 1::2]):
         return "pairs"
@@ -67,10 +72,10 @@ def hf_cos_sin_cache(rotary: nn.Module, n: int, dtype: torch.dtype, device, laye
         -> torch.Tensor:
     """cos|sin [n, rot] (each R/2 angles once) from an HF rotary module (its inv_freq, rope scaling and attention
     factor), float32 arithmetic, then cast to dtype; `layer_type` picks one table of a module that holds one per
-    layer type (Gemma-3). The module's own layout, halves or pairs, is read first (rotary_output_layout). A module
-    the wrappers patched is read through its own forward."""
+    layer type (Gemma-3). The module's own layout, halves or pairs, is read from the rows it returns. A module the
+    wrappers patched is read through its own forward."""
     cos, sin = _rotary_output(rotary, n, device, layer_type)
-    if rotary_output_layout(rotary) == "pairs":
+    if _layout_of(cos) == "pairs":
         return torch.cat([cos[0, :, 0::2], sin[0, :, 0::2]], dim=-1).to(dtype)
     half = cos.shape[-1] // 2
     return torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).to(dtype)

@@ -49,7 +49,6 @@ class VLLMMambaKernels:
 
     def mamba_conv(self, u, window, w, bias):
         from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
-
         from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
         n, dim = u.shape
