@@ -146,22 +146,15 @@ def _rmsnorm_forward(self, x, residual=None):
 
 
 def _layernorm_forward(self, x, residual=None):
-    """torch's LayerNorm as vLLM's models run nn.LayerNorm: where the layer joins the residual, a plain add
+    """A LayerNorm as vLLM's models run it: torch's nn.LayerNorm (op layer_norm) or one written out in float32
+    (Cohere; op layer_norm_float32), `_tic_layer_norm_op`; where the layer joins the residual, a plain add
     (residual + x) and the norm of the sum, no fused add+norm."""
-    if residual is not None:
-        total = residual + x
-        return self._tic_ops.layer_norm(total, self.weight, self.bias, self.eps), total
-    return self._tic_ops.layer_norm(x, self.weight, self.bias, self.eps)
-
-
-def _layernorm_float32_forward(self, x, residual=None):
-    """A LayerNorm written out in float32 (Cohere): where the layer joins the residual, a plain add (residual + x)
-    and the norm of the sum."""
+    norm = getattr(self._tic_ops, self._tic_layer_norm_op)
     w, b, eps = self.weight, getattr(self, "bias", None), norm_eps(self)
     if residual is not None:
         total = residual + x
-        return self._tic_ops.layer_norm_float32(total, w, b, eps), total
-    return self._tic_ops.layer_norm_float32(x, w, b, eps)
+        return norm(total, w, b, eps), total
+    return norm(x, w, b, eps)
 
 
 def _lm_head_softcap_forward(self, x):
@@ -171,7 +164,7 @@ def _lm_head_softcap_forward(self, x):
 
 
 def _final_norm_forward(self, x):
-    norm = getattr(self, "_tic_norm", None) or (_layernorm_forward if is_layernorm(self) else _rmsnorm_forward)
+    norm = _layernorm_forward if hasattr(self, "_tic_layer_norm_op") else _rmsnorm_forward
     pair = self._tic_stream.take(x)
     if pair is not None:
         return norm(self, pair[0], residual=pair[1])[0]
@@ -262,24 +255,30 @@ def _scaled_residual_layer_forward(self, hidden_states, attention_mask=None, pos
     return h + (delta[0] if isinstance(delta, tuple) else delta) * scale
 
 
+def _side_by_side(self, hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings, kwargs):
+    """(attention, MLP) outputs of a one-norm parallel layer: both on input_layernorm(x)."""
+    h = self.input_layernorm(hidden_states)
+    attn = _attend(self, h, attention_mask, position_ids, cache, use_cache, position_embeddings, kwargs)
+    delta = self.mlp(h)
+    return attn, delta[0] if isinstance(delta, tuple) else delta
+
+
 def _parallel_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
                             use_cache=False, position_embeddings=None, **kwargs):
     """One norm feeding attention and the MLP side by side (Phi), summed as vLLM's PhiLayer sums them:
     (attention + MLP) + residual, plain adds."""
-    h = self.input_layernorm(hidden_states)
-    attn = _attend(self, h, attention_mask, position_ids, cache, use_cache, position_embeddings, kwargs)
-    delta = self.mlp(h)
-    return attn + (delta[0] if isinstance(delta, tuple) else delta) + hidden_states
+    attn, mlp = _side_by_side(self, hidden_states, attention_mask, position_ids, cache, use_cache,
+                              position_embeddings, kwargs)
+    return attn + mlp + hidden_states
 
 
 def _parallel_residual_first_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
                                            use_cache=False, position_embeddings=None, **kwargs):
     """One norm feeding attention and the MLP side by side, summed residual + attention + MLP in that order, as
     transformers' and vLLM's Cohere layers sum them."""
-    h = self.input_layernorm(hidden_states)
-    attn = _attend(self, h, attention_mask, position_ids, cache, use_cache, position_embeddings, kwargs)
-    delta = self.mlp(h)
-    return hidden_states + attn + (delta[0] if isinstance(delta, tuple) else delta)
+    attn, mlp = _side_by_side(self, hidden_states, attention_mask, position_ids, cache, use_cache,
+                              position_embeddings, kwargs)
+    return hidden_states + attn + mlp
 
 
 def _parallel_two_norm_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
@@ -467,11 +466,9 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m.forward = types.MethodType(LAYER_FORWARDS[variant], m)
     elif isinstance(m, nn.Linear):
         m.forward = types.MethodType(_linear_forward, m)
-    elif is_layernorm(m):
+    elif is_layernorm(m) or variant == "norm:layer_float32":
+        m._tic_layer_norm_op = "layer_norm" if is_layernorm(m) else "layer_norm_float32"
         m.forward = types.MethodType(_layernorm_forward, m)
-    elif variant == "norm:layer_float32":
-        m._tic_norm = _layernorm_float32_forward
-        m.forward = types.MethodType(_layernorm_float32_forward, m)
     elif is_rmsnorm(m):
         m._tic_norm_offset = 1.0 if variant == "norm:rms_1p" else 0.0
         m.forward = types.MethodType(_rmsnorm_forward, m)
