@@ -9,16 +9,24 @@ from typing import Callable
 _MARK = "__tic_patch__"
 
 
+def _wrapped(original: Callable, make: Callable[[Callable], Callable], name: str) -> Callable | None:
+    """make(original), marked as patch `name`'s and holding the original; None when original already is it."""
+    if getattr(original, _MARK, None) == name:
+        return None
+    wrapped = make(original)
+    setattr(wrapped, _MARK, name)
+    wrapped.__wrapped__ = original
+    return wrapped
+
+
 def swap_everywhere(home: str, attr: str, make: Callable[[Callable], Callable], name: str, prefix: str) -> None:
     """Replace `home.attr` by `make(original)` in `home` and in every loaded module under `prefix` that imported
     it by name (`from home import attr`). Modules imported later read the patched attribute from `home`."""
     mod = importlib.import_module(home)
     original = getattr(mod, attr)
-    if getattr(original, _MARK, None) == name:
+    wrapped = _wrapped(original, make, name)
+    if wrapped is None:
         return
-    wrapped = make(original)
-    setattr(wrapped, _MARK, name)
-    wrapped.__wrapped__ = original
     for m in list(sys.modules.values()):
         if m is not None and getattr(m, "__name__", "").startswith(prefix) and getattr(m, attr, None) is original:
             setattr(m, attr, wrapped)
@@ -54,13 +62,9 @@ def swap_method(home: str, cls: str, attr: str, make: Callable[[Callable], Calla
     """Replace the method `home.cls.attr` by `make(original)`; instances made afterwards (vLLM binds a CustomOp's
     forward at construction) and calls through the class see it."""
     owner = _owner(home, cls)
-    original = getattr(owner, attr)
-    if getattr(original, _MARK, None) == name:
-        return
-    wrapped = make(original)
-    setattr(wrapped, _MARK, name)
-    wrapped.__wrapped__ = original
-    setattr(owner, attr, wrapped)
+    wrapped = _wrapped(getattr(owner, attr), make, name)
+    if wrapped is not None:
+        setattr(owner, attr, wrapped)
 
 
 def restore_method(home: str, cls: str, attr: str, name: str) -> None:
