@@ -229,6 +229,22 @@ def _probe_input(d: int) -> torch.Tensor:
     return torch.linspace(-2.0, 3.0, 2 * d, dtype=torch.float32).reshape(2, d)
 
 
+def _norm_on_probe(m, params: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x, the norm's own output on x, as it returns it) on a CPU probe with `params` (CPU float32 tensors by name)
+    in place of its parameters; None when it does not run there."""
+    probe = copy.copy(m)  # shallow: the module's settings, CPU parameters of its own, the class's own forward
+    probe._parameters = dict(probe._parameters)
+    for name, t in params.items():
+        probe._parameters[name] = nn.Parameter(t, requires_grad=False)
+    x = _probe_input(int(params["weight"].shape[-1]))
+    try:
+        with torch.no_grad():
+            y = type(m).forward(probe, x)
+    except Exception:  # noqa: BLE001 - a norm that does not run on a probe is one the wrappers do not know
+        return None
+    return x, y
+
+
 def layer_norm_float32_variant(m) -> str | None:
     """'norm:layer_float32' when a norm that is not torch's LayerNorm computes LayerNorm written out in float32 on a
     CPU probe (a 1-D weight, an optional bias; autograd.layer_norm_float32_written_out), else None."""
@@ -237,39 +253,29 @@ def layer_norm_float32_variant(m) -> str | None:
     if not isinstance(w, torch.Tensor) or w.dim() != 1 or (b is not None and not isinstance(b, torch.Tensor)):
         return None
     d = int(w.shape[-1])
-    probe = copy.copy(m)
-    probe._parameters = dict(probe._parameters)
-    weight = torch.linspace(0.25, 0.75, d, dtype=torch.float32)
-    bias = torch.linspace(-0.1, 0.1, d, dtype=torch.float32) if b is not None else None
-    probe._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
-    if bias is not None:
-        probe._parameters["bias"] = nn.Parameter(bias, requires_grad=False)
-    x = _probe_input(d)
-    try:
-        with torch.no_grad():
-            y = type(m).forward(probe, x)
-    except Exception:  # noqa: BLE001 - a norm that does not run on a probe is one the wrappers do not know
+    params = {"weight": torch.linspace(0.25, 0.75, d, dtype=torch.float32)}
+    if b is not None:
+        params["bias"] = torch.linspace(-0.1, 0.1, d, dtype=torch.float32)
+    ran = _norm_on_probe(m, params)
+    if ran is None:
         return None
-    y = y[0] if isinstance(y, tuple) else y
-    want = layer_norm_float32_written_out(x, weight, bias, norm_eps(m))
-    return "norm:layer_float32" if y.shape == x.shape and torch.allclose(y.float(), want, rtol=1e-5, atol=1e-6) \
-        else None
+    x, y = ran
+    y = (y[0] if isinstance(y, tuple) else y).float()
+    want = layer_norm_float32_written_out(x, params["weight"], params.get("bias"), norm_eps(m))
+    return "norm:layer_float32" if y.shape == x.shape and torch.allclose(y, want, rtol=1e-5, atol=1e-6) else None
 
 
 def norm_variant(m) -> str | None:
     """'norm:rms' or 'norm:rms_1p', from the module's own forward on a CPU probe (weight 0.25 + a ramp): which
     of w * x_hat and (1 + w) * x_hat it computes; None for neither."""
-    d = int(m.weight.shape[-1])
-    probe = copy.copy(m)  # shallow: the module's settings, a CPU weight of its own, the class's own forward
-    probe._parameters = dict(probe._parameters)
-    w = torch.linspace(0.25, 0.75, d, dtype=torch.float32)
-    probe._parameters["weight"] = nn.Parameter(w, requires_grad=False)
-    x = _probe_input(d)
-    try:
-        with torch.no_grad():
-            y = type(m).forward(probe, x).float()
-    except Exception:  # noqa: BLE001 - a norm that does not run on a probe is one the wrappers do not know
+    w = torch.linspace(0.25, 0.75, int(m.weight.shape[-1]), dtype=torch.float32)
+    ran = _norm_on_probe(m, {"weight": w})
+    if ran is None:
         return None
+    x, y = ran
+    if not isinstance(y, torch.Tensor):
+        return None
+    y = y.float()
     x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm_eps(m))
     for name, scale in (("norm:rms", w), ("norm:rms_1p", 1.0 + w)):
         if y.shape == x.shape and torch.allclose(y, x_hat * scale, rtol=1e-5, atol=1e-6):
