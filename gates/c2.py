@@ -35,9 +35,7 @@ def wrapper_fidelity(ctx) -> dict | None:
     engine = ctx.train_engine()
     stock = load_model(engine.model_dir, engine.dtype, "stock", attn="eager", device=str(engine.device),
                        shared=False)
-    fp8_reference.install(stock, engine.model_dir)  # no-op for a checkpoint that is not block-FP8
-    if str(train.options.get("kv_cache_dtype", "auto")).startswith("fp8"):
-        fp8_reference.use_fp8_kv_cache(stock)
+    fp8_reference.follow_deployment(stock, engine.model_dir, str(train.options.get("kv_cache_dtype", "auto")))
     ids, mask = fidelity_inputs(engine.vocab_size, engine.device)
     view = {}
     if train.engine == "megatron":  # the GPTModel's modules under the checkpoint's names, hidden states [T, B, H]

@@ -141,3 +141,12 @@ def use_fp8_kv_cache(model: nn.Module) -> None:
     # the masks eager attention takes: a name without a mask function of its own gets none (no causal mask)
     AttentionMaskInterface.register(FP8_KV_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
     model.set_attn_implementation(FP8_KV_ATTENTION)
+
+
+def follow_deployment(model: nn.Module, model_dir, kv_cache_dtype: str) -> None:
+    """Make a transformers model compute, in value, the model the deployed sides run: for a block-FP8 checkpoint
+    its FP8 forward (install), with an FP8 KV cache FlashAttention's FP8 attention (use_fp8_kv_cache); a plain
+    checkpoint with a model-dtype cache stays as it is. C2's stock model and C7's reference both are this model."""
+    install(model, model_dir)
+    if str(kv_cache_dtype).startswith("fp8"):
+        use_fp8_kv_cache(model)

@@ -96,9 +96,7 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
                                                      **fp8)
     model.to(device).train(False)
-    fp8_reference.install(model, model_dir)  # block FP8: the FP8 forward's values, the float32 graph's gradient
-    if kv_cache_dtype.startswith("fp8"):
-        fp8_reference.use_fp8_kv_cache(model)
+    fp8_reference.follow_deployment(model, model_dir, kv_cache_dtype)  # FP8: its values, the float32 graph's gradient
     model.requires_grad_(True)
     pin = RoutingPin(model)
     n_tokens = sum(int(s.mask.sum()) if s.mask is not None else len(s.response_ids) for s in samples)
