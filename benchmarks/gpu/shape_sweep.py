@@ -1,4 +1,5 @@
-"""C0 and C3-C7 on 4-layer cuts with the layer shapes of public models (benchmarks/gpu/shapes.py), on one GPU.
+"""C0 and C3-C7 (C8 for the Megatron trainer) on 4-layer cuts with the layer shapes of public models
+(benchmarks/gpu/shapes.py), on one GPU.
 
   python benchmarks/gpu/shape_sweep.py run WORK OUT [--shapes A,B] [--modes eager,graph] [--variants patched]
                                            [--first SHAPE:MODE:VARIANT,...]
@@ -16,9 +17,10 @@ Each (shape, rollout mode, variant) is one tic.yaml under WORK, run by run_gates
   GEMM one: its with/without run), previous (the patched config run on another tic tree, --previous-pythonpath,
   e.g. the release before a patch change: its with/without run), fp8 (block-FP8 weights 128 x 128 quantized from
   the seeded ones, an FP8 KV cache on both sides, the patches plus the FP8 ones), fp8-no-moecfg (fp8 less
-  moe-fixed-config: its with/without run).
-Eager runs C0, C3-C7; the CUDA-graph modes run C0, C3-C5 (C6 and C7 compare the training side with itself and
-are the eager run's). Runs share the GPU: a run starts when its estimated memory fits beside the running ones.
+  moe-fixed-config: its with/without run), megatron (the patched rollout against tic's Megatron-core trainer,
+  train: {engine: megatron}; eager also runs C8; needs megatron-core, device_env.sh's megatron_install).
+Eager runs C0, C3-C7 (megatron C0, C3-C8); the CUDA-graph modes run C0, C3-C5 (C6 and C7 compare the training
+side with itself and are the eager run's). Runs share the GPU: a run starts when its estimated memory fits beside the running ones.
 Weights are generated once per shape (seeded, tic's model cache) and removed when the shape's runs are done.
 Writes OUT/<run>.json (the gate records), OUT/<run>.log, OUT/table.md, OUT/sweep.json; prints the table.
 """
@@ -47,10 +49,12 @@ PATCHES = list(TIC_PATCHES)
 # the sweep's modes: graph = CUDA graphs of the decode steps without torch.compile; compiled = vLLM's default
 # compilation with its CUDA kernels kept
 MODES = {"eager": "eager", "graph": "decode-graphs", "compiled": "compiled"}
-VARIANTS = ("patched", "stock", "no-gemm", "previous", "fp8", "fp8-no-moecfg")
+VARIANTS = ("patched", "stock", "no-gemm", "previous", "fp8", "fp8-no-moecfg", "megatron")
 ROLLOUT_GATES = "C0,C3,C4,C5"
 ALL_GATES = "C0,C3,C4,C5,C6,C7"
-GATE_COLUMNS = ("C0", "C3", "C4", "C5", "C6", "C7")
+# the Megatron trainer also runs C8: its weight sync into vLLM is part of what it adds
+MEGATRON_GATES = ALL_GATES + ",C8"
+GATE_COLUMNS = ("C0", "C3", "C4", "C5", "C6", "C7", "C8")
 GiB = 1 << 30
 
 
@@ -101,7 +105,7 @@ def run_config(s: Shape, mode: str, variant: str, w: dict, model_dir: Path) -> d
         patches = tuple(p for p in PATCHES if not p.startswith("gemm-"))
     cfg = tic_yaml(f"{s.slug}-{mode}-{variant}", model_dir, MODES[mode], patches,
                    requests=w["requests"], min_len=w["min_len"], max_len=w["max_len"], tokens=w["tokens"],
-                   options=options)
+                   options=options, train="megatron" if variant == "megatron" else "vllm")
     if variant.startswith("fp8"):
         use_block_fp8(cfg)
     return cfg
@@ -129,7 +133,8 @@ def plan(args) -> tuple[list[Run], dict[str, dict]]:
         (model_dir / "config.json").write_text(json.dumps(s.config(), indent=1))
         cfg = work / f"{s.slug}-{mode}-{variant}.yaml"
         cfg.write_text(yaml.safe_dump(run_config(s, mode, variant, w, model_dir), sort_keys=False))
-        runs.append(Run(s, mode, variant, cfg, ALL_GATES if mode == "eager" else ROLLOUT_GATES,
+        gates = ROLLOUT_GATES if mode != "eager" else MEGATRON_GATES if variant == "megatron" else ALL_GATES
+        runs.append(Run(s, mode, variant, cfg, gates,
                         estimate_gib(s, mode, w)))
     return runs, loads
 
