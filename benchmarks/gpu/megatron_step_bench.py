@@ -172,11 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     import megatron.core
 
     from tic.config.schema import BackwardConfig
-    from tic.harness.engines.megatron import block_causal_mask, load_megatron_model
+    from tic.harness.engines.megatron import block_causal_mask, init_parallel_state, load_megatron_model
 
     if args.device.startswith("cuda"):  # Megatron's attention forks the model-parallel CUDA RNG (its dropout)
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+        init_parallel_state(args.device)  # the seed is per tensor-parallel rank: the groups come first
         model_parallel_cuda_manual_seed(0)
     path = model_dir(args)
     dtype = "float32" if args.device == "cpu" else "bfloat16"
