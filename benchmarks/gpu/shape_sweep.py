@@ -20,7 +20,8 @@ Each (shape, rollout mode, variant) is one tic.yaml under WORK, run by run_gates
   moe-fixed-config: its with/without run), megatron (the patched rollout against tic's Megatron-core trainer,
   train: {engine: megatron}; eager also runs C8; needs megatron-core, device_env.sh's megatron_install).
 Eager runs C0, C3-C7 (megatron C0, C3-C8); the CUDA-graph modes run C0, C3-C5 (C6 and C7 compare the training
-side with itself and are the eager run's). Runs share the GPU: a run starts when its estimated memory fits beside the running ones.
+side with itself and are the eager run's). Runs share the GPU: a run starts when its estimated memory fits beside
+the running ones.
 Weights are generated once per shape (seeded, tic's model cache) and removed when the shape's runs are done.
 Writes OUT/<run>.json (the gate records), OUT/<run>.log, OUT/table.md, OUT/sweep.json; prints the table.
 """
