@@ -59,7 +59,9 @@ def test_a_norm_whose_reduction_follows_the_row_count_is_proven_on_identical_arg
     for m in (a.model, b.model):
         _rows_norm(m)
     res = locate_pair(a, b, tmp_path / "out")
-    assert res["culprit_module"].endswith("input_layernorm"), res["module_trail"]
+    # which norm's launch first changes the traced token's bits follows the data, and so the CPU's GEMM kernels
+    assert res["culprit_module"].rsplit(".", 1)[-1] in ("input_layernorm", "post_attention_layernorm", "q_norm",
+                                                         "k_norm", "norm"), res["module_trail"]
     assert res["first_operator"] == "plant_kernels.rms_norm.default"
     diff = res["difference"]
     assert diff["kind"] == replay.SAME_ARGUMENTS, diff
@@ -71,11 +73,15 @@ def test_a_norm_whose_reduction_follows_the_row_count_is_proven_on_identical_arg
     # same script says so (exit 0): the row count is what differs
     data = torch.load(res["repro_check"]["tensors"], weights_only=False)
     call_a, call_b = data["a"], data["b"]
-    rows_a, row_b = call_a["args"][1].shape[0], call_b["where"]["row"]
-    keep = [row_b] + [r for r in range(call_b["args"][1].shape[0]) if r != row_b][:rows_a - 1]
+    rows_a, where_b = call_a["args"][1].shape[0], call_b["where"]
+    # the traced token's rows in side B's launch: one row, or one per head for a per-head norm (a mask)
+    traced = (where_b["mask"].reshape(call_b["args"][1].shape[0], -1).any(-1).nonzero().flatten().tolist()
+              if where_b["kind"] == "mask" else [where_b["row"]])
+    keep = traced + [r for r in range(call_b["args"][1].shape[0]) if r not in traced][:rows_a - len(traced)]
     x = call_b["args"][1][keep]
-    call_b.update(args=(torch.zeros_like(x), x) + tuple(call_b["args"][2:]), where=dict(call_b["where"], row=0),
-                  layouts=None)
+    where = (dict(where_b, mask=torch.arange(len(keep)).unsqueeze(-1).expand_as(x) < len(traced))
+             if where_b["kind"] == "mask" else dict(where_b, row=0))
+    call_b.update(args=(torch.zeros_like(x), x) + tuple(call_b["args"][2:]), where=where, layouts=None)
     call_b["expect"] = replay.pick(replay.run_call(call_b, call_b["args"], {}), call_b["where"]).clone()
     again = repro.rerun(Path(res["repro"]), data, tmp_path / "as-many-rows")
     assert again["exit_code"] == 0 and "identical" in again["output"], again
@@ -90,16 +96,37 @@ def _move_weight(linear: torch.nn.Linear, floats: int) -> None:
     linear.weight = torch.nn.Parameter(moved, requires_grad=False)
 
 
-def test_a_gemm_on_a_misaligned_weight_is_reproduced_with_its_alignment(pair, tmp_path):
-    """Side B's o_proj weight holds the same bits 4 bytes further on: CPU GEMV kernels take another path. The
-    repro rebuilds each argument's alignment in the fresh process, so it reproduces, and names the alignment."""
+def _aten_gemm_follows_alignment(linear: torch.nn.Linear) -> bool:
+    """Whether this CPU's GEMV gives other bits for the same weight 4 bytes further on (AVX2 paths do; some
+    AVX-512/AMX paths do not), on a few rows of the layer's own input size."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 1, linear.in_features, generator=g)
+    w = linear.weight.detach()
+    buf = torch.empty(w.numel() + 1)
+    moved = buf[1:].view_as(w)
+    moved.copy_(w)
+    return any(not torch.equal(F.linear(r, w), F.linear(r, moved)) for r in x)
+
+
+@pytest.mark.parametrize("gemm", ["aten", "stand-in"])
+def test_a_gemm_on_a_misaligned_weight_is_reproduced_with_its_alignment(pair, tmp_path, gemm):
+    """Side B's o_proj weight holds the same bits 4 bytes further on: a GEMV kernel takes another path (the CPU's
+    own where its ISA does, else plant_kernels.linear, whose reduction follows the weight's address on any CPU).
+    The repro rebuilds each argument's alignment in the fresh process, so it reproduces, and names the alignment."""
     a, b = pair
     o_proj = b.model.model.layers[1].self_attn.o_proj
+    operator = "aten.linear.default"
+    if gemm == "stand-in":
+        for m in (a.model, b.model):
+            m._tic_provider.linear = plant_kernels.linear
+        operator = "plant_kernels.linear.default"
+    elif not _aten_gemm_follows_alignment(o_proj):
+        pytest.skip(f"this CPU's GEMV ({torch.backends.cpu.get_cpu_capability()}) ignores the weight's alignment")
     _move_weight(o_proj, 1)
     found = locate(*sides(a, b), tmp_path / "out", "plant", 2)
     res = report.write(found, tmp_path / "out")
     assert res["culprit_module"] == "model.layers.1.self_attn.o_proj", res["module_trail"]
-    assert res["first_operator"] == "aten.linear.default"
+    assert res["first_operator"] == operator
     diff = res["difference"]
     assert diff["kind"] == replay.SAME_ARGUMENTS, diff
     assert "argument 1 (weight)'s address mod 64 bytes" in diff["detail"], diff

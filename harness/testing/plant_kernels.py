@@ -5,8 +5,11 @@ strided slice of the row before the partial sums are added in a tree; a decode s
 (many rows) thus reduce one row's squares in different orders. `plant_kernels::rms_norm` does that on CPU, with
 vLLM's `_C.rms_norm(Tensor! result, Tensor input, Tensor weight, float epsilon)` calling convention, so that
 tests and the plant benchmark (tic.harness.testing.plants) reach the locator's "same operator, the traced token's
-arguments bit-identical, different bits" path the way the GPU does. Importing this module registers the op (a
-fresh repro process imports it by the namespace's name, tic.harness.locate.repro.op_imports).
+arguments bit-identical, different bits" path the way the GPU does. `plant_kernels::linear` is a GEMM whose
+reduction order follows its weight's address (a CPU GEMV kernel peels a prologue until its loads are aligned), so
+a weight holding the same bits at another alignment gives other bits on every CPU, whatever GEMM path its ISA takes.
+Importing this module registers the ops (a fresh repro process imports them by the namespace's name,
+tic.harness.locate.repro.op_imports).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ BLOCKS = ((5, 8), (17, 4))  # a launch of fewer than 5 rows: 8 partial sums per 
 
 _lib = Library("plant_kernels", "DEF")
 _lib.define("rms_norm(Tensor(a!) result, Tensor input, Tensor weight, float epsilon) -> ()")
+_lib.define("linear(Tensor input, Tensor weight) -> Tensor")
+ALIGNMENT = 64  # bytes: a weight starting on such a boundary is reduced in one pass, any other in two
 
 
 def threads_for(rows: int, hidden: int) -> int:
@@ -53,3 +58,23 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     torch.ops.plant_kernels.rms_norm(out, rows, w, eps)
     return out.reshape(x.shape)
+
+
+def _linear(input, weight):
+    x, w = input.float(), weight.float()
+    k = (ALIGNMENT - weight.data_ptr() % ALIGNMENT) % ALIGNMENT // weight.element_size()
+    k = min(k, w.shape[1])  # the peeled prologue: the columns before the first aligned load
+
+    def row(r):  # one row at a time, so that no row's bits follow the launch's row count
+        return r @ w.T if k == 0 else r[:, :k] @ w[:, :k].T + r[:, k:] @ w[:, k:].T
+
+    return torch.cat([row(r) for r in x.split(1)]).to(input.dtype)
+
+
+_lib.impl("linear", _linear, "CPU")
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """A tic provider's `linear(x, w, b)`: every row of x in one launch of the alignment-following GEMM."""
+    out = torch.ops.plant_kernels.linear(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+    return out if b is None else out + b
