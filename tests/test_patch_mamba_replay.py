@@ -1,8 +1,9 @@
 """The mamba-decode-replay patch on CPU, against a stand-in of vLLM 0.26's MambaMixer2.conv_ssm_forward and its
 kernels (tests/support/tic_fake_vllm.py: a chunked scan whose reductions are padded to the chunk, a single-step
-decode and a decode conv that round otherwise). Two requests go through vLLM-style steps (a chunked prefill
-continued mid-chunk next to a decode, then decodes): with the patch every token's mixer output equals that
-request's whole sequence prefilled alone; without it, decoded tokens differ. The GPU run validates vLLM's kernels."""
+decode and a decode conv that round otherwise). Three requests go through vLLM-style steps (a chunked prefill
+continued mid-chunk next to a decode, a prompt shorter than a chunk whose decode completes its first chunk, then
+decodes): with the patch every token's mixer output equals that request's whole sequence prefilled alone; without
+it, decoded tokens differ. The GPU run validates vLLM's kernels."""
 
 from __future__ import annotations
 
@@ -62,40 +63,41 @@ def _step(m, decodes, prefills):
     return out
 
 
-def _serve(m, a, b):
+def _serve(m, a, b, c):
     """Request a (slot 1): prompt 11, prefilled 5 + 6 (the second piece beside b's first decode); request b
-    (slot 2): prompt 6; then both decode. Returns each request's mixer outputs per token. (Slot 0 is vLLM's null
-    block: padding, which the kernels skip.)"""
-    out_a, out_b = [], []
-    o = _step(m, [], [(1, 0, a[:5]), (2, 0, b[:6])])
-    out_a.append(o[:5]), out_b.append(o[5:])
-    o = _step(m, [(2, b[6])], [(1, 5, a[5:11])])
-    out_b.append(o[:1]), out_a.append(o[1:])
-    pos = {1: 11, 2: 7}
-    while any(pos[s] < t.shape[0] for s, t in ((1, a), (2, b))):
-        live = [(s, t) for s, t in ((1, a), (2, b)) if pos[s] < t.shape[0]]
-        o = _step(m, [(s, t[pos[s]]) for s, t in live], [])
-        for r, (s, _) in enumerate(live):
-            (out_a if s == 1 else out_b).append(o[r:r + 1])
+    (slot 2): prompt 6; request c (slot 3): a prompt of 2, shorter than a chunk, so that a decode step ends its
+    first chunk; then all decode. Returns each request's mixer outputs per token. (Slot 0 is vLLM's null block:
+    padding, which the kernels skip.)"""
+    outs = {1: [], 2: [], 3: []}
+    o = _step(m, [], [(1, 0, a[:5]), (2, 0, b[:6]), (3, 0, c[:2])])
+    outs[1].append(o[:5]), outs[2].append(o[5:11]), outs[3].append(o[11:])
+    o = _step(m, [(2, b[6]), (3, c[2])], [(1, 5, a[5:11])])
+    outs[2].append(o[:1]), outs[3].append(o[1:2]), outs[1].append(o[2:])
+    seqs, pos = {1: a, 2: b, 3: c}, {1: 11, 2: 7, 3: 3}
+    while any(pos[s] < t.shape[0] for s, t in seqs.items()):
+        live = [s for s, t in seqs.items() if pos[s] < t.shape[0]]
+        o = _step(m, [(s, seqs[s][pos[s]]) for s in live], [])
+        for r, s in enumerate(live):
+            outs[s].append(o[r:r + 1])
             pos[s] += 1
-    return torch.cat(out_a), torch.cat(out_b)
+    return tuple(torch.cat(outs[s]) for s in (1, 2, 3))
 
 
 def test_decode_and_a_continued_prefill_replay_the_chunk_as_one_prefill(fake_vllm):
     g = torch.Generator().manual_seed(1)
-    a, b = torch.randn(17, WIDTH, generator=g), torch.randn(14, WIDTH, generator=g)
-    whole_a = _step(_mixer(), [], [(2, 0, a)])  # each request prefilled alone, by vLLM's own prefill
-    whole_b = _step(_mixer(), [], [(3, 0, b)])
+    seqs = torch.randn(17, WIDTH, generator=g), torch.randn(14, WIDTH, generator=g), torch.randn(11, WIDTH, generator=g)
+    whole = [_step(_mixer(), [], [(2, 0, t)]) for t in seqs]  # each request prefilled alone, by vLLM's own prefill
     patches.apply(["mamba-decode-replay"])
     assert patches.active() == ["mamba-decode-replay"]
-    got_a, got_b = _serve(_mixer(), a, b)
-    assert got_a.shape == whole_a.shape and got_b.shape == whole_b.shape
-    assert torch.equal(got_a, whole_a) and torch.equal(got_b, whole_b)
+    got = _serve(_mixer(), *seqs)
+    for mine, ref in zip(got, whole):
+        assert mine.shape == ref.shape and torch.equal(mine, ref), (mine - ref).abs().amax(-1)
     patches.apply([])  # the control: vLLM's own steps
     assert patches.active() == []
-    stock_a, stock_b = _serve(_mixer(), a, b)
-    assert torch.equal(stock_a[:5], whole_a[:5]) and torch.equal(stock_b[:6], whole_b[:6])  # first prefills
-    assert not torch.equal(stock_a[5:], whole_a[5:]) and not torch.equal(stock_b[6:], whole_b[6:])
+    stock = _serve(_mixer(), *seqs)
+    for mine, ref, prefilled in zip(stock, whole, (5, 6, 2)):
+        assert torch.equal(mine[:prefilled], ref[:prefilled])  # first prefills
+        assert not torch.equal(mine[prefilled:], ref[prefilled:])
 
 
 def test_prefix_caching_and_speculative_decoding_stop_the_mixer_with_the_reason(fake_vllm):

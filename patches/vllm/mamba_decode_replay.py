@@ -163,8 +163,11 @@ def _replay_decode(original):
         raw_dt, A1, D1, bias = dt[..., 0], A[:, 0, 0], D[:, 0], dt_bias[:, 0]
         store = _chunks(layer, x, raw_dt, B)
         slots = [int(s) for s in state_batch_indices.reshape(x.shape[0], -1)[:, 0].tolist()]
-        for first_chunk in (True, False):  # sequences still in their first chunk prefilled without a start state
-            rows = [r for r, s in enumerate(slots) if s >= 0 and (store.length[s] < Q) == first_chunk]  # -1: pad
+        # sequences still in their first chunk were prefilled without a start state. Each row's group is read
+        # before either group runs: a row whose token ends its first chunk must not run again in the second.
+        in_first = {r: store.length[s] < Q for r, s in enumerate(slots) if s >= 0}  # -1: a padding row
+        for first_chunk in (True, False):
+            rows = [r for r, first in in_first.items() if first == first_chunk]
             if not rows:
                 continue
             ms = [store.count[slots[r]] for r in rows]
