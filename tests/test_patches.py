@@ -94,7 +94,8 @@ def _define_row_count_dependent_rms_norm():
 def test_registry_metadata_is_complete():
     reg = {n: p for n, p in patches.registry().items() if p.target == "vllm"}  # tests/test_megatron_patches.py: the rest
     assert set(reg) == {"fa3-fixed-tile", "fp8-gemm-one-kernel", "gemm-fixed-m", "gemm-fixed-order",
-                        "mamba-decode-replay", "mamba-gated-norm-triton", "mamba-ssd-fixed-config", "moe-fixed-config",
+                        "layernorm-float32-rows", "mamba-decode-replay", "mamba-gated-norm-triton",
+                        "mamba-ssd-fixed-config", "moe-fixed-config",
                         "moe-slot-order-sum", "rmsnorm-fixed-block"}
     for name, p in reg.items():
         assert p.target == "vllm" and p.gate in {f"C{i}" for i in range(11)}
@@ -537,3 +538,38 @@ def test_moe_fixed_config_gives_every_step_the_prefill_sized_config(fake_vllm):
     patches.apply([])
     assert fused_moe.fused_experts_config(*shapes, 4, [128, 128]) == small
     assert triton_moe.experts_config(*shapes, 4, [128, 128]) == small
+
+
+def test_layernorm_float32_rows_takes_commandrs_norm_on_cuda_only(fake_vllm):
+    """The patch replaces commandr.layer_norm_func where vLLM's LayerNorm reads it; a CPU call keeps vLLM's own
+    function (its bits), and revert gives the original back. The Triton kernel itself runs on the GPU only."""
+    from vllm.model_executor.models import commandr
+
+    original = commandr.layer_norm_func
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 64, generator=g).bfloat16(), torch.randn(64, generator=g).bfloat16()
+    want = original(x, w, 1e-5)
+    patches.apply(["layernorm-float32-rows"])
+    try:
+        assert commandr.layer_norm_func is not original and patches.active() == ["layernorm-float32-rows"]
+        got, _ = commandr.LayerNorm(w, 1e-5)(x)
+        assert torch.equal(got, want)
+    finally:
+        patches.apply([])
+    assert commandr.layer_norm_func is original
+
+
+def test_vllm_provider_runs_commandrs_norm_function_whatever_patch_holds_it(fake_vllm, monkeypatch):
+    """The training provider's float32 LayerNorm is vLLM's commandr.layer_norm_func as the module holds it when
+    called, so a rollout patch of that function reaches the training forward too."""
+    from vllm.model_executor.models import commandr
+
+    from tic.harness.kernels.vllm_provider import VLLMProvider
+
+    monkeypatch.setattr(VLLMProvider, "_load_vllm", lambda self: None)
+    prov = VLLMProvider(4)
+    x, w = torch.randn(3, 16).bfloat16(), torch.randn(16).bfloat16()
+    assert torch.equal(prov.layer_norm_float32(x, w, None, 1e-5), commandr.layer_norm_func(x, w, 1e-5))
+    seen = []
+    monkeypatch.setattr(commandr, "layer_norm_func", lambda h, weight, eps: seen.append(h) or h)
+    assert prov.layer_norm_float32(x, w, None, 1e-5) is x and seen == [x]

@@ -126,8 +126,13 @@ def _variants() -> dict[str, Variant]:
     # LayerNorms with plain residual adds, partial rotary; gpt-neox: per-head fused qkv, parallel two-norm layers;
     # glm: interleaved rotary over half of each head (vLLM's is_neox_style False); cohere: float32 LayerNorms,
     # residual-first parallel layers, interleaved rotary, logit_scale
-    for m in ("dense", "moe", "big", "llama", "granite", "qwen2-moe", "stablelm", "gpt-neox", "glm", "cohere"):
+    for m in ("dense", "moe", "big", "llama", "granite", "qwen2-moe", "stablelm", "gpt-neox", "glm"):
         v[f"t-{m}-eager"] = Variant(f"{m}, patched eager rollout, training on vLLM's kernels", m)
+    # cohere's float32 LayerNorm (commandr.layer_norm_func) through layernorm-float32-rows; `-no-lnrows` without it
+    v["t-cohere-eager"] = Variant("cohere, patched eager rollout, training on vLLM's kernels", "cohere",
+                                  patches=(*PATCHES, "layernorm-float32-rows"))
+    v["t-cohere-eager-no-lnrows"] = Variant("t-cohere-eager without layernorm-float32-rows (its with/without run)",
+                                            "cohere", locate=False)
     # Gemma-style models (sliding and full layers, (1 + w) norms, GELU-tanh; gemma2 also softcaps attention and
     # the final logits): FlashAttention's window and softcap, GemmaRMSNorm, gelu_tanh_and_mul on the training side
     for m in ("gemma3", "gemma2"):

@@ -309,9 +309,14 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
         return torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, eps)
 
     def layer_norm_float32(self, x, w, b, eps):
-        """A LayerNorm written out in float32 (CohereLayerNorm) as vLLM's commandr layer_norm_func runs it: torch
-        ops on the whole tensor, rounded once."""
-        return layer_norm_float32_written_out(x, w, b, eps)
+        """A LayerNorm written out in float32 (CohereLayerNorm): vLLM's commandr.layer_norm_func itself, as the
+        module holds it at the call (a rollout patch of it, layernorm-float32-rows, reaches this side too). It has
+        no bias; with one, the formula written out in torch ops."""
+        if b is not None:
+            return layer_norm_float32_written_out(x, w, b, eps)
+        from vllm.model_executor.models import commandr
+
+        return commandr.layer_norm_func(x, w, eps)
 
     def sigmoid_gate(self, g, y):
         """A shared expert's gate as vLLM's Qwen2MoeMLP applies it: F.sigmoid(gate(x)) * out, elementwise in the

@@ -304,6 +304,28 @@ FAKE = {
             i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
             return i32(cu), i32(last), i32(seq)
         """,
+    "vllm/model_executor/models/__init__.py": "",
+    "vllm/model_executor/models/commandr.py": """
+        import torch
+
+        def layer_norm_func(hidden_states, weight, variance_epsilon):  # vLLM compiles it; eager here
+            input_dtype = hidden_states.dtype
+            hidden_states = hidden_states.to(torch.float32)
+            mean = hidden_states.mean(-1, keepdim=True)
+            variance = (hidden_states - mean).pow(2).mean(-1, keepdim=True)
+            hidden_states = (hidden_states - mean) * torch.rsqrt(variance + variance_epsilon)
+            hidden_states = weight.to(torch.float32) * hidden_states
+            return hidden_states.to(input_dtype)
+
+        class LayerNorm(torch.nn.Module):
+            def __init__(self, weight, eps=1e-5):
+                super().__init__()
+                self.weight = torch.nn.Parameter(weight)
+                self.variance_epsilon = eps
+
+            def forward(self, hidden_states, residuals=None):
+                return layer_norm_func(hidden_states, self.weight, self.variance_epsilon), residuals
+        """,
     "vllm/distributed/__init__.py": "",
     "vllm/distributed/parallel_state.py": "_EP = None  # vLLM's expert-parallel GroupCoordinator once initialised\n",
     "vllm/kernels/__init__.py": "",
