@@ -96,3 +96,42 @@ def test_add_norm_parts_are_replayed_exactly_passed_by_keyword():
     args, kwargs = replace_rows(m, (x,), dict(residual=r), N, TARGETS, repl)
     assert torch.equal(args[0][1], ox[1]) and torch.equal(kwargs["residual"][1], orr[1])
     assert torch.equal(args[0][0], x[0])
+
+
+class SequentialLayer(nn.Module):  # vLLM's Llama-style layer: the residual it is handed is part of its stream
+    def forward(self, positions, hidden_states, residual):
+        if residual is None:
+            residual = hidden_states
+        else:
+            hidden_states = hidden_states + residual
+            residual = hidden_states
+        return 2 * hidden_states, residual
+
+
+class StreamLayer(nn.Module):  # vLLM's Cohere layer: overwrites its residual, returns (stream, its input)
+    def forward(self, positions, hidden_states, residual):
+        residual = hidden_states
+        return residual + 2 * hidden_states, residual
+
+
+def test_a_layer_that_overwrites_its_residual_is_compared_on_its_stream_alone():
+    """A Llama-style layer's stream is hidden + residual on the way in and out; a Cohere-style layer, which assigns
+    its residual before reading it, carries the whole stream in hidden_states and returns (stream, its input):
+    summing that pair counted the input twice, so every such layer compared wrong at every position."""
+    from tic.harness.locate.vllm_capture import FlatRows, overwrites_residual, stable_outputs
+
+    assert overwrites_residual(StreamLayer()) and not overwrites_residual(SequentialLayer())
+    assert not overwrites_residual(AddNorm()) and not overwrites_residual(Attention())
+    g = torch.Generator().manual_seed(0)
+    pos, h, r = torch.arange(N), torch.randn(N, 8, generator=g), torch.randn(N, 8, generator=g)
+    for layer, stream_in in ((SequentialLayer(), h + r), (StreamLayer(), h)):
+        rows, res = flat_inputs(layer, (pos, h, r), {}, N)
+        assert torch.equal(stable_inputs(rows, res)[0], stream_in)
+    summed = {name for name, m in (("layers.0", SequentialLayer()), ("layers.1", StreamLayer()))
+              if not overwrites_residual(m)}
+    rows = FlatRows(lambda n: [(j, j) for j in range(n)], summed, "embed")
+    rows.set(torch.arange(N)[None])
+    out_seq, out_stream = SequentialLayer()(pos, h, r), StreamLayer()(pos, h, r)
+    assert torch.equal(rows.outputs("layers.0", out_seq)[0], out_seq[0] + out_seq[1])
+    assert torch.equal(rows.outputs("layers.1", out_stream)[0], 3 * h)
+    assert torch.equal(stable_outputs(True, out_stream, N)[0], 4 * h)  # the pair summed: the input counted twice

@@ -9,7 +9,9 @@ compared with itself (C3, C4) or with HF (C5) by stable module names.
 Stable per-layer values: a vLLM decoder layer takes and returns (hidden, residual) apart; the residual stream HF
 carries is hidden + residual (in the model dtype, as the next fused add-RMSNorm forms it). So a layer's (and an
 add-norm's) recorded input is (hidden + residual, hidden, residual): HF replays the first, vLLM replays the
-two raw parts (exact). Its output is hidden + residual (layers) or the normed value (norms).
+two raw parts (exact). Its output is hidden + residual (layers) or the normed value (norms). A layer whose forward
+assigns its `residual` parameter before reading it (Cohere's parallel layer: `residual = hidden_states`) takes its
+whole stream as hidden_states and returns (stream, its own input): its input and output are the hidden part alone.
 
 Teacher-forced decode: the same seeded requests are rerun in the same batch (vLLM samples per request with its
 own seed, so the tokens are reproduced; checked up to the compared position). Scoring step by step with
@@ -18,6 +20,8 @@ prompt+prefix would run prefill kernels, not decode, and so would not be the com
 
 from __future__ import annotations
 
+import dis
+import functools
 from typing import Any
 
 import torch
@@ -51,6 +55,28 @@ def _signature(module):
     return None
 
 
+def overwrites_residual(module) -> bool:
+    """Whether the module's forward assigns its `residual` parameter before any read of it: such a layer ignores
+    the residual it is handed, and the pair it returns is (stream, input), not (hidden, residual to add)."""
+    return _overwrites_residual(type(module))
+
+
+@functools.cache
+def _overwrites_residual(cls) -> bool:
+    code = getattr(getattr(cls, "forward", None), "__code__", None)
+    if code is None or "residual" not in code.co_varnames[:code.co_argcount]:
+        return False
+    for ins in dis.get_instructions(code):
+        names = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
+        if "residual" not in names or "FAST" not in ins.opname:
+            continue
+        # super-instructions name two locals (STORE_FAST_LOAD_FAST: the store first); take the residual's part
+        kind = ins.opname.split("_FAST")[0] if len(names) == 1 else \
+            ins.opname.replace("_FAST", "").split("_")[names.index("residual")]
+        return kind.endswith("STORE")
+    return False
+
+
 def _bind_call(module, args, kwargs) -> tuple[list[tuple[str, Any]], bool]:
     """(parameter name, value) of a call in the forward's parameter order, and whether the names come from its
     signature; without one (forward(*args, **kwargs) all the way down), positional arguments are named by
@@ -76,7 +102,7 @@ def flat_inputs(module, args, kwargs, n: int) -> tuple[list[tuple[str, torch.Ten
     so the first input is the hidden state as other engines' replays take it."""
     bound = _bind(module, args, kwargs)
     rows = [(k, v) for k, v in bound if _float_rows(v, n)]
-    res = "residual" if any(k == "residual" for k, _ in rows) else None
+    res = "residual" if any(k == "residual" for k, _ in rows) and not overwrites_residual(module) else None
     rows += [(f"{k}.{j}", x) for k, v in bound if isinstance(v, (list, tuple))
              for j, x in enumerate(v) if _float_rows(x, n)]
     return rows, res
@@ -91,9 +117,10 @@ def stable_inputs(rows: list[tuple[str, torch.Tensor]], res: str | None) -> list
     return [v for _, v in rows]
 
 
-def stable_outputs(is_layer: bool, out, n: int) -> list[torch.Tensor]:
-    """Per-token output as compared: a layer's hidden + residual, else the first token-row tensor."""
-    if is_layer and isinstance(out, tuple) and len(out) == 2:
+def stable_outputs(summed: bool, out, n: int) -> list[torch.Tensor]:
+    """Per-token output as compared: a layer's hidden + residual where its pair is to be summed (`summed`), else
+    the first token-row tensor."""
+    if summed and isinstance(out, tuple) and len(out) == 2:
         h, r = out
         return [h if r is None else h + r]
     ts = [out] if isinstance(out, torch.Tensor) else [t for t in (out if isinstance(out, (tuple, list)) else [])
@@ -190,12 +217,13 @@ def _step_targets(r, prompt: tuple[int, ...], n: int) -> list[tuple[int, int]]:
 class FlatRows(RowLayout):
     """vLLM's steps: one flat batch of token rows [num_tokens, ...] per step, as a [1, num_tokens] map set by a
     pre-hook on the embedding (`step_targets(n)`: the compared request's (row, position) pairs). A module's
-    per-token tensors are its float arguments with one row per token (named by its signature); a decoder layer's
-    output is hidden + residual and an add-norm's input (hidden + residual, hidden, residual), recorded unnamed."""
+    per-token tensors are its float arguments with one row per token (named by its signature); the output of a
+    decoder layer in `summed_layers` is hidden + residual, and an add-norm's input (hidden + residual, hidden,
+    residual), recorded unnamed."""
 
-    def __init__(self, step_targets, layers: set[str], step_module: str):
+    def __init__(self, step_targets, summed_layers: set[str], step_module: str):
         super().__init__()
-        self.step_targets, self.layers, self.step_module = step_targets, layers, step_module
+        self.step_targets, self.summed_layers, self.step_module = step_targets, summed_layers, step_module
 
     def step_map(self, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -211,7 +239,7 @@ class FlatRows(RowLayout):
         return stable_inputs(*flat_inputs(module, args, kwargs, self.shape[1])), None
 
     def outputs(self, name, out):
-        return stable_outputs(name in self.layers, out, self.shape[1])
+        return stable_outputs(name in self.summed_layers, out, self.shape[1])
 
     def replace(self, module, args, kwargs, repl):
         return replace_rows(module, args, kwargs, self.shape[1], self.targets(), repl)
@@ -268,7 +296,8 @@ class VLLMCaptureRunner:
         if embedding is None:
             raise RuntimeError(f"capture: no token embedding module under {self.prefix} in vLLM's model (the "
                                f"forward step's rows are mapped at its call)")
-        layout = FlatRows(lambda n: _step_targets(self.runner, prompt, n), self._layer_set, embedding)
+        summed = {n for n in self._layer_set if not overwrites_residual(self.modules[n])}
+        layout = FlatRows(lambda n: _step_targets(self.runner, prompt, n), summed, embedding)
         with HookSet(self.modules, spec, layout) as hooks:
             try:
                 recs = self.engine._run(prompts, params, kind, rids)
