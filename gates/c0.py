@@ -7,7 +7,8 @@ import json
 
 from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.harness.engines.megatron import refusals as megatron_refusals
-from tic.harness.engines.vllm import backend_refusals, mode_refusals, recurrent_refusals, window_refusals
+from tic.harness.engines.vllm import (backend_refusals, departure_refusals, installed_vllm_version, mode_refusals,
+                                      recurrent_refusals, window_refusals)
 from tic.harness.model.inventory import build_manifest
 from tic.harness.kernels.coverage import KERNELS, coverage_problems, coverage_table, format_table
 from tic.harness.model.layer_structure import build_meta
@@ -29,6 +30,7 @@ def measure(ctx) -> Measurement:
                                   cfg.train.kernels if cfg.train.engine in ("hf", "megatron") else "stock")
         rejected += recurrent_refusals(ctx.model_config, cfg.rollout.options, cfg.rollout.patches)  # issue 31
         rejected += window_refusals(ctx.model_config, cfg.rollout.options)
+        rejected += departure_refusals(ctx.model_config, installed_vllm_version())
         rejected += backend_refusals(ctx.model_config, cfg.rollout.options,
                                      cfg.train.kernels if cfg.train.engine in ("hf", "megatron") else "stock")
     if cfg.train.engine == "megatron":  # the Megatron train engine's own limits (issue 32)
@@ -98,8 +100,10 @@ GATE = Gate(
                    "per step, no speculative decoding/MTP; a vLLM rollout neither in batch-invariant mode nor "
                    "compiled with Inductor over the kernels a kernels: vllm training forward calls, nor of a model "
                    "with Mamba-2 mixers unless eager with the mamba-decode-replay patch, nor of a model whose sliding "
-                   "window is shorter than the rollout's context, nor, against a kernels: vllm training forward, of "
-                   "an architecture vLLM runs through its Transformers backend",
+                   "window is shorter than the rollout's context, nor of a config whose fields vLLM's model code "
+                   "overrides or ignores (GLM's partial_rotary_factor, StableLM's use_parallel_residual), nor, "
+                   "against a kernels: vllm training forward, of an architecture vLLM runs through its Transformers "
+                   "backend",
     inputs=["model.path (config.json, *.safetensors headers)", "rollout/train parallel layouts and options",
             "training"],
     artifacts=["artifacts/C0/manifest.json"], guide="guides/C0.md", reads=("model",),

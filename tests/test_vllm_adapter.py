@@ -484,3 +484,23 @@ def test_c0_refuses_training_on_vllms_kernels_against_its_transformers_backend(m
     assert backend_refusals({"architectures": ["NewArchForCausalLM"]}, {}, "vllm")  # absent: the fallback
     assert backend_refusals(qwen3, {"model_impl": "transformers"}, "vllm")
     assert backend_refusals(star, {}, "consistent") == backend_refusals(star, {}, "stock") == []
+
+
+def test_c0_refuses_config_fields_vllms_model_code_overrides_or_ignores():
+    """vLLM 0.26's GlmForCausalLM sets partial_rotary_factor to 0.5 and its StableLM layer never reads
+    use_parallel_residual: a config that says otherwise is refused with the field and value; the configs vLLM
+    reads as written, other architectures and other vLLM releases are not."""
+    from tic.harness.engines.vllm import departure_refusals
+
+    glm = {"architectures": ["GlmForCausalLM"], "rope_parameters": {"partial_rotary_factor": 0.5}}
+    assert departure_refusals(glm, "0.26.0") == []
+    quarter = {**glm, "rope_parameters": {"partial_rotary_factor": 0.25}}
+    (line,) = departure_refusals(quarter, "0.26.0")
+    assert "GlmForCausalLM" in line and "partial_rotary_factor=0.25" in line
+    assert departure_refusals({"architectures": ["GlmForCausalLM"], "partial_rotary_factor": 1.0}, None)
+    stablelm = {"architectures": ["StableLmForCausalLM"], "use_parallel_residual": False}
+    assert departure_refusals(stablelm, "0.26.0") == []
+    (line,) = departure_refusals({**stablelm, "use_parallel_residual": True}, "0.26.0")
+    assert "use_parallel_residual=True" in line
+    assert departure_refusals({**stablelm, "use_parallel_residual": True}, "0.27.0") == []  # not read there
+    assert departure_refusals({"architectures": ["LlamaForCausalLM"], "partial_rotary_factor": 0.25}, "0.26.0") == []

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -175,6 +176,63 @@ def backend_refusals(model_config: dict, options: dict, train_kernels: str) -> l
     return [f"rollout.engine: vllm runs {', '.join(archs) or 'this model'} through its Transformers backend (HF's "
             "modeling code, HF's rotary and norms in torch), which train.kernels: vllm does not mirror; use an "
             "architecture vLLM implements natively, or kernels: consistent on both sides (guides/vllm.md)"]
+
+
+def _partial_rotary_factor(cfg: dict) -> float:
+    rope = cfg.get("rope_parameters") or {}
+    return float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+
+
+@dataclass(frozen=True)
+class ConfigDeparture:
+    """A config field that vLLM's model code for an architecture overrides or never reads: vLLM then computes
+    another model than the checkpoint's, which both sides of C3/C4 would agree on and only C5 (against the
+    training forward) or C2 would show, late and unexplained."""
+    architecture: str
+    field: str
+    read: Callable[[dict], object]          # the field's value in the (text) config
+    vllm_reads: Callable[[object], bool]    # whether vLLM computes the model this value describes
+    vllm_runs: str                          # what vLLM's model code computes instead
+    versions: str = ">=0.26.0,<0.27"        # the vLLM releases whose model code this was read from
+
+
+CONFIG_DEPARTURES = (
+    ConfigDeparture("GlmForCausalLM", "partial_rotary_factor", _partial_rotary_factor, lambda v: v == 0.5,
+                    "a rotary over half of each head (GlmForCausalLM sets the factor to 0.5 before building its "
+                    "layers)"),
+    ConfigDeparture("StableLmForCausalLM", "use_parallel_residual", lambda c: bool(c.get("use_parallel_residual")),
+                    lambda v: not v, "attention and the MLP in sequence (its decoder layer does not read the field)"),
+)
+
+
+def installed_vllm_version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def departure_refusals(model_config: dict, vllm_version: str | None) -> list[str]:
+    """One line per CONFIG_DEPARTURES entry this model meets on vLLM `vllm_version` (every entry when it is None:
+    C0 refuses a vLLM rollout on a machine without vLLM for that reason already)."""
+    from packaging.specifiers import SpecifierSet
+
+    from tic.harness.model.layer_structure import text_config
+
+    cfg = text_config(model_config)
+    archs = set(model_config.get("architectures") or [])
+    out = []
+    for d in CONFIG_DEPARTURES:
+        if d.architecture not in archs or (vllm_version and vllm_version not in SpecifierSet(d.versions)):
+            continue
+        value = d.read(cfg)
+        if not d.vllm_reads(value):
+            out.append(f"rollout.engine: vllm runs {d.architecture} with {d.vllm_runs}, not the config's "
+                       f"{d.field}={value}: it would compute another model than the checkpoint's; roll out with "
+                       "engine: hf, or use a config vLLM reads as written (guides/vllm.md)")
+    return out
 
 
 def window_refusals(model_config: dict, options: dict) -> list[str]:
