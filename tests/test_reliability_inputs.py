@@ -219,6 +219,20 @@ def test_generated_model_too_large_for_memory(tic, workdir, monkeypatch):
     assert not (workdir / ".tic").exists()
 
 
+def test_a_config_its_model_class_cannot_build_is_bad_input(tic, workdir):
+    """Weights to generate from a config.json that transformers' config class accepts and its model class refuses
+    (a padding id outside the vocabulary): one line, exit 2, never an internal error, and nothing under .tic/."""
+    d = workdir / "m"
+    d.mkdir()
+    c = json.loads((REPO / "examples" / "tiny-qwen3" / "config.json").read_text())
+    c["pad_token_id"] = c["vocab_size"] + 7
+    (d / "config.json").write_text(json.dumps(c))
+    cfg = workdir / "tic.yaml"
+    cfg.write_text("model: {path: m, generate: {seed: 0}}\n")
+    _one_line_exit_2(*tic("gate", "C0", "-c", str(cfg)), "transformers cannot build Qwen3Config")
+    assert not (workdir / ".tic").exists()
+
+
 def _rewrite_header(shard: Path, change) -> None:
     data = shard.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])

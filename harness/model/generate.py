@@ -140,7 +140,7 @@ def _build_model(config_dir: Path, seed: int, init_std: float | None):
     import torch
     from transformers import AutoConfig
 
-    from tic.harness.model.layer_structure import auto_class_for
+    from tic.harness.model.layer_structure import model_from_config
 
     read_model_config(config_dir)
     config = AutoConfig.from_pretrained(config_dir)
@@ -150,14 +150,14 @@ def _build_model(config_dir: Path, seed: int, init_std: float | None):
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     with torch.device("meta"):  # sizes left to transformers' defaults can mean billions of parameters
-        need = sum(p.numel() for p in auto_class_for(config).from_config(config, dtype=torch.float32).parameters()) * 4
+        need = sum(p.numel() for p in model_from_config(config, dtype=torch.float32).parameters()) * 4
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > memory // 2:
         raise TicInputError(f"{config_dir / 'config.json'}: generating its weights takes {need / 2**30:.1f} GiB "
                             f"(float32), more than half of this machine's {memory / 2**30:.1f} GiB; state the model's "
                             "sizes (hidden_size, num_hidden_layers, vocab_size, ...) in config.json")
     torch.manual_seed(seed)
-    return auto_class_for(config).from_config(config, dtype=torch.float32).to(dtype)
+    return model_from_config(config, dtype=torch.float32).to(dtype)
 
 
 def _publish(out_dir: Path, write) -> Path:

@@ -103,12 +103,17 @@ def build_meta(cfg: dict):
     """The model of a config.json dict on the meta device (structure only)."""
     import torch
 
-    config = parse_config(cfg)
-    auto = auto_class_for(config)
-    with quiet_transformers(), torch.device("meta"):
+    with torch.device("meta"):
+        return model_from_config(parse_config(cfg))
+
+
+def model_from_config(config, **kwargs):
+    """auto_class_for(config).from_config(config, **kwargs); a config its own model class cannot build (a size
+    left as None, a padding id outside the vocabulary) is the user's input: one line, exit 2."""
+    with quiet_transformers():
         try:
-            return auto.from_config(config)
-        except Exception as e:  # noqa: BLE001 - a config its own model class cannot build is bad input
+            return auto_class_for(config).from_config(config, **kwargs)
+        except Exception as e:  # noqa: BLE001 - whatever the model class raises on this config
             raise TicInputError(f"transformers cannot build {type(config).__name__} from this config "
                                 f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
 
