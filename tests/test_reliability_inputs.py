@@ -265,6 +265,8 @@ def test_weight_header_checked_before_any_record(tic, workdir, model, change, me
 @pytest.mark.parametrize("change, message", [
     (lambda c: c.update(rope_theta=float("nan")), "not valid JSON"),
     (lambda c: c.update(hidden_act="swishy"), "hidden_act \"swishy\" is not an activation"),
+    (lambda c: c.update(num_attention_heads=4, num_key_value_heads=8), "num_attention_heads 4 is not a multiple of "
+                                                                        "num_key_value_heads 8"),
 ])
 def test_model_config_refused_in_preflight(tic, workdir, model, change, message):
     """Refused before C0 writes its record (the old code found these only where a gate builds the model)."""

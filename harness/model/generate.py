@@ -43,6 +43,18 @@ def _check_sizes(cfg: dict, path: Path, where: str = "") -> None:
                                 f"got {val}")
 
 
+def _check_head_groups(cfg: dict, path: Path, where: str = "") -> None:
+    """Grouped-query attention shares each key/value head among num_attention_heads / num_key_value_heads query
+    heads: a count that does not divide builds, then fails inside the first attention (a mid-gate error)."""
+    for key, val in cfg.items():
+        if isinstance(val, dict) and key.endswith("_config"):
+            _check_head_groups(val, path, f"{where}{key}.")
+    q, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if isinstance(q, int) and isinstance(kv, int) and not isinstance(q, bool) and kv > 0 and q % kv:
+        raise TicInputError(f"{path}: {where}num_attention_heads {q} is not a multiple of num_key_value_heads {kv} "
+                            "(each key/value head serves a whole group of query heads)")
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not a number JSON allows")
 
@@ -89,6 +101,7 @@ def read_model_config(model_dir: Path) -> dict:
             raise TicInputError(f"{path}: model_type {mt!r} is not one transformers {transformers.__version__} "
                                 "knows (and config.json has no auto_map for remote code)")
     _check_sizes(cfg, path)
+    _check_head_groups(cfg, path)
     _check_activations(cfg, path)
     return cfg
 
