@@ -22,7 +22,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2", "tiny-phi3",
             "tiny-granite", "tiny-qwen2-moe", "tiny-stablelm", "tiny-starcoder2", "tiny-phi2", "tiny-gpt-neox",
-            "tiny-glm", "tiny-cohere", "tiny-helium")
+            "tiny-glm", "tiny-cohere", "tiny-helium", "tiny-smollm3", "tiny-exaone4", "tiny-olmo3")
 
 
 def meta_of(name: str, **changes) -> nn.Module:
@@ -690,3 +690,66 @@ def test_cohere_norm_and_rotary_layout_plants_fail_c2_and_per_head_norms_are_ref
     hf._MODELS.clear()
     refused = coverage_table(meta_of("tiny-cohere", use_qk_norm=True))[0]["refused"]
     assert any("q_norm" in r and "CohereLayerNorm" in r for r in refused), refused
+
+
+# ---- layers without position embeddings (NoPE) and layer types an attention names its own way ------------------
+class _Rotating(nn.Module):
+    def __init__(self, apply: bool, fail: bool = False):
+        super().__init__()
+        self.q_proj, self.apply, self.fail = nn.Linear(8, 8), apply, fail
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+        q = self.q_proj(hidden_states)
+        if self.fail:
+            raise RuntimeError("a forward this probe cannot drive")
+        if self.apply:
+            cos, sin = position_embeddings
+            q = q * cos.repeat(1, 1, 2)[..., :8] + q * sin.repeat(1, 1, 2)[..., :8]
+        return q, None
+
+
+def test_whether_an_attention_reads_its_position_embeddings_is_read_by_computation():
+    """The probe runs the attention's own forward: an operator on cos or sin means rotary; a forward that ends
+    without one is a NoPE layer; a forward that cannot run is unknown (the wrappers then apply rotary)."""
+    from tic.harness.kernels.coverage import applies_rotary
+
+    assert applies_rotary(_with_head(_Rotating(True))) is True
+    assert applies_rotary(_with_head(_Rotating(False))) is False
+    assert applies_rotary(_with_head(_Rotating(False, fail=True))) is None
+    meta = _with_head(_Rotating(False)).to("meta")  # C0 reads a model built on the meta device
+    assert applies_rotary(meta) is False
+
+
+def _with_head(m):
+    m.head_dim = 4
+    return m
+
+
+@pytest.mark.parametrize("name, nope", [("tiny-smollm3", {3}), ("tiny-exaone4", {3}), ("tiny-olmo3", set()),
+                                        ("tiny-qwen3", set())])
+def test_nope_layers_and_full_layers_of_a_sliding_model_are_read_per_layer(name, nope):
+    """SmolLM3's no_rope_layers and EXAONE-4's full layers take (cos, sin) and never read them: attention:no_rope
+    on those layers alone; EXAONE-4 keeps the config's window on every attention but slides only on its sliding
+    layers, and OLMo-3's attention names its layer type attention_type."""
+    from tic.harness.kernels.coverage import attention_layer_type, attention_window, is_attention
+
+    model = meta_of(name)
+    cov = [c for c in read_coverage(model) if c.layer != "model"]
+    assert {i for i, c in enumerate(cov) if "attention:no_rope" in c.classes} == nope
+    cfg = model.config.get_text_config()
+    for i, layer in enumerate(model.model.layers):
+        attn = next(m for m in layer.modules() if is_attention(m))
+        kind = attention_layer_type(attn, cfg)
+        assert (attention_window(attn, cfg) is None) == (kind in (None, "full_attention")), (name, i, kind)
+
+
+def test_a_wrapper_rotating_a_nope_layer_fails_c2(example, workdir, monkeypatch):
+    """The plant: the wrappers apply the rotary table on SmolLM3's NoPE layer too; C2's fidelity check parts at
+    that layer's attention."""
+    from tic.harness.kernels import modules
+
+    monkeypatch.setattr(modules, "is_no_rope", lambda m: False)
+    res = run_gate(get("C2"), small_ctx(example, "tiny-smollm3"))
+    assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"].startswith(
+        "model.layers.3.self_attn"), res.reason
+    hf._MODELS.clear()

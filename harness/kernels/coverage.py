@@ -88,6 +88,8 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("moe:shared_expert", "a gated MLP on every token, times sigmoid of a one-feature linear, added "
                                        "to the routed experts' output (Qwen2-MoE)"),
     OperatorClass("rope:one_table", "neox rotary, one cos|sin table for all layers"),
+    OperatorClass("attention:no_rope", "attention on a layer that applies no position embeddings though the model "
+                                       "has a rotary table (NoPE: SmolLM3's no_rope_layers, EXAONE-4's full layers)"),
     OperatorClass("rope:per_layer_type", "neox rotary, one table per layer type (Gemma-3 local/global bases)"),
     OperatorClass("rope:interleaved", "interleaved rotary: features 2i and 2i+1 turned together (GLM; vLLM's "
                                       "is_neox_style=False), on the table's first features"),
@@ -403,9 +405,23 @@ def rotary_style(model: nn.Module, rotary: nn.Module) -> tuple[str | None, str |
                   f"({type(attn).__module__}.apply_rotary_pos_emb)")
 
 
+def attention_layer_type(m: nn.Module, cfg) -> str | None:
+    """The layer type of an attention module: its own `layer_type` (Gemma-3) or `attention_type` (OLMo-3), else
+    the config's layer_types at its layer_idx."""
+    for attr in ("layer_type", "attention_type"):
+        if isinstance(getattr(m, attr, None), str):
+            return getattr(m, attr)
+    types_, i = getattr(cfg, "layer_types", None), getattr(m, "layer_idx", None)
+    return types_[i] if types_ and isinstance(i, int) and 0 <= i < len(types_) else None
+
+
 def attention_window(m, cfg) -> int | None:
-    """The sliding window of one attention module: its own `sliding_window` (None on a full layer) where it
-    has one, else the config's, which then applies to every layer (Mistral)."""
+    """The sliding window of one attention module: None on a layer whose type is full attention (EXAONE-4 keeps
+    the config's window on every attention and slides only where its layer type says so), else its own
+    `sliding_window` (None on a full layer) where it has one, else the config's, which then applies to every
+    layer (Mistral)."""
+    if attention_layer_type(m, cfg) == "full_attention" or getattr(m, "is_sliding", None) is False:
+        return None
     if hasattr(m, "sliding_window"):
         return m.sliding_window
     return getattr(cfg, "sliding_window", None)
@@ -433,6 +449,55 @@ def _read_norm(cov: LayerCoverage, name: str, norm) -> None:
         cov.variants[name] = variant
 
 
+class _Consumed(Exception):
+    """Raised inside an attention's forward at its first operator on the position embeddings."""
+
+
+def applies_rotary(attn: nn.Module) -> bool | None:
+    """Whether an attention's own forward reads the (cos, sin) it is handed: False for a layer without position
+    embeddings (NoPE), True as soon as one of its operators takes them, None where its forward cannot run here
+    (the wrappers then apply the rotary, and C2's fidelity check judges). Two tokens on the module's own device
+    (the meta device at C0), eager attention; the forward stops at the first operator on cos or sin."""
+    if "position_embeddings" not in inspect.signature(type(attn).forward).parameters:
+        return False
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_flatten
+
+    p = next(attn.parameters(), None)
+    device, dtype = (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
+    width = next(getattr(attn, n).in_features for n in ("q_proj", "qkv_proj", "query_key_value")
+                 if isinstance(getattr(attn, n, None), nn.Linear))
+    h = torch.zeros(1, 2, width, device=device, dtype=dtype)
+    cos, sin = (torch.ones(1, 2, head_dim_of(attn), device=device, dtype=dtype) for _ in range(2))
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if any(t is cos or t is sin for t in tree_flatten((args, kwargs or {}))[0]):
+                raise _Consumed
+            return func(*args, **(kwargs or {}))
+
+    config = getattr(attn, "config", None)
+    kept = getattr(config, "_attn_implementation", None)
+    try:
+        if config is not None:
+            config._attn_implementation = "eager"
+        with torch.no_grad(), Watch():
+            attn(hidden_states=h, position_embeddings=(cos, sin), attention_mask=None)
+        return False
+    except _Consumed:
+        return True
+    except Exception:  # noqa: BLE001 - a forward this probe cannot drive: unknown
+        return None
+    finally:
+        if config is not None:
+            config._attn_implementation = kept
+
+
+def is_no_rope(attn: nn.Module) -> bool:
+    """An attention handed position embeddings that its own forward never reads (NoPE: attention:no_rope)."""
+    return _takes_rope(attn) and applies_rotary(attn) is False
+
+
 def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
     kind = type(m).__name__
     if _linears(m, "query_key_value"):
@@ -445,6 +510,8 @@ def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
         cov.classes["attention:full"] = (None, None)
     if attention_softcap(m, cfg) is not None:
         cov.classes["attention:softcap"] = ("attn_logit_softcapping", attention_softcap(m, cfg))
+    if is_no_rope(m):
+        cov.classes["attention:no_rope"] = ("layer_idx", getattr(m, "layer_idx", None))
     if getattr(m, "is_causal", True) is False:
         cov.refusals.append(Refusal(name, kind, "bidirectional attention (the wrappers' attention is causal)",
                                     "use_bidirectional_attention", getattr(cfg, "use_bidirectional_attention", None)))

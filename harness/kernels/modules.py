@@ -38,9 +38,11 @@ from tic.core.errors import TicInputError
 from tic.config.schema import BackwardConfig
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 mixers (hybrids), issue 31
 from tic.harness.kernels.autograd import OPS, Backward, Ops
-from tic.harness.kernels.coverage import (attention_clip, attention_name, attention_softcap, attention_window,
+from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, attention_name, attention_softcap,
+                                          attention_window,
                                           final_norm, head_dim_of,
                                           is_attention, is_decoder_layer, is_gated_mlp, is_layernorm, is_moe_block,
+                                          is_no_rope,
                                           is_rmsnorm, norm_eps, output_projection_name, problem_lines,
                                           read_coverage, rotary_modules, rotary_per_layer_type)
 from tic.harness.kernels.fp8 import FP8_OPS
@@ -412,6 +414,20 @@ def _wrap_rotary(model: nn.Module, provider, dtype, cfg, interleaved: bool = Fal
     return ropes
 
 
+def _rope_of(m: nn.Module, ropes: dict, cfg):
+    """The rotary table this attention reads: its layer type's, or the one table; None only for a model without
+    rotary. A per-type table that cannot be matched is an error, never an attention left without rotary."""
+    if not ropes:
+        return None
+    if None in ropes:
+        return ropes[None]
+    kind = attention_layer_type(m, cfg)
+    if kind not in ropes:
+        raise RuntimeError(f"attention {type(m).__name__} (layer {getattr(m, 'layer_idx', '?')}): layer type "
+                           f"{kind!r} has no rotary table (tables: {', '.join(sorted(ropes))})")
+    return ropes[kind]
+
+
 def _lm_head_scaled_forward(self, x):
     """lm_head then the logits times 1 / logits_scaling, as vLLM's logits processor scales the model-dtype logits
     (a product by the reciprocal, not transformers' division; one rounding per element either way)."""
@@ -456,7 +472,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
     elif is_attention(m):
         m._tic_out_proj = output_projection_name(m)
         m._tic_head_dim = head_dim_of(m)
-        m._tic_rope = ropes.get(getattr(m, "layer_type", None), ropes.get(None))
+        m._tic_rope = None if is_no_rope(m) else _rope_of(m, ropes, cfg)  # read before its forward is replaced
         m._tic_window, m._tic_softcap = attention_window(m, cfg), attention_softcap(m, cfg)
         m._tic_norm_projection, m._tic_clip = variant == "attention:qk_norm_projection", attention_clip(m, cfg)
         m.forward = types.MethodType(_attention_forward, m)
