@@ -753,3 +753,19 @@ def test_a_wrapper_rotating_a_nope_layer_fails_c2(example, workdir, monkeypatch)
     assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"].startswith(
         "model.layers.3.self_attn"), res.reason
     hf._MODELS.clear()
+
+
+@pytest.mark.parametrize("model_type, field, module", [
+    ("doge", "input_residual", "DogeDecoderLayer"),             # learned residual scales on the layer itself
+    ("diffllama", "lambda_q1", "DiffLlamaAttention"),           # a differential attention's lambdas
+])
+def test_parameters_the_wrappers_do_not_use_are_refused_at_c0(model_type, field, module):
+    """A layer or attention holding parameters of its own computes with weights the wrappers' forward never reads:
+    refused with the module and the parameters (C0 passed these before and C2 or C7 failed them later)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2, intermediate_size=64).to_dict()
+    problems = coverage_problems(build_meta(cfg))
+    line = next((p for p in problems if "parameters of its own" in p), None)
+    assert line is not None and module in line and field in line, problems

@@ -500,6 +500,7 @@ def is_no_rope(attn: nn.Module) -> bool:
 
 def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
     kind = type(m).__name__
+    _read_unused_parts(cov, name, m, "an attention", ATTENTION_PARTS)
     if _linears(m, "query_key_value"):
         cov.classes["attention:qkv_per_head"] = (None, None)
     window = attention_window(m, cfg)
@@ -578,6 +579,7 @@ def _read_shared_expert(cov: LayerCoverage, name: str, m, cfg) -> None:
 
 def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
     kind = type(m).__name__
+    _read_unused_parts(cov, name, m, "an MLP", None)
     if is_moe_block(m):
         if hasattr(m, "shared_experts"):  # DeepSeek-style: ungated, with routed scaling
             cov.refusals.append(Refusal(name, kind, "shared experts without a sigmoid gate (shared_experts)",
@@ -657,9 +659,30 @@ def parallel_sum_order(layer: nn.Module) -> str | None:
     return "residual_first" if (first, second) == (0.0, 0.0) else "other"
 
 
+# an attention's submodules that the wrappers' attention forward runs (others: refused)
+ATTENTION_PARTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "dense", "qkv_proj", "query_key_value",
+                             "q_norm", "k_norm", "q_layernorm", "k_layernorm"})
+
+
+def _read_unused_parts(cov: LayerCoverage, name: str, m: nn.Module, what: str, parts: frozenset | None) -> None:
+    """Parameters a module holds itself, and submodules outside `parts` (None: any), are weights or computation
+    the wrappers' forward for it never runs: the wrapped model would compute another one (learned residual scales,
+    a differential attention's lambdas, a dynamic mask's parameters)."""
+    own = [n for n, _ in m.named_parameters(recurse=False)]
+    if own:
+        cov.refusals.append(Refusal(name, type(m).__name__, f"{what} with parameters of its own the wrappers do not "
+                                    f"use ({', '.join(own)})"))
+    extra = [n for n, c in m.named_children() if parts is not None and n not in parts
+             and not isinstance(c, (nn.Dropout, nn.Identity))]
+    if extra:
+        cov.refusals.append(Refusal(name, type(m).__name__, f"{what} with submodules the wrappers do not run "
+                                    f"({', '.join(extra)})"))
+
+
 def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
     """One decoder layer: its structure (which norms), attention, MLP and norms."""
     cov = LayerCoverage(name, type(layer).__name__)
+    _read_unused_parts(cov, name, layer, "a decoder layer", None)
     children = dict(layer.named_children())
     for n, c in children.items():
         if isinstance(c, nn.Dropout) and float(c.p) != 0.0:
