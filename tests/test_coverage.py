@@ -194,6 +194,19 @@ def test_one_unknown_layer_among_known_ones_is_refused():
     assert table["model.layers.2"]["covered_by"] == [] and table["model.layers.1"]["covered_by"]
 
 
+@pytest.mark.parametrize("model_type, layer_class", [("gpt2", "GPT2Block"), ("falcon", "FalconDecoderLayer")])
+def test_an_unknown_layer_list_under_another_name_is_refused_by_its_own_path(model_type, layer_class):
+    """Layers held in transformer.h (GPT-2, Falcon): the refusal names that list's entries and their class, found
+    by the config's layer count, not a generic 'model.layers'."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                               n_embd=32, n_layer=3, n_head=4, bos_token_id=1, eos_token_id=2).to_dict()
+    problems = coverage_problems(build_meta(cfg))
+    assert problems[0].startswith(f"transformer.h.{{0,1,2}} ({layer_class}): a layer structure the wrappers do not "
+                                  "know (children: "), problems
+
+
 def test_q_and_k_norms_read_per_head_or_over_the_whole_projection():
     """A q/k norm over head_dim features is per head (Qwen3), one over its projection's width is whole-projection
     (OLMoE); the reader tells them apart by width alone, so one table holds both."""

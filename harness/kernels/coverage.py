@@ -848,13 +848,21 @@ def read_coverage(model: nn.Module) -> list[LayerCoverage]:
     return layers + [read_model(model)]
 
 
+def layer_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """The model's lists of decoder layers: each ModuleList named ...layers, and any other whose length is the
+    config's num_hidden_layers (GPT-2's and Falcon's transformer.h, a blocks list), outermost first."""
+    n = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    inside = [name + "." for name, m in model.named_modules() if is_decoder_layer(m) or is_hybrid_block(m)]
+    return [(name, lst) for name, lst in model.named_modules() if isinstance(lst, nn.ModuleList) and len(lst)
+            and (name.split(".")[-1] == "layers" or len(lst) == n)
+            and not any(name.startswith(prefix) for prefix in inside)]  # a list inside a layer is no layer list
+
+
 def _unknown_layers(model: nn.Module) -> list[LayerCoverage]:
-    """The entries of the model's layer lists (a ModuleList named ...layers) that are no layer kind the registry
-    knows: each is refused, so one unknown layer among known ones is never left out of the wrapping unseen."""
+    """The entries of the model's layer lists (layer_lists) that are no layer kind the registry knows: each is
+    refused, so one unknown layer among known ones is never left out of the wrapping unseen."""
     out = []
-    for name, lst in model.named_modules():
-        if not (isinstance(lst, nn.ModuleList) and name.split(".")[-1] == "layers"):
-            continue
+    for name, lst in layer_lists(model):
         for i, m in enumerate(lst):
             if not (is_decoder_layer(m) or is_hybrid_block(m)):
                 n, kind = f"{name}.{i}", type(m).__name__
@@ -892,12 +900,12 @@ def format_table(rows: list[dict]) -> list[str]:
 
 def per_layer_once(problems: list[str]) -> list[str]:
     """One entry per problem, not per layer: 'model.layers.0.x ...' and 'model.layers.3.x ...' read as
-    'model.layers.{0,3}.x ...'."""
+    'model.layers.{0,3}.x ...' (transformer.h.N and blocks.N alike)."""
     groups: dict[str, list[str]] = {}
     for p in problems:
-        m = re.search(r"\.layers\.(\d+)\b", p)
-        key = p if m is None else p[:m.start()] + ".layers.{}" + p[m.end():]
-        groups.setdefault(key, []).append(m.group(1) if m else "")
+        m = re.search(r"\.(layers|h|blocks?)\.(\d+)\b", p)  # a layer list's entry: model.layers.3, transformer.h.3
+        key = p if m is None else p[:m.start()] + f".{m.group(1)}.{{}}" + p[m.end():]
+        groups.setdefault(key, []).append(m.group(2) if m else "")
     return [k if k.count("{}") == 0 else k.replace("{}", "{" + ",".join(v) + "}" if len(v) > 1 else v[0], 1)
             for k, v in groups.items()]
 
