@@ -55,7 +55,7 @@ def meta_of(name: str, **changes) -> nn.Module:
      {"embedding", "embedding:tied", "rope:one_table", "norm:layer"}),
     ("tiny-phi2", {"decoder:parallel", "norm:layer", "attention:full", "mlp:plain", "mlp:plain_vllm_kernel"},
      {"embedding", "rope:one_table", "norm:layer"}),
-    ("tiny-gpt-neox", {"decoder:parallel_two_norm", "norm:layer", "attention:full", "attention:qkv_per_head",
+    ("tiny-gpt-neox", {"decoder:parallel_two_norm", "norm:layer", "attention:full", "attention:qkv_fused",
                        "mlp:plain"}, {"embedding", "rope:one_table", "norm:layer"}),
     ("tiny-glm", {"decoder:two_norm", "norm:rms", "attention:full", "mlp:silu_and_mul"},  # fused gate_up
      {"embedding", "rope:one_table", "rope:interleaved", "norm:rms"}),
@@ -782,3 +782,35 @@ def test_parameters_the_wrappers_do_not_use_are_refused_at_c0(model_type, field,
     problems = coverage_problems(build_meta(cfg))
     line = next((p for p in problems if "parameters of its own" in p), None)
     assert line is not None and module in line and field in line, problems
+
+
+@pytest.mark.parametrize("layout", ["per_head", "multi_query", "grouped"])
+def test_a_fused_qkv_layout_is_read_from_the_attentions_own_forward(layout):
+    """The split of one fused query_key_value into q, k and v, read by computation from transformers' Falcon
+    attention in its three layouts (per head, q-then-k-then-v with one key/value head, per key/value group), on
+    the meta device as C0 builds it: each index is the feature the model's own forward takes."""
+    from transformers import FalconConfig
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+
+    from tic.harness.kernels.coverage import fused_qkv_layout
+
+    H, D, KV = 4, 8, 2
+    cfg = FalconConfig(hidden_size=H * D, num_attention_heads=H, num_kv_heads=KV, multi_query=layout == "multi_query",
+                       new_decoder_architecture=layout == "grouped", alibi=False, bias=False)
+    cfg._attn_implementation = "eager"
+    with torch.device("meta"):
+        attn = FalconAttention(cfg, layer_idx=0)
+    q, k, v = fused_qkv_layout(attn)
+    heads = torch.arange(H)[:, None] * D + torch.arange(D)
+    if layout == "per_head":  # [q_h | k_h | v_h] per head
+        per_head = torch.arange(H)[:, None] * 3 * D + torch.arange(D)
+        want = tuple((per_head + off).flatten() for off in (0, D, 2 * D))
+    elif layout == "multi_query":  # [q of all heads | k | v]
+        want = (heads.flatten(), H * D + torch.arange(D), H * D + D + torch.arange(D))
+    else:  # per key/value group: [its queries | k | v]
+        per = H // KV + 2
+        g = torch.arange(KV)[:, None] * per * D
+        qs = (g[:, None] + (torch.arange(H // KV)[:, None] * D + torch.arange(D))[None]).flatten()
+        want = (qs, (g + (per - 2) * D + torch.arange(D)).flatten(), (g + (per - 1) * D + torch.arange(D)).flatten())
+    assert all(torch.equal(got, w) for got, w in zip((q, k, v), want)), (q, k, v)
+    assert cfg._attn_implementation == "eager"  # the probe leaves the config as it found it

@@ -52,8 +52,9 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("decoder:parallel_two_norm", "attention on input_layernorm(x) and the MLP on "
                                                "post_attention_layernorm(x) side by side, MLP + attention + residual "
                                                "(GPT-NeoX use_parallel_residual)"),
-    OperatorClass("attention:qkv_per_head", "one fused query_key_value linear laid out per head as [q | k | v] "
-                                            "(GPT-NeoX), split per head as the model splits it"),
+    OperatorClass("attention:qkv_fused", "one fused query_key_value linear, split into q, k and v where the "
+                                        "model's own forward takes them (per head: GPT-NeoX; grouped or q-then-k-v: "
+                                        "Falcon), the layout read by computation"),
     OperatorClass("decoder:scaled_residual", "input norm, attention, post-attention norm, MLP, each sublayer output "
                                              "times residual_multiplier before a plain residual add (Granite)"),
     OperatorClass("decoder:parallel_residual_first", "one input norm feeding attention and MLP side by side, "
@@ -449,6 +450,54 @@ def _read_norm(cov: LayerCoverage, name: str, norm) -> None:
         cov.variants[name] = variant
 
 
+class _Split(Exception):
+    """Raised by the layout probe's attention function with the q, k and v the attention hands it."""
+
+    def __init__(self, qkv):
+        super().__init__()
+        self.qkv = qkv
+
+
+QKV_PROBE = "tic_qkv_layout_probe"  # the attention function (transformers' AttentionInterface) of the probe
+
+
+def _raise_split(module, query, key, value, *args, **kwargs):
+    raise _Split((query, key, value))
+
+
+def fused_qkv_layout(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """For an attention with one fused query_key_value linear: which of its output features each element of q, k
+    and v is (three index tensors of heads * head_dim, head-major), read from the attention's own forward: its
+    linear's output replaced by each feature's index, one token, an identity rotary (cos 1, sin 0: exact), and
+    an attention function that stops the forward with the q, k and v it is handed. On the meta device too (C0).
+    None where that forward does not run on the probe."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(QKV_PROBE, _raise_split)
+    lin, d = attn.query_key_value, head_dim_of(attn)
+    codes = torch.arange(lin.out_features, dtype=torch.float32).reshape(1, 1, -1)
+    hook = lin.register_forward_hook(lambda mod, args, out: codes)
+    config = getattr(attn, "config", None)
+    kept = getattr(config, "_attn_implementation", None)
+    h = torch.zeros(1, 1, lin.in_features, device=lin.weight.device, dtype=lin.weight.dtype)
+    try:
+        if config is not None:
+            config._attn_implementation = QKV_PROBE
+        with torch.no_grad():
+            attn(hidden_states=h, position_embeddings=(torch.ones(1, 1, d), torch.zeros(1, 1, d)),
+                 attention_mask=None)
+        return None
+    except _Split as split:
+        q, k, v = split.qkv  # [batch, heads, tokens, head_dim]
+        return tuple(t[0, :, 0, :].reshape(-1).to(torch.long) for t in (q, k, v))
+    except Exception:  # noqa: BLE001 - a forward this probe cannot drive
+        return None
+    finally:
+        hook.remove()
+        if config is not None:
+            config._attn_implementation = kept
+
+
 class _Consumed(Exception):
     """Raised inside an attention's forward at its first operator on the position embeddings."""
 
@@ -502,7 +551,15 @@ def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
     kind = type(m).__name__
     _read_unused_parts(cov, name, m, "an attention", ATTENTION_PARTS)
     if _linears(m, "query_key_value"):
-        cov.classes["attention:qkv_per_head"] = (None, None)
+        if fused_qkv_layout(m) is None:
+            cov.refusals.append(Refusal(f"{name}.query_key_value", type(m.query_key_value).__name__, "a fused "
+                                        "query_key_value whose split into q, k and v the layout probe could not "
+                                        "read from the attention's forward"))
+        else:
+            cov.classes["attention:qkv_fused"] = (None, None)
+    if getattr(cfg, "alibi", False):
+        cov.refusals.append(Refusal(name, kind, "ALiBi position biases (the wrappers' attention has none)", "alibi",
+                                    True))
     window = attention_window(m, cfg)
     if window:
         fld = "layer_types" if getattr(cfg, "layer_types", None) else "sliding_window"

@@ -42,7 +42,7 @@ from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, 
                                           attention_window,
                                           final_norm, head_dim_of,
                                           is_attention, is_decoder_layer, is_gated_mlp, is_layernorm, is_moe_block,
-                                          is_no_rope,
+                                          is_no_rope, fused_qkv_layout,
                                           is_rmsnorm, norm_eps, output_projection_name, problem_lines,
                                           read_coverage, rotary_modules, rotary_per_layer_type)
 from tic.harness.kernels.fp8 import FP8_OPS
@@ -306,8 +306,9 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     ops: Ops = self._tic_ops
     B, T = hidden_states.shape[:2]
     D = self._tic_head_dim
-    if hasattr(self, "query_key_value"):  # GPT-NeoX: one fused linear laid out per head as [q | k | v]
-        q, k, v = self.query_key_value(hidden_states).view(B, T, -1, 3 * D).chunk(3, dim=-1)
+    if hasattr(self, "query_key_value"):  # one fused linear, split where the model's forward takes q, k, v
+        fused = self.query_key_value(hidden_states)
+        q, k, v = (fused.index_select(-1, i.to(fused.device)) for i in self._tic_qkv_index)
     elif hasattr(self, "qkv_proj"):  # one fused [q | k | v] linear (Phi-3), split as the model splits it
         cfg = self.config
         q_width, kv_width = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
@@ -473,6 +474,8 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m._tic_out_proj = output_projection_name(m)
         m._tic_head_dim = head_dim_of(m)
         m._tic_rope = None if is_no_rope(m) else _rope_of(m, ropes, cfg)  # read before its forward is replaced
+        if hasattr(m, "query_key_value"):
+            m._tic_qkv_index = fused_qkv_layout(m)
         m._tic_window, m._tic_softcap = attention_window(m, cfg), attention_softcap(m, cfg)
         m._tic_norm_projection, m._tic_clip = variant == "attention:qk_norm_projection", attention_clip(m, cfg)
         m.forward = types.MethodType(_attention_forward, m)

@@ -139,8 +139,11 @@ def decoder_path(model, n: int) -> str:
                  and (not root or name.startswith(root + "."))]
         if len(found) == 1:
             return found[0]
+    others = [name for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n]
+    held = f" (its {n} layers are in {', '.join(others)})" if others else ""
     raise TicInputError(f"cannot tell the decoder layers of {type(model).__name__}: no single ModuleList "
-                        f"'layers' of length {n}")
+                        f"'layers' of length {n}{held}; tic cuts and wraps decoders whose layers are a ModuleList "
+                        "named layers")
 
 
 def num_text_layers(config) -> int:
