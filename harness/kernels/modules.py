@@ -476,6 +476,8 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m._tic_rope = None if is_no_rope(m) else _rope_of(m, ropes, cfg)  # read before its forward is replaced
         if hasattr(m, "query_key_value"):
             m._tic_qkv_index = fused_qkv_layout(m)
+            if m._tic_qkv_index is None:  # C0 refuses it; a wrap without C0 must not guess the layout either
+                raise RuntimeError(f"{name}: the split of its fused query_key_value could not be read")
         m._tic_window, m._tic_softcap = attention_window(m, cfg), attention_softcap(m, cfg)
         m._tic_norm_projection, m._tic_clip = variant == "attention:qk_norm_projection", attention_clip(m, cfg)
         m.forward = types.MethodType(_attention_forward, m)
