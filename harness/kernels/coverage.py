@@ -475,21 +475,22 @@ def fused_qkv_layout(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch
 
     AttentionInterface.register(QKV_PROBE, _raise_split)
     lin, d = attn.query_key_value, head_dim_of(attn)
-    codes = torch.arange(lin.out_features, dtype=torch.float32).reshape(1, 1, -1)
+    dev = torch.device("cpu") if lin.weight.is_meta else lin.weight.device  # the indices must be real numbers
+    codes = torch.arange(lin.out_features, dtype=torch.float32, device=dev).reshape(1, 1, -1)
     hook = lin.register_forward_hook(lambda mod, args, out: codes)
     config = getattr(attn, "config", None)
     kept = getattr(config, "_attn_implementation", None)
     h = torch.zeros(1, 1, lin.in_features, device=lin.weight.device, dtype=lin.weight.dtype)
+    cos, sin = torch.ones(1, 1, d, device=dev), torch.zeros(1, 1, d, device=dev)
     try:
         if config is not None:
             config._attn_implementation = QKV_PROBE
         with torch.no_grad():
-            attn(hidden_states=h, position_embeddings=(torch.ones(1, 1, d), torch.zeros(1, 1, d)),
-                 attention_mask=None)
+            attn(hidden_states=h, position_embeddings=(cos, sin), attention_mask=None)
         return None
     except _Split as split:
         q, k, v = split.qkv  # [batch, heads, tokens, head_dim]
-        return tuple(t[0, :, 0, :].reshape(-1).to(torch.long) for t in (q, k, v))
+        return tuple(t[0, :, 0, :].reshape(-1).to("cpu", torch.long) for t in (q, k, v))
     except Exception:  # noqa: BLE001 - a forward this probe cannot drive
         return None
     finally:
