@@ -22,7 +22,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2", "tiny-phi3",
             "tiny-granite", "tiny-qwen2-moe", "tiny-stablelm", "tiny-starcoder2", "tiny-phi2", "tiny-gpt-neox",
-            "tiny-glm", "tiny-cohere", "tiny-helium", "tiny-smollm3", "tiny-exaone4", "tiny-olmo3")
+            "tiny-glm", "tiny-cohere", "tiny-helium", "tiny-smollm3", "tiny-exaone4", "tiny-olmo3", "tiny-glm4",
+            "tiny-vaultgemma")
 
 
 def meta_of(name: str, **changes) -> nn.Module:
@@ -814,3 +815,49 @@ def test_a_fused_qkv_layout_is_read_from_the_attentions_own_forward(layout):
         want = (qs, (g + (per - 2) * D + torch.arange(D)).flatten(), (g + (per - 1) * D + torch.arange(D)).flatten())
     assert all(torch.equal(got, w) for got, w in zip((q, k, v), want)), (q, k, v)
     assert cfg._attn_implementation == "eager"  # the probe leaves the config as it found it
+
+
+@pytest.mark.parametrize("name, structure, roles", [
+    ("tiny-glm4", "decoder:four_norm", {"input_layernorm": "input_layernorm",
+                                        "post_attention_layernorm": "post_self_attn_layernorm",
+                                        "pre_feedforward_layernorm": "post_attention_layernorm",
+                                        "post_feedforward_layernorm": "post_mlp_layernorm"}),
+    ("tiny-vaultgemma", "decoder:two_norm", {"input_layernorm": "input_layernorm",
+                                             "post_attention_layernorm": "pre_feedforward_layernorm"}),
+    ("tiny-qwen3", "decoder:two_norm", {"input_layernorm": "input_layernorm",
+                                        "post_attention_layernorm": "post_attention_layernorm"}),
+    ("tiny-olmo2", "decoder:post_norm", {"post_attention_layernorm": "post_attention_layernorm",
+                                         "post_feedforward_layernorm": "post_feedforward_layernorm"}),
+])
+def test_a_layers_norms_are_read_by_what_each_is_handed_whatever_their_names(name, structure, roles):
+    """The dataflow probe runs the layer's own forward with stand-ins: GLM-4's post_attention_layernorm is the norm
+    before its MLP (Gemma's pre_feedforward place), VaultGemma's pre_feedforward_layernorm is a Llama layer's
+    second norm; a layer with a norm that its forward never calls matches no structure."""
+    from tic.harness.kernels.coverage import norm_roles
+
+    layer = meta_of(name).model.layers[0]
+    assert norm_roles(layer) == (structure, roles)
+    extra = copy.copy(layer)
+    some_norm = getattr(layer, next(iter(roles.values())))
+    extra._modules = dict(extra._modules, spare_layernorm=copy.deepcopy(some_norm))
+    assert norm_roles(extra) is None
+
+
+def test_glm4_norms_wrapped_in_each_others_places_fail_c2(example, workdir, monkeypatch):
+    """The plant: the wrappers run GLM-4's pre-MLP norm where its post-attention norm belongs and back; both sides
+    agree with themselves, and C2's fidelity check parts at layer 0."""
+    from tic.harness.kernels import modules
+
+    real = modules.norm_roles
+
+    def swapped(layer):
+        structure, roles = real(layer)
+        roles["post_attention_layernorm"], roles["pre_feedforward_layernorm"] = \
+            roles["pre_feedforward_layernorm"], roles["post_attention_layernorm"]
+        return structure, roles
+
+    monkeypatch.setattr(modules, "norm_roles", swapped)
+    res = run_gate(get("C2"), small_ctx(example, "tiny-glm4"))
+    assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"].startswith("model.layers.0"), \
+        res.reason
+    hf._MODELS.clear()

@@ -219,8 +219,11 @@ def mlp_activation(m):
 
 
 def is_decoder_layer(m) -> bool:
+    """An attention (self_attn, or attention), an mlp and a norm, the norm of any name (norm_roles reads what
+    each does)."""
     return (hasattr(m, "self_attn") or is_attention(getattr(m, "attention", None))) and hasattr(m, "mlp") and \
-        (hasattr(m, "input_layernorm") or hasattr(m, "post_attention_layernorm"))
+        (hasattr(m, "input_layernorm") or hasattr(m, "post_attention_layernorm")
+         or any(is_rmsnorm(c) or is_layernorm(c) for c in m.children()))
 
 
 def norm_eps(m) -> float:
@@ -717,6 +720,97 @@ def parallel_sum_order(layer: nn.Module) -> str | None:
     return "residual_first" if (first, second) == (0.0, 0.0) else "other"
 
 
+# -- a decoder layer's norms by what they do, whatever their names -------------------------------------------------
+# Each structure's dataflow, by role: what each norm and sublayer is handed ("x": the layer's input; a role: that
+# child's output; ("x+", role): the residual add of the input and that output), and the output's two terms. The
+# role names are the ones the wrappers' layer forwards read (modules.LAYER_FORWARDS).
+NORM_DATAFLOW = {
+    "decoder:two_norm": ({"input_layernorm": "x", "attention": "input_layernorm",
+                          "post_attention_layernorm": ("x+", "attention"), "mlp": "post_attention_layernorm"},
+                         ("attention", "mlp")),
+    "decoder:four_norm": ({"input_layernorm": "x", "attention": "input_layernorm",
+                           "post_attention_layernorm": "attention",
+                           "pre_feedforward_layernorm": ("x+", "post_attention_layernorm"),
+                           "mlp": "pre_feedforward_layernorm", "post_feedforward_layernorm": "mlp"},
+                          ("post_attention_layernorm", "post_feedforward_layernorm")),
+    "decoder:post_norm": ({"attention": "x", "post_attention_layernorm": "attention",
+                           "mlp": ("x+", "post_attention_layernorm"), "post_feedforward_layernorm": "mlp"},
+                          ("post_attention_layernorm", "post_feedforward_layernorm")),
+}
+
+
+class _Tagged(nn.Module):
+    """A stand-in child for the dataflow probe: keeps what it is handed, returns a tensor of its own."""
+
+    def __init__(self, out: torch.Tensor, pair: bool):
+        super().__init__()
+        self.out, self.pair, self.seen = out, pair, None
+
+    def forward(self, hidden_states=None, *args, **kwargs):
+        self.seen = hidden_states if hidden_states is not None else args[0]
+        return (self.out, None) if self.pair else self.out
+
+
+def norm_roles(layer: nn.Module) -> tuple[str, dict[str, str]] | None:
+    """(structure, {role: child name}) of a decoder layer whose norms the wrappers know by role: read from the
+    layer's own forward with stand-ins (each norm, the attention and the MLP return a tensor of their own, and the
+    probe sees what each is handed and what the layer returns), matched against NORM_DATAFLOW. So a Llama-like layer
+    whose norms are named otherwise (VaultGemma's pre_feedforward_layernorm, GLM-4's post_self_attn_layernorm,
+    Apertus' attention_layernorm) is read as what it computes. None where no structure matches or the forward does
+    not run on the probe."""
+    attn_name = attention_name(layer)
+    norms = [n for n, c in layer.named_children() if n not in (attn_name, "mlp") and not isinstance(c, nn.Dropout)]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 8, generator=g)
+    stand = {n: _Tagged(torch.randn(1, 2, 8, generator=g), pair=False) for n in norms}
+    stand["attention"] = _Tagged(torch.randn(1, 2, 8, generator=g), pair=True)
+    stand["mlp"] = _Tagged(torch.randn(1, 2, 8, generator=g), pair=False)
+    probe = copy.copy(layer)
+    probe._modules = dict(probe._modules)
+    for n, t in stand.items():
+        probe._modules[attn_name if n == "attention" else n] = t
+    try:
+        with torch.no_grad():
+            out = type(layer).forward(probe, x, attention_mask=None, position_ids=None, position_embeddings=None)
+    except Exception:  # noqa: BLE001 - a layer that does not run on the probe is not read
+        return None
+    out = out[0] if isinstance(out, tuple) else out
+
+    def source(v):
+        if v is None:
+            return None
+        for n, t in stand.items():
+            if torch.equal(v, t.out):
+                return n
+            if torch.equal(v, x + t.out):
+                return ("x+", n)
+        return "x" if torch.equal(v, x) else None
+
+    flow = {n: source(t.seen) for n, t in stand.items()}
+    for structure, (template, terms) in NORM_DATAFLOW.items():
+        roles = [r for r in template if r not in ("attention", "mlp")]
+        if len(roles) != len(norms):
+            continue
+        # the norm playing each role: the one handed what the template says (roles resolved in template order)
+        names: dict[str, str] = {"attention": "attention", "mlp": "mlp"}
+        for role, src in template.items():
+            if role in names:
+                continue
+            want = "x" if src == "x" else (("x+", names.get(src[1])) if isinstance(src, tuple) else names.get(src))
+            found = [n for n in norms if n not in names.values() and flow[n] == want]
+            if len(found) != 1:
+                break
+            names[role] = found[0]
+        else:
+            ok = all(flow["attention" if r == "attention" else "mlp" if r == "mlp" else names[r]] ==
+                     ("x" if src == "x" else ("x+", names[src[1]]) if isinstance(src, tuple) else names[src])
+                     for r, src in template.items())
+            a, b = (stand[names[t]].out for t in terms)
+            if ok and torch.equal(out, (x + a) + b):
+                return structure, {r: n for r, n in names.items() if r not in ("attention", "mlp")}
+    return None
+
+
 # an attention's submodules that the wrappers' attention forward runs (others: refused)
 ATTENTION_PARTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "dense", "qkv_proj", "query_key_value",
                              "q_norm", "k_norm", "q_layernorm", "k_layernorm"})
@@ -749,6 +843,9 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
     attn_name = attention_name(layer)
     norms = tuple(n for n, c in children.items() if n not in (attn_name, "mlp") and not isinstance(c, nn.Dropout))
     structure = next((kind for names, kind in DECODER_NORMS.items() if set(names) == set(norms)), None)
+    read = norm_roles(layer) if structure is None else None  # norms named otherwise: read what they do
+    if read is not None:
+        structure = read[0]
     if structure is None:
         cov.refusals.append(Refusal(name, cov.module_class, f"a decoder layer of children {', '.join(children)}; "
                                     "the wrappers implement two-norm (Llama), four-norm (Gemma) and post-norm "

@@ -42,7 +42,7 @@ from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, 
                                           attention_window,
                                           final_norm, head_dim_of,
                                           is_attention, is_decoder_layer, is_gated_mlp, is_layernorm, is_moe_block,
-                                          is_no_rope, fused_qkv_layout,
+                                          is_no_rope, fused_qkv_layout, norm_roles, NORM_DATAFLOW,
                                           is_rmsnorm, norm_eps, output_projection_name, problem_lines,
                                           read_coverage, rotary_modules, rotary_per_layer_type)
 from tic.harness.kernels.fp8 import FP8_OPS
@@ -194,13 +194,19 @@ def _layer_cache(cache, kwargs: dict):
 def _layer_attention(self, hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings,
                      kwargs):
     """(attention output, residual): the input add+norm (or plain norm for the first layer) and attention."""
-    pair = self._tic_stream.take(hidden_states)
+    pair, norm = self._tic_stream.take(hidden_states), _norm(self, "input_layernorm")
     if pair is not None:
-        h, residual = self.input_layernorm(pair[0], residual=pair[1])
+        h, residual = norm(pair[0], residual=pair[1])
     else:
-        residual, h = hidden_states, self.input_layernorm(hidden_states)
+        residual, h = hidden_states, norm(hidden_states)
     h = _attend(self, h, attention_mask, position_ids, cache, use_cache, position_embeddings, kwargs)
     return h, residual
+
+
+def _norm(self, role: str) -> nn.Module:
+    """The layer's norm playing `role` (coverage.NORM_DATAFLOW's names): the child of that name, or the one the
+    dataflow probe found in that place (coverage.norm_roles: norms named otherwise)."""
+    return getattr(self, self._tic_norm_roles.get(role, role))
 
 
 def _layer_out(self, delta, residual):
@@ -216,7 +222,7 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
     """A two-norm layer (Llama, Qwen): the attention output joins the residual in the post-attention add+norm."""
     h, residual = _layer_attention(self, hidden_states, attention_mask, position_ids, cache, use_cache,
                                    position_embeddings, kwargs)
-    h, residual = self.post_attention_layernorm(h, residual=residual)
+    h, residual = _norm(self, "post_attention_layernorm")(h, residual=residual)
     return _layer_out(self, self.mlp(h), residual)
 
 
@@ -226,11 +232,11 @@ def _four_norm_layer_forward(self, hidden_states, attention_mask=None, position_
     residual by the pre-feedforward add+norm; the MLP output normed (post-feedforward) before the residual add."""
     h, residual = _layer_attention(self, hidden_states, attention_mask, position_ids, cache, use_cache,
                                    position_embeddings, kwargs)
-    h = self.post_attention_layernorm(h)
-    h, residual = self.pre_feedforward_layernorm(h, residual=residual)
+    h = _norm(self, "post_attention_layernorm")(h)
+    h, residual = _norm(self, "pre_feedforward_layernorm")(h, residual=residual)
     delta = self.mlp(h)
-    return _layer_out(self, self.post_feedforward_layernorm(delta[0] if isinstance(delta, tuple) else delta),
-                      residual)
+    return _layer_out(self, _norm(self, "post_feedforward_layernorm")(delta[0] if isinstance(delta, tuple)
+                                                                      else delta), residual)
 
 
 def _post_norm_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
@@ -239,9 +245,9 @@ def _post_norm_layer_forward(self, hidden_states, attention_mask=None, position_
     normed alone, then a plain add to the residual (no fused add+norm: the next layer and the final norm read
     the sum)."""
     h = _attend(self, hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings, kwargs)
-    h = hidden_states + self.post_attention_layernorm(h)
+    h = hidden_states + _norm(self, "post_attention_layernorm")(h)
     delta = self.mlp(h)
-    return h + self.post_feedforward_layernorm(delta[0] if isinstance(delta, tuple) else delta)
+    return h + _norm(self, "post_feedforward_layernorm")(delta[0] if isinstance(delta, tuple) else delta)
 
 
 def _scaled_residual_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
@@ -484,6 +490,8 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
     elif is_decoder_layer(m):
         m._tic_stream = stream
         m._tic_attn_name = attention_name(m)  # a name: a module attribute would register the attention twice
+        read = norm_roles(m) if variant in NORM_DATAFLOW else None  # names, for the same reason
+        m._tic_norm_roles = read[1] if read is not None and read[0] == variant else {}
         m.forward = types.MethodType(LAYER_FORWARDS[variant], m)
     elif isinstance(m, nn.Linear):
         m.forward = types.MethodType(_linear_forward, m)
