@@ -17,6 +17,7 @@ Adding an operator or layer kind: guides/extend.md.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import re
@@ -453,6 +454,20 @@ def _read_norm(cov: LayerCoverage, name: str, norm) -> None:
         cov.variants[name] = variant
 
 
+@contextlib.contextmanager
+def _attention_function(attn: nn.Module, name: str):
+    """The attention's config set to run attention function `name` for the duration of a probe, then restored."""
+    config = getattr(attn, "config", None)
+    kept = getattr(config, "_attn_implementation", None)
+    try:
+        if config is not None:
+            config._attn_implementation = name
+        yield
+    finally:
+        if config is not None:
+            config._attn_implementation = kept
+
+
 class _Split(Exception):
     """Raised by the layout probe's attention function with the q, k and v the attention hands it."""
 
@@ -481,14 +496,10 @@ def fused_qkv_layout(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch
     dev = torch.device("cpu") if lin.weight.is_meta else lin.weight.device  # the indices must be real numbers
     codes = torch.arange(lin.out_features, dtype=torch.float32, device=dev).reshape(1, 1, -1)
     hook = lin.register_forward_hook(lambda mod, args, out: codes)
-    config = getattr(attn, "config", None)
-    kept = getattr(config, "_attn_implementation", None)
     h = torch.zeros(1, 1, lin.in_features, device=lin.weight.device, dtype=lin.weight.dtype)
     cos, sin = torch.ones(1, 1, d, device=dev), torch.zeros(1, 1, d, device=dev)
     try:
-        if config is not None:
-            config._attn_implementation = QKV_PROBE
-        with torch.no_grad():
+        with torch.no_grad(), _attention_function(attn, QKV_PROBE):
             attn(hidden_states=h, position_embeddings=(cos, sin), attention_mask=None)
         return None
     except _Split as split:
@@ -498,8 +509,6 @@ def fused_qkv_layout(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch
         return None
     finally:
         hook.remove()
-        if config is not None:
-            config._attn_implementation = kept
 
 
 class _Consumed(Exception):
@@ -529,21 +538,14 @@ def applies_rotary(attn: nn.Module) -> bool | None:
                 raise _Consumed
             return func(*args, **(kwargs or {}))
 
-    config = getattr(attn, "config", None)
-    kept = getattr(config, "_attn_implementation", None)
     try:
-        if config is not None:
-            config._attn_implementation = "eager"
-        with torch.no_grad(), Watch():
+        with torch.no_grad(), _attention_function(attn, "eager"), Watch():
             attn(hidden_states=h, position_embeddings=(cos, sin), attention_mask=None)
         return False
     except _Consumed:
         return True
     except Exception:  # noqa: BLE001 - a forward this probe cannot drive: unknown
         return None
-    finally:
-        if config is not None:
-            config._attn_implementation = kept
 
 
 def is_no_rope(attn: nn.Module) -> bool:
