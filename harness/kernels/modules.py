@@ -38,13 +38,12 @@ from tic.core.errors import TicInputError
 from tic.config.schema import BackwardConfig
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 mixers (hybrids), issue 31
 from tic.harness.kernels.autograd import OPS, Backward, Ops
-from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, attention_name, attention_softcap,
-                                          attention_window,
-                                          final_norm, head_dim_of,
-                                          is_attention, is_decoder_layer, is_gated_mlp, is_layernorm, is_moe_block,
-                                          is_no_rope, fused_qkv_layout, norm_roles, NORM_DATAFLOW,
-                                          is_rmsnorm, norm_eps, output_projection_name, problem_lines,
-                                          read_coverage, rotary_modules, rotary_per_layer_type)
+from tic.harness.kernels.coverage import (NORM_DATAFLOW, attention_clip, attention_layer_type, attention_name,
+                                          attention_softcap, attention_window, final_norm, fused_qkv_layout,
+                                          head_dim_of, is_attention, is_decoder_layer, is_gated_mlp, is_layernorm,
+                                          is_moe_block, is_no_rope, is_rmsnorm, norm_eps, norm_roles,
+                                          output_projection_name, problem_lines, read_coverage, rotary_modules,
+                                          rotary_per_layer_type)
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.stand_ins import stands_for
@@ -206,7 +205,7 @@ def _layer_attention(self, hidden_states, attention_mask, position_ids, cache, u
 def _norm(self, role: str) -> nn.Module:
     """The layer's norm playing `role` (coverage.NORM_DATAFLOW's names): the child of that name, or the one the
     dataflow probe found in that place (coverage.norm_roles: norms named otherwise)."""
-    return getattr(self, self._tic_norm_roles.get(role, role))
+    return getattr(self, getattr(self, "_tic_norm_roles", {}).get(role, role))
 
 
 def _layer_out(self, delta, residual):
