@@ -760,9 +760,9 @@ def test_nope_layers_and_full_layers_of_a_sliding_model_are_read_per_layer(name,
 def test_a_wrapper_rotating_a_nope_layer_fails_c2(example, workdir, monkeypatch):
     """The plant: the wrappers apply the rotary table on SmolLM3's NoPE layer too; C2's fidelity check parts at
     that layer's attention."""
-    from tic.harness.kernels import modules
+    from tic.harness.kernels import coverage
 
-    monkeypatch.setattr(modules, "is_no_rope", lambda m: False)
+    monkeypatch.setattr(coverage, "is_no_rope", lambda m: False)
     res = run_gate(get("C2"), small_ctx(example, "tiny-smollm3"))
     assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"].startswith(
         "model.layers.3.self_attn"), res.reason
@@ -846,9 +846,9 @@ def test_a_layers_norms_are_read_by_what_each_is_handed_whatever_their_names(nam
 def test_glm4_norms_wrapped_in_each_others_places_fail_c2(example, workdir, monkeypatch):
     """The plant: the wrappers run GLM-4's pre-MLP norm where its post-attention norm belongs and back; both sides
     agree with themselves, and C2's fidelity check parts at layer 0."""
-    from tic.harness.kernels import modules
+    from tic.harness.kernels import coverage
 
-    real = modules.norm_roles
+    real = coverage.norm_roles
 
     def swapped(layer):
         structure, roles = real(layer)
@@ -856,7 +856,7 @@ def test_glm4_norms_wrapped_in_each_others_places_fail_c2(example, workdir, monk
             roles["pre_feedforward_layernorm"], roles["post_attention_layernorm"]
         return structure, roles
 
-    monkeypatch.setattr(modules, "norm_roles", swapped)
+    monkeypatch.setattr(coverage, "norm_roles", swapped)
     res = run_gate(get("C2"), small_ctx(example, "tiny-glm4"))
     assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"].startswith("model.layers.0"), \
         res.reason

@@ -138,6 +138,7 @@ class LayerCoverage:
     classes: dict = field(default_factory=dict)  # operator class -> (config field, value) that selected it
     refusals: list = field(default_factory=list)
     variants: dict = field(default_factory=dict)  # module name -> the operator class it computes (apply reads it)
+    readings: dict = field(default_factory=dict)  # module name -> {what a probe read of it} (apply reads it too)
 
     def covered_by(self) -> list[str]:
         """The kernels whose provider implements every operator class of this layer (none if anything is
@@ -557,12 +558,14 @@ def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
     kind = type(m).__name__
     _read_unused_parts(cov, name, m, "an attention", ATTENTION_PARTS)
     if _linears(m, "query_key_value"):
-        if fused_qkv_layout(m) is None:
+        layout = fused_qkv_layout(m)
+        if layout is None:
             cov.refusals.append(Refusal(f"{name}.query_key_value", type(m.query_key_value).__name__, "a fused "
                                         "query_key_value whose split into q, k and v the layout probe could not "
                                         "read from the attention's forward"))
         else:
             cov.classes["attention:qkv_fused"] = (None, None)
+            cov.readings.setdefault(name, {})["qkv_index"] = layout
     if getattr(cfg, "alibi", False):
         cov.refusals.append(Refusal(name, kind, "ALiBi position biases (the wrappers' attention has none)", "alibi",
                                     True))
@@ -576,6 +579,7 @@ def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
         cov.classes["attention:softcap"] = ("attn_logit_softcapping", attention_softcap(m, cfg))
     if is_no_rope(m):
         cov.classes["attention:no_rope"] = ("layer_idx", getattr(m, "layer_idx", None))
+        cov.readings.setdefault(name, {})["no_rope"] = True
     if getattr(m, "is_causal", True) is False:
         cov.refusals.append(Refusal(name, kind, "bidirectional attention (the wrappers' attention is causal)",
                                     "use_bidirectional_attention", getattr(cfg, "use_bidirectional_attention", None)))
@@ -690,21 +694,23 @@ class _Answer(nn.Module):
         return (out, None) if self.pair else out
 
 
-def _parallel_sum(layer: nn.Module, r: float, a: float, m: float) -> float | None:
-    attn_name = attention_name(layer)
+def _forward_with_stand_ins(layer: nn.Module, stand_ins: dict[str, nn.Module], x: torch.Tensor):
+    """The layer's own forward on x with some children replaced (a shallow copy: the layer keeps its own), its
+    hidden output; None where the forward does not run that way."""
     probe = copy.copy(layer)
-    probe._modules = dict(probe._modules)
-    probe._modules["input_layernorm"] = nn.Identity()
-    probe._modules[attn_name] = _Answer(a, pair=True)
-    probe._modules["mlp"] = _Answer(m, pair=False)
-    x = torch.full((1, 1, 4), r)
+    probe._modules = {**probe._modules, **stand_ins}
     try:
         with torch.no_grad():
             out = type(layer).forward(probe, x, attention_mask=None, position_ids=None, position_embeddings=None)
-    except Exception:  # noqa: BLE001 - a layer that does not run on the probe keeps the common reading
+    except Exception:  # noqa: BLE001 - a layer that does not run on the probe is not read
         return None
-    out = out[0] if isinstance(out, tuple) else out
-    return float(out.flatten()[0])
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _parallel_sum(layer: nn.Module, r: float, a: float, m: float) -> float | None:
+    out = _forward_with_stand_ins(layer, {"input_layernorm": nn.Identity(), attention_name(layer): _Answer(a, True),
+                                          "mlp": _Answer(m, False)}, torch.full((1, 1, 4), r))
+    return None if out is None else float(out.flatten()[0])
 
 
 def parallel_sum_order(layer: nn.Module) -> str | None:
@@ -767,18 +773,12 @@ def norm_roles(layer: nn.Module) -> tuple[str, dict[str, str]] | None:
     stand = {n: _Tagged(torch.randn(1, 2, 8, generator=g), pair=False) for n in norms}
     stand["attention"] = _Tagged(torch.randn(1, 2, 8, generator=g), pair=True)
     stand["mlp"] = _Tagged(torch.randn(1, 2, 8, generator=g), pair=False)
-    probe = copy.copy(layer)
-    probe._modules = dict(probe._modules)
-    for n, t in stand.items():
-        probe._modules[attn_name if n == "attention" else n] = t
-    try:
-        with torch.no_grad():
-            out = type(layer).forward(probe, x, attention_mask=None, position_ids=None, position_embeddings=None)
-    except Exception:  # noqa: BLE001 - a layer that does not run on the probe is not read
+    out = _forward_with_stand_ins(layer, {attn_name if n == "attention" else n: t for n, t in stand.items()}, x)
+    if out is None:
         return None
-    out = out[0] if isinstance(out, tuple) else out
 
     def source(v):
+        """What a child was handed: "x", a child's output (its name), or ("x+", name): x plus that output."""
         if v is None:
             return None
         for n, t in stand.items():
@@ -790,25 +790,23 @@ def norm_roles(layer: nn.Module) -> tuple[str, dict[str, str]] | None:
 
     flow = {n: source(t.seen) for n, t in stand.items()}
     for structure, (template, terms) in NORM_DATAFLOW.items():
-        roles = [r for r in template if r not in ("attention", "mlp")]
-        if len(roles) != len(norms):
+        if len(template) - 2 != len(norms):  # the template's roles but attention and mlp
             continue
-        # the norm playing each role: the one handed what the template says (roles resolved in template order)
-        names: dict[str, str] = {"attention": "attention", "mlp": "mlp"}
+        names = {"attention": "attention", "mlp": "mlp"}  # role -> child; norms resolved in template order
+
+        def expected(src):
+            return src if src == "x" else ("x+", names[src[1]]) if isinstance(src, tuple) else names[src]
+
         for role, src in template.items():
-            if role in names:
-                continue
-            want = "x" if src == "x" else (("x+", names.get(src[1])) if isinstance(src, tuple) else names.get(src))
-            found = [n for n in norms if n not in names.values() and flow[n] == want]
-            if len(found) != 1:
-                break
-            names[role] = found[0]
+            if role not in names:
+                found = [n for n in norms if n not in names.values() and flow[n] == expected(src)]
+                if len(found) != 1:
+                    break
+                names[role] = found[0]
         else:
-            ok = all(flow["attention" if r == "attention" else "mlp" if r == "mlp" else names[r]] ==
-                     ("x" if src == "x" else ("x+", names[src[1]]) if isinstance(src, tuple) else names[src])
-                     for r, src in template.items())
             a, b = (stand[names[t]].out for t in terms)
-            if ok and torch.equal(out, (x + a) + b):
+            if all(flow[names[r]] == expected(src) for r, src in template.items()) \
+                    and torch.equal(out, (x + a) + b):
                 return structure, {r: n for r, n in names.items() if r not in ("attention", "mlp")}
     return None
 
@@ -848,6 +846,7 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
     read = norm_roles(layer) if structure is None else None  # norms named otherwise: read what they do
     if read is not None:
         structure = read[0]
+        cov.readings[name] = {"norm_roles": read[1]}
     if structure is None:
         cov.refusals.append(Refusal(name, cov.module_class, f"a decoder layer of children {', '.join(children)}; "
                                     "the wrappers implement two-norm (Llama), four-norm (Gemma) and post-norm "

@@ -38,10 +38,9 @@ from tic.core.errors import TicInputError
 from tic.config.schema import BackwardConfig
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 mixers (hybrids), issue 31
 from tic.harness.kernels.autograd import OPS, Backward, Ops
-from tic.harness.kernels.coverage import (NORM_DATAFLOW, attention_clip, attention_layer_type, attention_name,
-                                          attention_softcap, attention_window, final_norm, fused_qkv_layout,
-                                          head_dim_of, is_attention, is_decoder_layer, is_gated_mlp, is_layernorm,
-                                          is_moe_block, is_no_rope, is_rmsnorm, norm_eps, norm_roles,
+from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, attention_name, attention_softcap,
+                                          attention_window, final_norm, head_dim_of, is_attention, is_decoder_layer,
+                                          is_gated_mlp, is_layernorm, is_moe_block, is_rmsnorm, norm_eps,
                                           output_projection_name, problem_lines, read_coverage, rotary_modules,
                                           rotary_per_layer_type)
 from tic.harness.kernels.fp8 import FP8_OPS
@@ -204,7 +203,7 @@ def _layer_attention(self, hidden_states, attention_mask, position_ids, cache, u
 
 def _norm(self, role: str) -> nn.Module:
     """The layer's norm playing `role` (coverage.NORM_DATAFLOW's names): the child of that name, or the one the
-    dataflow probe found in that place (coverage.norm_roles: norms named otherwise)."""
+    dataflow probe found in that place (coverage.norm_roles, for norms named otherwise: the coverage reading)."""
     return getattr(self, getattr(self, "_tic_norm_roles", {}).get(role, role))
 
 
@@ -462,7 +461,10 @@ def _wrap_logits(model: nn.Module, cfg) -> None:
             c.final_logit_softcapping = None  # now applied once, in lm_head
 
 
-def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, cfg, layout=None) -> None:
+def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, cfg, layout=None,
+                 reading: dict | None = None) -> None:
+    """reading: what coverage's probes read of this module (norm roles, a fused qkv's layout, no rotary)."""
+    reading = reading or {}
     if mamba_modules.is_mixer(m):  # tic: issue 31
         mamba_modules.wrap_mixer(m, layout)
     elif is_moe_block(m):
@@ -478,19 +480,15 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
     elif is_attention(m):
         m._tic_out_proj = output_projection_name(m)
         m._tic_head_dim = head_dim_of(m)
-        m._tic_rope = None if is_no_rope(m) else _rope_of(m, ropes, cfg)  # read before its forward is replaced
-        if hasattr(m, "query_key_value"):
-            m._tic_qkv_index = fused_qkv_layout(m)
-            if m._tic_qkv_index is None:  # C0 refuses it; a wrap without C0 must not guess the layout either
-                raise RuntimeError(f"{name}: the split of its fused query_key_value could not be read")
+        m._tic_rope = None if reading.get("no_rope") else _rope_of(m, ropes, cfg)
+        m._tic_qkv_index = reading.get("qkv_index")  # coverage refuses a fused qkv whose layout it cannot read
         m._tic_window, m._tic_softcap = attention_window(m, cfg), attention_softcap(m, cfg)
         m._tic_norm_projection, m._tic_clip = variant == "attention:qk_norm_projection", attention_clip(m, cfg)
         m.forward = types.MethodType(_attention_forward, m)
     elif is_decoder_layer(m):
         m._tic_stream = stream
         m._tic_attn_name = attention_name(m)  # a name: a module attribute would register the attention twice
-        read = norm_roles(m) if variant in NORM_DATAFLOW else None  # names, for the same reason
-        m._tic_norm_roles = read[1] if read is not None and read[0] == variant else {}
+        m._tic_norm_roles = reading.get("norm_roles", {})  # names, for the same reason
         m.forward = types.MethodType(LAYER_FORWARDS[variant], m)
     elif isinstance(m, nn.Linear):
         m.forward = types.MethodType(_linear_forward, m)
@@ -517,6 +515,7 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None, qu
     if problems:
         raise TicInputError(f"kernels: {provider.kernels} does not cover: " + "; ".join(problems))
     variants = {name: v for cov in coverage for name, v in cov.variants.items()}
+    readings = {name: r for cov in coverage for name, r in cov.readings.items()}
     register_attention()
     ops = Ops(provider, Backward(backward), {**OPS, **FP8_OPS} if quant is not None else None, quant)  # fp8
     cfg = model.config.get_text_config()
@@ -526,7 +525,7 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None, qu
     layout = mamba_modules.install(model)  # tic: the sequences Mamba-2 mixers read, issue 31
     for name, m in list(model.named_modules()):
         m._tic_ops = ops
-        _wrap_module(name, m, variants.get(name), ropes, stream, routes, cfg, layout)
+        _wrap_module(name, m, variants.get(name), ropes, stream, routes, cfg, layout, readings.get(name))
     _wrap_logits(model, cfg)
     final = final_norm(model)
     final._tic_stream = stream
