@@ -7,8 +7,9 @@ import json
 
 from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.harness.engines.megatron import refusals as megatron_refusals
-from tic.harness.engines.vllm import (backend_refusals, departure_refusals, installed_vllm_version, mode_refusals,
-                                      recurrent_refusals, window_refusals)
+from tic.harness.engines.vllm import (backend_refusals, departure_refusals, mode_refusals, recurrent_refusals,
+                                      window_refusals)
+from tic.harness.measure.fingerprint import installed_version
 from tic.harness.model.inventory import build_manifest
 from tic.harness.kernels.coverage import KERNELS, coverage_problems, coverage_table, format_table
 from tic.harness.model.layer_structure import build_meta
@@ -30,7 +31,7 @@ def measure(ctx) -> Measurement:
                                   cfg.train.kernels if cfg.train.engine in ("hf", "megatron") else "stock")
         rejected += recurrent_refusals(ctx.model_config, cfg.rollout.options, cfg.rollout.patches)  # issue 31
         rejected += window_refusals(ctx.model_config, cfg.rollout.options)
-        rejected += departure_refusals(ctx.model_config, installed_vllm_version())
+        rejected += departure_refusals(ctx.model_config, installed_version("vllm"))
         rejected += backend_refusals(ctx.model_config, cfg.rollout.options,
                                      cfg.train.kernels if cfg.train.engine in ("hf", "megatron") else "stock")
     if cfg.train.engine == "megatron":  # the Megatron train engine's own limits (issue 32)

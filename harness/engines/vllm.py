@@ -205,15 +205,6 @@ CONFIG_DEPARTURES = (
 )
 
 
-def installed_vllm_version() -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def departure_refusals(model_config: dict, vllm_version: str | None) -> list[str]:
     """One line per CONFIG_DEPARTURES entry this model meets on vLLM `vllm_version` (every entry when it is None:
     C0 refuses a vLLM rollout on a machine without vLLM for that reason already)."""

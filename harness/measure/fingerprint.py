@@ -22,7 +22,8 @@ PACKAGES = ("torch", "transformers", "vllm", "triton", "safetensors", "numpy", "
             "flashinfer-python", "deep_ep")
 
 
-def _version(pkg: str) -> str | None:
+def installed_version(pkg: str) -> str | None:
+    """The installed distribution's version, or None."""
     try:
         return metadata.version(pkg)
     except metadata.PackageNotFoundError:
@@ -70,7 +71,7 @@ def environment_fingerprint(env_overlay: dict[str, str] | None = None) -> dict[s
     else:
         device = f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
     return {
-        "packages": {p: v for p in PACKAGES if (v := _version(p))},
+        "packages": {p: v for p in PACKAGES if (v := installed_version(p))},
         "python": platform.python_version(),
         "device": device,
         **_gpu(),
