@@ -45,16 +45,16 @@ def _kernel():
 def layer_norm_float32_rows(x, weight, epsilon: float):
     """commandr's layer_norm_func on CUDA rows: x's shape and dtype, the last dimension normalised."""
     import torch
-    import triton
+
+    from tic.patches.vllm.rowwise_rmsnorm import row_launch, rows_2d
 
     h = x.shape[-1]
-    x2 = x.reshape(-1, h)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    x2 = rows_2d(x)
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        block = triton.next_power_of_2(h)
+        block, warps = row_launch(h)
         _kernel()[(x2.shape[0],)](x2, weight.contiguous(), y, h, x2.stride(0), y.stride(0), epsilon, BLOCK=block,
-                                  num_warps=min(16, max(1, block // 256)))
+                                  num_warps=warps)
     return y.view(x.shape)
 
 

@@ -41,31 +41,39 @@ def _kernel():
     return _rms_rows
 
 
-def _rows(t):
+def rows_2d(t):
+    """t as [rows, last dimension] with unit stride along a row (a view where it can be)."""
     h = t.shape[-1]
     t2 = t.reshape(-1, h)
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def row_launch(h: int) -> tuple[int, int]:
+    """(block, warps) of a one-program-per-row kernel over rows of h elements: fixed by h alone."""
+    import triton
+
+    block = triton.next_power_of_2(h)
+    return block, min(16, max(1, block // 256))
 
 
 def rms_norm_rows(x, weight, epsilon: float, residual=None):
     """The normed rows of x (x's shape and dtype); with a residual, (normed rows of x + residual, x + residual
     rounded to x's dtype). Any leading shape and row stride; the last dimension is normalised."""
     import torch
-    import triton
 
     h = x.shape[-1]
-    x2 = _rows(x)
-    r2 = _rows(residual) if residual is not None else None
+    x2 = rows_2d(x)
+    r2 = rows_2d(residual) if residual is not None else None
     weight = weight.contiguous() if weight is not None else None
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     ro = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if residual is not None else y
     if x2.shape[0]:
-        block = triton.next_power_of_2(h)
+        block, warps = row_launch(h)
         _kernel()[(x2.shape[0],)](
             x2, r2 if r2 is not None else x2, weight if weight is not None else x2, y, ro, h,
             x2.stride(0), (r2 if r2 is not None else x2).stride(0), y.stride(0), ro.stride(0), epsilon,
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, BLOCK=block,
-            num_warps=min(16, max(1, block // 256)))
+            num_warps=warps)
     if residual is None:
         return y.view(x.shape)
     return y.view(x.shape), ro.view(x.shape)
