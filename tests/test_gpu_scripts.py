@@ -45,7 +45,9 @@ def test_every_config_loads_and_keeps_its_records_under_its_name(loaded):
         # check.py and the scripts find a run's files by its name
         assert cfg.rollout.options["record"] == f"records/{name}-vllm.jsonl", name
         assert cfg.state_dir == Path("state") / name, name
-        assert cfg.prompts.count == cfg.rollout.batch_size == cfg.layouts.batch_sizes[-1] == 48, name
+        requests = configs.WORKLOADS[configs.VARIANTS[name].workload].get("requests", 48)
+        assert cfg.prompts.count == cfg.rollout.batch_size == cfg.layouts.batch_sizes[-1] == requests, name
+        assert cfg.prompts.max_len + cfg.sampling.max_tokens <= cfg.rollout.options["max_model_len"], name
 
 
 def test_each_family_is_what_the_results_say_it_is(loaded):

@@ -54,12 +54,15 @@ TRAIN = {
     "megatron": {"engine": "megatron", "device": "cuda", "kernels": "vllm", "micro_batch_size": 4},
 }
 
-# Workloads: 48 requests of 48 sampled tokens at temperature 1, C3 probes in batches of 2, 16 and 48. "first":
-# prompts of 16-160 tokens (the first runs, several engines of 0.1 of the GPU at once); "matrix": 16-280 tokens,
-# sequences up to 328 (everything since the patches).
+# Workloads: 48 requests (unless `requests` says) at temperature 1, C3 probes in batches of 2, 16 and all.
+# "first": prompts of 16-160 tokens (the first runs, several engines of 0.1 of the GPU at once); "matrix": 16-280
+# tokens, sequences up to 328 (everything since the patches); "long": 16 prompts of 256-4096 tokens, so sequences
+# cross many chunks, pages and tiles (use with 512 sampled tokens).
 WORKLOADS = {
     "first": {"min_len": 16, "max_len": 160, "max_model_len": 256, "gpu_memory_utilization": 0.1},
     "matrix": {"min_len": 16, "max_len": 280, "max_model_len": 512, "gpu_memory_utilization": 0.05},
+    "long": {"min_len": 256, "max_len": 4096, "max_model_len": 4096 + 512, "gpu_memory_utilization": 0.15,
+             "requests": 16},
 }
 
 # The whole ladder's extra sections: C10's perf workload, C8/C9's policy-gradient updates, C9's scale-up stages.
@@ -155,6 +158,10 @@ def _variants() -> dict[str, Variant]:
             v[f"t-{m}-{label}"] = Variant(f"{m}, {'patched' if 'mamba-decode-replay' in patches else 'stock-decode'} "
                                           f"eager rollout, {tokens} sampled token(s), training on vLLM's kernels", m,
                                           patches=patches, tokens=tokens, options=mamba_options)
+    # the hybrid at its real layer shapes on long sequences: prompts to 4,096 tokens, 512 sampled (issue 31)
+    v["t-nemotron-h-long"] = Variant("nemotron-h, patched eager rollout, 16 prompts of 256-4096 tokens, 512 sampled, "
+                                     "training on vLLM's kernels", "nemotron-h", patches=replay, tokens=512,
+                                     workload="long", options=mamba_options)
     v["t-dense-bi"] = Variant("dense, batch-invariant rollout without patches, training on vLLM's kernels",
                               "dense", patches=(), batch_invariant=True, locate=False)
     v["t-dense-bi-locate"] = Variant("t-dense-bi with the locator on (C5 fails: FA3 decode vs prefill)", "dense",
@@ -179,6 +186,10 @@ def _variants() -> dict[str, Variant]:
         v[f"l-{m}-eager"] = Variant(f"{m}, the whole ladder, patched eager rollout", m, ladder=True)
         v[f"l-{m}-graph"] = Variant(f"{m}, the whole ladder, patched rollout with decode CUDA graphs", m,
                                     "decode-graphs", ladder=True)
+        # vLLM's production mode (torch.compile, FULL_AND_PIECEWISE graphs) with its CUDA ops kept: C10 against
+        # the baseline users run (vLLM's defaults)
+        v[f"l-{m}-compiled"] = Variant(f"{m}, the whole ladder, patched rollout in vLLM's compiled mode", m,
+                                       "compiled", ladder=True)
     # the Megatron-core trainer against the patched eager rollout (C5-C8: ladder sections for C8's updates)
     for m in ("dense", "moe", "llama"):
         v[f"m-{m}-eager"] = Variant(f"{m}, patched eager rollout, Megatron-core training on vLLM's kernels", m,
@@ -229,7 +240,8 @@ def tic_yaml(name: str, model_dir: Path, mode: str, patches, *, requests: int = 
         "train": train_side,
         "prompts": {"source": "random", "count": requests, "seed": 0, "min_len": min_len, "max_len": max_len},
         "sampling": {"temperature": 1.0, "max_tokens": tokens, "seed": 0},
-        "layouts": {"batch_sizes": [2, 16, requests], "positions": ["first", "last"], "probes": 2},
+        "layouts": {"batch_sizes": sorted({2, min(16, requests // 2), requests}), "positions": ["first", "last"],
+                    "probes": 2},
         "state_dir": f"state/{name}",
     }
 
@@ -251,8 +263,8 @@ def config(name: str) -> dict:
                "max_model_len": w["max_model_len"],
                "record": f"records/{name}-vllm.jsonl"}  # every raw vLLM output (benchmarks/gpu/check.py reads it)
     options.update(dict(v.options))
-    cfg = tic_yaml(name, MODELS_DIR / v.model, v.mode, v.patches, min_len=w["min_len"], max_len=w["max_len"],
-                   tokens=v.tokens, train=v.train, options=options, batch_invariant=v.batch_invariant,
+    cfg = tic_yaml(name, MODELS_DIR / v.model, v.mode, v.patches, requests=w.get("requests", 48),
+                   min_len=w["min_len"], max_len=w["max_len"], tokens=v.tokens, train=v.train, options=options, batch_invariant=v.batch_invariant,
                    rollout_parallel=v.rollout_parallel, train_parallel=v.train_parallel)
     cfg["locate"] = {"enabled": v.locate}
     if v.fp8:
