@@ -30,7 +30,7 @@ def measure(ctx) -> Measurement:
         rejected += mode_refusals(cfg.rollout.options,
                                   cfg.train.kernels if cfg.train.engine in ("hf", "megatron") else "stock")
         rejected += recurrent_refusals(ctx.model_config, cfg.rollout.options, cfg.rollout.patches)  # issue 31
-        rejected += window_refusals(ctx.model_config, cfg.rollout.options)
+        rejected += window_refusals(ctx.model_config, cfg.rollout.options, cfg.rollout.patches)
         rejected += departure_refusals(ctx.model_config, installed_version("vllm"))
         rejected += backend_refusals(ctx.model_config, cfg.rollout.options,
                                      cfg.train.kernels if cfg.train.engine in ("hf", "megatron") else "stock")
@@ -101,8 +101,8 @@ GATE = Gate(
                    "per step, no speculative decoding/MTP; a vLLM rollout neither in batch-invariant mode nor "
                    "compiled with Inductor over the kernels a kernels: vllm training forward calls, nor of a model "
                    "with Mamba-2 mixers unless eager with the mamba-decode-replay patch, nor of a model whose sliding "
-                   "window is shorter than the rollout's context, nor of a config whose fields vLLM's model code "
-                   "overrides or ignores (GLM's partial_rotary_factor, StableLM's use_parallel_residual), nor, "
+                   "window is shorter than the rollout's context without fa3-fixed-tile, nor of a config whose "
+                   "fields vLLM's model code overrides or ignores (GLM's partial_rotary_factor, StableLM's use_parallel_residual), nor, "
                    "against a kernels: vllm training forward, of an architecture vLLM runs through its Transformers "
                    "backend",
     inputs=["model.path (config.json, *.safetensors headers)", "rollout/train parallel layouts and options",

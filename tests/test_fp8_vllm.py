@@ -239,3 +239,26 @@ def test_rotary_calls_vllms_kernel_with_the_models_pairing(monkeypatch, op, neox
     got_q, got_k = getattr(prov, op)(q, k, pos, table)
     rotate = rotate_neox if neox else rotate_interleaved
     assert seen == [neox] and torch.equal(got_q, rotate(q, pos, table)) and torch.equal(got_k, rotate(k, pos, table))
+
+
+def test_the_rotary_table_is_computed_where_and_as_vllm_builds_it():
+    """vLLM builds get_rope's cos|sin table on the model's device with the model's dtype as default; get_rope may
+    hand back a cached module built elsewhere, so the provider computes the table again under those settings."""
+    from tic.harness.kernels.vllm_provider import _table_as_vllm_builds_it
+
+    seen = {}
+
+    class Rope:
+        cos_sin_cache = torch.zeros(2, 2)  # a table built elsewhere: never the one returned
+
+        def _compute_cos_sin_cache(self):
+            seen["dtype"], seen["device"] = torch.get_default_dtype(), torch.empty(0).device
+            return torch.arange(4, dtype=torch.float).reshape(2, 2) / 3
+
+    before = torch.get_default_dtype()
+    table = _table_as_vllm_builds_it(Rope(), torch.device("meta"), torch.bfloat16)
+    assert seen == {"dtype": torch.bfloat16, "device": torch.device("meta")}
+    assert table.dtype == torch.bfloat16 and table.device.type == "meta"
+    assert torch.get_default_dtype() == before
+    cpu = _table_as_vllm_builds_it(Rope(), torch.device("cpu"), torch.bfloat16)
+    assert torch.equal(cpu, (torch.arange(4, dtype=torch.float).reshape(2, 2) / 3).to(torch.bfloat16))

@@ -177,6 +177,62 @@ def test_fa3_fixed_tile_pins_every_launch(fake_vllm):
     assert fa.use_cascade_attention(10, None) is False
 
 
+def _paged_window_attention(q, k, v, cu_seqlens_q, seqused_k, block_table, window_size=None, max_seqlen_q=None,
+                            **_):
+    """A varlen attention over a paged cache (float64, each row its own softmax) with a planted tile dependence:
+    a row's value moves with how many query rows its sequence has in the call, as FA3's windowed tile does."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    page = k.shape[1]
+    for b in range(cu_seqlens_q.numel() - 1):
+        lo, hi = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        keys = torch.cat([k[p] for p in block_table[b]]).double()
+        vals = torch.cat([v[p] for p in block_table[b]]).double()
+        for j in range(lo, hi):
+            pos = int(seqused_k[b]) - (hi - j)
+            start = max(0, pos - int(window_size[0])) if window_size is not None and window_size[0] >= 0 else 0
+            s = torch.einsum("hd,khd->hk", q[j].double(), keys[start:pos + 1])
+            out[j] = torch.einsum("hk,khd->hd", s.softmax(-1), vals[start:pos + 1]) + 1e-3 * (hi - lo - 1)
+    assert page * block_table.shape[1] >= int(seqused_k.max())
+    return out
+
+
+def test_fa3_fixed_tile_runs_each_windowed_row_as_decode_does(fake_vllm, monkeypatch):
+    import vllm.v1.attention.backends.flash_attn as fa
+
+    monkeypatch.setattr(fa, "flash_attn_varlen_func", _paged_window_attention)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(6, 4, 2, 8, generator=g), torch.randn(6, 4, 2, 8, generator=g)
+    table = torch.tensor([[0, 2, 4], [5, 1, 3]], dtype=torch.int32)
+    used = torch.tensor([11, 6], dtype=torch.int32)  # 11 and 6 keys; the last 4 and 3 are this call's queries
+    cu = torch.tensor([0, 4, 7], dtype=torch.int32)
+    q = torch.randn(7, 2, 8, generator=g)
+
+    def prefill(window):
+        return fa.flash_attn_varlen_func(q=q, k=k, v=v, cu_seqlens_q=cu, max_seqlen_q=4, seqused_k=used,
+                                         block_table=table, window_size=window)
+
+    def decode_rows(window):
+        rows = []
+        for b, (lo, hi) in enumerate(((0, 4), (4, 7))):
+            for j in range(lo, hi):
+                rows.append(fa.flash_attn_varlen_func(
+                    q=q[j:j + 1], k=k, v=v, cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), max_seqlen_q=1,
+                    seqused_k=used[b:b + 1] - (hi - 1 - j), block_table=table[b:b + 1], window_size=window))
+        return torch.cat(rows)
+
+    assert not torch.equal(prefill([3, 0]), decode_rows([3, 0]))  # the planted tile dependence
+    patches.apply(["fa3-fixed-tile"])
+    assert torch.equal(prefill([3, 0]), decode_rows([3, 0]))
+    # the same attention as the call it replaces: every row's keys and window kept (the plant's term is 0 there)
+    want = torch.cat([_paged_window_attention(q[j:j + 1], k, v, torch.tensor([0, 1]), used[b:b + 1] - (hi - 1 - j),
+                                              table[b:b + 1], [3, 0])
+                      for b, (lo, hi) in enumerate(((0, 4), (4, 7))) for j in range(lo, hi)])
+    assert torch.equal(prefill([3, 0]), want)
+    # full attention keeps one call for the whole prefill (the plant shows: rows are not split apart)
+    assert not torch.equal(prefill(None), decode_rows(None))
+    assert not torch.equal(prefill([-1, -1]), decode_rows([-1, -1]))
+
+
 def test_gemm_fixed_m_gives_every_row_the_same_gemm_whatever_the_batch(fake_vllm):
     from vllm.model_executor.layers import utils
 

@@ -166,6 +166,21 @@ def test_c10_refuses_when_a_transport_variable_differs(small):
     assert res.verdict == "fail" and res.reason.startswith("refused") and "NCCL_NET" in res.reason
 
 
+def test_c10_ignores_the_variables_a_compiling_engine_sets_itself(small, monkeypatch):
+    """vLLM's compiler and torch write Triton's cache folder and ptxas path into the process environment once an
+    in-process engine compiles: a baseline frozen before that is still the same baseline; a variable somebody set
+    is still refused."""
+    ctx = ctx_of(small)
+    frozen_baseline(ctx)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/tmp/compiled/triton_cache")
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/torch/bin/ptxas")
+    res = run_gate(get("C10"), ctx)
+    assert not res.reason.startswith("refused"), res.reason
+    ctx.cfg.perf.consistent_env = {"TRITON_DEFAULT_FP_FUSION": "0"}  # a Triton setting chosen for one side
+    res = run_gate(get("C10"), ctx)
+    assert res.verdict == "fail" and res.reason.startswith("refused") and "TRITON_DEFAULT_FP_FUSION" in res.reason
+
+
 def test_c10_refuses_a_baseline_changed_since_freezing(small):
     ctx = ctx_of(small)
     frozen_baseline(ctx)

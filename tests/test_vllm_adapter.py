@@ -451,7 +451,7 @@ def test_baseline_is_vllm_as_users_run_it_and_only_the_switch_may_differ():
 
 
 @pytest.mark.parametrize("example", ["tiny-gemma2", "tiny-gemma3", "tiny-mistral-sliding"])
-def test_c0_refuses_a_vllm_rollout_whose_sliding_window_is_shorter_than_its_context(example):
+def test_c0_refuses_a_vllm_rollout_whose_sliding_window_is_shorter_than_its_context_without_the_patch(example):
     from tic.harness.engines.vllm import window_refusals
 
     cfg = json.loads((REPO / "examples" / example / "config.json").read_text())
@@ -462,6 +462,8 @@ def test_c0_refuses_a_vllm_rollout_whose_sliding_window_is_shorter_than_its_cont
     assert window_refusals(full, {"max_model_len": 256}) == []  # the control: no window
     qwen2 = {**full, "model_type": "qwen2", "sliding_window": 4, "use_sliding_window": False}
     assert window_refusals(qwen2, {"max_model_len": 256}) == []  # a window the config switches off
+    assert window_refusals(cfg, {"max_model_len": 256}, ["fa3-fixed-tile"]) == []  # the patch covers the window
+    assert window_refusals(cfg, {"max_model_len": 256}, ["rmsnorm-fixed-block"]) == [line]
 
 
 def test_c0_refuses_training_on_vllms_kernels_against_its_transformers_backend(monkeypatch):

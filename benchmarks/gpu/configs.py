@@ -143,6 +143,11 @@ def _variants() -> dict[str, Variant]:
         v[f"t-{m}-eager-no-rms"] = Variant(f"t-{m}-eager without rmsnorm-fixed-block (its with/without run)", m,
                                            patches=tuple(p for p in PATCHES if p != "rmsnorm-fixed-block"),
                                            locate=False)
+    # Gemma-3-4B's layer shapes (head_dim 256, window 1024, linear rope scaling on the full layer; vocabulary cut to
+    # 32,768 so a training batch's logits fit beside other runs) on prompts to 4,096 tokens: windows slide far
+    v["t-gemma3-4b-long"] = Variant("gemma3 at Gemma-3-4B's layer shapes, patched eager rollout, 16 prompts of "
+                                    "256-4096 tokens, 512 sampled, training on vLLM's kernels", "gemma3-4b",
+                                    tokens=512, workload="long", options=(("kv_cache_memory_bytes", 2 << 30),))
     # Mamba-2 hybrids (issue 31): decode replays the current chunk (mamba-decode-replay), the SSD kernels on one
     # config in both processes, the SSM state between chunks in float32 on both sides, training on vLLM's conv,
     # chunked scan and gated norm. `-prefill` samples one token, whose logprob vLLM's prefill computes (C5 of the

@@ -1,16 +1,18 @@
 """Does a sliding-window attention row computed in a decode step equal the same row in the prefill? vLLM's FA3
-(and FA2) varlen kernels on a paged KV cache, compared bit for bit, row by row.
+varlen kernel on a paged KV cache, compared bit for bit, row by row.
 
-  python benchmarks/gpu/fa3_window_probe.py [--tokens 1024] [--out FILE]
+  python benchmarks/gpu/fa3_window_probe.py [--tokens 2048] [--out FILE]
 
 One sequence of `--tokens` random query/key/value rows sits in a paged cache (16-token pages, as vLLM's). The
 prefill scores every row in one call. The decode scores each row p as vLLM's decode step does: one query row, the
 keys 0..p. All rows go in one decode call: each is its own sequence whose block table points at the same pages.
-A chunked prefill (queries s..end against all keys) shows whether a row's bits follow where its query tile starts.
+A chunked prefill (queries s..end against all keys) shows whether a row's bits follow where its query tile starts
+(found: on a windowed layer they do, whatever the decode's max_seqlen_q).
 
-Variants: head_dim, window, softcap, the max_seqlen_q the decode call is launched with (1 = vLLM's own,
-128 = fa3-fixed-tile's pin, and larger), FA2 against FA3. Prints a table of rows that differ; writes it as JSON
-with --out. Exits 1 when a windowed row differs under the patch's launch, 0 otherwise.
+Variants: head_dim, window, softcap, the max_seqlen_q the decode call is launched with (1 = vLLM's own, 128 =
+fa3-fixed-tile's pin, and larger), and every call through tic's fa3-fixed-tile (prefixed "tic":
+the pin, and a windowed call's rows each as a sequence of their own). Prints a table of rows that differ; writes it
+as JSON with --out. Exits 1 when a row differs through tic's launch, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -21,26 +23,30 @@ import sys
 
 PAGE = 16
 SHAPES = ((64, 4, 2), (128, 8, 2), (256, 8, 4), (256, 16, 8))  # (head_dim, query heads, KV heads)
-WINDOWS = (None, 31, 127, 511)
+WINDOWS = (None, 31, 127, 511, 1023)
 PINS = (1, 128, 256, 1024)
 CHUNK_STARTS = (1, 7, 64, 100, 333)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--out")
     a = ap.parse_args()
     import torch
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
+    from vllm.vllm_flash_attn import flash_attn_varlen_func as stock
+
+    from tic.patches.vllm.fa3_fixed_tile import _pin
+
+    launches = {"": stock, "tic ": _pin(stock)}  # as vLLM calls FA3, and through tic's fa3-fixed-tile
 
     dev = "cuda"
     n = a.tokens
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
 
-    def attend(q, k_cache, v_cache, cu_q, max_q, seqused, max_k, table, d, window, softcap, version):
-        return flash_attn_varlen_func(
+    def attend(q, k_cache, v_cache, cu_q, max_q, seqused, max_k, table, d, window, softcap, version, how=""):
+        return launches[how](
             q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, max_seqlen_q=max_q, seqused_k=seqused,
             max_seqlen_k=max_k, softmax_scale=d ** -0.5, causal=True,
             window_size=None if window is None else [window, 0], block_table=table, softcap=softcap,
@@ -57,18 +63,18 @@ def main() -> int:
 
         def compare(base):
             """Rows of one variant: the decode at each pin and the chunked prefills, each against the prefill."""
-            d, window, softcap, version = base["d"], base["window"], base["softcap"], base["version"]
+            d, window, softcap, version, how = (base[k] for k in ("d", "window", "softcap", "version", "how"))
             whole = attend(q, k_cache, v_cache, torch.tensor([0, n], **i32), n, torch.tensor([n], **i32), n,
-                           table1, d, window, softcap, version)
+                           table1, d, window, softcap, version, how)
             out = []
-            for pin in PINS:
+            for pin in PINS if not how else (1,):
                 dec = attend(q, k_cache, v_cache, torch.arange(n + 1, **i32), pin, torch.arange(1, n + 1, **i32),
-                             n, table1.expand(n, -1).contiguous(), d, window, softcap, version)
-                out.append((f"decode max_seqlen_q={pin}", (dec != whole).flatten(1).any(1), 0))
+                             n, table1.expand(n, -1).contiguous(), d, window, softcap, version, how)
+                out.append((f"{how}decode max_seqlen_q={pin}", (dec != whole).flatten(1).any(1), 0))
             for s in CHUNK_STARTS:
                 part = attend(q[s:], k_cache, v_cache, torch.tensor([0, n - s], **i32), n - s,
-                              torch.tensor([n], **i32), n, table1, d, window, softcap, version)
-                out.append((f"chunk from {s}", (part != whole[s:]).flatten(1).any(1), s))
+                              torch.tensor([n], **i32), n, table1, d, window, softcap, version, how)
+                out.append((f"{how}chunk from {s}", (part != whole[s:]).flatten(1).any(1), s))
             return [{**base, "kind": kind, "differ": int(m.sum()), "of": int(m.numel()),
                      "first": int(m.nonzero()[0]) + s if m.any() else None} for kind, m, s in out]
 
@@ -76,8 +82,8 @@ def main() -> int:
             for softcap in (0.0, 50.0):
                 if softcap and window not in (None, 31):
                     continue
-                for version in (3, 2):
-                    base = dict(d=d, hq=hq, hk=hk, window=window, softcap=softcap, version=version)
+                for version, how in ((3, ""), (3, "tic ")):
+                    base = dict(d=d, hq=hq, hk=hk, window=window, softcap=softcap, version=version, how=how)
                     try:
                         rows.extend(compare(base))
                     except Exception as e:  # an FA build without this variant: say so, go on
@@ -91,8 +97,7 @@ def main() -> int:
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"tokens": n, "page": PAGE, "rows": rows}, f, indent=1)
-    bad = [r for r in rows if r["version"] == 3 and r["window"] is not None and r.get("differ")
-           and r["kind"] == "decode max_seqlen_q=128"]
+    bad = [r for r in rows if r["how"] and r.get("differ")]  # through tic's launch, any row that differs
     return 1 if bad else 0
 
 

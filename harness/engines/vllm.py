@@ -226,27 +226,29 @@ def departure_refusals(model_config: dict, vllm_version: str | None) -> list[str
     return out
 
 
-def window_refusals(model_config: dict, options: dict) -> list[str]:
+WINDOW_PATCH = "fa3-fixed-tile"  # launches each windowed row as decode does (patches/vllm/fa3_fixed_tile.py)
+
+
+def window_refusals(model_config: dict, options: dict, patches=()) -> list[str]:
     """Why a vLLM rollout of this model is outside what tic makes consistent: attention layers with a sliding
-    window shorter than the rollout's context (one line, for C0). On the H200 (vLLM 0.26, FA3 with fa3-fixed-tile)
-    a windowed layer gives a decode row other bits than the prefill of the same sequence (Gemma-2 and Gemma-3
-    cuts: C4 97.8 %, located to a sliding layer's _vllm_fa3_C.fwd with window_size_left set), while every
-    full-attention shape passes; no bundled patch covers the windowed launch yet."""
+    window shorter than the rollout's context, without the patch that launches each windowed row as decode does
+    (one line, for C0). Measured on an H100 (vLLM 0.26, FA3): a windowed row's bits follow which query rows share
+    its tile, so decode and prefill disagree once the window's left edge passes key 0."""
     from tic.harness.model.families import layer_kinds
     from tic.harness.model.layer_structure import text_config
 
     cfg = text_config(model_config)
     window = cfg.get("sliding_window")
     sliding = [i for i, k in enumerate(layer_kinds(cfg)) if k["attention"] == "sliding"]
-    if not sliding or not isinstance(window, int) or window <= 0:
+    if not sliding or not isinstance(window, int) or window <= 0 or WINDOW_PATCH in (patches or ()):
         return []
     context = context_length(options, cfg.get("max_position_embeddings") or 2048)
     if context <= window:
         return []  # no row ever sees a key outside its window: the layer computes full causal attention
     return [f"rollout.engine: vllm on a model with sliding-window attention ({len(sliding)} layer(s), window "
-            f"{window} < max_model_len {context}): FA3's windowed decode and prefill give a row different bits "
-            "(C4 fails in the sliding layers' attention); set rollout.options.max_model_len to at most the "
-            "window, or roll out with engine: hf, kernels: consistent (guides/ops/attention-prefill-decode.md)"]
+            f"{window} < max_model_len {context}) without the {WINDOW_PATCH} patch: FA3's windowed decode and "
+            f"prefill give a row different bits (C4 fails in the sliding layers' attention); add {WINDOW_PATCH} to "
+            "rollout.patches, or roll out with engine: hf, kernels: consistent (guides/ops/attention-prefill-decode.md)"]
 
 
 # -- conversions between vLLM outputs, plain records and Samples (no vLLM needed) ---------------------------

@@ -104,6 +104,23 @@ def _slots(vl, pages, T: int, block_size: int) -> torch.Tensor:
     return (vl.index // T) * (pages.row_pages * block_size) + vl.index % T
 
 
+def _table_as_vllm_builds_it(rope, device, dtype) -> torch.Tensor:
+    """A get_rope module's cos|sin table computed as vLLM's model loader computes it: on the model's device with
+    the model's dtype as default (vLLM builds the table on the GPU). get_rope returns a cached module, maybe built
+    on another device (its table then differs in the last bits of some angles: a position near a zero of sin can
+    move by 2 bf16 ulps), so the table is computed again here."""
+    compute = getattr(rope, "_compute_cos_sin_cache", None)
+    if compute is None:
+        return rope.cos_sin_cache.to(device=device, dtype=dtype)
+    before = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype if dtype.is_floating_point else before)
+        with torch.device(device):
+            return compute().to(dtype)
+    finally:
+        torch.set_default_dtype(before)
+
+
 class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harness.kernels.vllm_mamba
     name = "vllm"
     kernels = "vllm"
@@ -258,7 +275,7 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
                 except TypeError:
                     if i == len(attempts) - 1:
                         raise
-            cache = rope.cos_sin_cache.to(device=device, dtype=dtype)
+            cache = _table_as_vllm_builds_it(rope, device, dtype)
             if cache.dim() != 2 or cache.shape[0] < n:
                 raise ValueError(f"cos_sin_cache of shape {tuple(cache.shape)}")
             self.rope_source = "vllm get_rope"

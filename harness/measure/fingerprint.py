@@ -30,9 +30,12 @@ def installed_version(pkg: str) -> str | None:
         return None
 
 
-# Set by vLLM itself while an engine runs (an IPC buffer's name, Triton's autotuning log switch): neither is a
-# setting anybody chose, and neither changes numerics or speed.
-RUNTIME_SET_ENV = ("VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME", "TRITON_PRINT_AUTOTUNING")
+# Set by vLLM or torch itself while an engine runs (an IPC buffer's name, Triton's autotuning log switch; in a
+# compiled mode, once an in-process engine has compiled, Triton's cache folder and the ptxas that torch ships):
+# none is a setting anybody chose, so a side measured before the first compilation and one measured after it
+# would otherwise differ in them.
+RUNTIME_SET_ENV = ("VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME", "TRITON_PRINT_AUTOTUNING", "TRITON_CACHE_DIR",
+                   "TRITON_PTXAS_PATH")
 
 
 def numeric_env(overlay: dict[str, str] | None = None) -> dict[str, str]:

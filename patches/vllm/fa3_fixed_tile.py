@@ -8,6 +8,15 @@ to at least 128 for every call, 0 of 400 (also a decode row inside a mixed batch
 only its launch is pinned. The ahead-of-time scheduler metadata was planned for the unpinned launch and the
 split count grows with the batch under CUDA graphs, so both are fixed too (no metadata, one split). Cascade
 attention (a shared-prefix fast path with another reduction) is switched off for the same reason.
+
+A sliding-window launch needs more: there a row's bits follow which other query rows share its tile (measured on
+an H100, vLLM 0.26.0, head_dim 64-256, windows 31-511, benchmarks/gpu/fa3_window_probe.py: decode rows differ from
+the prefill's once the window's left edge passes key 0, at every max_seqlen_q, and a chunked prefill agrees with
+the whole one only where its query tiles start at the same rows). A decode step holds each row alone in its tile,
+so every windowed call with more than one query row per sequence is launched the same way: each query row as a
+sequence of its own, with the keys up to its position (its sequence's block table, its causal key count). Decode,
+prefill, mixed batches and a training forward then compute each row alike. It costs prefill speed on windowed
+layers (one partly filled tile per row).
 """
 
 from __future__ import annotations
@@ -22,13 +31,35 @@ MIN_TILE_Q = 128  # a max_seqlen_q at or above this selects FA3's prefill tile (
 _BACKEND = "vllm.v1.attention.backends.flash_attn"
 
 
+def _sliding(window_size) -> bool:
+    return window_size is not None and int(window_size[0]) >= 0
+
+
+def rows_apart(kwargs: dict) -> dict:
+    """The keywords of a paged varlen call with every query row made a sequence of its own: one query, its
+    sequence's block table, the keys up to its position (rows past the last sequence get no keys)."""
+    import torch
+
+    q, cu, used, table = kwargs["q"], kwargs["cu_seqlens_q"], kwargs["seqused_k"], kwargs["block_table"]
+    rows = torch.arange(q.shape[0], device=cu.device, dtype=cu.dtype)
+    seq = (torch.searchsorted(cu, rows, right=True) - 1).clamp_(0, cu.numel() - 2)
+    keys = used[seq] - (cu[seq + 1] - 1 - rows).to(used.dtype)
+    keys = torch.where(rows < cu[-1], keys, torch.zeros_like(keys))
+    return {**kwargs, "cu_seqlens_q": torch.arange(q.shape[0] + 1, device=cu.device, dtype=cu.dtype),
+            "seqused_k": keys, "block_table": table.index_select(0, seq.long()), "max_seqlen_q": MIN_TILE_Q}
+
+
 def _pin(fn):
     @functools.wraps(fn)
     def pinned(*args, **kwargs):
         if "max_seqlen_q" in kwargs:
+            several = int(kwargs["max_seqlen_q"]) > 1
             kwargs["max_seqlen_q"] = max(int(kwargs["max_seqlen_q"]), MIN_TILE_Q)
             kwargs["scheduler_metadata"] = None
             kwargs["num_splits"] = 1
+            if several and _sliding(kwargs.get("window_size")) and kwargs.get("block_table") is not None \
+                    and kwargs.get("seqused_k") is not None and "q" in kwargs:
+                kwargs = rows_apart(kwargs)
         return fn(*args, **kwargs)
     return pinned
 
@@ -43,9 +74,11 @@ def _never(fn):
 PATCH = Patch(
     name=NAME, target="vllm", versions=">=0.26.0,<0.27", gate="C4",
     symptom="C4 (or C3) fails in self_attn.attn, first operator _vllm_fa3_C.fwd: one decode row vs the same "
-            "sequence's prefill rows differ (often 1 ulp) once the context passes ~128 keys",
+            "sequence's prefill rows differ (often 1 ulp) once the context passes ~128 keys; on a sliding-window "
+            "layer (window_size_left set) once the window's left edge passes key 0",
     fix="every FA3 varlen call is launched with max_seqlen_q >= 128, no AOT scheduler metadata and one split, so "
-        "decode, prefill and mixed batches run one tile and one key order; cascade attention is off",
+        "decode, prefill and mixed batches run one tile and one key order; a windowed call with several query "
+        "rows per sequence runs each row as a sequence of its own, as decode does; cascade attention is off",
     guide="guides/C4.md",
     cost="the three patches together: 118-119 % of default vLLM's tokens/s on a Qwen3-1.7B-like model with CUDA "
          "graphs (H200, vLLM 0.26.0, docs/results/vllm-patches.md); this wrapper alone measured 96.6 % earlier",
