@@ -260,29 +260,38 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
         max_pos = max(n, int(getattr(config, "max_position_embeddings", n)))
         try:
             from vllm.model_executor.layers.rotary_embedding import get_rope
+        except ImportError as e:
+            return self._hf_table(f"no get_rope ({e})", rotary, n, dtype, device, layer_type)
+        params = getattr(config, "rope_parameters", None) or {
+            "rope_type": "default", "rope_theta": getattr(config, "rope_theta", 10000.0)}
+        if layer_type is not None:
+            params = params[layer_type]
+        attempts = [dict(max_position=max_pos, is_neox_style=True, rope_parameters=dict(params), dtype=dtype),
+                    dict(rotary_dim=head, max_position=max_pos, is_neox_style=True,
+                         rope_parameters=dict(params), dtype=dtype)]
+        rope = None
+        for kwargs in attempts:
+            try:
+                rope = get_rope(head, **kwargs)
+                break
+            except TypeError as e:  # signatures moved between releases
+                why = f"get_rope: {e}"
+        if rope is None:
+            return self._hf_table(why, rotary, n, dtype, device, layer_type)
+        cache = _table_as_vllm_builds_it(rope, device, dtype)
+        if cache.dim() != 2 or cache.shape[0] < n:
+            raise RuntimeError(f"vLLM's rotary table has shape {tuple(cache.shape)}, not [>= {n}, rotary dim]")
+        self.rope_source = f"vllm get_rope, computed on {torch.device(device)}"
+        return cache
 
-            params = getattr(config, "rope_parameters", None) or {
-                "rope_type": "default", "rope_theta": getattr(config, "rope_theta", 10000.0)}
-            if layer_type is not None:
-                params = params[layer_type]
-            attempts = [dict(max_position=max_pos, is_neox_style=True, rope_parameters=dict(params), dtype=dtype),
-                        dict(rotary_dim=head, max_position=max_pos, is_neox_style=True,
-                             rope_parameters=dict(params), dtype=dtype)]
-            for i, kwargs in enumerate(attempts):
-                try:
-                    rope = get_rope(head, **kwargs)
-                    break
-                except TypeError:
-                    if i == len(attempts) - 1:
-                        raise
-            cache = _table_as_vllm_builds_it(rope, device, dtype)
-            if cache.dim() != 2 or cache.shape[0] < n:
-                raise ValueError(f"cos_sin_cache of shape {tuple(cache.shape)}")
-            self.rope_source = "vllm get_rope"
-            return cache
-        except Exception as e:  # noqa: BLE001 - signatures moved between releases: fall back, and say so
-            self.rope_source = f"hf rotary module (vllm get_rope: {type(e).__name__}: {str(e)[:80]})"
-            return hf_cos_sin_cache(rotary, n, dtype, device, layer_type)
+    def _hf_table(self, why: str, rotary, n, dtype, device, layer_type):
+        """The table from the HF rotary module where this vLLM has no get_rope to build vLLM's own (said in
+        rope_source, and on stderr: the two can differ in the last bits of some angles)."""
+        import sys
+
+        self.rope_source = f"hf rotary module ({why[:120]})"
+        print(f"tic: kernels: vllm reads the rotary table from the HF module: {why[:120]}", file=sys.stderr)
+        return hf_cos_sin_cache(rotary, n, dtype, device, layer_type)
 
     def rotary(self, q, k, positions, cos_sin, neox: bool = True):
         T, Hq, D = q.shape
