@@ -18,10 +18,11 @@ from pathlib import Path
 
 def main(argv: list[str]) -> int:
     import torch
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from tic.harness.kernels.vllm_provider import VLLMProvider, _table_as_vllm_builds_it
+    from tic.harness.kernels.coverage import rotary_modules
+    from tic.harness.kernels.vllm_provider import VLLMProvider, _table_as_vllm_builds_it, _vllm_config_for_custom_ops
 
     provider = VLLMProvider()
     bad = 0
@@ -33,10 +34,14 @@ def main(argv: list[str]) -> int:
         params = getattr(cfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": cfg.rope_theta}
         if "rope_type" not in params:  # one table per layer type: the first one
             params = next(iter(params.values()))
-        rope = get_rope(head, max_position=cfg.max_position_embeddings, rope_parameters=dict(params), dtype=dtype)
+        with _vllm_config_for_custom_ops():
+            rope = get_rope(head, max_position=cfg.max_position_embeddings, rope_parameters=dict(params),
+                            dtype=dtype)
         cpu = _table_as_vllm_builds_it(rope, torch.device("cpu"), dtype)
         gpu = _table_as_vllm_builds_it(rope, torch.device("cuda"), dtype)
-        ours = provider.cos_sin_cache(None, cfg, cfg.max_position_embeddings, dtype, torch.device("cuda"))
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw))  # on the CPU, as tic loads one
+        rotary = rotary_modules(model)[0][1].to("cuda")
+        ours = provider.cos_sin_cache(rotary, cfg, cfg.max_position_embeddings, dtype, torch.device("cuda"))
         cpu_vs_gpu = int((cpu.cuda() != gpu).sum())
         ours_vs_gpu = int((ours[: gpu.shape[0]] != gpu).sum()) if ours.shape == gpu.shape else -1
         bad += ours_vs_gpu != 0

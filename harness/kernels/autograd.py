@@ -20,6 +20,8 @@ C7 must catch such faults by measurement alone.
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -527,12 +529,40 @@ def _attention_backward(tensors, fixed, grads, kw, needs, run):
     else:
         sdpa_kw["attn_mask"], seen = _sdpa_mask(mask, Q, K, q.device)
         go = go * seen.to(go.dtype)
-    with torch.enable_grad():
-        ins = [t.detach().requires_grad_(bool(n)) for t, n in zip((q, k, v), needs[:3])]
-        out = F.scaled_dot_product_attention(*ins, **sdpa_kw)
-        wanted = [t for t in ins if t.requires_grad]
-        got = iter(torch.autograd.grad(out, wanted, go))
+    def sdpa_grads(deterministic: bool):
+        with torch.enable_grad(), _deterministic_flash(deterministic):
+            ins = [t.detach().requires_grad_(bool(n)) for t, n in zip((q, k, v), needs[:3])]
+            out = F.scaled_dot_product_attention(*ins, **sdpa_kw)
+            return ins, iter(torch.autograd.grad(out, [t for t in ins if t.requires_grad], go))
+
+    flash = causal and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and D <= 256
+    try:
+        ins, got = sdpa_grads(flash)
+    except RuntimeError:
+        if not flash:
+            raise
+        ins, got = sdpa_grads(False)  # no flash kernel for this problem: torch's own choice of kernel
     return (*[next(got) if t.requires_grad else None for t in ins], None)
+
+
+@contextlib.contextmanager
+def _deterministic_flash(on: bool):
+    """FlashAttention's backward on the GPU sums dQ over key blocks with atomic adds unless torch's deterministic
+    mode is on: two runs of one training step (C9's restore in a fresh process) then update the weights by other
+    bits. Only a causal bf16/fp16 SDPA call runs inside, held to the flash kernel (no cuBLAS, which deterministic
+    mode would refuse without a workspace setting)."""
+    if not on:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
 
 
 def _moe_route_backward(tensors, fixed, grads, kw, needs, run):

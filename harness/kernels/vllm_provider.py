@@ -25,6 +25,7 @@ the backward. vLLM is imported when the provider is built, never at tic import.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -102,6 +103,21 @@ def _slots(vl, pages, T: int, block_size: int) -> torch.Tensor:
     if pages.slots is not None:
         return pages.slots
     return (vl.index // T) * (pages.row_pages * block_size) + vl.index % T
+
+
+@contextlib.contextmanager
+def _vllm_config_for_custom_ops():
+    """The vLLM config a CustomOp reads when it is built: the current one where an engine set it, else vLLM's
+    defaults (the ops tic builds only lend their tables and kernels; how vLLM would dispatch them is not used)."""
+    from vllm.config import VllmConfig, get_current_vllm_config, set_current_vllm_config
+
+    try:
+        get_current_vllm_config()
+    except AssertionError:
+        with set_current_vllm_config(VllmConfig()):
+            yield
+        return
+    yield
 
 
 def _table_as_vllm_builds_it(rope, device, dtype) -> torch.Tensor:
@@ -270,17 +286,23 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
                     dict(rotary_dim=head, max_position=max_pos, is_neox_style=True,
                          rope_parameters=dict(params), dtype=dtype)]
         rope = None
-        for kwargs in attempts:
-            try:
-                rope = get_rope(head, **kwargs)
-                break
-            except TypeError as e:  # signatures moved between releases
-                why = f"get_rope: {e}"
+        with _vllm_config_for_custom_ops():  # get_rope builds a CustomOp, which reads the current vLLM config
+            for kwargs in attempts:
+                try:
+                    rope = get_rope(head, **kwargs)
+                    break
+                except TypeError as e:  # signatures moved between releases
+                    why = f"get_rope: {e}"
         if rope is None:
             return self._hf_table(why, rotary, n, dtype, device, layer_type)
         cache = _table_as_vllm_builds_it(rope, device, dtype)
-        if cache.dim() != 2 or cache.shape[0] < n:
-            raise RuntimeError(f"vLLM's rotary table has shape {tuple(cache.shape)}, not [>= {n}, rotary dim]")
+        # the same rotary as the model's own module (width, scaling), up to the last bits: a generic get_rope call
+        # can build another one (a partial rotary read from a field it does not take), then the HF table serves
+        hf = hf_cos_sin_cache(rotary, n, dtype, device, layer_type)
+        if cache.shape[1:] != hf.shape[1:] or cache.shape[0] < n or \
+                not torch.allclose(cache[:n].float(), hf.float(), rtol=0, atol=1e-2):
+            return self._hf_table(f"get_rope built a table of shape {tuple(cache.shape)} other than the model's "
+                                  f"rotary module's {tuple(hf.shape)}", rotary, n, dtype, device, layer_type)
         self.rope_source = f"vllm get_rope, computed on {torch.device(device)}"
         return cache
 
