@@ -81,7 +81,8 @@ PATCH = Patch(
         "rows per sequence runs each row as a sequence of its own, as decode does; cascade attention is off",
     guide="guides/C4.md",
     cost="the three patches together: 118-119 % of default vLLM's tokens/s on a Qwen3-1.7B-like model with CUDA "
-         "graphs (H200, vLLM 0.26.0, docs/results/vllm-patches.md); this wrapper alone measured 96.6 % earlier",
+         "graphs (H200, vLLM 0.26.0, docs/results/vllm-patches.md); this wrapper alone measured 96.6 % earlier; "
+         "on windowed layers prefill runs one partly filled tile per row (not measured)",
     **swap_hooks(NAME, (_BACKEND, "flash_attn_varlen_func", _pin, _BACKEND),
                  (_BACKEND, "use_cascade_attention", _never, _BACKEND)),
 )
