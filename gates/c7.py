@@ -47,7 +47,8 @@ def measure(ctx) -> Measurement:
     min_cos, max_rel = thresholds(ctx)
     details = {"min_cosine": min_cos, "max_rel_error": max_rel, "train_kernels": tc.kernels,
                "reference": "transformers, float32, eager attention, one sequence per forward (MoE routers take "
-                            "the top-k experts the path under test chose)",
+                            "the top-k experts the path under test chose; block-FP8 quantizers the activations it "
+                            "quantized)",
                "loss": "-(1/N) sum_i A_i sum_t logp(i, t), A_i seeded normal, centred", "error": None}
     try:
         grads = ctx.train_engine().policy_gradients(samples, ctx.sampling, adv)
@@ -57,9 +58,11 @@ def measure(ctx) -> Measurement:
     engine = ctx.train_engine()
     routes = [engine.expert_routes(s) for s in samples]
     routing: dict = {}
+    own_inputs = getattr(engine, "quantizer_inputs", None)  # block FP8: what the path under test quantized
     ref = reference_gradients(ctx.model.dir, samples, ctx.sampling, adv, device=tc.device,
                               routes=routes if any(routes) else None, report=routing,
-                              kv_cache_dtype=str(tc.options.get("kv_cache_dtype", "auto")))
+                              kv_cache_dtype=str(tc.options.get("kv_cache_dtype", "auto")),
+                              quantizer_inputs=(lambda i: own_inputs(samples[i])) if own_inputs else None)
     if routing:
         details["routing"] = routing
     rows = [{**r, "cosine": _finite(r["cosine"]), "rel_error": _finite(r["rel_error"])} for r in compare(grads, ref)]

@@ -206,7 +206,7 @@ def test_c2_compares_the_wrapped_fp8_model_with_transformers_following_the_fp8_f
 
     res = run_gate(get("C2"), fp8_ctx)
     assert res.verdict == "pass", res.reason
-    monkeypatch.setattr(fp8_reference, "install", lambda model, model_dir: None)
+    monkeypatch.setattr(fp8_reference, "install", lambda model, model_dir, inputs=None: None)
     res = run_gate(get("C2"), fp8_ctx)
     assert res.verdict == "fail" and "self_attn.q_proj" in res.reason, res.reason
 
@@ -272,6 +272,31 @@ def test_c7_passes_on_the_fp8_model_and_fails_on_a_planted_fp8_backward(fp8_ctx)
         with planted_fault(_c7(fp8_ctx), op, grads=fault):
             res = run_gate(get("C7"), fp8_ctx)
         assert res.verdict == "fail", (op, res.reason)
+
+
+def test_c7_reference_quantizes_the_activations_the_path_under_test_quantized(example, workdir, monkeypatch):
+    """A bfloat16 model: the path under test's activations and the float32 reference's are a rounding apart, and
+    a few percent of them fall on another e4m3 code, so the two forwards drift by the format's step. C7's reference
+    quantizers take the activations the path under test quantized (as its routers take its experts) and C7
+    passes; on their own inputs (the plant: what C7 did before) the same, correct backward fails."""
+    from tic.harness.engines.hf import HFEngine
+
+    path = _fp8_example(example)
+    path.write_text(path.read_text().replace("dtype: float32", "dtype: bfloat16"))
+    hf._MODELS.clear()
+    cfg = load_config(path)
+    cfg.prompts.count, cfg.sampling.max_tokens = 3, 4
+    cfg.locate.enabled = False
+    ctx = GateContext(cfg)
+    res = run_gate(get("C7"), ctx)
+    assert res.verdict == "pass", res.reason
+    routing = res.details["routing"]
+    assert routing["fp8_quantizer_calls_on_the_path_under_tests_inputs"] > 0
+    assert routing["fp8_quantizer_calls_on_their_own_inputs"] == 0
+    monkeypatch.setattr(HFEngine, "quantizer_inputs", lambda self, sample: {})
+    res = run_gate(get("C7"), ctx)
+    assert res.verdict == "fail", res.reason
+    hf._MODELS.clear()
 
 
 def test_bf16_masters_do_not_round_trip_to_the_checkpoints_scales():

@@ -299,6 +299,16 @@ class HFEngine(Engine):
             self.model(input_ids=torch.tensor([sample.ids], device=self.device), use_cache=False)
         return {name: torch.cat(calls) for name, calls in routes.items()}
 
+    def quantizer_inputs(self, sample: Sample) -> dict[str, list[torch.Tensor]]:
+        """The activation each block-FP8 operator of the wrapped model quantizes for this sequence (forward alone,
+        unpadded), by quantized parameter name; {} for a model without FP8 weights."""
+        quant = getattr(getattr(self.model, "_tic_ops", None), "quant", None)
+        if quant is None:
+            return {}
+        with quant.capture_inputs() as seen, torch.no_grad():
+            self.model(input_ids=torch.tensor([sample.ids], device=self.device), use_cache=False)
+        return dict(seen)
+
     # -- training: gradients through the same forward ------------------------------------------------------
     def trainable_model(self):
         """The trainable copy of this engine's model (cached) that policy_gradients runs."""

@@ -15,6 +15,7 @@ forward value is the provider's FP8 kernel on the copies, the gradient is the un
 
 from __future__ import annotations
 
+import contextlib
 import re
 import weakref
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class QuantizedCopies:
         self._copies: dict[int, _Copy] = {}
         self._joined: dict[tuple, tuple] = {}  # weight ids -> (their states, concatenated codes and scales)
         self.requantized = 0  # copies rebuilt from a changed master weight (tests and benchmarks read it)
+        self.inputs: dict[str, list] | None = None  # while capture_inputs runs: parameter name -> its FP8 inputs
 
     def register(self, name: str, w: torch.Tensor, codes: torch.Tensor | None = None,
                  scales: torch.Tensor | None = None):
@@ -77,6 +79,25 @@ class QuantizedCopies:
     @staticmethod
     def _stale(c: _Copy, w: torch.Tensor) -> bool:
         return c.version != w._version or c.ptr != w.data_ptr()
+
+    def name_of(self, w) -> str | None:
+        c = self._entry(w)
+        return None if c is None else c.name
+
+    @contextlib.contextmanager
+    def capture_inputs(self):
+        """Records, by quantized parameter name, the activation each FP8 operator quantizes (C7's reference takes
+        those as its quantizers' inputs, as it takes the path under test's expert routes)."""
+        self.inputs = {}
+        try:
+            yield self.inputs
+        finally:
+            self.inputs = None
+
+    def record_input(self, weights, x: torch.Tensor) -> None:
+        if self.inputs is not None:
+            for w in weights:
+                self.inputs.setdefault(self.name_of(w), []).append(x.detach())
 
     def covers(self, weights) -> bool:
         return all(self._entry(w) is not None for w in weights)
@@ -116,6 +137,7 @@ class QuantizedCopies:
 
 # -- the operators ---------------------------------------------------------------------------------------------
 def _fp8_linear_kernel(provider, x, *wb, n, quant: QuantizedCopies):
+    quant.record_input(wb[:n], x)
     codes, scales = quant.joined(wb[:n])
     biases = wb[n:]
     b = None if biases[0] is None else (biases[0] if n == 1 else torch.cat(biases))
@@ -123,6 +145,7 @@ def _fp8_linear_kernel(provider, x, *wb, n, quant: QuantizedCopies):
 
 
 def _fp8_experts_kernel(provider, x, weights, ids, gate_up, down, quant: QuantizedCopies):
+    quant.record_input([gate_up], x)
     (gu_q, gu_s), (d_q, d_s) = quant.get(gate_up), quant.get(down)
     return provider.fp8_moe_experts(x, weights, ids, gu_q, gu_s, d_q, d_s, quant.block)
 

@@ -43,19 +43,43 @@ def _straight_through(visible: torch.Tensor, graph: torch.Tensor) -> torch.Tenso
     return visible.detach().to(graph.dtype) + (graph - graph.detach())
 
 
-def _linear_hook(quant: QuantizedCopies):
+class QuantizerInputs:
+    """The activations the path under test's FP8 operators quantized for the sequence the reference runs now
+    (`current`: quantized parameter name -> its calls' inputs, in call order). Quantization is a step function:
+    float32 and bf16 activations a rounding apart fall on different e4m3 codes in a few percent of elements, and
+    the two forwards then drift apart by the format's step, which no backward fault causes. Where given, the
+    reference's quantizers take these inputs, as its routers take the path under test's experts; its own graph
+    still carries the gradient. Counts how many quantizer calls took them (`taken`) and how many their own."""
+
+    def __init__(self):
+        self.current: dict[str, list[torch.Tensor]] | None = None
+        self.taken = 0
+        self.own = 0
+
+    def take(self, name: str | None, x: torch.Tensor) -> torch.Tensor:
+        calls = (self.current or {}).get(name)
+        if calls and tuple(calls[0].shape) == tuple(x.shape):
+            self.taken += 1
+            return calls.pop(0).to(device=x.device)
+        self.own += 1
+        return x
+
+
+def _linear_hook(quant: QuantizedCopies, inputs: QuantizerInputs | None):
     def hook(m, args, out):
-        x = args[0]
+        x = args[0] if inputs is None else inputs.take(quant.name_of(m.weight), args[0])
         vis = F.linear(_fake_act(x.float(), quant.block[1]), _weights(quant, m.weight),
                        None if m.bias is None else m.bias.detach().float())
         return _straight_through(vis, out)
     return hook
 
 
-def _experts_hook(quant: QuantizedCopies):
+def _experts_hook(quant: QuantizedCopies, inputs: QuantizerInputs | None):
     def hook(m, args, kwargs, out):
         names = ("hidden_states", "top_k_index", "top_k_weights")
         x, ids, w = (*args, *(kwargs[n] for n in names[len(args):]))
+        if inputs is not None:
+            x = inputs.take(quant.name_of(m.gate_up_proj), x)
         gu, down = _weights(quant, m.gate_up_proj), _weights(quant, m.down_proj)
         g = quant.block[1]
         vis = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -70,18 +94,19 @@ def _experts_hook(quant: QuantizedCopies):
     return hook
 
 
-def install(model: nn.Module, model_dir) -> list | None:
+def install(model: nn.Module, model_dir, inputs: QuantizerInputs | None = None) -> list | None:
     """For a block-FP8 checkpoint: load its master weights and codes into `model` (built without quantization)
-    and hook every quantized linear and expert block as above; the hook handles. None for any other checkpoint."""
+    and hook every quantized linear and expert block as above; the hook handles. None for any other checkpoint.
+    inputs: where the quantizers take the path under test's activations (C7)."""
     quant = attach_checkpoint(model, model_dir)
     if quant is None:
         return None
     handles = []
     for m in model.modules():
         if isinstance(m, nn.Linear) and quant.covers([m.weight]):
-            handles.append(m.register_forward_hook(_linear_hook(quant)))
+            handles.append(m.register_forward_hook(_linear_hook(quant, inputs)))
         elif hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and quant.covers([m.gate_up_proj, m.down_proj]):
-            handles.append(m.register_forward_hook(_experts_hook(quant), with_kwargs=True))
+            handles.append(m.register_forward_hook(_experts_hook(quant, inputs), with_kwargs=True))
     return handles
 
 
@@ -143,10 +168,12 @@ def use_fp8_kv_cache(model: nn.Module) -> None:
     model.set_attn_implementation(FP8_KV_ATTENTION)
 
 
-def follow_deployment(model: nn.Module, model_dir, kv_cache_dtype: str) -> None:
+def follow_deployment(model: nn.Module, model_dir, kv_cache_dtype: str,
+                      inputs: QuantizerInputs | None = None) -> None:
     """Make a transformers model compute, in value, the model the deployed sides run: for a block-FP8 checkpoint
     its FP8 forward (install), with an FP8 KV cache FlashAttention's FP8 attention (use_fp8_kv_cache); a plain
-    checkpoint with a model-dtype cache stays as it is. C2's stock model and C7's reference both are this model."""
-    install(model, model_dir)
+    checkpoint with a model-dtype cache stays as it is. C2's stock model and C7's reference both are this model
+    (C7's quantizers take the path under test's inputs: QuantizerInputs)."""
+    install(model, model_dir, inputs)
     if str(kv_cache_dtype).startswith("fp8"):
         use_fp8_kv_cache(model)

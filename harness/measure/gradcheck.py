@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -81,10 +82,12 @@ class RoutingPin:
 
 def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampling, adv: list[float],
                         device: str = "cpu", routes: list[dict] | None = None,
-                        report: dict | None = None, kv_cache_dtype: str = "auto") -> dict[str, torch.Tensor]:
+                        report: dict | None = None, kv_cache_dtype: str = "auto",
+                        quantizer_inputs: Callable[[int], dict] | None = None) -> dict[str, torch.Tensor]:
     """routes: per sample, the path under test's top-k ids per MoE block name (None: the reference routes
-    itself); report receives the routing-pin counts; kv_cache_dtype: the training side's (fp8: the reference's
-    attention reads q, k, v rounded as the FP8 cache rounds them)."""
+    itself); report receives the routing-pin and quantizer counts; kv_cache_dtype: the training side's (fp8: the
+    reference's attention reads q, k, v rounded as the FP8 cache rounds them); quantizer_inputs: sample index ->
+    the activations the path under test's block-FP8 operators quantized (fp8_reference.QuantizerInputs)."""
     from transformers import AutoModelForCausalLM
 
     from tic.harness.kernels.fp8 import unquantized_config
@@ -96,7 +99,9 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
                                                      **fp8)
     model.to(device).train(False)
-    fp8_reference.follow_deployment(model, model_dir, kv_cache_dtype)  # FP8: its values, the float32 graph's gradient
+    taken = fp8_reference.QuantizerInputs() if fp8 and quantizer_inputs is not None else None
+    # FP8: its values, the float32 graph's gradient
+    fp8_reference.follow_deployment(model, model_dir, kv_cache_dtype, taken)
     model.requires_grad_(True)
     pin = RoutingPin(model)
     n_tokens = sum(int(s.mask.sum()) if s.mask is not None else len(s.response_ids) for s in samples)
@@ -104,6 +109,8 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
         P, R = len(s.prompt_ids), len(s.response_ids)
         ids = torch.tensor([s.ids], device=device)
         ctx = pin.pinned(routes[i]) if routes and pin.gates else contextlib.nullcontext()
+        if taken is not None:
+            taken.current = quantizer_inputs(i)
         with ctx:
             logits = model(input_ids=ids, use_cache=False).logits[0, P - 1:P - 1 + R].float()
         if sampling.temperature not in (0, 1):
@@ -116,6 +123,9 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
     if report is not None and pin.gates:
         report.update({"moe_routers": len(pin.gates), "pinned": bool(routes), "routed_tokens": pin.tokens,
                        "reference_would_flip": pin.flips, "unpinned": sorted(pin.unpinned)})
+    if report is not None and taken is not None:
+        report.update({"fp8_quantizer_calls_on_the_path_under_tests_inputs": taken.taken,
+                       "fp8_quantizer_calls_on_their_own_inputs": taken.own})
     return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
             for n, p in model.named_parameters()}
 
