@@ -215,3 +215,21 @@ def test_c0_refuses_a_vllm_rollout_of_a_mamba_model_without_the_eager_replay_pat
         assert (rec["verdict"], code) == ("fail", 1) and why in rec["reason"], rec["reason"]
     else:
         assert (rec["verdict"], code) == ("pass", 0), rec["reason"]
+
+
+@pytest.mark.parametrize("name, blocks", [("tiny-nemotron-h", 5)])
+def test_hybrid_blocks_join_the_residual_in_the_next_norm(example, workdir, name, blocks):
+    """As vLLM's hybrid layers: each block after the first normalises (previous mixer output, residual) in one
+    add+norm, and so does the final norm; only the first block's norm sees a plain tensor. (On vLLM's kernels the
+    fused add+norm and an add followed by a norm are different kernels.)"""
+    hf._MODELS.clear()
+    ctx = GateContext(load_config(example(name) / "tic-consistent.yaml"))
+    model = ctx.rollout_engine().model
+    provider, calls = model._tic_ops.provider, []
+    for op in ("add_rms_norm", "rms_norm"):
+        real = getattr(provider, op)
+        setattr(provider, op, lambda *a, _real=real, _op=op, **k: calls.append(_op) or _real(*a, **k))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6, 7]]))
+    assert calls.count("add_rms_norm") == blocks  # blocks 1.. and the final norm
+    hf._MODELS.clear()

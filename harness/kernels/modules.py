@@ -40,7 +40,8 @@ from tic.harness.kernels import mamba_modules  # tic: Mamba-2 mixers (hybrids), 
 from tic.harness.kernels.autograd import OPS, Backward, Ops
 from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, attention_name, attention_softcap,
                                           attention_window, final_norm, head_dim_of, is_attention, is_decoder_layer,
-                                          is_gated_mlp, is_layernorm, is_moe_block, is_rmsnorm, norm_eps,
+                                          is_gated_mlp, is_hybrid_block, is_layernorm, is_moe_block, is_rmsnorm,
+                                          norm_eps,
                                           output_projection_name, problem_lines, read_coverage, rotary_modules,
                                           rotary_per_layer_type)
 from tic.harness.kernels.fp8 import FP8_OPS
@@ -163,12 +164,45 @@ def _lm_head_softcap_forward(self, x):
     return self._tic_ops.softcap(_linear_forward(self, x), self._tic_softcap)
 
 
-def _final_norm_forward(self, x):
+def _stream_norm_forward(self, x):
+    """A norm handed a layer's returned sum (the final norm; a hybrid block's norm): the add+norm of the pair behind
+    it, as vLLM joins the residual inside the next norm, else a plain norm."""
     norm = _layernorm_forward if hasattr(self, "_tic_layer_norm_op") else _rmsnorm_forward
     pair = self._tic_stream.take(x)
     if pair is not None:
         return norm(self, pair[0], residual=pair[1])[0]
     return norm(self, x)
+
+
+def _hybrid_block_forward(self, hidden_states, *args, **kwargs):
+    """A one-norm block around one mixer (NemotronH, Mamba-2) as transformers runs it (norm, mixer, residual add),
+    its output registered with the pair it was summed from (the mixer's output, the block's input): the next
+    block's norm and the final norm read that pair, as vLLM's hybrid layers pass (mixer output, residual) on and
+    join them in their next fused add+norm."""
+    out = self._tic_block_forward(hidden_states, *args, **kwargs)
+    delta, self._tic_mixer_out = self._tic_mixer_out, None
+    if isinstance(out, torch.Tensor) and isinstance(delta, torch.Tensor) and delta.shape == out.shape \
+            and delta.dtype == out.dtype == hidden_states.dtype:
+        self._tic_stream.put(out, delta, hidden_states)
+    return out
+
+
+def _keep_mixer_output(block):
+    def hook(module, args, out):
+        block._tic_mixer_out = out[0] if isinstance(out, tuple) else out
+    return hook
+
+
+def _wrap_hybrid_blocks(model: nn.Module, stream: ResidualStream) -> None:
+    """Hybrid blocks whose residual stays in the model dtype join the residual stream (_hybrid_block_forward)."""
+    for _, m in model.named_modules():
+        if not is_hybrid_block(m) or not is_rmsnorm(m.norm) or getattr(m, "residual_in_fp32", False):
+            continue
+        m._tic_stream, m._tic_mixer_out, m._tic_block_forward = stream, None, m.forward
+        m.mixer.register_forward_hook(_keep_mixer_output(m))
+        m.forward = types.MethodType(_hybrid_block_forward, m)
+        m.norm._tic_stream = stream
+        m.norm.forward = types.MethodType(_stream_norm_forward, m.norm)
 
 
 def _attend(layer, h, attention_mask, position_ids, cache, use_cache, position_embeddings, kwargs):
@@ -526,10 +560,11 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None, qu
     for name, m in list(model.named_modules()):
         m._tic_ops = ops
         _wrap_module(name, m, variants.get(name), ropes, stream, routes, cfg, layout, readings.get(name))
+    _wrap_hybrid_blocks(model, stream)
     _wrap_logits(model, cfg)
     final = final_norm(model)
     final._tic_stream = stream
-    final.forward = types.MethodType(_final_norm_forward, final)
+    final.forward = types.MethodType(_stream_norm_forward, final)
     for sub in model.modules():
         c = getattr(sub, "config", None)
         if c is not None and hasattr(c, "_attn_implementation"):
