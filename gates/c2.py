@@ -28,19 +28,24 @@ def wrapper_fidelity(ctx) -> dict | None:
     device) on seeded inputs; None when the training side does not run through the wrappers. The stock model is the
     model the two sides run: for a block-FP8 checkpoint its quantized linears and experts give the FP8 forward's
     values (activations quantized per token group, the checkpoint's codes times scales), with an FP8 KV cache its
-    attention is FlashAttention's FP8 forward (tic.harness.measure.fp8_reference)."""
+    attention is FlashAttention's FP8 forward (tic.harness.measure.fp8_reference), and its quantizers take the
+    activations the wrapped model quantized: a rounding-level difference would otherwise fall on another e4m3 code
+    and part by the format's step, which no wrong wrapper causes."""
     train = ctx.cfg.train
     if train.engine not in ("hf", "megatron") or train.kernels not in WRAPPED_KERNELS:
         return None
     engine = ctx.train_engine()
     stock = load_model(engine.model_dir, engine.dtype, "stock", attn="eager", device=str(engine.device),
                        shared=False)
-    fp8_reference.follow_deployment(stock, engine.model_dir, str(train.options.get("kv_cache_dtype", "auto")))
+    # a block-FP8 stock model's quantizers take the activations the wrapped model quantized (as C7's reference)
+    taken = fp8_reference.QuantizerInputs()
+    fp8_reference.follow_deployment(stock, engine.model_dir, str(train.options.get("kv_cache_dtype", "auto")),
+                                    taken)
     ids, mask = fidelity_inputs(engine.vocab_size, engine.device)
-    view = {}
+    view = {"quantizer_inputs": taken}
     if train.engine == "megatron":  # the GPTModel's modules under the checkpoint's names, hidden states [T, B, H]
-        view = {"wrapped_modules": engine.model.hf_named_modules(),
-                "sequence_first": engine.model.sequence_first_modules()}
+        view.update(wrapped_modules=engine.model.hf_named_modules(),
+                    sequence_first=engine.model.sequence_first_modules())
     return {"kernels": train.kernels, "engine": train.engine,
             **compare_forward(stock, engine.model, ids, mask, **view)}
 

@@ -299,6 +299,27 @@ def test_c7_reference_quantizes_the_activations_the_path_under_test_quantized(ex
     hf._MODELS.clear()
 
 
+def test_c2_stock_quantizers_take_the_wrapped_models_inputs(example, workdir, monkeypatch):
+    """C2's fidelity on a bfloat16 FP8 model: the stock model's quantizers take the activations the wrapped model
+    quantized, so a rounding-level difference does not fall on another e4m3 code; on their own inputs (the plant)
+    the same, correct wrappers part from stock."""
+    from tic.harness.measure import fp8_reference
+
+    path = _fp8_example(example)
+    path.write_text(path.read_text().replace("dtype: float32", "dtype: bfloat16"))
+    hf._MODELS.clear()
+    cfg = load_config(path)
+    cfg.locate.enabled = False
+    ctx = GateContext(cfg)
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "pass", res.reason
+    assert res.details["fidelity"]["fp8_quantizer_calls_on_the_wrapped_inputs"] > 0
+    monkeypatch.setattr(fp8_reference.QuantizerInputs, "take", lambda self, name, x: x)
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail" and "fidelity" in res.reason, res.reason
+    hf._MODELS.clear()
+
+
 def test_bf16_masters_do_not_round_trip_to_the_checkpoints_scales():
     """Why the loaded copy is the checkpoint's own: codes x scales rounded to bfloat16 requantize to scales a
     rounding apart (float32 masters would round trip), so a training side that requantized them would not run

@@ -91,18 +91,23 @@ def fidelity_inputs(vocab: int, device, seed: int = 0, length: int = 23) -> tupl
 
 def compare_forward(stock: nn.Module, wrapped: nn.Module, input_ids, attention_mask,
                     wrapped_modules: dict[str, nn.Module] | None = None,
-                    sequence_first: set[int] = frozenset()) -> dict:
+                    sequence_first: set[int] = frozenset(), quantizer_inputs=None) -> dict:
     """The first module (in the stock model's call order) whose outputs part beyond the bound, and the
     logits' figures. Padding positions are left out (their values are unspecified on both sides).
 
     The wrapped model's modules are compared under their names, or under those `wrapped_modules` gives them (another
     trainer's model under the HF names); those in `sequence_first` (ids) return [T, B, ...], the stock ones
-    [B, T, ...]."""
+    [B, T, ...]. quantizer_inputs (fp8_reference.QuantizerInputs, hooked into the stock model): given the
+    activations the wrapped model's block-FP8 operators quantized."""
     dtype = next(stock.parameters()).dtype
     rtol = FIDELITY_RTOL.get(dtype, 5e-2)
     routes = contextlib.nullcontext({}) if not hasattr(wrapped, "_tic_routes") else capture_routes(wrapped)
-    with routes as calls:
+    quant = getattr(getattr(wrapped, "_tic_ops", None), "quant", None) if quantizer_inputs is not None else None
+    quantized = contextlib.nullcontext({}) if quant is None else quant.capture_inputs()
+    with routes as calls, quantized as seen:
         got, _, logits = _outputs(wrapped, input_ids, attention_mask, wrapped_modules, sequence_first)
+    if quantizer_inputs is not None:
+        quantizer_inputs.current = dict(seen)
     pin = RoutingPin(stock, near_tie=torch.finfo(dtype).eps)  # the wrapped model's experts at a near tie only
     with pin.pinned({block: ids[0] for block, ids in calls.items()}):
         ref, order, ref_logits = _outputs(stock, input_ids, attention_mask)
@@ -127,4 +132,6 @@ def compare_forward(stock: nn.Module, wrapped: nn.Module, input_ids, attention_m
     return {"dtype": str(dtype).replace("torch.", ""), "rtol": rtol, "atol": FIDELITY_ATOL,
             "modules_checked": checked, "first_parting": None if first is None else first.line(),
             "first_parting_module": None if first is None else first.module, "logits_max_abs": logit_diff,
-            "routing_flips": pin.flips}
+            "routing_flips": pin.flips,
+            **({} if quant is None else {"fp8_quantizer_calls_on_the_wrapped_inputs": quantizer_inputs.taken,
+                                         "fp8_quantizer_calls_on_their_own_inputs": quantizer_inputs.own})}
