@@ -20,10 +20,8 @@ C7 must catch such faults by measurement alone.
 
 from __future__ import annotations
 
-import contextlib
-
 import functools
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -545,7 +543,7 @@ def _attention_backward(tensors, fixed, grads, kw, needs, run):
     return (*[next(got) if t.requires_grad else None for t in ins], None)
 
 
-@contextlib.contextmanager
+@contextmanager
 def _deterministic_flash(on: bool):
     """FlashAttention's backward on the GPU sums dQ over key blocks with atomic adds unless torch's deterministic
     mode is on: two runs of one training step (C9's restore in a fresh process) then update the weights by other

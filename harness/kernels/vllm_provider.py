@@ -307,7 +307,7 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
         return cache
 
     def _hf_table(self, why: str, rotary, n, dtype, device, layer_type):
-        """The table from the HF rotary module where this vLLM has no get_rope to build vLLM's own (said in
+        """The table from the HF rotary module where tic cannot build vLLM's own through get_rope (said in
         rope_source, and on stderr: the two can differ in the last bits of some angles)."""
         import sys
 

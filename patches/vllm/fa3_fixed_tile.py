@@ -10,7 +10,7 @@ split count grows with the batch under CUDA graphs, so both are fixed too (no me
 attention (a shared-prefix fast path with another reduction) is switched off for the same reason.
 
 A sliding-window launch needs more: there a row's bits follow which other query rows share its tile (measured on
-an H100, vLLM 0.26.0, head_dim 64-256, windows 31-511, benchmarks/gpu/fa3_window_probe.py: decode rows differ from
+an H100, vLLM 0.26.0, head_dim 64-256, windows 31-1023, benchmarks/gpu/fa3_window_probe.py: decode rows differ from
 the prefill's once the window's left edge passes key 0, at every max_seqlen_q, and a chunked prefill agrees with
 the whole one only where its query tiles start at the same rows). A decode step holds each row alone in its tile,
 so every windowed call with more than one query row per sequence is launched the same way: each query row as a
