@@ -82,6 +82,10 @@ ARCHS = {
                                     "3,4,5,6", "layer_types"),
     "qwen3_block_fp8": (dict(B, model_type="qwen3", use_sliding_window=True, sliding_window=4, layer_types=SLIDING),
                         "2,3,4,5", "layer_types"),
+    # layers in transformer.h, the layer count under GPT-2's own name (n_layer)
+    "gpt2_transformer_h": (dict(B, model_type="gpt2", n_positions=256), "auto", "n_layer"),
+    "falcon_transformer_h": ({**{k: v for k, v in B.items() if k != "head_dim"}, "model_type": "falcon"}, "2,3,4,5",
+                             "num_hidden_layers"),
 }
 IDS = list(ARCHS)
 

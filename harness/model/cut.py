@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tic.harness.model.cut_config import rewrite_config
 from tic.harness.model.families import Family, family
-from tic.harness.model.inventory import LAYER_RE, QUANT_SUFFIXES, tensor_locations, weight_files
+from tic.harness.model.inventory import LAYER_LISTS, LAYER_RE, QUANT_SUFFIXES, tensor_locations, weight_files
 from tic.harness.model.layer_structure import ModelStructure, digest, label, model_structure, text_config
 from tic.core.errors import TicInputError
 from tic.core.paths import is_within, real_path
@@ -33,7 +33,8 @@ INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD = 4 << 30
 _COPY_THREADS = int(os.environ.get("TIC_CUT_THREADS", "8"))
 _COPY_CHUNK = 64 << 20
-_LAYER_KEY = re.compile(r"^(.*?)(?:^|(?<=\.))layers\.(\d+)\.(.+)$")
+# (the layer list's path and a dot, 'model.layers.' or 'transformer.h.'; the index; the name inside the layer)
+_LAYER_KEY = re.compile(r"^((?:.*?\.)?(?:" + "|".join(LAYER_LISTS) + r")\.)(\d+)\.(.+)$")
 
 
 # --- layer choice ----------------------------------------------------------------------------------------
@@ -182,13 +183,13 @@ def _layer_prefixes(names, mtp_prefixes: tuple) -> dict[str, set[int]]:
 
 
 def decoder_prefix(names, n: int, module_path: str, mtp_prefixes: tuple = Family().mtp_prefixes) -> str:
-    """The tensor-name prefix of the decoder layers ('model.', 'model.language_model.', ...): the one holding
-    layers 0..n-1; when a vision tower's also does, the one matching the decoder's module path."""
+    """The tensor-name prefix of the decoder layers, their list's path and a dot ('model.layers.',
+    'model.language_model.layers.', 'transformer.h.'): the one holding layers 0..n-1; when a vision tower's also
+    does, the one matching the decoder's module path."""
     prefixes = _layer_prefixes(names, mtp_prefixes)
     cands = [p for p, idx in prefixes.items() if set(range(n)) <= idx]
     if len(cands) > 1:
-        stack = module_path.rsplit("layers", 1)[0]
-        exact = [p for p in cands if p == stack]
+        exact = [p for p in cands if p == module_path + "."]
         named = [p for p in cands if any(w in p for w in ("language_model", "text_model", "llm"))]
         cands = exact or named or cands
     if len(cands) != 1:
@@ -225,7 +226,7 @@ def map_tensor_names(names: list[str], kept: list[int], n: int, prefix: str,
         if i >= n:
             mtp += 1  # DeepSeek-style MTP layers sit after the decoder layers
         elif i in new_index:
-            mapping[name] = f"{prefix}layers.{new_index[i]}.{m.group(3)}"
+            mapping[name] = f"{prefix}{new_index[i]}.{m.group(3)}"
     if mtp:
         notes.append(f"{mtp} MTP tensor(s) dropped")
     return mapping, notes

@@ -343,8 +343,8 @@ def differing_bytes(full_dir: Path, cut_dir: Path, kept: list[int], full_prefix:
         src, got = fl.get(i, {}), cl.get(j, {})
         out += [f"cut layer {j} (source {i}): {name} bytes differ from the source"
                 for name in sorted(set(src) & set(got)) if not _same_bytes(src[name], got[name])]
-    in_layers = ({f"{full_prefix}layers.{i}.{r}" for i, t in fl.items() for r in t}
-                 | {f"{cut_prefix}layers.{j}.{r}" for j, t in cl.items() for r in t})
+    in_layers = ({f"{full_prefix}{i}.{r}" for i, t in fl.items() for r in t}
+                 | {f"{cut_prefix}{j}.{r}" for j, t in cl.items() for r in t})
     out += [f"tensor {name}: bytes differ from the source (cut from another version of the model?)"
             for name in sorted((set(floc) & set(cloc)) - in_layers) if not _same_bytes(floc[name], cloc[name])]
     return out

@@ -15,7 +15,10 @@ from pathlib import Path
 from tic.harness.model.families import family, int_field, layer_kinds
 from tic.core.errors import TicInputError
 
-LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
+# The names transformers gives a decoder's ModuleList of layers: `layers` (Llama, Qwen, Mistral, ...), `h` (GPT-2,
+# GPT-J, Bloom, Falcon, CodeGen, GPT-BigCode)
+LAYER_LISTS = ("layers", "h")
+LAYER_RE = re.compile(r"(?:^|\.)(?:" + "|".join(LAYER_LISTS) + r")\.(\d+)\.(.+)$")
 # bits per element of each dtype the safetensors format defines (safetensors' Dtype enum)
 DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6,
               "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
@@ -140,12 +143,12 @@ def _tensor_kinds(names: list[str]) -> dict:
 
 
 def _layer_index(name: str, layer_prefix: str | None) -> int | None:
-    """Decoder layer of a tensor name: any 'layers.N.' by default; with layer_prefix only '<prefix>layers.N.'
-    (so that a vision tower's layers are not taken for decoder layers)."""
+    """Decoder layer of a tensor name: any 'layers.N.' (or 'h.N.') by default; with layer_prefix (the layer list's
+    path and a dot, 'model.layers.') only '<layer_prefix>N.' (so that a vision tower's layers are not taken for
+    decoder layers)."""
     if layer_prefix is not None:
-        if not name.startswith(layer_prefix + "layers."):
-            return None
-        name = name[len(layer_prefix):]
+        m = re.match(r"(\d+)\.", name[len(layer_prefix):]) if name.startswith(layer_prefix) else None
+        return int(m.group(1)) if m else None
     m = LAYER_RE.search(name)
     return int(m.group(1)) if m else None
 

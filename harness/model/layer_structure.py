@@ -119,9 +119,12 @@ def model_from_config(config, **kwargs):
 
 
 def decoder_path(model, n: int) -> str:
-    """Module path of the decoder layers: the ModuleList named '*layers' of length n, inside the model's decoder
-    (get_decoder) when the model has one, so that a vision encoder's layers are never taken for it."""
+    """Module path of the decoder layers: the ModuleList of length n named as transformers names a decoder's
+    layers (inventory.LAYER_LISTS: `layers`, GPT-2's `h`), inside the model's decoder (get_decoder) when the model
+    has one, so that a vision encoder's layers are never taken for it."""
     import torch
+
+    from tic.harness.model.inventory import LAYER_LISTS
 
     roots = []
     get_decoder = getattr(model, "get_decoder", None)
@@ -135,15 +138,15 @@ def decoder_path(model, n: int) -> str:
         if root is None:
             continue
         found = [name for name, m in model.named_modules()
-                 if isinstance(m, torch.nn.ModuleList) and len(m) == n and name.split(".")[-1] == "layers"
+                 if isinstance(m, torch.nn.ModuleList) and len(m) == n and name.split(".")[-1] in LAYER_LISTS
                  and (not root or name.startswith(root + "."))]
         if len(found) == 1:
             return found[0]
     others = [name for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n]
     held = f" (its {n} layers are in {', '.join(others)})" if others else ""
     raise TicInputError(f"cannot tell the decoder layers of {type(model).__name__}: no single ModuleList "
-                        f"'layers' of length {n}{held}; tic cuts and wraps decoders whose layers are a ModuleList "
-                        "named layers")
+                        f"named {' or '.join(LAYER_LISTS)} of length {n}{held}; tic cuts and wraps decoders whose "
+                        f"layers are a ModuleList of one of those names")
 
 
 def num_text_layers(config) -> int:
