@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 
 from tic.core.errors import TicInputError
+from tic.harness.model.inventory import LAYER_LISTS
 from tic.harness.model.families import (NOT_PER_LAYER, PER_LAYER_FIELDS, QUANT_NAME_LISTS, family, first_k_dense_is_moe,
                                         layer_kinds)
 from tic.harness.model.layer_structure import (ModelStructure, first_difference, model_structure, parse_config,
@@ -243,11 +244,11 @@ def check_rewrite(cfg: dict, cut_cfg: dict, kept: list[int]) -> Proof:
 
 # --- quantization config ----------------------------------------------------------------------------------------
 def _renumber_module_name(name: str, new_index: dict[int, int]) -> str | None:
-    """'model.layers.17.mlp' -> 'model.layers.3.mlp' (None when layer 17 is not kept); regex entries ('re:...')
-    and names under a vision tower are left as they are."""
+    """'model.layers.17.mlp' -> 'model.layers.3.mlp' ('transformer.h.17' alike; None when layer 17 is not kept);
+    regex entries ('re:...') and names under a vision tower are left as they are."""
     if name.startswith("re:") or re.search(r"vision|visual", name):
         return name
-    m = re.search(r"(?:^|\.)layers\.(\d+)(?=\.|$)", name)
+    m = re.search(r"(?:^|\.)(?:" + "|".join(LAYER_LISTS) + r")\.(\d+)(?=\.|$)", name)
     if m is None:
         return name
     i = int(m.group(1))
