@@ -31,6 +31,7 @@ from torch import nn
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 hybrids, issue 31
 from tic.harness.kernels.autograd import PLAIN_ACTS, layer_norm_float32_written_out
 from tic.harness.kernels.rope import rotary_output_layout, rotate_interleaved, rotate_neox
+from tic.harness.model.inventory import LAYER_LISTS
 
 KERNELS = ("consistent", "vllm")  # tic.yaml train.kernels values that run through the wrappers
 _BOTH = frozenset(KERNELS)
@@ -1005,12 +1006,13 @@ def read_coverage(model: nn.Module) -> list[LayerCoverage]:
 
 
 def layer_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """The model's lists of decoder layers: each ModuleList named ...layers, and any other whose length is the
-    config's num_hidden_layers (GPT-2's and Falcon's transformer.h, a blocks list), outermost first."""
+    """The model's lists of decoder layers: each ModuleList named as transformers names one (inventory.LAYER_LISTS:
+    ...layers, GPT-2's and Falcon's transformer.h), and any other whose length is the config's num_hidden_layers
+    (a blocks list), outermost first."""
     n = getattr(model.config.get_text_config(), "num_hidden_layers", None)
     inside = [name + "." for name, m in model.named_modules() if is_decoder_layer(m) or is_hybrid_block(m)]
     return [(name, lst) for name, lst in model.named_modules() if isinstance(lst, nn.ModuleList) and len(lst)
-            and (name.split(".")[-1] == "layers" or len(lst) == n)
+            and (name.split(".")[-1] in LAYER_LISTS or len(lst) == n)
             and not any(name.startswith(prefix) for prefix in inside)]  # a list inside a layer is no layer list
 
 

@@ -41,9 +41,8 @@ from tic.harness.kernels.autograd import OPS, Backward, Ops
 from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, attention_name, attention_softcap,
                                           attention_window, final_norm, head_dim_of, is_attention, is_decoder_layer,
                                           is_gated_mlp, is_hybrid_block, is_layernorm, is_moe_block, is_rmsnorm,
-                                          norm_eps,
-                                          output_projection_name, problem_lines, read_coverage, rotary_modules,
-                                          rotary_per_layer_type)
+                                          norm_eps, output_projection_name, problem_lines, read_coverage,
+                                          rotary_modules, rotary_per_layer_type)
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.stand_ins import stands_for
@@ -195,7 +194,7 @@ def _keep_mixer_output(block):
 
 def _wrap_hybrid_blocks(model: nn.Module, stream: ResidualStream) -> None:
     """Hybrid blocks whose residual stays in the model dtype join the residual stream (_hybrid_block_forward)."""
-    for _, m in model.named_modules():
+    for m in model.modules():
         if not is_hybrid_block(m) or not is_rmsnorm(m.norm) or getattr(m, "residual_in_fp32", False):
             continue
         m._tic_stream, m._tic_mixer_out, m._tic_block_forward = stream, None, m.forward

@@ -274,10 +274,11 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
         bases)."""
         head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         max_pos = max(n, int(getattr(config, "max_position_embeddings", n)))
+        hf = hf_cos_sin_cache(rotary, n, dtype, device, layer_type)  # the fallback, and what vLLM's is checked by
         try:
             from vllm.model_executor.layers.rotary_embedding import get_rope
         except ImportError as e:
-            return self._hf_table(f"no get_rope ({e})", rotary, n, dtype, device, layer_type)
+            return self._hf_table(f"no get_rope ({e})", hf)
         params = getattr(config, "rope_parameters", None) or {
             "rope_type": "default", "rope_theta": getattr(config, "rope_theta", 10000.0)}
         if layer_type is not None:
@@ -294,26 +295,25 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
                 except TypeError as e:  # signatures moved between releases
                     why = f"get_rope: {e}"
         if rope is None:
-            return self._hf_table(why, rotary, n, dtype, device, layer_type)
+            return self._hf_table(why, hf)
         cache = _table_as_vllm_builds_it(rope, device, dtype)
         # the same rotary as the model's own module (width, scaling), up to the last bits: a generic get_rope call
         # can build another one (a partial rotary read from a field it does not take), then the HF table serves
-        hf = hf_cos_sin_cache(rotary, n, dtype, device, layer_type)
         if cache.shape[1:] != hf.shape[1:] or cache.shape[0] < n or \
                 not torch.allclose(cache[:n].float(), hf.float(), rtol=0, atol=1e-2):
-            return self._hf_table(f"get_rope built a table of shape {tuple(cache.shape)} other than the model's "
-                                  f"rotary module's {tuple(hf.shape)}", rotary, n, dtype, device, layer_type)
+            return self._hf_table(f"get_rope built another table (shape {tuple(cache.shape)}) than the model's "
+                                  f"rotary module (shape {tuple(hf.shape)})", hf)
         self.rope_source = f"vllm get_rope, computed on {torch.device(device)}"
         return cache
 
-    def _hf_table(self, why: str, rotary, n, dtype, device, layer_type):
-        """The table from the HF rotary module where tic cannot build vLLM's own through get_rope (said in
-        rope_source, and on stderr: the two can differ in the last bits of some angles)."""
+    def _hf_table(self, why: str, table: torch.Tensor) -> torch.Tensor:
+        """The HF rotary module's table, where tic cannot build vLLM's own through get_rope (said in rope_source,
+        and on stderr: the two can differ in the last bits of some angles)."""
         import sys
 
         self.rope_source = f"hf rotary module ({why[:120]})"
         print(f"tic: kernels: vllm reads the rotary table from the HF module: {why[:120]}", file=sys.stderr)
-        return hf_cos_sin_cache(rotary, n, dtype, device, layer_type)
+        return table
 
     def rotary(self, q, k, positions, cos_sin, neox: bool = True):
         T, Hq, D = q.shape

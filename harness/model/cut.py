@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tic.harness.model.cut_config import rewrite_config
 from tic.harness.model.families import Family, family
-from tic.harness.model.inventory import LAYER_LISTS, LAYER_RE, QUANT_SUFFIXES, tensor_locations, weight_files
+from tic.harness.model.inventory import LAYER_LIST, LAYER_RE, QUANT_SUFFIXES, tensor_locations, weight_files
 from tic.harness.model.layer_structure import ModelStructure, digest, label, model_structure, text_config
 from tic.core.errors import TicInputError
 from tic.core.paths import is_within, real_path
@@ -34,7 +34,7 @@ DEFAULT_MAX_SHARD = 4 << 30
 _COPY_THREADS = int(os.environ.get("TIC_CUT_THREADS", "8"))
 _COPY_CHUNK = 64 << 20
 # (the layer list's path and a dot, 'model.layers.' or 'transformer.h.'; the index; the name inside the layer)
-_LAYER_KEY = re.compile(r"^((?:.*?\.)?(?:" + "|".join(LAYER_LISTS) + r")\.)(\d+)\.(.+)$")
+_LAYER_KEY = re.compile(r"^((?:.*?\.)?" + LAYER_LIST + r"\.)(\d+)\.(.+)$")
 
 
 # --- layer choice ----------------------------------------------------------------------------------------

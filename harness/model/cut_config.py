@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 
 from tic.core.errors import TicInputError
-from tic.harness.model.inventory import LAYER_LISTS
+from tic.harness.model.inventory import LAYER_LIST
 from tic.harness.model.families import (NOT_PER_LAYER, PER_LAYER_FIELDS, QUANT_NAME_LISTS, family, first_k_dense_is_moe,
                                         layer_kinds)
 from tic.harness.model.layer_structure import (ModelStructure, first_difference, model_structure, parse_config,
@@ -248,7 +248,7 @@ def _renumber_module_name(name: str, new_index: dict[int, int]) -> str | None:
     regex entries ('re:...') and names under a vision tower are left as they are."""
     if name.startswith("re:") or re.search(r"vision|visual", name):
         return name
-    m = re.search(r"(?:^|\.)(?:" + "|".join(LAYER_LISTS) + r")\.(\d+)(?=\.|$)", name)
+    m = re.search(r"(?:^|\.)" + LAYER_LIST + r"\.(\d+)(?=\.|$)", name)
     if m is None:
         return name
     i = int(m.group(1))

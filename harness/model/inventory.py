@@ -18,7 +18,8 @@ from tic.core.errors import TicInputError
 # The names transformers gives a decoder's ModuleList of layers: `layers` (Llama, Qwen, Mistral, ...), `h` (GPT-2,
 # GPT-J, Bloom, Falcon, CodeGen, GPT-BigCode)
 LAYER_LISTS = ("layers", "h")
-LAYER_RE = re.compile(r"(?:^|\.)(?:" + "|".join(LAYER_LISTS) + r")\.(\d+)\.(.+)$")
+LAYER_LIST = "(?:" + "|".join(LAYER_LISTS) + ")"  # a regex fragment: one of those names
+LAYER_RE = re.compile(r"(?:^|\.)" + LAYER_LIST + r"\.(\d+)\.(.+)$")
 # bits per element of each dtype the safetensors format defines (safetensors' Dtype enum)
 DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6,
               "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,

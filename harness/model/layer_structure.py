@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 
 from tic.core.errors import TicInputError
+from tic.harness.model.inventory import LAYER_LISTS
 
 # keys under which a multimodal wrapper nests its language model's config
 TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
@@ -123,8 +124,6 @@ def decoder_path(model, n: int) -> str:
     layers (inventory.LAYER_LISTS: `layers`, GPT-2's `h`), inside the model's decoder (get_decoder) when the model
     has one, so that a vision encoder's layers are never taken for it."""
     import torch
-
-    from tic.harness.model.inventory import LAYER_LISTS
 
     roots = []
     get_decoder = getattr(model, "get_decoder", None)
