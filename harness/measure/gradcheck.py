@@ -91,7 +91,7 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
     from transformers import AutoModelForCausalLM
 
     from tic.harness.kernels.fp8 import unquantized_config
-    from tic.harness.measure import fp8_reference
+    from tic.harness.measure import fp8_reference, ssd_reference
     from tic.harness.model.layer_structure import quiet_transformers
 
     fp8 = unquantized_config(model_dir)
@@ -105,21 +105,25 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
     model.requires_grad_(True)
     pin = RoutingPin(model)
     n_tokens = sum(int(s.mask.sum()) if s.mask is not None else len(s.response_ids) for s in samples)
-    for i, (s, a) in enumerate(zip(samples, adv)):
-        P, R = len(s.prompt_ids), len(s.response_ids)
-        ids = torch.tensor([s.ids], device=device)
-        ctx = pin.pinned(routes[i]) if routes and pin.gates else contextlib.nullcontext()
-        if taken is not None:
-            taken.current = quantizer_inputs(i)
-        with ctx:
-            logits = model(input_ids=ids, use_cache=False).logits[0, P - 1:P - 1 + R].float()
-        if sampling.temperature not in (0, 1):
-            logits = logits / sampling.temperature
-        lp = torch.log_softmax(logits, dim=-1)[torch.arange(R, device=device), torch.tensor(s.response_ids,
-                                                                                               device=device)]
-        if s.mask is not None:
-            lp = lp * s.mask.to(device=device, dtype=lp.dtype)
-        (-a * lp.sum() / max(n_tokens, 1)).backward()
+    # Mamba-2 mixers: transformers' torch scan, as einsums (some releases hold a positions^2 x state product)
+    with ssd_reference.lean_scans(model) as switched:
+        for i, (s, a) in enumerate(zip(samples, adv)):
+            P, R = len(s.prompt_ids), len(s.response_ids)
+            ids = torch.tensor([s.ids], device=device)
+            ctx = pin.pinned(routes[i]) if routes and pin.gates else contextlib.nullcontext()
+            if taken is not None:
+                taken.current = quantizer_inputs(i)
+            with ctx:
+                logits = model(input_ids=ids, use_cache=False).logits[0, P - 1:P - 1 + R].float()
+            if sampling.temperature not in (0, 1):
+                logits = logits / sampling.temperature
+            picked = torch.tensor(s.response_ids, device=device)
+            lp = torch.log_softmax(logits, dim=-1)[torch.arange(R, device=device), picked]
+            if s.mask is not None:
+                lp = lp * s.mask.to(device=device, dtype=lp.dtype)
+            (-a * lp.sum() / max(n_tokens, 1)).backward()
+    if report is not None and switched:
+        report["mamba2_scans_as_einsums"] = switched
     if report is not None and pin.gates:
         report.update({"moe_routers": len(pin.gates), "pinned": bool(routes), "routed_tokens": pin.tokens,
                        "reference_would_flip": pin.flips, "unpinned": sorted(pin.unpinned)})
