@@ -342,6 +342,55 @@ def test_fixed_order_gemm_takes_the_fastest_tile_with_the_reference_bits(monkeyp
     assert fog.tile_for(100, w, torch.float32, False) == fog.REFERENCE
 
 
+def test_fixed_order_gemm_runs_cublas_only_where_it_gave_the_reference_bits(monkeypatch):
+    """cuBLAS serves a problem once a check on seeded rows of that exact problem matched the reference tile; a
+    planted cuBLAS that sums in another order for few rows (as its split-K kernels do) is never used there, so every
+    row equals the reference tile's. Checked once per problem and alignment; never during a capture, nor for a
+    strided operand."""
+    from tic.patches.vllm import fixed_order_gemm as fog
+
+    reference = lambda x2, w, b, tile: x2 @ w.t()  # noqa: E731
+    checks, served, checking = [], [], []
+
+    def planted_cublas(x2, w, b):
+        if not checking:
+            served.append(x2.shape[0])
+        y = x2 @ w.t()
+        return y + 1e-3 if x2.shape[0] < 4 else y  # another order below 4 rows
+
+    def check(*a):
+        checks.append(a[0])
+        checking.append(1)
+        try:
+            return real_check(*a)
+        finally:
+            checking.pop()
+
+    real_check = fog._cublas_check
+    monkeypatch.setattr(fog, "run", reference)
+    monkeypatch.setattr(fog, "tile_for", lambda *a: fog.REFERENCE)
+    monkeypatch.setattr(fog, "_cublas", planted_cublas)
+    monkeypatch.setattr(fog, "_cublas_check", check)
+    monkeypatch.setattr(fog, "_cublas_ok", {})
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(8, 32, generator=g), torch.randn(9, 32, generator=g)
+    for m in (1, 3, 4, 9, 4):
+        served.clear()
+        assert torch.equal(fog.linear(x[:m], w), x[:m] @ w.t())
+        assert served == ([m] if m >= 4 else [])  # cuBLAS ran the real rows from 4 rows on
+    assert checks == [1, 3, 4, 9]  # once per problem
+    shifted = torch.randn(1 + 4 * 32, generator=g)[1:].view(4, 32)  # 4 rows at a 4-byte alignment
+    assert fog._alignment(shifted) == 4 != fog._alignment(x)
+    assert torch.equal(fog.linear(shifted, w), shifted @ w.t())
+    assert checks[-1] == 4 and len(checks) == 5  # another alignment: checked again
+    served.clear()
+    assert torch.equal(fog.linear(x.t().contiguous().t()[:4], w), x[:4] @ w.t()) and not served  # strided
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not fog.cublas_agrees(x[:7], w, None) and len(checks) == 5
+
+
 def test_gemm_fixed_m_custom_op_runs_where_the_dispatcher_never_ran(fake_vllm):
     """A graph vLLM compiled in an earlier process and loaded from its compile cache calls the custom op without
     tracing the dispatcher (under vLLM's default compile mode this was a KeyError during memory profiling)."""

@@ -8,6 +8,14 @@ per tile or persistent, gave the same bits on seven projection shapes (benchmark
 docs/results/rollout-throughput.md). So the tile may follow the batch size for speed; `linear` still takes a tile
 only after checking, on seeded operands of that problem, that it reproduces the reference tile's bits, and falls
 back to the reference tile where one does not.
+
+cuBLAS's own kernels mostly sum K in that same chain: on the H100 its rows equal the reference tile's at every
+batch size from 1 to 8,192 rows on Qwen3-8B's qkv, gate_up and lm_head, and from 128 rows up on every projection
+probed; for fewer rows on the narrow, deep ones (o, down) its heuristic picks kernels that sum in another order
+(benchmarks/gpu/cublas_order_probe.py). So `linear` runs
+cuBLAS for a problem once a check on seeded operands of exactly that problem (rows, weight, dtypes, bias, the
+addresses' alignment, which cuBLAS picks kernels by) gave the reference tile's bits, and tic's kernel otherwise.
+Every process checks for itself, so a row's bits are the reference tile's whichever kernel ran it.
 """
 
 from __future__ import annotations
@@ -212,9 +220,61 @@ def _measure(candidates, m: int, w, x_dtype, has_bias: bool) -> Tile:
     return min(times, key=times.get) if times else REFERENCE
 
 
+CUBLAS_CHECK_ELEMENTS = 1 << 28  # a problem whose output passes this (the lm_head over a training batch) stays on tic's
+_cublas_ok: dict = {}
+
+
+def _cublas(x2, weight, bias):
+    import torch.nn.functional as F
+
+    return F.linear(x2, weight, bias)
+
+
+def _alignment(t) -> int:
+    """The largest power of two up to 256 dividing t's address: cuBLAS chooses among kernels by it."""
+    a = 256
+    while t.data_ptr() % a:
+        a //= 2
+    return a
+
+
+def cublas_agrees(x2, weight, bias) -> bool:
+    """Whether cuBLAS gives the reference tile's bits for this problem: checked once per (rows, weight shape,
+    dtypes, bias, alignments) on seeded rows of x2's alignment against the layer's own weight. No for a strided
+    operand (cuBLAS may take another kernel than the check saw), past CUBLAS_CHECK_ELEMENTS, and for an unchecked
+    problem while a CUDA graph is captured (checking would launch into the graph)."""
+    import torch
+
+    m, n = x2.shape[0], weight.shape[0]
+    if not (x2.is_cuda and x2.is_contiguous() and weight.is_contiguous()) or not m or m * n > CUBLAS_CHECK_ELEMENTS:
+        return False
+    key = (m, weight.shape, weight.dtype, x2.dtype, bias is not None, _alignment(x2), _alignment(weight),
+           weight.device)
+    if key not in _cublas_ok:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _cublas_ok[key] = _cublas_check(m, weight, x2.dtype, bias is not None, _alignment(x2))
+    return _cublas_ok[key]
+
+
+def _cublas_check(m: int, w, x_dtype, has_bias: bool, align: int) -> bool:
+    import torch
+
+    g = torch.Generator(device=w.device).manual_seed(0)
+    k, size = w.shape[1], torch.empty((), dtype=x_dtype).element_size()
+    skip = align // size if align < 256 else 0  # the allocator's blocks start 512-aligned: this sets x's alignment
+    flat = torch.randn(skip + m * k, generator=g, device=w.device, dtype=x_dtype)
+    x = flat[skip:].view(m, k)
+    b = torch.randn(w.shape[0], generator=g, device=w.device, dtype=x_dtype) if has_bias else None
+    return torch.equal(_cublas(x, w, b), run(x, w, b, REFERENCE))
+
+
 def linear(x, weight, bias=None):
     """x [.., K] @ weight[N, K].T (+ bias) in x's dtype, one K order for every number of rows."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    y = run(x2, weight, bias, tile_for(x2.shape[0], weight, x.dtype, bias is not None))
+    if cublas_agrees(x2, weight, bias):
+        y = _cublas(x2, weight, bias)
+    else:
+        y = run(x2, weight, bias, tile_for(x2.shape[0], weight, x.dtype, bias is not None))
     return y.view(*x.shape[:-1], weight.shape[0])

@@ -5,7 +5,9 @@ order when its batch has another number of rows (C3 fails in a projection, `aten
 dense GEMM is one accumulation order for every M (reference 4.1). This patch replaces vLLM's default unquantized
 GEMM with tic's Triton GEMM (fixed_order_gemm.py): no split-K, K walked upwards in one MMA chain, so a row's
 value does not depend on its batch-mates while the tile, and so the speed, may follow the batch size. It runs
-the whole batch in one launch, where gemm-fixed-m ran one cuBLAS call per 128 rows.
+the whole batch in one launch, where gemm-fixed-m ran one cuBLAS call per 128 rows. Where cuBLAS's own kernel
+for a problem gives that GEMM's bits (checked per problem on seeded operands in the running process), cuBLAS runs
+it: most of its kernels walk K in the same chain, only its split-K choices for few rows do not.
 """
 
 from tic.patches.base import Patch
@@ -29,8 +31,9 @@ PATCH = Patch(
     name=NAME, target="vllm", versions=">=0.26.0,<0.27", gate="C3",
     symptom="C3 (or C4) fails in an MLP or attention projection (e.g. mlp.down_proj), first operator aten.linear "
             "/ aten.mm: the same row differs between a GEMM of few rows and one of many",
-    fix="every unquantized bf16/fp16 vLLM linear (and the lm_head) runs tic's Triton GEMM: no split-K, one K "
-        "order for every batch size, the tile chosen by speed among tiles proven to give the same bits",
+    fix="every unquantized bf16/fp16 vLLM linear (and the lm_head) gets one K order for every batch size: tic's "
+        "Triton GEMM (no split-K, the tile chosen by speed among tiles proven to give the same bits), or cuBLAS "
+        "for a problem where a check in the process showed cuBLAS gives those bits",
     guide="guides/C3.md",
     cost="measured per projection against cuBLAS in benchmarks/gpu/gemm_order_probe.py and end to end in "
          "docs/results/rollout-throughput.md",
