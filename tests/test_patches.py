@@ -233,6 +233,76 @@ def test_fa3_fixed_tile_runs_each_windowed_row_as_decode_does(fake_vllm, monkeyp
     assert not torch.equal(prefill([-1, -1]), decode_rows([-1, -1]))
 
 
+def _paged_causal_attention(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, causal=True, out=None,
+                            calls=None, **_):
+    """Causal varlen attention over a paged cache (float64) with a planted tile dependence for head_dim 64 only:
+    rows launched with max_seqlen_q below 128 move with it, as FA3's decode tile does at that head size."""
+    if calls is not None:
+        calls.append(int(max_seqlen_q))
+    res = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float64)
+    for b in range(cu_seqlens_q.numel() - 1):
+        lo, hi = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        keys = torch.cat([k[p] for p in block_table[b]]).double()
+        vals = torch.cat([v[p] for p in block_table[b]]).double()
+        for j in range(lo, hi):
+            pos = int(seqused_k[b]) - (hi - j)
+            s = torch.einsum("hd,khd->hk", q[j].double(), keys.repeat_interleave(
+                q.shape[1] // keys.shape[1], dim=1)[:pos + 1])
+            res[j] = torch.einsum("hk,khd->hd", s.softmax(-1), vals.repeat_interleave(
+                q.shape[1] // vals.shape[1], dim=1)[:pos + 1])
+    if q.shape[-1] == 64 and max_seqlen_q < 128:
+        res = res + 0.05 * max_seqlen_q
+    return res.to(q.dtype)
+
+
+@pytest.mark.parametrize("head_dim, pinned", [(64, True), (32, False)])
+def test_fa3_fixed_tile_keeps_the_launch_where_a_check_shows_it_gives_the_pinned_bits(fake_vllm, monkeypatch,
+                                                                                     head_dim, pinned):
+    """A decode row equals the prefill's with the patch either way; the call keeps its own max_seqlen_q only where
+    the seeded check found every launch below the pin equal to the pinned one (the planted head_dim 64 is not).
+    Checked once per attention shape; FP8-scaled calls and unchecked shapes during a capture are pinned."""
+    import functools
+
+    import vllm.v1.attention.backends.flash_attn as fa
+    from tic.patches.vllm import fa3_fixed_tile
+
+    calls = []
+    monkeypatch.setattr(fa, "flash_attn_varlen_func", functools.partial(_paged_causal_attention, calls=calls))
+    monkeypatch.setattr(fa3_fixed_tile, "CHECK_TOKENS", 21)
+    monkeypatch.setattr(fa3_fixed_tile, "_natural_ok", {})
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(8, 4, 2, head_dim, generator=g).to(torch.bfloat16)
+    v = torch.randn(8, 4, 2, head_dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(9, 4, head_dim, generator=g).to(torch.bfloat16)
+    table = torch.tensor([[3, 1, 6]], dtype=torch.int32)
+
+    def attend(rows, used, max_q, **extra):
+        cu = torch.tensor([0, rows.shape[0]], dtype=torch.int32)
+        return fa.flash_attn_varlen_func(q=rows, k=k, v=v, cu_seqlens_q=cu, max_seqlen_q=max_q,
+                                         seqused_k=torch.tensor([used], dtype=torch.int32), max_seqlen_k=12,
+                                         block_table=table, causal=True, softcap=0.0, **extra)
+
+    stock = attend(q, 12, 9), attend(q[-1:], 12, 1)
+    assert torch.equal(stock[0][-1:], stock[1]) == (head_dim != 64)  # the plant, without the patch
+    patches.apply(["fa3-fixed-tile"])
+    calls.clear()
+    prefill = attend(q, 12, 9)
+    checked = len(calls) - 1  # the check's launches ran before this call's own
+    # the pinned launch, then each row count below the pin until one differs
+    assert checked == (2 if pinned else 1 + len(fa3_fixed_tile.CHECK_QUERY_ROWS))
+    assert calls[-1] == (128 if pinned else 9)
+    assert torch.equal(attend(q[-1:], 12, 1), prefill[-1:])
+    assert calls[-1] == (128 if pinned else 1) and len(calls) == checked + 2  # no second check
+    attend(q[-1:], 12, 1, q_descale=torch.ones(1))
+    assert calls[-1] == 128  # FP8 scales: not checkable, pinned
+    monkeypatch.setattr(fa3_fixed_tile, "_natural_ok", {})
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    n = len(calls)
+    attend(q[-1:], 12, 1)
+    assert calls[n:] == [128]  # during a capture: pinned, nothing launched to check
+
+
 def test_gemm_fixed_m_gives_every_row_the_same_gemm_whatever_the_batch(fake_vllm):
     from vllm.model_executor.layers import utils
 

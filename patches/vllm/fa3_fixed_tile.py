@@ -17,6 +17,13 @@ so every windowed call with more than one query row per sequence is launched the
 sequence of its own, with the keys up to its position (its sequence's block table, its causal key count). Decode,
 prefill, mixed batches and a training forward then compute each row alike. It costs prefill speed on windowed
 layers (one partly filled tile per row).
+
+The max_seqlen_q pin is not needed everywhere: on the H100 decode rows at vLLM's own max_seqlen_q = 1 equal the
+prefill's with head_dim 128 and 256, and differ with head_dim 64 (fa3_window_probe.py). It costs decode speed (four
+query tiles launched per sequence where one holds its rows). So a causal, paged bf16/fp16 call keeps its own
+max_seqlen_q once a check on a seeded sequence in a cache shaped like the call's showed that launches of 1 to 127
+query rows per sequence give the pinned prefill's bits (`natural_launch_agrees`, once per shape in the process);
+every other call, and any call while a CUDA graph is captured before its shape was checked, is pinned.
 """
 
 from __future__ import annotations
@@ -49,14 +56,77 @@ def rows_apart(kwargs: dict) -> dict:
             "seqused_k": keys, "block_table": table.index_select(0, seq.long()), "max_seqlen_q": MIN_TILE_Q}
 
 
+CHECK_TOKENS = 2048  # the seeded sequence the natural launch is checked on
+CHECK_QUERY_ROWS = (1, 2, 8, 32, 64, MIN_TILE_Q - 1)  # rows per sequence of the launches checked (1: decode)
+_natural_ok: dict = {}
+
+
+def _checkable(kw: dict) -> bool:
+    """A causal call on a paged bf16/fp16 cache with no FP8 scales, sinks or extra inputs: one the check rebuilds."""
+    import torch
+
+    q, k = kw.get("q"), kw.get("k")
+    return (q is not None and k is not None and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype
+            and bool(kw.get("causal")) and kw.get("block_table") is not None and kw.get("seqused_k") is not None
+            and not _sliding(kw.get("window_size"))
+            and all(kw.get(n) is None for n in ("q_descale", "k_descale", "v_descale", "s_aux", "q_v",
+                                                "alibi_slopes")))
+
+
+def natural_launch_agrees(fn, kw: dict) -> bool:
+    """Whether this call's attention shape gives the pinned launch's bits at any max_seqlen_q below the pin."""
+    import torch
+
+    if not _checkable(kw):
+        return False
+    q, k, v = kw["q"], kw["k"], kw["v"]
+    key = (q.dtype, tuple(q.shape[-2:]), tuple(k.shape[1:]), v.shape[-1], float(kw.get("softcap") or 0.0),
+           kw.get("fa_version"), kw.get("softmax_scale"), q.device)
+    if key not in _natural_ok:
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        _natural_ok[key] = _check_natural_launch(fn, kw)
+    return _natural_ok[key]
+
+
+def _check_natural_launch(fn, kw: dict) -> bool:
+    """One seeded CHECK_TOKENS-token sequence in a cache shaped like the call's: its pinned prefill against launches
+    that split it into sequences of r query rows (each over the same pages, keys up to its last row), each launched
+    with max_seqlen_q = r, as decode (r = 1) and short chunks are."""
+    import torch
+
+    q0, k0, v0, table0 = kw["q"], kw["k"], kw["v"], kw["block_table"]
+    n, page, dev = CHECK_TOKENS, k0.shape[1], q0.device
+    pages = -(-n // page)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(n, *q0.shape[1:], generator=g, device=dev).to(q0.dtype)
+    k = torch.randn(pages, *k0.shape[1:], generator=g, device=dev).to(k0.dtype)
+    v = torch.randn(pages, *v0.shape[1:], generator=g, device=dev).to(v0.dtype)
+    row = torch.arange(pages, device=dev, dtype=table0.dtype)
+    index = kw["seqused_k"].dtype
+
+    def launch(r: int, max_q: int):
+        ends = list(range(r, n, r)) + [n]
+        cu = torch.tensor([0] + ends, device=dev, dtype=kw["cu_seqlens_q"].dtype)
+        out = fn(**{**kw, "q": q, "k": k, "v": v, "out": None, "cu_seqlens_q": cu, "max_seqlen_q": max_q,
+                    "seqused_k": torch.tensor(ends, device=dev, dtype=index), "max_seqlen_k": n,
+                    "block_table": row.expand(len(ends), pages).contiguous(), "scheduler_metadata": None,
+                    "num_splits": 1})
+        return out[0] if isinstance(out, tuple) else out
+
+    pinned = launch(n, max(n, MIN_TILE_Q))
+    return all(torch.equal(launch(r, r), pinned) for r in CHECK_QUERY_ROWS)
+
+
 def _pin(fn):
     @functools.wraps(fn)
     def pinned(*args, **kwargs):
         if "max_seqlen_q" in kwargs:
             several = int(kwargs["max_seqlen_q"]) > 1
-            kwargs["max_seqlen_q"] = max(int(kwargs["max_seqlen_q"]), MIN_TILE_Q)
             kwargs["scheduler_metadata"] = None
             kwargs["num_splits"] = 1
+            if not natural_launch_agrees(fn, kwargs):
+                kwargs["max_seqlen_q"] = max(int(kwargs["max_seqlen_q"]), MIN_TILE_Q)
             if several and _sliding(kwargs.get("window_size")) and kwargs.get("block_table") is not None \
                     and kwargs.get("seqused_k") is not None and "q" in kwargs:
                 kwargs = rows_apart(kwargs)
@@ -76,9 +146,10 @@ PATCH = Patch(
     symptom="C4 (or C3) fails in self_attn.attn, first operator _vllm_fa3_C.fwd: one decode row vs the same "
             "sequence's prefill rows differ (often 1 ulp) once the context passes ~128 keys; on a sliding-window "
             "layer (window_size_left set) once the window's left edge passes key 0",
-    fix="every FA3 varlen call is launched with max_seqlen_q >= 128, no AOT scheduler metadata and one split, so "
-        "decode, prefill and mixed batches run one tile and one key order; a windowed call with several query "
-        "rows per sequence runs each row as a sequence of its own, as decode does; cascade attention is off",
+    fix="every FA3 varlen call is launched with no AOT scheduler metadata and one split, and with max_seqlen_q >= "
+        "128 unless a check in the process showed its attention shape gives those bits at its own max_seqlen_q, "
+        "so decode, prefill and mixed batches run one key order; a windowed call with several query rows per "
+        "sequence runs each row as a sequence of its own, as decode does; cascade attention is off",
     guide="guides/C4.md",
     cost="the three patches together: 118-119 % of default vLLM's tokens/s on a Qwen3-1.7B-like model with CUDA "
          "graphs (H200, vLLM 0.26.0, docs/results/vllm-patches.md); this wrapper alone measured 96.6 % earlier; "
