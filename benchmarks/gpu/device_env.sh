@@ -58,6 +58,22 @@ plants() {
   done
 }
 
+# previous_tree: a copy of this tree (without .carry) in which every file under .carry/prev/, at its path relative
+# to the repository root, replaces the current one (made here with e.g.
+# `mkdir -p .carry/prev && git archive REV patches/vllm/fa3_fixed_tile.py | tar x -C .carry/prev`); prints the
+# import path (the bundle's site, then the copy's package link) a `previous` side or variant runs with
+previous_tree() {
+  local dir=$WORK/prev f
+  [ -d "$REPO/.carry/prev" ] || { echo "no .carry/prev: nothing to run as previous" >&2; return 2; }
+  rm -rf "$dir" && mkdir -p "$dir/pkg" "$dir/tree"
+  tar -C "$REPO" --exclude=./.carry -cf - . | tar -C "$dir/tree" -xf -
+  (cd "$REPO/.carry/prev" && find . -type f) | while read -r f; do
+    mkdir -p "$(dirname "$dir/tree/$f")" && cp "$REPO/.carry/prev/$f" "$dir/tree/$f"
+  done
+  ln -sfn "$dir/tree" "$dir/pkg/tic"
+  echo "$SITE:$dir/pkg"
+}
+
 # megatron_install: megatron-core from the wheels carried in .carry/megatron (fetched here with
 # `pip download megatron-core==0.16.1 --no-deps --only-binary=:all: --python-version 3.X -d .carry/megatron`;
 # name .carry/megatron in the run's carry), the one for the device's Python, into the bundle's site folder

@@ -12,7 +12,9 @@ Sides (each a vLLM engine in a process of its own; `default` is every ratio's de
 - consistent_graph: the patches, CUDA graphs without compilation (mode 0, FULL_DECODE_ONLY);
 - batch_invariant: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1), default compilation;
 - keep_kernels: the consistent side's compilation settings without any patch (what keeping the CUDA ops costs);
-- only:P1+P2: the consistent side's compilation with only the named patches (one patch's cost, A/B).
+- only:P1+P2: the consistent side's compilation with only the named patches (one patch's cost, A/B);
+- previous: the consistent side run on another tic tree (--previous-pythonpath, device_env.sh's previous_tree:
+  a patch change's with/without in one run).
 Models: each shape at its full depth (shapes.py), `load_format: dummy`, every side with the same KV cache size;
 --fp8: block-FP8 weights (config.json's quantization_config as Qwen3-*-FP8 ship it, 128x128 blocks) and an FP8 KV
 cache (kv_cache_dtype fp8) on every side, so the ratios are FP8 consistent (or batch-invariant) over FP8 default.
@@ -53,12 +55,17 @@ SIDES = {
 }
 
 
-def side_spec(name: str, fp8: bool = False) -> tuple[dict, dict]:
+def side_spec(name: str, fp8: bool = False, previous: str = "") -> tuple[dict, dict]:
     """A named side, or `only:P1+P2`: the consistent side's compilation with only those patches (A/B one patch).
-    fp8: the sides with tic's patches take the FP8 ones too (configs.FP8_PATCHES)."""
+    fp8: the sides with tic's patches take the FP8 ones too (configs.FP8_PATCHES); previous: the import path of
+    the tic tree the `previous` side runs."""
     if name.startswith("only:"):
         return KEEP_KERNELS, {"TIC_PATCHES": name[5:].replace("+", ","), "VLLM_BATCH_INVARIANT": "0"}
-    options, env = SIDES[name]
+    if name == "previous":
+        options, env = SIDES["consistent"]
+        env = {**env, "PYTHONPATH": previous}
+    else:
+        options, env = SIDES[name]
     if fp8 and env["TIC_PATCHES"] == PATCHES:
         env = {**env, "TIC_PATCHES": ",".join(FP8_PATCHES)}
     return options, env
@@ -107,8 +114,8 @@ class Side:
     """A side's process; `start` returns at once, `wait_ready` blocks until its engine is up."""
 
     def __init__(self, name: str, model_dir: Path, kv_bytes: int, max_len: int, memory_fraction: float,
-                 common: dict | None = None, fp8: bool = False):
-        options, env = side_spec(name, fp8)
+                 common: dict | None = None, fp8: bool = False, previous: str = ""):
+        options, env = side_spec(name, fp8, previous)
         options = {**options, **(common or {}), "gpu_memory_utilization": round(memory_fraction, 3)}
         self.name = name
         self.proc = subprocess.Popen(
@@ -167,7 +174,8 @@ def timed_rounds(sides: dict[str, Side], works: list[dict], rounds: int) -> dict
 
 
 def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict], rounds: int, kv_bytes: int,
-                  memory_gb: float, model_dir: Path, common: dict | None = None, fp8: bool = False) -> list[dict]:
+                  memory_gb: float, model_dir: Path, common: dict | None = None, fp8: bool = False,
+                  previous: str = "") -> list[dict]:
     """Every side on every workload. Sides that fit on the GPU together are resident at once and take turns,
     pass by pass; otherwise each side is a process of its own in turn (default first and last). common: LLM
     options every side gets (--fp8: the FP8 KV cache); fp8: block-FP8 weights (memory, the FP8 patches)."""
@@ -175,7 +183,7 @@ def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict]
     need = side_gib(shape, layers, kv_bytes, fp8)
     together = len(names) * need <= memory_gb
     if together:
-        sides = {n: Side(n, model_dir, kv_bytes, max_len, need / TOTAL_GIB, common, fp8) for n in names}
+        sides = {n: Side(n, model_dir, kv_bytes, max_len, need / TOTAL_GIB, common, fp8, previous) for n in names}
         try:
             for s in sides.values():
                 s.wait_ready()
@@ -186,7 +194,7 @@ def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict]
     else:
         got = {w["label"]: {n: [] for n in names} for w in works}
         for n in [*names, "default"]:
-            one = Side(n, model_dir, kv_bytes, max_len, need / TOTAL_GIB, common, fp8)
+            one = Side(n, model_dir, kv_bytes, max_len, need / TOTAL_GIB, common, fp8, previous)
             try:
                 one.wait_ready()
                 for label, passes in timed_rounds({n: one}, works, rounds).items():
@@ -218,8 +226,8 @@ def parse_workload(text: str, requests: int) -> dict:
 
 
 def linear_weights(cfg: dict) -> list[str]:
-    """The names of the model's 2-D module weights (linears, routers, embeddings), from its config alone (built on the meta device: dummy
-    weights have no checkpoint to read them from)."""
+    """The names of the model's 2-D module weights (linears, routers, embeddings), from its config alone (built on
+    the meta device: dummy weights have no checkpoint to read them from)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -243,11 +251,15 @@ def main() -> int:
     ap.add_argument("--kv-gb", type=float, default=22.0)
     ap.add_argument("--memory-gb", type=float, default=132.0)
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights and an FP8 KV cache on every side")
+    ap.add_argument("--previous-pythonpath", default="", help="the import path of the `previous` side's tic tree")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
-    unknown = [s for s in a.sides.split(",") if (s not in SIDES and not s.startswith("only:")) or s == "default"]
+    known = [*SIDES, "previous"]
+    unknown = [s for s in a.sides.split(",") if (s not in known and not s.startswith("only:")) or s == "default"]
     if unknown:
-        raise SystemExit(f"unknown side {unknown[0]!r}; sides: {', '.join(n for n in SIDES if n != 'default')}")
+        raise SystemExit(f"unknown side {unknown[0]!r}; sides: {', '.join(n for n in known if n != 'default')}")
+    if "previous" in a.sides.split(",") and not a.previous_pythonpath:
+        raise SystemExit("side previous needs --previous-pythonpath")
     works = [parse_workload(w, a.requests) for w in a.workloads.split(",")]
     names = ["default", *a.sides.split(",")]
     results = []
@@ -260,7 +272,7 @@ def main() -> int:
         (model_dir / "config.json").write_text(json.dumps(cfg))
         common = {"kv_cache_dtype": "fp8"} if a.fp8 else {}
         for res in measure_model(shape, layers, names, works, a.rounds, int(a.kv_gb * GiB), a.memory_gb, model_dir,
-                                 common, a.fp8):
+                                 common, a.fp8, a.previous_pythonpath):
             results.append({**res, "fp8": a.fp8})
             print(json.dumps(results[-1]), flush=True)
     print("\n| model (layers) | workload | side | default tok/s | side tok/s | side / default: median (min-max) |")

@@ -6,8 +6,8 @@
 #        versions, the norm launch probe stock and patched (each a fresh process), then the sweep (setsid)
 #   bash benchmarks/gpu/run_sweep.sh collect [WAIT_S]
 #        waits up to WAIT_S seconds for the sweep, prints its progress and table, packs results into $OUT
-# With .carry/prev/rmsnorm_fixed_block.py present (the patch module of an earlier release), the variant
-# `previous` runs on a copy of this tree holding that module instead: the with/without run of a patch change.
+# With .carry/prev/ present (files of an earlier release at their repository paths, device_env.sh's
+# previous_tree), the variant `previous` runs on a copy of this tree holding them: a patch change's with/without.
 # Works in $TIC_GPU_WORK/sweep (work/: configs, models, state; out/: records, logs, table).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -17,12 +17,7 @@ case "$cmd" in
 start)
   versions "$R/versions.txt"
   prev=""
-  if [ -f "$REPO/.carry/prev/rmsnorm_fixed_block.py" ]; then
-    rm -rf "$S/prev-tree" "$S/prev-pkg" && cp -r "$REPO" "$S/prev-tree" && mkdir -p "$S/prev-pkg"
-    rm -rf "$S/prev-tree/.carry" && cp "$REPO/.carry/prev/rmsnorm_fixed_block.py" "$S/prev-tree/patches/vllm/rmsnorm_fixed_block.py"
-    ln -sfn "$S/prev-tree" "$S/prev-pkg/tic"
-    prev="--previous-pythonpath $SITE:$S/prev-pkg"
-  fi
+  [ -d "$REPO/.carry/prev" ] && prev="--previous-pythonpath $(previous_tree)"
   for v in "" --patched; do
     python3 "$GPU/norm_launch_probe.py" $v > "$R/probe${v:-stock}.txt" 2>&1
     echo "exit $?" >> "$R/probe${v:-stock}.txt"

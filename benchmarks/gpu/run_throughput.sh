@@ -14,9 +14,11 @@ case "$cmd" in
 start)
   versions "$W/versions.txt"
   script=$W/all.sh; : > "$script"; i=0
+  prev=""  # with .carry/prev/ (device_env.sh's previous_tree) a `previous` side can run
+  [ -d "$REPO/.carry/prev" ] && prev="--previous-pythonpath $(previous_tree)"
   for opts in "$@"; do
     i=$((i + 1))
-    echo "python3 $REPO/benchmarks/gpu/rollout_throughput.py $opts --out $W/run$i.json > $W/run$i.log 2>&1" >> "$script"
+    echo "python3 $REPO/benchmarks/gpu/rollout_throughput.py $opts $prev --out $W/run$i.json > $W/run$i.log 2>&1" >> "$script"
   done
   cd "$REPO" && setsid nohup bash "$script" > "$W/all.log" 2>&1 < /dev/null &
   sleep 2; cat "$script"
@@ -26,7 +28,7 @@ collect)
   while pgrep -f rollout_throughput.py > /dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
   pgrep -f rollout_throughput.py > /dev/null && echo "benchmark still running" || echo "benchmark finished"
   for f in "$W"/run*.log; do echo "== $f"; grep -v '^{' "$f" | grep -iv "warn\|info" | tail -n 12; grep -c '^{"shape"' "$f"; done
-  cp "$W"/*.log "$W"/*.json "$W/versions.txt" "$OUT/" 2>/dev/null
+  tar czf "$OUT/throughput.tgz" -C "$W" --exclude=all.sh . 2>/dev/null  # one file: a call returns few
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv
   ;;
 *) sed -n '2,7p' "$0"; exit 2 ;;
