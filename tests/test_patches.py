@@ -294,13 +294,41 @@ def test_fa3_fixed_tile_keeps_the_launch_where_a_check_shows_it_gives_the_pinned
     assert torch.equal(attend(q[-1:], 12, 1), prefill[-1:])
     assert calls[-1] == (128 if pinned else 1) and len(calls) == checked + 2  # no second check
     attend(q[-1:], 12, 1, q_descale=torch.ones(1))
-    assert calls[-1] == 128  # FP8 scales: not checkable, pinned
+    assert calls[-1] == 128  # a scale without its FP8 inputs (or the other two scales): not checkable, pinned
     monkeypatch.setattr(fa3_fixed_tile, "_natural_ok", {})
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     n = len(calls)
     attend(q[-1:], 12, 1)
     assert calls[n:] == [128]  # during a capture: pinned, nothing launched to check
+
+
+def test_fa3_fixed_tile_checks_an_fp8_call_with_its_scales_spread_over_the_checks_sequences(fake_vllm, monkeypatch):
+    import vllm.v1.attention.backends.flash_attn as fa
+    from tic.patches.vllm import fa3_fixed_tile
+
+    seen = []
+
+    def attention(**kw):
+        seen.append((int(kw["max_seqlen_q"]), tuple(kw["k_descale"].shape), kw["cu_seqlens_q"].numel() - 1))
+        return _paged_causal_attention(**kw)
+
+    monkeypatch.setattr(fa, "flash_attn_varlen_func", attention)
+    monkeypatch.setattr(fa3_fixed_tile, "CHECK_TOKENS", 21)
+    monkeypatch.setattr(fa3_fixed_tile, "_natural_ok", {})
+    g = torch.Generator().manual_seed(0)
+    e4m3 = torch.float8_e4m3fn
+    k, v = (torch.randn(8, 4, 2, 32, generator=g).to(e4m3) for _ in range(2))
+    q = torch.randn(1, 4, 32, generator=g).to(e4m3)
+    scales = {d: torch.full((1, 2), 0.5) for d in fa3_fixed_tile.DESCALES}
+    patches.apply(["fa3-fixed-tile"])
+    fa.flash_attn_varlen_func(q=q, k=k, v=v, cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), max_seqlen_q=1,
+                              seqused_k=torch.tensor([12], dtype=torch.int32), max_seqlen_k=12,
+                              block_table=torch.tensor([[3, 1, 6]], dtype=torch.int32), causal=True, **scales)
+    assert seen[-1] == (1, (1, 2), 1)  # the call kept its own launch
+    checks = seen[:-1]
+    assert [c[0] for c in checks] == [128, *fa3_fixed_tile.CHECK_QUERY_ROWS]
+    assert all(shape == (seqs, 2) for _, shape, seqs in checks)  # a scale per (sequence, KV head) of each check
 
 
 def test_gemm_fixed_m_gives_every_row_the_same_gemm_whatever_the_batch(fake_vllm):

@@ -20,10 +20,11 @@ layers (one partly filled tile per row).
 
 The max_seqlen_q pin is not needed everywhere: on the H100 decode rows at vLLM's own max_seqlen_q = 1 equal the
 prefill's with head_dim 128 and 256, and differ with head_dim 64 (fa3_window_probe.py). It costs decode speed (four
-query tiles launched per sequence where one holds its rows). So a causal, paged bf16/fp16 call keeps its own
-max_seqlen_q once a check on a seeded sequence in a cache shaped like the call's showed that launches of 1 to 127
-query rows per sequence give the pinned prefill's bits (`natural_launch_agrees`, once per shape in the process);
-every other call, and any call while a CUDA graph is captured before its shape was checked, is pinned.
+query tiles launched per sequence where one holds its rows). So a causal, paged call (bf16/fp16, or FP8 with its
+scales) keeps its own max_seqlen_q once a check on a seeded sequence in a cache shaped like the call's showed that
+launches of 1 to 127 query rows per sequence give the pinned prefill's bits (`natural_launch_agrees`, once per
+shape in the process); every other call, and any call while a CUDA graph is captured before its shape was checked,
+is pinned.
 """
 
 from __future__ import annotations
@@ -61,16 +62,22 @@ CHECK_QUERY_ROWS = (1, 2, 8, 32, 64, MIN_TILE_Q - 1)  # rows per sequence of the
 _natural_ok: dict = {}
 
 
+DESCALES = ("q_descale", "k_descale", "v_descale")  # FP8 inputs' scales, one per (sequence, KV head)
+
+
 def _checkable(kw: dict) -> bool:
-    """A causal call on a paged bf16/fp16 cache with no FP8 scales, sinks or extra inputs: one the check rebuilds."""
+    """A causal call on a paged cache (bf16/fp16, or FP8 with its three descales) with no sinks or extra inputs:
+    one the check rebuilds."""
     import torch
 
     q, k = kw.get("q"), kw.get("k")
-    return (q is not None and k is not None and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype
-            and bool(kw.get("causal")) and kw.get("block_table") is not None and kw.get("seqused_k") is not None
-            and not _sliding(kw.get("window_size"))
-            and all(kw.get(n) is None for n in ("q_descale", "k_descale", "v_descale", "s_aux", "q_v",
-                                                "alibi_slopes")))
+    if q is None or k is None or k.dtype != q.dtype:
+        return False
+    fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    scales = [kw.get(n) is not None for n in DESCALES]
+    return ((q.dtype in (torch.bfloat16, torch.float16) and not any(scales)) or (fp8 and all(scales))) \
+        and bool(kw.get("causal")) and kw.get("block_table") is not None and kw.get("seqused_k") is not None \
+        and not _sliding(kw.get("window_size")) and all(kw.get(n) is None for n in ("s_aux", "q_v", "alibi_slopes"))
 
 
 def natural_launch_agrees(fn, kw: dict) -> bool:
@@ -108,7 +115,9 @@ def _check_natural_launch(fn, kw: dict) -> bool:
     def launch(r: int, max_q: int):
         ends = list(range(r, n, r)) + [n]
         cu = torch.tensor([0] + ends, device=dev, dtype=kw["cu_seqlens_q"].dtype)
-        out = fn(**{**kw, "q": q, "k": k, "v": v, "out": None, "cu_seqlens_q": cu, "max_seqlen_q": max_q,
+        # an FP8 call's scales: the call's first, for every (sequence, KV head) of these launches
+        scales = {d: kw[d].reshape(-1)[:1].expand(len(ends), k.shape[2]) for d in DESCALES if kw.get(d) is not None}
+        out = fn(**{**kw, **scales, "q": q, "k": k, "v": v, "out": None, "cu_seqlens_q": cu, "max_seqlen_q": max_q,
                     "seqused_k": torch.tensor(ends, device=dev, dtype=index), "max_seqlen_k": n,
                     "block_table": row.expand(len(ends), pages).contiguous(), "scheduler_metadata": None,
                     "num_splits": 1})
