@@ -200,7 +200,7 @@ def test_nemotron_h_moe_blocks_are_named_as_not_covered():
     ("tiny-nemotron-h", "{engine: vllm}", "Mamba-2 mixer(s): vLLM 0.26 decodes"),
     ("tiny-mamba2", "{engine: vllm, patches: [mamba-ssd-fixed-config]}", "Mamba-2 mixer(s): vLLM 0.26 decodes"),
     ("tiny-mamba2", "{engine: vllm, patches: [mamba-decode-replay], options: {enforce_eager: false}}",
-     "mamba-decode-replay runs eager only"),
+     "mamba-decode-replay has been measured eager only"),
     ("tiny-mamba2", "{engine: vllm, patches: [mamba-decode-replay]}", None),
     ("tiny-qwen3", "{engine: vllm}", None)])
 def test_c0_refuses_a_vllm_rollout_of_a_mamba_model_without_the_eager_replay_patch(example, workdir, tic, name,

@@ -112,3 +112,42 @@ def test_prefix_caching_and_speculative_decoding_stop_the_mixer_with_the_reason(
             m.cache_config.mamba_cache_mode = value
         with pytest.raises(RuntimeError, match="mamba-decode-replay: prefix caching .* speculative decoding"):
             _step(m, [], [(0, 0, torch.randn(3, WIDTH))])
+
+
+class _NoHostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Refuses every operator that brings a device value back to the host (item, int/bool of a tensor, nonzero)."""
+
+    REFUSED = ("_local_scalar_dense", "nonzero", "unique", "masked_select")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(name in str(func) for name in self.REFUSED):
+            raise AssertionError(f"host read: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_decode_step_reads_nothing_back_to_the_host(monkeypatch):
+    """A CUDA graph holds a decode step only if no device value is read on the host: run under a dispatch mode that
+    refuses such reads (and with tolist refused), with padding rows and rows in their first chunk, the scan a
+    stand-in that only writes its outputs (vLLM's kernel launches are its own). A planted read fails it."""
+    import pytest
+
+    from tic.patches.vllm import mamba_decode_replay as mdr
+
+    def scan(x, dt, A, B, C, chunk_size, cu_seqlens, cu_chunk_seqlens, last_chunk_indices, seq_idx, out, **kw):
+        out.copy_(x * 0.5)
+        return torch.zeros(last_chunk_indices.shape[0], x.shape[1], x.shape[2], B.shape[2])
+
+    n = 3
+    store = mdr._Chunks(torch.zeros(SLOTS, Q, H, P), torch.zeros(SLOTS, Q, H), torch.zeros(SLOTS, Q, G, N),
+                        torch.tensor([0, 2, 0, 3], dtype=torch.int32), torch.tensor([0, 6, 1, 3]))
+    state = torch.randn(SLOTS, H, P, N)
+    args = (store, state, torch.tensor([1, -1, 3]), torch.randn(n, H, P), torch.randn(n, H), -torch.rand(H),
+            torch.randn(n, G, N), torch.randn(n, G, N), torch.randn(H), torch.randn(H), torch.zeros(n, H, P), Q)
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: (_ for _ in ()).throw(AssertionError("tolist")))
+    with _NoHostReads():
+        mdr._decode_step(scan, *args)
+    monkeypatch.undo()
+    assert store.count.tolist() == [0, 3, 0, 0] and store.length.tolist() == [0, 7, 1, 4]  # slot 3's chunk filled
+    planted = lambda *a: (int(a[3][0]), mdr._decode_step(*a))  # reads a slot on the host  # noqa: E731
+    with _NoHostReads(), pytest.raises(AssertionError, match="host read"):
+        planted(scan, *args)

@@ -147,8 +147,9 @@ def recurrent_refusals(model_config: dict, options: dict, patch_names) -> list[s
                 "(guides/ops/recurrent-layers.md)"]
     o = {**OPTIONS, **options}
     if not o["enforce_eager"]:
-        return ["rollout.patches: mamba-decode-replay runs eager only (it reads each request's chunk count on the "
-                "host, which CUDA graphs cannot capture); set rollout.options.enforce_eager: true"]
+        return ["rollout.patches: mamba-decode-replay has been measured eager only (its decode step keeps its "
+                "state on the device for CUDA graphs, not yet measured with them); set rollout.options."
+                "enforce_eager: true"]
     return []
 
 

@@ -12,16 +12,19 @@ at multiples of chunk_size from each sequence's first token whatever the schedul
 the prefill's `causal_conv1d_fn` over the new token and the carried window instead of `causal_conv1d_update`.
 
 Exact if the chunked scan gives a token's row from its chunk's start state and the chunk's tokens up to it alone
-(benchmarks/gpu/mamba_replay_probe.py measures that on vLLM's kernels). Eager only: the replay reads the buffer
-counts on the host (C0 refuses the patch with CUDA graphs or torch.compile); prefix caching (mamba_cache_mode
-all) and speculative decoding stop the mixer with the reason. Cost: a decode step rescans up to chunk_size tokens
-per request; the buffers take chunk_size x (H x P + H + G x N) elements per state slot and mixer.
+(benchmarks/gpu/mamba_replay_probe.py measures that on vLLM's kernels). The decode step keeps its state (buffers,
+counts, lengths) on the device and pads each request's chunk to chunk_size tokens, so its shapes follow the batch
+alone and nothing is read back to the host: a CUDA graph can hold it (measured eager so far; C0 accepts eager
+only). Prefill runs eagerly and reads the counts once per step. Prefix caching (mamba_cache_mode all) and
+speculative decoding stop the mixer with the reason. Cost: a decode step scans chunk_size tokens per request twice
+(without and with the start state); the buffers take chunk_size x (H x P + H + G x N) elements per state slot and
+mixer.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tic.patches._swap import swap_hooks
 from tic.patches.base import Patch
@@ -33,12 +36,13 @@ _LAYER: list = []  # the mixer whose conv_ssm_forward runs now (the kernels' wra
 
 @dataclass
 class _Chunks:
-    """One mixer's replay state per ssm_state slot: tokens of the sequence so far and the current chunk's tokens."""
+    """One mixer's replay state per ssm_state slot, on the device (a decode step replayed from a CUDA graph updates
+    it without the host): the current chunk's tokens (x, raw dt, B), how many it holds, the sequence's length."""
     x: object
     dt: object
     B: object
-    count: list = field(default_factory=list)   # the current chunk's tokens per slot
-    length: list = field(default_factory=list)  # the sequence's tokens per slot
+    count: object   # int32 [slots]
+    length: object  # int64 [slots]
 
 
 def _chunks(layer, x, dt, B) -> _Chunks:
@@ -48,7 +52,9 @@ def _chunks(layer, x, dt, B) -> _Chunks:
     store = getattr(layer, "_tic_chunks", None)
     if store is None or store.x.shape[0] != slots:
         new = lambda t: torch.zeros(slots, Q, *t.shape[1:], dtype=t.dtype, device=t.device)  # noqa: E731
-        store = layer._tic_chunks = _Chunks(new(x), new(dt), new(B), [0] * slots, [0] * slots)
+        store = layer._tic_chunks = _Chunks(new(x), new(dt), new(B),
+                                            torch.zeros(slots, dtype=torch.int32, device=x.device),
+                                            torch.zeros(slots, dtype=torch.int64, device=x.device))
     return store
 
 
@@ -121,15 +127,16 @@ def _replay_prefill(original):
         slots = [int(s) for s in meta.state_indices_tensor_p.reshape(-1).tolist()]
         cont = meta.has_initial_states_p.tolist() if meta.has_initial_states_p is not None else [False] * len(slots)
         qsl = cu_seqlens.tolist()
+        counts, held = store.count.tolist(), store.length.tolist()  # prefill runs eagerly: read once on the host
         pieces, lengths, starts = [], [], []
         for i, slot in enumerate(slots):
-            m = store.count[slot] if cont[i] else 0
+            m = counts[slot] if cont[i] else 0
             a, b = qsl[i], qsl[i + 1]
             C0 = C.new_zeros(m, *C.shape[1:])  # a buffered token's C reaches its own row alone
             pieces.append((torch.cat([store.x[slot, :m], x[a:b]]), torch.cat([store.dt[slot, :m], dt[a:b]]),
                            torch.cat([store.B[slot, :m], B[a:b]]), torch.cat([C0, C[a:b]]), m))
             lengths.append(m + b - a)
-            chunk_start = store.length[slot] - m if cont[i] else 0
+            chunk_start = held[slot] - m if cont[i] else 0
             starts.append(ssm_state[slot].clone() if cont[i] and chunk_start > 0 else None)
         xs, dts, Bs, Cs = (torch.cat([p[k] for p in pieces]) for k in range(4))
         full, states, (cu, last) = _scan(original, xs, dts, A, Bs, Cs, Q, lengths, starts, D, dt_bias,
@@ -139,7 +146,7 @@ def _replay_prefill(original):
             m, (a, b) = pieces[i][4], (qsl[i], qsl[i + 1])
             out[a:b] = full[cu[i] + m:cu[i + 1]]
             first = last[i - 1] + 1 if i else 0
-            before = store.length[slot] - m if cont[i] else 0
+            before = held[slot] - m if cont[i] else 0
             _keep(store, slot, ssm_state, starts[i], states, last[i], first, lengths[i], before + lengths[i],
                   xs[cu[i]:cu[i + 1]], dts[cu[i]:cu[i + 1]], Bs[cu[i]:cu[i + 1]])
             kept.append(ssm_state[slot].clone())
@@ -151,7 +158,6 @@ def _replay_decode(original):
     @functools.wraps(original)
     def update(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplus=False, state_batch_indices=None,
                dst_state_batch_indices=None, out=None, num_accepted_tokens=None, cu_seqlens=None, **kw):
-        import torch
         from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen as scan
 
         layer = _LAYER[-1] if _LAYER else None
@@ -160,30 +166,59 @@ def _replay_decode(original):
                                "softplus or speculative tokens) is not covered")
         Q = int(getattr(layer, "_tic_chunk_size", 0) or layer.model_config.get_mamba_chunk_size())
         layer._tic_chunk_size = Q
-        raw_dt, A1, D1, bias = dt[..., 0], A[:, 0, 0], D[:, 0], dt_bias[:, 0]
+        raw_dt = dt[..., 0]
         store = _chunks(layer, x, raw_dt, B)
-        slots = [int(s) for s in state_batch_indices.reshape(x.shape[0], -1)[:, 0].tolist()]
-        # sequences still in their first chunk were prefilled without a start state. Each row's group is read
-        # before either group runs: a row whose token ends its first chunk must not run again in the second.
-        in_first = {r: store.length[s] < Q for r, s in enumerate(slots) if s >= 0}  # -1: a padding row
-        for first_chunk in (True, False):
-            rows = [r for r, first in in_first.items() if first == first_chunk]
-            if not rows:
-                continue
-            ms = [store.count[slots[r]] for r in rows]
-            xs = torch.cat([torch.cat([store.x[slots[r], :m], x[r:r + 1]]) for r, m in zip(rows, ms)])
-            dts = torch.cat([torch.cat([store.dt[slots[r], :m], raw_dt[r:r + 1]]) for r, m in zip(rows, ms)])
-            Bs = torch.cat([torch.cat([store.B[slots[r], :m], B[r:r + 1]]) for r, m in zip(rows, ms)])
-            Cs = torch.cat([torch.cat([C.new_zeros(m, *C.shape[1:]), C[r:r + 1]]) for r, m in zip(rows, ms)])
-            starts = [None if first_chunk else state[slots[r]].clone() for r in rows]
-            full, states, (cu, last) = _scan(scan, xs, dts, A1, Bs, Cs, Q, [m + 1 for m in ms], starts, D1, bias,
-                                             state.dtype, (0.0, float("inf")))
-            for k, (r, m) in enumerate(zip(rows, ms)):
-                s = slots[r]
-                out[r] = full[cu[k + 1] - 1]
-                _keep(store, s, state, starts[k], states, last[k], last[k], m + 1, store.length[s] + 1,
-                      xs[cu[k]:cu[k + 1]], dts[cu[k]:cu[k + 1]], Bs[cu[k]:cu[k + 1]])
+        slots = state_batch_indices.reshape(x.shape[0], -1)[:, 0]
+        _decode_step(scan, store, state, slots, x, raw_dt, A[:, 0, 0], B, C, D[:, 0], dt_bias[:, 0], out, Q)
     return update
+
+
+def _decode_step(scan, store, state, slots, x, raw_dt, A, B, C, D, dt_bias, out, Q: int) -> None:
+    """One decode token per row, all on the device with shapes fixed by the batch (a CUDA graph can hold it): each
+    row's stream is its chunk's buffered tokens, then the new token, then zeros up to Q tokens (a row's value
+    depends on the rows before it only, so the padding after it changes nothing of it). Rows whose sequence is still
+    in its first chunk take the scan without a start state, as their prefill did; the others the scan from the
+    slot's start state. A token that fills its chunk makes the chunk's end state the slot's start state. Rows with
+    a negative slot (padding) write nothing."""
+    import torch
+
+    n, dev = x.shape[0], x.device
+    real = slots >= 0
+    s = slots.clamp(min=0).long()
+    count, length = store.count[s].long(), store.length[s]
+    pos = torch.arange(Q, device=dev)
+    new_at, held = pos[None] == count[:, None], pos[None] < count[:, None]
+
+    def stream(buffer, token):
+        shape = (n, Q) + (1,) * (token.dim() - 1)
+        own = torch.where(held.view(shape), buffer[s], torch.zeros((), dtype=buffer.dtype, device=dev))
+        return torch.where(new_at.view(shape), token[:, None], own).flatten(0, 1)
+
+    xs, dts, Bs = stream(store.x, x), stream(store.dt, raw_dt), stream(store.B, B)
+    Cs = torch.where(new_at.view(n, Q, 1, 1), C[:, None], torch.zeros((), dtype=C.dtype, device=dev)).flatten(0, 1)
+    bounds = (torch.arange(n + 1, device=dev) * Q).to(torch.int32)
+    rows = torch.arange(n, device=dev, dtype=torch.int32)
+    meta = dict(chunk_size=Q, cu_seqlens=bounds, cu_chunk_seqlens=bounds, last_chunk_indices=rows, seq_idx=rows,
+                D=D, z=None, dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.0, float("inf")),
+                return_intermediate_states=True, state_dtype=state.dtype)
+    y_first, y_later = torch.empty_like(xs), torch.empty_like(xs)
+    end_first = scan(xs, dts, A, Bs, Cs, out=y_first, initial_states=None, **meta)
+    end_later = scan(xs, dts, A, Bs, Cs, out=y_later, initial_states=state[s], **meta)
+    first = length < Q
+    at = torch.arange(n, device=dev) * Q + count
+    y = torch.where(first[:, None, None], y_first[at], y_later[at])
+    out[:n] = torch.where(real[:, None, None], y.to(out.dtype), out[:n])
+
+    col = (n, 1, 1, 1)
+    full = count + 1 == Q
+    end = torch.where(first.view(col), end_first, end_later)
+    kept = torch.where(full.view(col), end, torch.where(first.view(col), torch.zeros_like(end), state[s]))
+    state[s] = torch.where(real.view(col), kept.to(state.dtype), state[s])
+    for buffer, token in ((store.x, x), (store.dt, raw_dt), (store.B, B)):
+        keep = real.view((n,) + (1,) * (token.dim() - 1))
+        buffer[s, count] = torch.where(keep, token.to(buffer.dtype), buffer[s, count])
+    store.count[s] = torch.where(real, (count + 1) % Q, count).to(store.count.dtype)
+    store.length[s] = torch.where(real, length + 1, length)
 
 
 def _conv_as_prefill(original):
@@ -196,12 +231,37 @@ def _conv_as_prefill(original):
             return original(x, conv_state, weight, bias, activation, conv_state_indices, **kw)
         n = x.shape[0]
         idx = conv_state_indices.reshape(n, -1)[:, 0].contiguous()
+        extra = {} if (meta := _conv_metadata(n, x.device)) is None else {"metadata": meta}
         out = causal_conv1d_fn(x.transpose(0, 1), weight, bias, conv_states=conv_state,
                                query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=x.device),
                                cache_indices=idx, has_initial_state=torch.ones(n, dtype=torch.bool, device=x.device),
-                               activation=activation)
+                               activation=activation, **extra)
         return out.transpose(0, 1)
     return conv_update
+
+
+_CONV_METADATA: dict = {}
+
+
+def _conv_metadata(n: int, device):
+    """causal_conv1d_fn's launch metadata for n one-token sequences, built once per n and kept (a CUDA graph replays
+    the copies it was built with): given it, the kernel does not read the sequence lengths back to the host, which
+    a captured decode step cannot do. None where this vLLM has no builder for it."""
+    key = (n, str(device))
+    if key not in _CONV_METADATA:
+        try:
+            from vllm.v1.attention.backends.utils import compute_causal_conv1d_metadata
+        except ImportError:
+            _CONV_METADATA[key] = None
+        else:
+            import torch
+            from types import SimpleNamespace
+
+            nums, batch_ptr, offsets = compute_causal_conv1d_metadata(torch.arange(n + 1, dtype=torch.int32),
+                                                                      device=device)
+            _CONV_METADATA[key] = SimpleNamespace(nums_dict=nums, batch_ptr=batch_ptr,
+                                                  token_chunk_offset_ptr=offsets)
+    return _CONV_METADATA[key]
 
 
 def _metadata():
@@ -240,7 +300,7 @@ PATCH = Patch(
         "state (kept in vLLM's ssm_state slot) with the chunk's earlier tokens (a buffer per slot); prefill and "
         "chunked-prefill continuations keep the same state; the decode conv runs the prefill's conv kernel",
     guide="guides/ops/recurrent-layers.md",
-    cost="not measured: each decode step rescans up to chunk_size tokens per request, eager only",
+    cost="not measured: each decode step scans chunk_size tokens per request twice",
     **swap_hooks(NAME, *((_MIXER, attr, make, _MIXER) for attr, make in _FUNCS),  # the mixer's calls alone
                  methods=((_MIXER, "MambaMixer2", "conv_ssm_forward", _tracking),)),
 )
