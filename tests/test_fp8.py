@@ -428,3 +428,35 @@ def test_fp8_kv_cache_reference_runs_fp8_attention_in_value_and_the_models_eager
     # the gradient at the attention output reaches q/k/v through the eager graph, not through the rounding
     gq = torch.autograd.grad(logits.sum(), q, retain_graph=True)[0]
     assert gq.abs().sum() > 0
+
+
+def test_c7_reference_experts_take_the_path_under_tests_silu_mul(example, workdir, monkeypatch):
+    """An FP8 expert block quantizes twice: its input, then SiLU*mul of the first GEMM for the down projection.
+    The path under test records those rows too (one per token and top-k slot), and the reference's down quantizer
+    takes them; with them dropped from the record (the plant) its down quantizers run on their own inputs."""
+    from tic.harness.engines.hf import HFEngine
+
+    path = _fp8_example(example)
+    path.write_text(path.read_text().replace("dtype: float32", "dtype: bfloat16"))
+    hf._MODELS.clear()
+    cfg = load_config(path)
+    cfg.prompts.count, cfg.sampling.max_tokens = 2, 3
+    cfg.locate.enabled = False
+    ctx = GateContext(cfg)
+    real = HFEngine.quantizer_inputs
+    recorded = []
+
+    def spy(self, sample):
+        got = real(self, sample)
+        recorded.append(sorted(got))
+        return got
+    monkeypatch.setattr(HFEngine, "quantizer_inputs", spy)
+    res = run_gate(get("C7"), ctx)
+    assert res.verdict == "pass", res.reason
+    assert any(k.endswith("experts.down_proj") for k in recorded[0]), recorded[0]
+    assert res.details["routing"]["fp8_quantizer_calls_on_their_own_inputs"] == 0
+    monkeypatch.setattr(HFEngine, "quantizer_inputs", lambda self, sample: {
+        k: v for k, v in real(self, sample).items() if not k.endswith("experts.down_proj")})
+    res = run_gate(get("C7"), ctx)
+    assert res.details["routing"]["fp8_quantizer_calls_on_their_own_inputs"] > 0
+    hf._MODELS.clear()

@@ -180,14 +180,21 @@ class CPUProvider(MambaCPUKernels, KernelProvider):  # Mamba-2 kernels: tic.harn
     def fp8_linear(self, x, wq, ws, b, block, checkpoint=None):
         return fp8_cpu.fp8_linear(x, wq, ws, b, block)
 
-    def fp8_moe_experts(self, x, weights, ids, gu_q, gu_s, d_q, d_s, block):
+    def fp8_moe_experts(self, x, weights, ids, gu_q, gu_s, d_q, d_s, block, with_intermediate: bool = False):
         """moe_experts' merge rule over FP8 expert GEMMs: each expert's input quantized per token, SiLU*mul
-        rounded once, then quantized again for the down projection (method 4.4)."""
+        rounded once, then quantized again for the down projection (method 4.4). with_intermediate: also the
+        SiLU*mul rows, one per (token, top-k slot) in that order."""
+        between = []
+
         def expert(r, e):
             h = self.silu_and_mul(fp8_cpu.fp8_linear(r, gu_q[e], gu_s[e], None, block))
+            between.append(h)
             return fp8_cpu.fp8_linear(h, d_q[e], d_s[e], None, block)
 
-        return self._combine_slots(x, weights, ids, expert)
+        out = self._combine_slots(x, weights, ids, expert)
+        if not with_intermediate:
+            return out
+        return out, torch.cat(between) if between else None
 
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -147,7 +147,14 @@ def _fp8_linear_kernel(provider, x, *wb, n, quant: QuantizedCopies):
 def _fp8_experts_kernel(provider, x, weights, ids, gate_up, down, quant: QuantizedCopies):
     quant.record_input([gate_up], x)
     (gu_q, gu_s), (d_q, d_s) = quant.get(gate_up), quant.get(down)
-    return provider.fp8_moe_experts(x, weights, ids, gu_q, gu_s, d_q, d_s, quant.block)
+    if quant.inputs is None:
+        return provider.fp8_moe_experts(x, weights, ids, gu_q, gu_s, d_q, d_s, quant.block)
+    # recording: the down projection's input too (SiLU*mul per (token, top-k slot), rows token * top_k + slot)
+    out, between = provider.fp8_moe_experts(x, weights, ids, gu_q, gu_s, d_q, d_s, quant.block,
+                                            with_intermediate=True)
+    if between is not None:
+        quant.record_input([down], between)
+    return out
 
 
 FP8_OPS: dict[str, Op] = {op.name: op for op in [

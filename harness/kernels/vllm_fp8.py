@@ -83,12 +83,45 @@ class BlockFp8Linear:
             return method.apply(layer, x, bias)
 
 
-def fused_experts_fp8(x, weights, ids, gu_q, gu_s, d_q, d_s, block):
+def fused_experts_fp8(x, weights, ids, gu_q, gu_s, d_q, d_s, block, with_intermediate: bool = False):
+    """vLLM's fused FP8 experts; with_intermediate: (out, the SiLU*mul rows the kernel quantized for the down
+    projection, one per (token, top-k slot) in that order, or None where this vLLM's path did not show them)."""
     from vllm.model_executor.layers.fused_moe import fused_experts
     from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
 
     quant = fp8_w8a8_moe_quant_config(w1_scale=gu_s, w2_scale=d_s, block_shape=list(block))
-    return fused_experts(x.contiguous(), gu_q, d_q, weights, ids.to(torch.int32), quant_config=quant)
+    run = lambda: fused_experts(x.contiguous(), gu_q, d_q, weights, ids.to(torch.int32),  # noqa: E731
+                                quant_config=quant)
+    if not with_intermediate:
+        return run()
+    with _activation_outputs() as between:
+        out = run()
+    rows = ids.numel()
+    got = torch.cat(between) if between else None
+    return out, got if got is not None and got.shape[0] == rows else None
+
+
+@contextlib.contextmanager
+def _activation_outputs():
+    """Copies of what the fused-MoE path's activation (apply_moe_activation: SiLU*mul) writes, call by call (the
+    path runs it once per chunk of tokens), while inside."""
+    import vllm.model_executor.layers.fused_moe.fused_moe as fused
+
+    kept, real = [], getattr(fused, "apply_moe_activation", None)
+    if real is None:
+        yield kept
+        return
+
+    def recording(activation, output, input, *args, **kwargs):
+        done = real(activation, output, input, *args, **kwargs)
+        kept.append(output.detach().clone())
+        return done
+
+    fused.apply_moe_activation = recording
+    try:
+        yield kept
+    finally:
+        fused.apply_moe_activation = real
 
 
 def fp8_kv_attention(vops, attn, q, k, v, slots, pages, block_size: int, **attn_kw):

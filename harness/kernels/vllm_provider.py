@@ -427,5 +427,5 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
             self._fp8_linears[key] = BlockFp8Linear(checkpoint, x.dtype)
         return self._fp8_linears[key](x, wq, ws, b)
 
-    def fp8_moe_experts(self, x, weights, ids, gu_q, gu_s, d_q, d_s, block):
-        return fused_experts_fp8(x, weights, ids, gu_q, gu_s, d_q, d_s, block)
+    def fp8_moe_experts(self, x, weights, ids, gu_q, gu_s, d_q, d_s, block, with_intermediate: bool = False):
+        return fused_experts_fp8(x, weights, ids, gu_q, gu_s, d_q, d_s, block, with_intermediate)

@@ -57,12 +57,17 @@ class QuantizerInputs:
         self.own = 0
 
     def take(self, name: str | None, x: torch.Tensor) -> torch.Tensor:
+        got = self.take_shaped(name, tuple(x.shape), x.device)
+        return x if got is None else got
+
+    def take_shaped(self, name: str | None, shape: tuple, device) -> torch.Tensor | None:
+        """The next recorded input of `name` if it has this shape (counted as taken), else None (counted as own)."""
         calls = (self.current or {}).get(name)
-        if calls and tuple(calls[0].shape) == tuple(x.shape):
+        if calls and tuple(calls[0].shape) == tuple(shape):
             self.taken += 1
-            return calls.pop(0).to(device=x.device)
+            return calls.pop(0).to(device=device)
         self.own += 1
-        return x
+        return None
 
 
 def _linear_hook(quant: QuantizedCopies, inputs: QuantizerInputs | None):
@@ -78,17 +83,23 @@ def _experts_hook(quant: QuantizedCopies, inputs: QuantizerInputs | None):
     def hook(m, args, kwargs, out):
         names = ("hidden_states", "top_k_index", "top_k_weights")
         x, ids, w = (*args, *(kwargs[n] for n in names[len(args):]))
+        gu, down = _weights(quant, m.gate_up_proj), _weights(quant, m.down_proj)
+        between = None  # the down projection's inputs, one row per (token, top-k slot)
         if inputs is not None:
             x = inputs.take(quant.name_of(m.gate_up_proj), x)
-        gu, down = _weights(quant, m.gate_up_proj), _weights(quant, m.down_proj)
+            between = inputs.take_shaped(quant.name_of(m.down_proj), (ids.numel(), gu.shape[1] // 2), x.device)
         g = quant.block[1]
         vis = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in ids.unique().tolist():
             if not 0 <= e < gu.shape[0]:
                 continue
             tok, slot = (ids == e).nonzero(as_tuple=True)
-            gate, up = F.linear(_fake_act(x[tok].float(), g), gu[e]).chunk(2, dim=-1)
-            y = F.linear(_fake_act(F.silu(gate) * up, g), down[e])
+            if between is None:
+                gate, up = F.linear(_fake_act(x[tok].float(), g), gu[e]).chunk(2, dim=-1)
+                h = F.silu(gate) * up
+            else:
+                h = between[tok * ids.shape[1] + slot].float()
+            y = F.linear(_fake_act(h, g), down[e])
             vis.index_add_(0, tok, y * w[tok, slot, None].detach().float())
         return _straight_through(vis, out)
     return hook
