@@ -7,6 +7,8 @@ Per layer shape (real models' heads, head_dim, state, groups, chunk), bf16 input
 tokens through vLLM's chunked scan, called as tic's vLLM provider calls it (tic.harness.kernels.vllm_mamba), against
   replay   the prefix prefilled, then each later token from its chunk's start state with the chunk's earlier tokens
            (the provider's decode, and the premise of the decode patch guides/ops/recurrent-layers.md designs);
+  patch    the decode patch's own device-side step (mamba_decode_replay._decode_step: the chunk padded to
+           chunk_size, the scans with and without a start state), a padding row beside it;
   vllm     the prefix prefilled, then vLLM's decode: `selective_state_update` from the prefill's final state.
 The causal conv alike: `causal_conv1d_fn` over the whole sequence against the provider's per-token replay (from a
 conv state; its largest difference and how many elements differ), the same token run as a fresh sequence with
@@ -103,6 +105,42 @@ def _conv_rows(prov, L, dim, K, p0, g, dtype):
     return full[p0:], replay, torch.cat(steps), fresh
 
 
+def _patch_step_rows(t, Q, p0):
+    """Tokens p0.. decoded by mamba-decode-replay's device-side step (the one a CUDA graph holds) on vLLM's scan,
+    one token per step beside a padding row, from the state the patch's prefill leaves: the start state of the
+    chunk the prefix ends in and that chunk's tokens so far. float32 [n, H, P]."""
+    import torch
+    from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen as scan
+    from vllm.v1.attention.backends.mamba2_attn import compute_varlen_chunk_metadata
+
+    from tic.patches.vllm import mamba_decode_replay as replay
+
+    x, dt, B, C = t["x"], t["dt"], t["B"], t["C"]
+    L, H, P = x.shape
+    G, N = B.shape[1:]
+    A = -torch.exp(t["A_log"].float())
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device="cuda")  # noqa: E731
+    state = torch.zeros(2, H, P, N, dtype=torch.float32, device="cuda")
+    lo = p0 // Q * Q
+    if lo:  # the start state of the chunk the prefix ends in: the prefill of the whole chunks before it
+        cu, last, seq = compute_varlen_chunk_metadata(i32([0, lo]), Q)
+        state[1] = scan(x[:lo], dt[:lo], A, B[:lo], C[:lo], chunk_size=Q, cu_seqlens=i32([0, lo]),
+                        cu_chunk_seqlens=cu, last_chunk_indices=last, seq_idx=seq, out=torch.empty_like(x[:lo]),
+                        D=t["D"], dt_bias=t["dt_bias"], dt_softplus=True, state_dtype=torch.float32)[0]
+    zeros = lambda *s, d=x.dtype: torch.zeros(*s, dtype=d, device="cuda")  # noqa: E731
+    store = replay._Chunks(zeros(2, Q, H, P), zeros(2, Q, H), zeros(2, Q, G, N),
+                           i32([0, p0 - lo]), torch.tensor([0, p0], device="cuda"))
+    store.x[1, :p0 - lo], store.dt[1, :p0 - lo], store.B[1, :p0 - lo] = x[lo:p0], dt[lo:p0], B[lo:p0]
+    slots, rows = i32([1, -1]), []
+    for i in range(p0, L):
+        pick = lambda v: torch.cat([v[i:i + 1], v[i:i + 1]])  # noqa: E731  (the second row is padding)
+        out = torch.zeros(2, H, P, dtype=x.dtype, device="cuda")
+        replay._decode_step(scan, store, state, slots, pick(x), pick(dt), A, pick(B), pick(C), t["D"],
+                            t["dt_bias"], out, Q)
+        rows.append(out[:1].float())
+    return torch.cat(rows)
+
+
 def _equal_rows(a, b) -> int:
     return int((a.reshape(a.shape[0], -1) == b.reshape(b.shape[0], -1)).all(dim=1).sum())
 
@@ -123,15 +161,17 @@ def main() -> int:
     L, p0, failed = a.prefix + a.decode, a.prefix, False
     print(f"{a.decode} tokens decoded after a {p0}-token prefill; rows equal to the whole sequence's prefill "
           f"(patches: {', '.join(patches.active()) or 'none'})")
-    print(f"{'shape':<16} {'scan replay':>12} {'scan vllm':>10} {'vllm max|d|':>12} {'conv replay':>12} "
-          f"{'replay max|d|':>13} {'elements off':>12} {'conv fresh':>11} {'conv vllm':>10}")
+    print(f"{'shape':<16} {'scan replay':>12} {'patch step':>11} {'scan vllm':>10} {'vllm max|d|':>12} "
+          f"{'conv replay':>12} {'replay max|d|':>13} {'elements off':>12} {'conv fresh':>11} {'conv vllm':>10}")
     for name, H, P, N, G, Q, K in SHAPES:
-        full, replay, single = _scan_rows(prov, _inputs(L, H, P, N, G, g, dtype), Q, p0)
+        t = _inputs(L, H, P, N, G, g, dtype)
+        full, replay, single = _scan_rows(prov, t, Q, p0)
+        stepped = _patch_step_rows(t, Q, p0)
         cfull, creplay, cupdate, cfresh = _conv_rows(prov, L, H * P + 2 * G * N, K, p0, g, dtype)
-        rs, cs = _equal_rows(full, replay), _equal_rows(cfull, creplay)
-        failed |= rs < a.decode or cs < a.decode
+        rs, ps, cs = _equal_rows(full, replay), _equal_rows(full, stepped), _equal_rows(cfull, creplay)
+        failed |= rs < a.decode or cs < a.decode or ps < a.decode
         off = int((cfull != creplay).sum())  # how many elements of the replayed rows differ (all, or a few lanes)
-        print(f"{name:<16} {rs:>5}/{a.decode:<6} {_equal_rows(full, single):>4}/{a.decode:<5} "
+        print(f"{name:<16} {rs:>5}/{a.decode:<6} {ps:>4}/{a.decode:<6} {_equal_rows(full, single):>4}/{a.decode:<5} "
               f"{float((full - single).abs().max()):>12.3e} {cs:>5}/{a.decode:<6} "
               f"{float((cfull.float() - creplay.float()).abs().max()):>13.3e} {off:>5}/{cfull.numel():<6} "
               f"{_equal_rows(cfull, cfresh):>4}/{a.decode:<6} {_equal_rows(cfull, cupdate):>4}/{a.decode:<5}")
