@@ -274,6 +274,19 @@ def test_c7_passes_on_the_fp8_model_and_fails_on_a_planted_fp8_backward(fp8_ctx)
         assert res.verdict == "fail", (op, res.reason)
 
 
+def _bf16_fp8_ctx(example, prompts: int | None = None, tokens: int | None = None) -> GateContext:
+    """The FP8 example in bfloat16 (activations a rounding apart from a float32 reference's); prompts and tokens:
+    a smaller workload than the example's."""
+    path = _fp8_example(example)
+    path.write_text(path.read_text().replace("dtype: float32", "dtype: bfloat16"))
+    hf._MODELS.clear()
+    cfg = load_config(path)
+    cfg.prompts.count = prompts or cfg.prompts.count
+    cfg.sampling.max_tokens = tokens or cfg.sampling.max_tokens
+    cfg.locate.enabled = False
+    return GateContext(cfg)
+
+
 def test_c7_reference_quantizes_the_activations_the_path_under_test_quantized(example, workdir, monkeypatch):
     """A bfloat16 model: the path under test's activations and the float32 reference's are a rounding apart, and
     a few percent of them fall on another e4m3 code, so the two forwards drift by the format's step. C7's reference
@@ -281,13 +294,7 @@ def test_c7_reference_quantizes_the_activations_the_path_under_test_quantized(ex
     passes; on their own inputs (the plant: what C7 did before) the same, correct backward fails."""
     from tic.harness.engines.hf import HFEngine
 
-    path = _fp8_example(example)
-    path.write_text(path.read_text().replace("dtype: float32", "dtype: bfloat16"))
-    hf._MODELS.clear()
-    cfg = load_config(path)
-    cfg.prompts.count, cfg.sampling.max_tokens = 3, 4
-    cfg.locate.enabled = False
-    ctx = GateContext(cfg)
+    ctx = _bf16_fp8_ctx(example, prompts=3, tokens=4)
     res = run_gate(get("C7"), ctx)
     assert res.verdict == "pass", res.reason
     routing = res.details["routing"]
@@ -305,16 +312,11 @@ def test_c2_stock_quantizers_take_the_wrapped_models_inputs(example, workdir, mo
     the same, correct wrappers part from stock."""
     from tic.harness.measure import fp8_reference
 
-    path = _fp8_example(example)
-    path.write_text(path.read_text().replace("dtype: float32", "dtype: bfloat16"))
-    hf._MODELS.clear()
-    cfg = load_config(path)
-    cfg.locate.enabled = False
-    ctx = GateContext(cfg)
+    ctx = _bf16_fp8_ctx(example)
     res = run_gate(get("C2"), ctx)
     assert res.verdict == "pass", res.reason
     assert res.details["fidelity"]["fp8_quantizer_calls_on_the_wrapped_inputs"] > 0
-    monkeypatch.setattr(fp8_reference.QuantizerInputs, "take", lambda self, name, x: x)
+    monkeypatch.setattr(fp8_reference.QuantizerInputs, "take_shaped", lambda self, name, shape, device: None)
     res = run_gate(get("C2"), ctx)
     assert res.verdict == "fail" and "fidelity" in res.reason, res.reason
     hf._MODELS.clear()
@@ -436,13 +438,7 @@ def test_c7_reference_experts_take_the_path_under_tests_silu_mul(example, workdi
     takes them; with them dropped from the record (the plant) its down quantizers run on their own inputs."""
     from tic.harness.engines.hf import HFEngine
 
-    path = _fp8_example(example)
-    path.write_text(path.read_text().replace("dtype: float32", "dtype: bfloat16"))
-    hf._MODELS.clear()
-    cfg = load_config(path)
-    cfg.prompts.count, cfg.sampling.max_tokens = 2, 3
-    cfg.locate.enabled = False
-    ctx = GateContext(cfg)
+    ctx = _bf16_fp8_ctx(example, prompts=2, tokens=3)
     real = HFEngine.quantizer_inputs
     recorded = []
 

@@ -177,23 +177,32 @@ def test_fa3_fixed_tile_pins_every_launch(fake_vllm):
     assert fa.use_cascade_attention(10, None) is False
 
 
-def _paged_window_attention(q, k, v, cu_seqlens_q, seqused_k, block_table, window_size=None, max_seqlen_q=None,
-                            **_):
-    """A varlen attention over a paged cache (float64, each row its own softmax) with a planted tile dependence:
-    a row's value moves with how many query rows its sequence has in the call, as FA3's windowed tile does."""
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    page = k.shape[1]
+def _paged_rows(q, k, v, cu_seqlens_q, seqused_k, block_table, window_size=None):
+    """Exact varlen attention over a paged cache (float64, each row its own softmax, KV heads repeated for grouped
+    queries), with the row's query count in its sequence beside each row: [rows, heads, dim], [rows]."""
+    out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float64)
+    rows_in_call = torch.zeros(q.shape[0], dtype=torch.long)
+    group = q.shape[1] // k.shape[2]
+    assert k.shape[1] * block_table.shape[1] >= int(seqused_k.max())
     for b in range(cu_seqlens_q.numel() - 1):
         lo, hi = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
-        keys = torch.cat([k[p] for p in block_table[b]]).double()
-        vals = torch.cat([v[p] for p in block_table[b]]).double()
+        keys = torch.cat([k[p] for p in block_table[b]]).double().repeat_interleave(group, dim=1)
+        vals = torch.cat([v[p] for p in block_table[b]]).double().repeat_interleave(group, dim=1)
         for j in range(lo, hi):
             pos = int(seqused_k[b]) - (hi - j)
             start = max(0, pos - int(window_size[0])) if window_size is not None and window_size[0] >= 0 else 0
             s = torch.einsum("hd,khd->hk", q[j].double(), keys[start:pos + 1])
-            out[j] = torch.einsum("hk,khd->hd", s.softmax(-1), vals[start:pos + 1]) + 1e-3 * (hi - lo - 1)
-    assert page * block_table.shape[1] >= int(seqused_k.max())
-    return out
+            out[j] = torch.einsum("hk,khd->hd", s.softmax(-1), vals[start:pos + 1])
+            rows_in_call[j] = hi - lo
+    return out, rows_in_call
+
+
+def _paged_window_attention(q, k, v, cu_seqlens_q, seqused_k, block_table, window_size=None, max_seqlen_q=None,
+                            **_):
+    """_paged_rows with a planted tile dependence: a row's value moves with how many query rows its sequence has
+    in the call, as FA3's windowed tile does."""
+    out, rows = _paged_rows(q, k, v, cu_seqlens_q, seqused_k, block_table, window_size)
+    return out + 1e-3 * (rows - 1)[:, None, None]
 
 
 def test_fa3_fixed_tile_runs_each_windowed_row_as_decode_does(fake_vllm, monkeypatch):
@@ -235,21 +244,11 @@ def test_fa3_fixed_tile_runs_each_windowed_row_as_decode_does(fake_vllm, monkeyp
 
 def _paged_causal_attention(q, k, v, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, causal=True, out=None,
                             calls=None, **_):
-    """Causal varlen attention over a paged cache (float64) with a planted tile dependence for head_dim 64 only:
-    rows launched with max_seqlen_q below 128 move with it, as FA3's decode tile does at that head size."""
+    """_paged_rows, causal, with a planted tile dependence for head_dim 64 only: rows launched with max_seqlen_q
+    below 128 move with it, as FA3's decode tile does at that head size."""
     if calls is not None:
         calls.append(int(max_seqlen_q))
-    res = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float64)
-    for b in range(cu_seqlens_q.numel() - 1):
-        lo, hi = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
-        keys = torch.cat([k[p] for p in block_table[b]]).double()
-        vals = torch.cat([v[p] for p in block_table[b]]).double()
-        for j in range(lo, hi):
-            pos = int(seqused_k[b]) - (hi - j)
-            s = torch.einsum("hd,khd->hk", q[j].double(), keys.repeat_interleave(
-                q.shape[1] // keys.shape[1], dim=1)[:pos + 1])
-            res[j] = torch.einsum("hk,khd->hd", s.softmax(-1), vals.repeat_interleave(
-                q.shape[1] // vals.shape[1], dim=1)[:pos + 1])
+    res, _ = _paged_rows(q, k, v, cu_seqlens_q, seqused_k, block_table)
     if q.shape[-1] == 64 and max_seqlen_q < 128:
         res = res + 0.05 * max_seqlen_q
     return res.to(q.dtype)
