@@ -131,12 +131,19 @@ def mode_refusals(options: dict, train_kernels: str) -> list[str]:
 
 
 def recurrent_refusals(model_config: dict, options: dict, patch_names) -> list[str]:
-    """Why a vLLM rollout of this model is outside what tic makes consistent: Mamba-2 mixers without the
-    mamba-decode-replay patch, or with it outside eager mode (one line each, for C0)."""
-    from tic.harness.kernels.mamba_modules import is_mixer
+    """Why a vLLM rollout of this model is outside what tic makes consistent: Mamba-1 mixers (no decode patch),
+    Mamba-2 mixers without the mamba-decode-replay patch, or with it outside eager mode (one line each, for C0)."""
+    from tic.harness.kernels.mamba_modules import is_mixer, is_mixer1
     from tic.harness.model.layer_structure import build_meta
 
-    mixers = sum(1 for m in build_meta(model_config).modules() if is_mixer(m))
+    modules = list(build_meta(model_config).modules())
+    selective = sum(1 for m in modules if is_mixer1(m))
+    if selective:
+        return [f"rollout.engine: vllm on a model with {selective} Mamba-1 (selective scan) mixer(s): vLLM 0.26 "
+                "prefills them with selective_scan_fn and decodes them with selective_state_update, two rounding "
+                "orders, and tic has no decode patch for them; roll out with engine: hf, kernels: consistent "
+                "(guides/ops/recurrent-layers.md)"]
+    mixers = sum(1 for m in modules if is_mixer(m))
     if not mixers:
         return []
     if "mamba-decode-replay" not in patch_names:

@@ -107,6 +107,8 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
                                           "NemotronH)"),
     OperatorClass("mixer:mamba2", "Mamba-2 mixer: causal conv, chunked scan whose decode replays prefill's "
                                   "chunks, gated grouped RMSNorm"),
+    OperatorClass("mixer:mamba1", "Mamba-1 mixer: causal conv, selective scan token by token (decode continues "
+                                  "prefill's recurrence), gated by silu(z)", frozenset({"consistent"})),
     # relu2 runs as HF's relu then square: the float product of two model-dtype values is exact, rounded once,
     # as vLLM's _C.relu_squared rounds it
     OperatorClass("mlp:relu2", "up, relu(x)^2, down (NemotronH)"),
@@ -967,6 +969,9 @@ def _read_block_mixer(cov: LayerCoverage, name: str, m, cfg) -> None:
     if mamba_modules.is_mixer(m):
         cov.classes["mixer:mamba2"] = ("layer_types", "mamba")
         cov.refusals += [Refusal(name, kind, why) for why in mamba_modules.mixer_problems(m)]
+    elif mamba_modules.is_mixer1(m):
+        cov.classes["mixer:mamba1"] = ("layer_types", "mamba")
+        cov.refusals += [Refusal(name, kind, why) for why in mamba_modules.mixer1_problems(m)]
     elif is_attention(m):
         _read_attention(cov, name, m, cfg)
     elif all(isinstance(getattr(m, a, None), nn.Linear) for a in ("up_proj", "down_proj")) \

@@ -106,8 +106,34 @@ def cpu_gated_rms_norm(y, gate, w, group_size: int, eps: float, out_dtype: torch
     return out.reshape(*y.shape[:-1], y.shape[-1])
 
 
+def _mamba1_step(S, u_t, dt_t, B_t, C_t, z_t, A, D, dt_bias):
+    """One token of the selective scan (Mamba-1), float32: dt = softplus(dt_raw + bias) [I];
+    S <- exp(dt A) S + (dt u) B^T [I, N]; y = (S C + D u) * silu(z). Returns (y [I], S)."""
+    dt = F.softplus(dt_t.float() + dt_bias.float())
+    S = torch.exp(dt[:, None] * A) * S + (dt * u_t.float())[:, None] * B_t.float()[None, :]
+    y = (S * C_t.float()[None, :]).sum(-1) + D.float() * u_t.float()
+    return y * F.silu(z_t.float()), S
+
+
+def cpu_mamba1_scan(u, dt_raw, B, C, z, A_log, D, dt_bias, state):
+    """One sequence's selective scan (Mamba-1, Jamba's mixer without its extra norms), one token after another:
+    u / dt_raw / z [n, I] (dt before dt_proj's bias and softplus), B / C [n, N], A_log [I, N], D / dt_bias [I],
+    state float32 [I, N] (the state after the tokens before u). Returns (y [n, I] in u's dtype, the state after
+    the last token). Each token runs the same operations on the same shapes from the state before it, so a
+    decoded token gets the bits it gets in a prefill, in any batch."""
+    A = -torch.exp(A_log.float())
+    S, ys = state.float(), []
+    for t in range(u.shape[0]):
+        y, S = _mamba1_step(S, u[t], dt_raw[t], B[t], C[t], z[t], A, D, dt_bias)
+        ys.append(y.to(u.dtype))
+    return (torch.stack(ys) if ys else u.new_zeros(u.shape)), S
+
+
 class MambaCPUKernels:
-    """The Mamba-2 calls of tic's consistent CPU provider (spec.py lists their shapes)."""
+    """The Mamba-2 (and Mamba-1 scan) calls of tic's consistent CPU provider (spec.py lists their shapes)."""
+
+    def mamba1_scan(self, u, dt_raw, B, C, z, A_log, D, dt_bias, state):
+        return cpu_mamba1_scan(u, dt_raw, B, C, z, A_log, D, dt_bias, state)
 
     def mamba_conv(self, u, window, w, bias):
         return cpu_mamba_conv(u, window, w, bias)
@@ -156,9 +182,20 @@ def gated_rms_norm_ref(y, gate, w, group_size, eps, out_dtype):
     return w.float() * groups.reshape(h.shape)
 
 
+def mamba1_scan_ref(u, dt_raw, B, C, z, A_log, D, dt_bias, state):
+    """The selective scan step by step in float32, differentiable (memory: a state per token, n x I x N)."""
+    A = -torch.exp(A_log.float())
+    S, ys = state.float(), []
+    for t in range(u.shape[0]):
+        y, S = _mamba1_step(S, u[t], dt_raw[t], B[t], C[t], z[t], A, D, dt_bias)
+        ys.append(y)
+    return (torch.stack(ys) if ys else u.new_zeros(u.shape, dtype=torch.float32)), S
+
+
 # -- autograd entries (tic.harness.kernels.autograd.Op): forward the provider's kernel, backward the reference's ----
 MAMBA_OPS: dict[str, Op] = {op.name: op for op in [
     Op("mamba_conv", lambda p, u, window, w, b: p.mamba_conv(u, window, w, b), mamba_conv_ref),
     Op("mamba_scan", lambda p, *t, **kw: p.mamba_scan(*t, **kw), mamba_scan_ref),
+    Op("mamba1_scan", lambda p, *t: p.mamba1_scan(*t), mamba1_scan_ref),
     Op("gated_rms_norm", lambda p, y, g, w, **kw: p.gated_rms_norm(y, g, w, **kw), gated_rms_norm_ref),
 ]}

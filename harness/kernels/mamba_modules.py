@@ -31,6 +31,14 @@ def is_mixer(m: nn.Module) -> bool:
         and isinstance(m.conv1d, nn.Conv1d)
 
 
+def is_mixer1(m: nn.Module) -> bool:
+    """A Mamba-1 (selective scan) mixer: x_proj gives dt, B and C, dt_proj widens dt, A_log is [intermediate, state]
+    (MambaMixer, FalconMambaMixer, JambaMambaMixer)."""
+    return all(isinstance(getattr(m, a, None), nn.Linear) for a in ("in_proj", "x_proj", "dt_proj", "out_proj")) \
+        and isinstance(getattr(m, "conv1d", None), nn.Conv1d) and getattr(m, "A_log", None) is not None \
+        and m.A_log.dim() == 2 and hasattr(m, "D")
+
+
 def run(ops: Ops, name: str, *tensors, **kw):
     """One Mamba operator through the autograd wrapper; a test's own Ops table may replace it by name."""
     return KernelFunction.apply(ops.table.get(name) or MAMBA_OPS[name], ops, kw, *tensors)
@@ -161,6 +169,76 @@ def _mixer_forward(self, hidden_states, cache=None, attention_mask=None, cache_p
     return self.out_proj(normed)
 
 
+# -- Mamba-1 -------------------------------------------------------------------------------------------------------
+@dataclass
+class RowState1:
+    """What one row's sequence carries into its next step, for one Mamba-1 mixer: the scan's state is exact at
+    every token, so the state after the last token (no chunk buffers)."""
+    length: int
+    window: torch.Tensor  # [K-1, I] the conv's last inputs
+    state: torch.Tensor  # [I, N] float32
+
+
+def _fresh1(mixer, like: torch.Tensor) -> RowState1:
+    I, N, K = mixer.intermediate_size, mixer.ssm_state_size, mixer.conv_kernel_size
+    return RowState1(0, torch.zeros(K - 1, I, dtype=like.dtype, device=like.device),
+                     torch.zeros(I, N, dtype=torch.float32, device=like.device))
+
+
+def _sequence1(mixer, ops: Ops, u, z, start: RowState1):
+    """(y [n, I] in the model dtype, the RowState1 after it) of one sequence's conv inputs u and gate z [n, I]."""
+    R, N = mixer.time_step_rank, mixer.ssm_state_size
+    conv = run(ops, "mamba_conv", u, start.window, mixer.conv1d.weight, mixer.conv1d.bias)
+    dt, B, C = mixer.x_proj(conv).split([R, N, N], dim=-1)
+    dt = ops.linear(dt, [mixer.dt_proj.weight])  # its bias joins dt inside the scan, before softplus
+    y, state = run(ops, "mamba1_scan", conv, dt, B, C, z, mixer.A_log, mixer.D, mixer.dt_proj.bias, start.state)
+    K = mixer.conv_kernel_size
+    window = torch.cat([start.window, u.detach()])[u.shape[0]:] if K > 1 else start.window
+    return y, RowState1(start.length + u.shape[0], window, state.detach())
+
+
+def _mixer1_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
+    """A Mamba-1 mixer on the wrappers: in_proj, per sequence the causal conv and the selective scan (gated by
+    silu(z) inside it), out_proj; sequences and carried state as the Mamba-2 mixer's (module docstring)."""
+    cache = cache if cache is not None else cache_params if cache_params is not None else \
+        kwargs.get("past_key_values")
+    ops: Ops = self._tic_ops
+    Bsz, T, _ = hidden_states.shape
+    I = self.intermediate_size
+    u_all, z_all = self.in_proj(hidden_states).chunk(2, dim=-1)
+    carried = _carried_states(cache, self.layer_idx, Bsz)
+    rows = []
+    for b, seqs in enumerate(self._tic_layout.rows(Bsz, T, carried)):
+        pieces, col = [], 0
+        for c0, c1, first in seqs:
+            start = carried[b] if first > 0 else _fresh1(self, hidden_states)
+            if start is None or start.length != first:
+                raise TicInputError(f"mamba mixer (layer {self.layer_idx}): row {b} continues a sequence at position "
+                                    f"{first}, but the cache carries {start.length if start else 'nothing'}")
+            y, state = _sequence1(self, ops, u_all[b, c0:c1], z_all[b, c0:c1], start)
+            pieces += [y.new_zeros(c0 - col, I), y]
+            col = c1
+            if cache is not None:
+                carried[b] = state
+        rows.append(torch.cat(pieces + [u_all.new_zeros(T - col, I)]))
+    return self.out_proj(torch.stack(rows))
+
+
+def mixer1_problems(m: nn.Module) -> list[str]:
+    """What of this Mamba-1 mixer the wrapper does not implement."""
+    problems = []
+    if getattr(m, "activation", "silu") not in ("silu", "swish"):
+        problems.append(f"conv activation {m.activation} (the wrapper runs SiLU)")
+    if m.in_proj.out_features != 2 * m.intermediate_size:
+        problems.append(f"in_proj of {m.in_proj.out_features} features (the wrapper splits conv input | gate)")
+    extra = [n for n in ("dt_layernorm", "b_layernorm", "c_layernorm") if getattr(m, n, None) is not None]
+    if extra or getattr(m, "rms_eps", None) is not None:
+        problems.append("norms on dt, B and C (Jamba, FalconMamba): the wrapper runs the plain selective scan")
+    if m.dt_proj.bias is None:
+        problems.append("dt_proj without a bias (the scan adds it before softplus)")
+    return problems
+
+
 def norm_group_size(norm: nn.Module) -> int:
     """The width each RMS statistic covers: the norm's groups, or its whole width where it has none (transformers
     before 5.2x normalized Mamba-2's gated output over all of it, whatever n_groups; vLLM groups it by n_groups, so
@@ -186,7 +264,7 @@ def mixer_problems(m: nn.Module) -> list[str]:
 
 def install(model: nn.Module) -> SequenceLayout | None:
     """The layout the model's mixers read, fed by hooks on the model's forward; None for a model without mixers."""
-    if not any(is_mixer(m) for m in model.modules()):
+    if not any(is_mixer(m) or is_mixer1(m) for m in model.modules()):
         return None
     layout = SequenceLayout()
     model.register_forward_pre_hook(layout.before, with_kwargs=True)
@@ -198,4 +276,4 @@ def wrap_mixer(m: nn.Module, layout: SequenceLayout) -> None:
     import types
 
     m._tic_layout = layout
-    m.forward = types.MethodType(_mixer_forward, m)
+    m.forward = types.MethodType(_mixer1_forward if is_mixer1(m) else _mixer_forward, m)

@@ -498,7 +498,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
                  reading: dict | None = None) -> None:
     """reading: what coverage's probes read of this module (norm roles, a fused qkv's layout, no rotary)."""
     reading = reading or {}
-    if mamba_modules.is_mixer(m):  # tic: issue 31
+    if mamba_modules.is_mixer(m) or mamba_modules.is_mixer1(m):  # tic: issue 31
         mamba_modules.wrap_mixer(m, layout)
     elif is_moe_block(m):
         m._tic_name, m._tic_routes = name, routes

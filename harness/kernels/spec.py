@@ -29,6 +29,9 @@ Mamba-2 (one sequence per call; tic.harness.kernels.mamba says what the scan com
              buf_x [m, H, P], buf_dt [m, H], buf_B [m, G, N], chunk_size, dt_min, dt_max)
       -> (y float32 [n, H, P], the start state of the chunk the sequence ends in)
   gated_rms_norm(y [.., D], gate [.., D], w [D], group_size, eps, out_dtype) -> [.., D]
+Mamba-1 (one sequence per call; the consistent provider only):
+  mamba1_scan(u [n, I], dt_raw [n, I], B/C [n, N], z [n, I], A_log [I, N], D/dt_bias [I], state float32 [I, N])
+      -> (y [n, I] = (C S + D u) * silu(z) in u's dtype, the state after the last token)
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from tic.harness.kernels.autograd import Op, Ops
+import torch.nn.functional as F
+
 from tic.harness.kernels.mamba import MAMBA_OPS, mamba_scan_ref
 
 
@@ -27,3 +29,24 @@ def plant_single_step_decode(mixer: nn.Module) -> None:
     ops: Ops = mixer._tic_ops
     op = Op("mamba_scan", _single_step_decode, MAMBA_OPS["mamba_scan"].reference)
     mixer._tic_ops = Ops(ops.provider, ops.backward, {**ops.table, "mamba_scan": op})
+
+
+def _matmul_decode1(provider, u, dt_raw, B, C, z, A_log, D, dt_bias, state):
+    """A Mamba-1 decode step (one token from a carried state) whose output sums C . S as a matrix product, another
+    order than the kernel's: as an engine whose decode kernel differs from its prefill scan would."""
+    y, carried = provider.mamba1_scan(u, dt_raw, B, C, z, A_log, D, dt_bias, state)
+    if u.shape[0] == 1 and bool(state.any()):
+        with torch.no_grad():
+            A = -torch.exp(A_log.float())
+            dt = F.softplus(dt_raw[0].float() + dt_bias.float())
+            S = torch.exp(dt[:, None] * A) * state.float() + (dt * u[0].float())[:, None] * B[0].float()[None, :]
+            y = (((S @ C[0].float()[:, None])[:, 0] + D.float() * u[0].float()) * F.silu(z[0].float()))[None]
+            y = y.to(u.dtype)
+    return y, carried
+
+
+def plant_matmul_decode1(mixer: nn.Module) -> None:
+    """Install the Mamba-1 plant in this one (wrapped) mixer."""
+    ops: Ops = mixer._tic_ops
+    op = Op("mamba1_scan", _matmul_decode1, MAMBA_OPS["mamba1_scan"].reference)
+    mixer._tic_ops = Ops(ops.provider, ops.backward, {**ops.table, "mamba1_scan": op})

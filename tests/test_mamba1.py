@@ -1,0 +1,85 @@
+"""Mamba-1 (selective scan) mixers on tic's consistent CPU kernels: the scan decodes a token with the bits its
+prefill gives, the tiny Mamba-1 example passes C2-C7, a decode step summed in another order fails C4, and only
+the consistent kernels cover the mixer (C0's refusal of a vLLM rollout: tests/test_hybrid.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tic.config.schema import load_config
+from tic.gates import get
+from tic.harness.engines import hf
+from tic.harness.kernels.coverage import coverage_problems
+from tic.harness.kernels.mamba import cpu_mamba1_scan
+from tic.harness.testing.mamba_plants import plant_matmul_decode1
+from tic.skill.context import GateContext
+from tic.skill.runner import run_gate
+
+I, N = 6, 5
+
+
+def _inputs(n: int, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return (r(n, I), r(n, I), r(n, N), r(n, N), r(n, I), torch.log(1 + 4 * torch.rand(I, N, generator=g)), r(I),
+            0.5 * r(I))
+
+
+def _closed_form(u, dt_raw, B, C, z, A_log, D, dt_bias):
+    """y_t = C_t . sum_{s<=t} exp(A (dt_{s+1} + .. + dt_t)) dt_s u_s B_s + D u_t, gated: float64, no recurrence."""
+    A = -torch.exp(A_log.double())
+    dt = F.softplus(dt_raw.double() + dt_bias.double())
+    L = torch.cumsum(dt[..., None] * A, dim=0)
+    ys = []
+    for t in range(u.shape[0]):
+        S = sum(torch.exp(L[t] - L[s]) * (dt[s] * u[s].double())[:, None] * B[s].double()[None] for s in range(t + 1))
+        ys.append(((S * C[t].double()).sum(-1) + D.double() * u[t].double()) * F.silu(z[t].double()))
+    return torch.stack(ys)
+
+
+def test_scan_decodes_a_token_with_its_prefill_bits():
+    u, dt, B, C, z, A_log, D, bias = _inputs(9)
+    zero = torch.zeros(I, N)
+    full, _ = cpu_mamba1_scan(u, dt, B, C, z, A_log, D, bias, zero)
+    for prefix in (1, 4):
+        y, S = cpu_mamba1_scan(u[:prefix], dt[:prefix], B[:prefix], C[:prefix], z[:prefix], A_log, D, bias, zero)
+        ys = [y]
+        for t in range(prefix, 9):
+            y, S = cpu_mamba1_scan(u[t:t + 1], dt[t:t + 1], B[t:t + 1], C[t:t + 1], z[t:t + 1], A_log, D, bias, S)
+            ys.append(y)
+        assert torch.equal(torch.cat(ys), full)
+    assert torch.allclose(full.double(), _closed_form(u, dt, B, C, z, A_log, D, bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def mamba1_ctx(example, workdir):
+    hf._MODELS.clear()
+    cfg = load_config(example("tiny-mamba") / "tic-consistent.yaml")
+    cfg.prompts.count, cfg.sampling.max_tokens = 5, 10
+    cfg.layouts.batch_sizes, cfg.layouts.probes = [3], 1
+    cfg.locate.enabled = False
+    yield GateContext(cfg)
+    hf._MODELS.clear()
+
+
+def test_mamba1_passes_c2_to_c7(mamba1_ctx):
+    for gate in ("C2", "C3", "C4", "C5", "C6", "C7"):
+        res = run_gate(get(gate), mamba1_ctx)
+        assert res.verdict == "pass", (gate, res.reason)
+
+
+def test_c4_fails_when_one_mixer_sums_its_decode_in_another_order(mamba1_ctx):
+    model = mamba1_ctx.rollout_engine().model
+    plant_matmul_decode1(model.backbone.layers[1].mixer)
+    res = run_gate(get("C4"), mamba1_ctx)
+    assert res.verdict == "fail" and res.metrics["equal_fraction"] < 1, res.reason
+
+
+def test_coverage_names_the_mixer_outside_vllms_kernels(example):
+    ctx = GateContext(load_config(example("tiny-mamba") / "tic-consistent.yaml"))
+    model = hf.load_model(ctx.model.dir, "float32", kernels="stock", shared=False)
+    assert coverage_problems(model, "consistent") == []
+    assert any("mixer:mamba1" in p and "backbone.layers" in p for p in coverage_problems(model, "vllm"))
+
