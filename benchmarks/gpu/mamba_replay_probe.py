@@ -113,7 +113,7 @@ def _patch_step_rows(t, Q, p0):
     from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen as scan
     from vllm.v1.attention.backends.mamba2_attn import compute_varlen_chunk_metadata
 
-    from tic.patches.vllm import mamba_decode_replay as replay
+    from tic.patches.vllm import mamba_decode_replay as decode_patch
 
     x, dt, B, C = t["x"], t["dt"], t["B"], t["C"]
     L, H, P = x.shape
@@ -128,14 +128,14 @@ def _patch_step_rows(t, Q, p0):
                         cu_chunk_seqlens=cu, last_chunk_indices=last, seq_idx=seq, out=torch.empty_like(x[:lo]),
                         D=t["D"], dt_bias=t["dt_bias"], dt_softplus=True, state_dtype=torch.float32)[0]
     zeros = lambda *s, d=x.dtype: torch.zeros(*s, dtype=d, device="cuda")  # noqa: E731
-    store = replay._Chunks(zeros(2, Q, H, P), zeros(2, Q, H), zeros(2, Q, G, N),
+    store = decode_patch._Chunks(zeros(2, Q, H, P), zeros(2, Q, H), zeros(2, Q, G, N),
                            i32([0, p0 - lo]), torch.tensor([0, p0], device="cuda"))
     store.x[1, :p0 - lo], store.dt[1, :p0 - lo], store.B[1, :p0 - lo] = x[lo:p0], dt[lo:p0], B[lo:p0]
     slots, rows = i32([1, -1]), []
     for i in range(p0, L):
         pick = lambda v: torch.cat([v[i:i + 1], v[i:i + 1]])  # noqa: E731  (the second row is padding)
         out = torch.zeros(2, H, P, dtype=x.dtype, device="cuda")
-        replay._decode_step(scan, store, state, slots, pick(x), pick(dt), A, pick(B), pick(C), t["D"],
+        decode_patch._decode_step(scan, store, state, slots, pick(x), pick(dt), A, pick(B), pick(C), t["D"],
                             t["dt_bias"], out, Q)
         rows.append(out[:1].float())
     return torch.cat(rows)
