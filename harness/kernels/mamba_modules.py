@@ -138,34 +138,42 @@ def _sequence(mixer, ops: Ops, xBC, dt, start: RowState):
     return y, RowState(start.length + n, window, state.detach(), *buf)
 
 
+def _each_sequence(mixer, hidden_states, cache, width: int, dtype, fresh, one) -> torch.Tensor:
+    """[B, T, width] in dtype: per row, each of its sequences (module docstring) through one(b, c0, c1, start) ->
+    (y [c1 - c0, ...], the state after it), zeros at padding columns; starts from fresh(mixer, hidden_states) or
+    the state the cache carries, and keeps the new one there."""
+    Bsz, T, _ = hidden_states.shape
+    carried = _carried_states(cache, mixer.layer_idx, Bsz)
+    rows = []
+    for b, seqs in enumerate(mixer._tic_layout.rows(Bsz, T, carried)):
+        pieces, col = [], 0
+        for c0, c1, first in seqs:
+            start = carried[b] if first > 0 else fresh(mixer, hidden_states)
+            if start is None or start.length != first:
+                raise TicInputError(f"mamba mixer (layer {mixer.layer_idx}): row {b} continues a sequence at "
+                                    f"position {first}, but the cache carries {start.length if start else 'nothing'}")
+            y, state = one(b, c0, c1, start)
+            # pieces in column order (padding zeros): the locator follows each token's values through a cat
+            pieces += [hidden_states.new_zeros(c0 - col, width, dtype=dtype), y.reshape(c1 - c0, width)]
+            col = c1
+            if cache is not None:
+                carried[b] = state
+        rows.append(torch.cat(pieces + [hidden_states.new_zeros(T - col, width, dtype=dtype)]))
+    return torch.stack(rows)
+
+
 def _mixer_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
     """The mixer on the wrappers (module docstring); HF passes the cache as `cache` (5.2x) or `cache_params`."""
     cache = cache if cache is not None else cache_params if cache_params is not None else \
         kwargs.get("past_key_values")
     ops: Ops = self._tic_ops
-    Bsz, T, _ = hidden_states.shape
     I, H = self.intermediate_size, self.num_heads
     proj = self.in_proj(hidden_states)
     gate, xBC, dt = proj.split([I, self.conv_dim, H], dim=-1)
-    carried = _carried_states(cache, self.layer_idx, Bsz)
-    rows = []
-    for b, seqs in enumerate(self._tic_layout.rows(Bsz, T, carried)):
-        pieces, col = [], 0
-        for c0, c1, first in seqs:
-            start = carried[b] if first > 0 else _fresh(self, hidden_states)
-            if start is None or start.length != first:
-                raise TicInputError(f"mamba mixer (layer {self.layer_idx}): row {b} continues a sequence at position "
-                                    f"{first}, but the cache carries {start.length if start else 'nothing'}")
-            y, state = _sequence(self, ops, xBC[b, c0:c1], dt[b, c0:c1], start)
-            # pieces in column order (padding zeros): the locator follows each token's values through a cat
-            pieces += [proj.new_zeros(c0 - col, I, dtype=torch.float32), y.reshape(c1 - c0, I)]
-            col = c1
-            if cache is not None:
-                carried[b] = state
-        rows.append(torch.cat(pieces + [proj.new_zeros(T - col, I, dtype=torch.float32)]))
-    normed = run(ops, "gated_rms_norm", torch.stack(rows), gate, self.norm.weight,
-                 group_size=norm_group_size(self.norm), eps=float(self.norm.variance_epsilon),
-                 out_dtype=hidden_states.dtype)
+    y = _each_sequence(self, hidden_states, cache, I, torch.float32, _fresh,
+                       lambda b, c0, c1, start: _sequence(self, ops, xBC[b, c0:c1], dt[b, c0:c1], start))
+    normed = run(ops, "gated_rms_norm", y, gate, self.norm.weight, group_size=norm_group_size(self.norm),
+                 eps=float(self.norm.variance_epsilon), out_dtype=hidden_states.dtype)
     return self.out_proj(normed)
 
 
@@ -203,25 +211,10 @@ def _mixer1_forward(self, hidden_states, cache=None, attention_mask=None, cache_
     cache = cache if cache is not None else cache_params if cache_params is not None else \
         kwargs.get("past_key_values")
     ops: Ops = self._tic_ops
-    Bsz, T, _ = hidden_states.shape
-    I = self.intermediate_size
-    u_all, z_all = self.in_proj(hidden_states).chunk(2, dim=-1)
-    carried = _carried_states(cache, self.layer_idx, Bsz)
-    rows = []
-    for b, seqs in enumerate(self._tic_layout.rows(Bsz, T, carried)):
-        pieces, col = [], 0
-        for c0, c1, first in seqs:
-            start = carried[b] if first > 0 else _fresh1(self, hidden_states)
-            if start is None or start.length != first:
-                raise TicInputError(f"mamba mixer (layer {self.layer_idx}): row {b} continues a sequence at position "
-                                    f"{first}, but the cache carries {start.length if start else 'nothing'}")
-            y, state = _sequence1(self, ops, u_all[b, c0:c1], z_all[b, c0:c1], start)
-            pieces += [y.new_zeros(c0 - col, I), y]
-            col = c1
-            if cache is not None:
-                carried[b] = state
-        rows.append(torch.cat(pieces + [u_all.new_zeros(T - col, I)]))
-    return self.out_proj(torch.stack(rows))
+    u, z = self.in_proj(hidden_states).chunk(2, dim=-1)
+    y = _each_sequence(self, hidden_states, cache, self.intermediate_size, u.dtype, _fresh1,
+                       lambda b, c0, c1, start: _sequence1(self, ops, u[b, c0:c1], z[b, c0:c1], start))
+    return self.out_proj(y)
 
 
 def mixer1_problems(m: nn.Module) -> list[str]:
