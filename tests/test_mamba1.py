@@ -83,3 +83,27 @@ def test_coverage_names_the_mixer_outside_vllms_kernels(example):
     assert coverage_problems(model, "consistent") == []
     assert any("mixer:mamba1" in p and "backbone.layers" in p for p in coverage_problems(model, "vllm"))
 
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_falcon_mamba_scan_input_norms_run_on_the_wrappers(example, workdir, monkeypatch, planted):
+    """FalconMamba's mixer normalizes dt, B and C (weightless RMSNorms) before the scan; the wrapper runs them, and
+    C2's fidelity check against the stock model passes. With the norms left out (the plant) it fails."""
+    import json
+
+    from tic.harness.kernels import mamba_modules
+
+    ex = example("tiny-mamba")
+    cfg = json.loads((ex / "config.json").read_text())
+    cfg.update(architectures=["FalconMambaForCausalLM"], model_type="falcon_mamba", mixer_rms_eps=1e-6)
+    (ex / "config.json").write_text(json.dumps(cfg))
+    if planted:
+        monkeypatch.setattr(mamba_modules, "SCAN_INPUT_NORMS", ("not_there",) * 3)
+    hf._MODELS.clear()
+    ctx = GateContext(load_config(ex / "tic-consistent.yaml"))
+    res = run_gate(get("C2"), ctx)
+    hf._MODELS.clear()
+    if planted:
+        assert res.verdict == "fail" and "fidelity" in res.reason, res.reason
+    else:
+        assert res.verdict == "pass", res.reason

@@ -187,6 +187,17 @@ class RowState1:
     state: torch.Tensor  # [I, N] float32
 
 
+SCAN_INPUT_NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
+
+
+def _scan_input_norm(ops: Ops, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm of dt, B or C: Jamba's has a weight, FalconMamba's none (a weight of ones, exact in the product;
+    its buffer of ones is sized for another width)."""
+    w = norm.weight if isinstance(norm.weight, nn.Parameter) else torch.ones(x.shape[-1], dtype=x.dtype,
+                                                                              device=x.device)
+    return ops.rms_norm(x, w, float(norm.variance_epsilon))
+
+
 def _fresh1(mixer, like: torch.Tensor) -> RowState1:
     I, N, K = mixer.intermediate_size, mixer.ssm_state_size, mixer.conv_kernel_size
     return RowState1(0, torch.zeros(K - 1, I, dtype=like.dtype, device=like.device),
@@ -198,6 +209,9 @@ def _sequence1(mixer, ops: Ops, u, z, start: RowState1):
     R, N = mixer.time_step_rank, mixer.ssm_state_size
     conv = run(ops, "mamba_conv", u, start.window, mixer.conv1d.weight, mixer.conv1d.bias)
     dt, B, C = mixer.x_proj(conv).split([R, N, N], dim=-1)
+    norms = [getattr(mixer, n, None) for n in SCAN_INPUT_NORMS]
+    if all(n is not None for n in norms):  # Jamba, FalconMamba: RMSNorms on dt, B and C
+        dt, B, C = (_scan_input_norm(ops, n, t) for n, t in zip(norms, (dt, B, C)))
     dt = ops.linear(dt, [mixer.dt_proj.weight])  # its bias joins dt inside the scan, before softplus
     y, state = run(ops, "mamba1_scan", conv, dt, B, C, z, mixer.A_log, mixer.D, mixer.dt_proj.bias, start.state)
     K = mixer.conv_kernel_size
@@ -224,9 +238,11 @@ def mixer1_problems(m: nn.Module) -> list[str]:
         problems.append(f"conv activation {m.activation} (the wrapper runs SiLU)")
     if m.in_proj.out_features != 2 * m.intermediate_size:
         problems.append(f"in_proj of {m.in_proj.out_features} features (the wrapper splits conv input | gate)")
-    extra = [n for n in ("dt_layernorm", "b_layernorm", "c_layernorm") if getattr(m, n, None) is not None]
-    if extra or getattr(m, "rms_eps", None) is not None:
-        problems.append("norms on dt, B and C (Jamba, FalconMamba): the wrapper runs the plain selective scan")
+    norms = [getattr(m, n, None) for n in SCAN_INPUT_NORMS]
+    rms = [n is not None and type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon") for n in norms]
+    if any(n is not None for n in norms) and not all(rms):
+        problems.append("norms on dt, B and C other than an RMSNorm on each of the three (the wrapper runs "
+                        "Jamba's and FalconMamba's)")
     if m.dt_proj.bias is None:
         problems.append("dt_proj without a bias (the scan adds it before softplus)")
     return problems
