@@ -9,13 +9,13 @@ docs/results/rollout-throughput.md). So the tile may follow the batch size for s
 only after checking, on seeded operands of that problem, that it reproduces the reference tile's bits, and falls
 back to the reference tile where one does not.
 
-cuBLAS's own kernels mostly sum K in that same chain: on the H100 its rows equal the reference tile's at every
-batch size from 1 to 8,192 rows on Qwen3-8B's qkv, gate_up and lm_head, and from 128 rows up on every projection
-probed; for fewer rows on the narrow, deep ones (o, down) its heuristic picks kernels that sum in another order
-(benchmarks/gpu/cublas_order_probe.py). So `linear` runs
-cuBLAS for a problem once a check on seeded operands of exactly that problem (rows, weight, dtypes, bias, the
-addresses' alignment, which cuBLAS picks kernels by) gave the reference tile's bits, and tic's kernel otherwise.
-Every process checks for itself, so a row's bits are the reference tile's whichever kernel ran it.
+cuBLAS's own kernels mostly sum K in that same chain. On the H100 its rows equal the reference tile's at every
+batch size probed (1 to 8,192 rows) on Qwen3-8B's qkv and gate_up and Qwen3-30B-A3B's qkv, and from 128 rows up on
+every projection probed; for fewer rows on the narrow, deep ones (o, down) its heuristic picks kernels that sum in
+another order (benchmarks/gpu/cublas_order_probe.py). So `linear` runs cuBLAS for a problem once a check on seeded
+operands of exactly that problem (rows, weight, dtypes, bias, the addresses' alignment, which cuBLAS picks kernels
+by) gave the reference tile's bits, and tic's kernel otherwise. Every process checks for itself, so a row's bits
+are the reference tile's whichever kernel ran it.
 """
 
 from __future__ import annotations
