@@ -58,7 +58,9 @@ def rows_apart(kwargs: dict) -> dict:
 
 
 CHECK_TOKENS = 2048  # the seeded sequence the natural launch is checked on
-CHECK_QUERY_ROWS = (1, 2, 8, 32, 64, MIN_TILE_Q - 1)  # rows per sequence of the launches checked (1: decode)
+# rows per sequence of the launches checked (1: decode), dense enough that a launch heuristic's threshold on
+# max_seqlen_q between them would show
+CHECK_QUERY_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, MIN_TILE_Q - 1)
 _natural_ok: dict = {}
 
 
