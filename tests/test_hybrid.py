@@ -204,6 +204,7 @@ def test_nemotron_h_moe_blocks_are_named_as_not_covered():
     ("tiny-mamba2", "{engine: vllm, patches: [mamba-decode-replay]}", None),
     ("tiny-mamba", "{engine: vllm}", "Mamba-1 (selective scan) mixer(s)"),
     ("tiny-mamba", "{engine: vllm, patches: [mamba-decode-replay]}", "Mamba-1 (selective scan) mixer(s)"),
+    ("tiny-jamba", "{engine: vllm}", "Mamba-1 (selective scan) mixer(s)"),
     ("tiny-qwen3", "{engine: vllm}", None)])
 def test_c0_refuses_a_vllm_rollout_of_a_mamba_model_without_the_eager_replay_patch(example, workdir, tic, name,
                                                                                     rollout, why):

@@ -107,3 +107,58 @@ def test_falcon_mamba_scan_input_norms_run_on_the_wrappers(example, workdir, mon
         assert res.verdict == "fail" and "fidelity" in res.reason, res.reason
     else:
         assert res.verdict == "pass", res.reason
+
+
+@pytest.fixture
+def jamba_ctx(example, workdir):
+    hf._MODELS.clear()
+    cfg = load_config(example("tiny-jamba") / "tic-consistent.yaml")
+    cfg.prompts.count, cfg.sampling.max_tokens = 5, 10
+    cfg.layouts.batch_sizes, cfg.layouts.probes = [3], 1
+    cfg.locate.enabled = False
+    yield GateContext(cfg)
+    hf._MODELS.clear()
+
+
+def test_jamba_layers_pass_c2_to_c7(jamba_ctx):
+    """Jamba's layers: input_layernorm, a Mamba-1 mixer under `mamba` (or attention under `self_attn`),
+    pre_ff_layernorm, a `feed_forward` MLP or MoE whose `router` keeps its top-k weights unnormalised."""
+    for gate in ("C2", "C3", "C4", "C5", "C6", "C7"):
+        res = run_gate(get(gate), jamba_ctx)
+        assert res.verdict == "pass", (gate, res.reason)
+    model = jamba_ctx.rollout_engine().model
+    assert model.model.layers[1].feed_forward._tic_renormalize is False  # read from the router's own forward
+
+
+def test_jamba_router_renormalised_the_qwen_way_parts_from_stock(jamba_ctx, monkeypatch):
+    """The plant: the MoE wrapper renormalises Jamba's top-k weights (the default of routers that do); C2's
+    fidelity check names the first module that parts from the stock model."""
+    from tic.harness.kernels import modules
+
+    monkeypatch.setattr(modules, "router_renormalizes", lambda router: True)
+    res = run_gate(get("C2"), jamba_ctx)
+    assert res.verdict == "fail" and "fidelity" in res.reason and "feed_forward" in res.reason, res.reason
+
+
+def test_c4_fails_when_a_jamba_mixer_sums_its_decode_in_another_order(jamba_ctx):
+    model = jamba_ctx.rollout_engine().model
+    plant_matmul_decode1(model.model.layers[0].mamba)
+    res = run_gate(get("C4"), jamba_ctx)
+    assert res.verdict == "fail" and res.metrics["equal_fraction"] < 1, res.reason
+
+
+def test_c0_refuses_decoder_layers_with_mamba_mixers_and_no_attention(example, workdir, tic):
+    """transformers cannot build a Jamba model's causal mask from a cache without an attention layer: C0 refuses
+    such a configuration with the reason rather than letting C3 end in an error; the example, which has an
+    attention layer, passes C0."""
+    import json
+
+    ex = example("tiny-jamba")
+    code, out, _ = tic("gate", "C0", "-c", str(ex / "tic-consistent.yaml"), "--json")
+    assert code == 0 and json.loads(out)["results"][0]["verdict"] == "pass"
+    cfg = json.loads((ex / "config.json").read_text())
+    cfg.update(attn_layer_period=8, attn_layer_offset=4)  # no attention among the 4 layers
+    (ex / "config.json").write_text(json.dumps(cfg))
+    code, out, _ = tic("gate", "C0", "-c", str(ex / "tic-consistent.yaml"), "--json")
+    rec = json.loads(out)["results"][0]
+    assert (rec["verdict"], code) == ("fail", 1) and "no attention layer anywhere" in rec["reason"], rec["reason"]

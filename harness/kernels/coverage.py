@@ -174,9 +174,35 @@ def is_layernorm(m) -> bool:
     return isinstance(m, nn.LayerNorm) and type(m).forward is nn.LayerNorm.forward and len(m.normalized_shape) == 1
 
 
+def moe_router(m) -> nn.Module | None:
+    """A MoE block's top-k router: its `gate` (Qwen, Mixtral) or `router` (Jamba), a module with a weight and
+    top_k; None for any other module."""
+    for n in ("gate", "router"):
+        r = getattr(m, n, None)
+        if isinstance(r, nn.Module) and hasattr(r, "weight") and hasattr(r, "top_k"):
+            return r
+    return None
+
+
+def router_renormalizes(router: nn.Module) -> bool:
+    """Whether the router scales its top-k softmax weights to sum to one: its norm_topk_prob where it has one, else
+    read from its own forward on seeded rows (Jamba's keeps them as they are); True where it cannot run (meta)."""
+    flag = getattr(router, "norm_topk_prob", None)
+    if flag is not None:
+        return bool(flag)
+    w = router.weight
+    if w.is_meta:
+        return True
+    x = torch.randn(4, w.shape[1], generator=torch.Generator().manual_seed(0)).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        out = router(x)
+    if not (isinstance(out, tuple) and len(out) == 3):
+        return True
+    return bool(torch.allclose(out[1].float().sum(-1), torch.ones(4, device=w.device), atol=1e-2))
+
+
 def is_moe_block(m) -> bool:
-    return (hasattr(m, "gate") and hasattr(m, "experts") and hasattr(m.experts, "gate_up_proj")
-            and hasattr(m.gate, "weight") and hasattr(m.gate, "top_k"))
+    return moe_router(m) is not None and hasattr(m, "experts") and hasattr(m.experts, "gate_up_proj")
 
 
 def _linears(m, *names) -> bool:
@@ -204,11 +230,20 @@ def head_dim_of(attn) -> int:
 
 
 def attention_name(layer) -> str | None:
-    """A decoder layer's attention child: self_attn, or attention (GPT-NeoX)."""
+    """A decoder layer's token mixer: its attention (self_attn, or attention: GPT-NeoX), or a Mamba-1 mixer (Jamba's
+    mamba layers)."""
     for n in ("self_attn", "attention"):
         if is_attention(getattr(layer, n, None)):
             return n
+    for n, c in layer.named_children():
+        if mamba_modules.is_mixer1(c):
+            return n
     return "self_attn" if hasattr(layer, "self_attn") else None
+
+
+def mlp_name(layer) -> str | None:
+    """A decoder layer's MLP (or MoE) child: mlp, or feed_forward (Jamba)."""
+    return next((n for n in ("mlp", "feed_forward") if isinstance(getattr(layer, n, None), nn.Module)), None)
 
 
 def is_attention(m) -> bool:
@@ -226,7 +261,9 @@ def mlp_activation(m):
 def is_decoder_layer(m) -> bool:
     """An attention (self_attn, or attention), an mlp and a norm, the norm of any name (norm_roles reads what
     each does)."""
-    return (hasattr(m, "self_attn") or is_attention(getattr(m, "attention", None))) and hasattr(m, "mlp") and \
+    mixes = hasattr(m, "self_attn") or is_attention(getattr(m, "attention", None)) \
+        or any(mamba_modules.is_mixer1(c) for c in m.children())
+    return mixes and mlp_name(m) is not None and \
         (hasattr(m, "input_layernorm") or hasattr(m, "post_attention_layernorm")
          or any(is_rmsnorm(c) or is_layernorm(c) for c in m.children()))
 
@@ -712,7 +749,7 @@ def _forward_with_stand_ins(layer: nn.Module, stand_ins: dict[str, nn.Module], x
 
 def _parallel_sum(layer: nn.Module, r: float, a: float, m: float) -> float | None:
     out = _forward_with_stand_ins(layer, {"input_layernorm": nn.Identity(), attention_name(layer): _Answer(a, True),
-                                          "mlp": _Answer(m, False)}, torch.full((1, 1, 4), r))
+                                          mlp_name(layer): _Answer(m, False)}, torch.full((1, 1, 4), r))
     return None if out is None else float(out.flatten()[0])
 
 
@@ -769,14 +806,17 @@ def norm_roles(layer: nn.Module) -> tuple[str, dict[str, str]] | None:
     whose norms are named otherwise (VaultGemma's pre_feedforward_layernorm, GLM-4's post_self_attn_layernorm,
     Apertus' attention_layernorm) is read as what it computes. None where no structure matches or the forward does
     not run on the probe."""
-    attn_name = attention_name(layer)
-    norms = [n for n, c in layer.named_children() if n not in (attn_name, "mlp") and not isinstance(c, nn.Dropout)]
+    attn_name, mlp = attention_name(layer), mlp_name(layer)
+    norms = [n for n, c in layer.named_children() if n not in (attn_name, mlp) and not isinstance(c, nn.Dropout)]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 2, 8, generator=g)
     stand = {n: _Tagged(torch.randn(1, 2, 8, generator=g), pair=False) for n in norms}
-    stand["attention"] = _Tagged(torch.randn(1, 2, 8, generator=g), pair=True)
+    # an attention returns (output, weights), a Mamba mixer its output alone
+    stand["attention"] = _Tagged(torch.randn(1, 2, 8, generator=g),
+                                 pair=not mamba_modules.is_mixer1(getattr(layer, attn_name)))
     stand["mlp"] = _Tagged(torch.randn(1, 2, 8, generator=g), pair=False)
-    out = _forward_with_stand_ins(layer, {attn_name if n == "attention" else n: t for n, t in stand.items()}, x)
+    out = _forward_with_stand_ins(layer, {attn_name if n == "attention" else mlp if n == "mlp" else n: t
+                                          for n, t in stand.items()}, x)
     if out is None:
         return None
 
@@ -843,8 +883,8 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
         if isinstance(c, nn.Dropout) and float(c.p) != 0.0:
             cov.refusals.append(Refusal(f"{name}.{n}", type(c).__name__, f"dropout of probability {c.p} (the "
                                         "wrappers' forward runs without dropout)"))
-    attn_name = attention_name(layer)
-    norms = tuple(n for n, c in children.items() if n not in (attn_name, "mlp") and not isinstance(c, nn.Dropout))
+    attn_name, mlp = attention_name(layer), mlp_name(layer)
+    norms = tuple(n for n, c in children.items() if n not in (attn_name, mlp) and not isinstance(c, nn.Dropout))
     structure = next((kind for names, kind in DECODER_NORMS.items() if set(names) == set(norms)), None)
     read = norm_roles(layer) if structure is None else None  # norms named otherwise: read what they do
     if read is not None:
@@ -880,10 +920,14 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
     attn = getattr(layer, attn_name)
     if is_attention(attn):
         _read_attention(cov, f"{name}.{attn_name}", attn, cfg)
+    elif mamba_modules.is_mixer1(attn):  # Jamba's mamba layers: a Mamba-1 mixer in the attention's place
+        cov.classes["mixer:mamba1"] = ("layer_types", "mamba")
+        cov.refusals += [Refusal(f"{name}.{attn_name}", type(attn).__name__, why)
+                         for why in mamba_modules.mixer1_problems(attn)]
     else:
         cov.refusals.append(Refusal(f"{name}.{attn_name}", type(attn).__name__,
                                     "attention without q/k/v (or fused qkv) and o projections"))
-    _read_mlp(cov, f"{name}.mlp", layer.mlp, cfg)
+    _read_mlp(cov, f"{name}.{mlp}", getattr(layer, mlp), cfg)
     cov.classes["linear"] = (None, None)
     return cov
 
@@ -1004,10 +1048,25 @@ def read_coverage(model: nn.Module) -> list[LayerCoverage]:
     layers = [read_layer(n, m, cfg) if is_decoder_layer(m) else read_hybrid_block(n, m, cfg)
               for n, m in model.named_modules() if is_decoder_layer(m) or is_hybrid_block(m)]
     layers += _unknown_layers(model)
+    _refuse_scan_only_decoder_stack(model, layers)
     if not layers:
         layers = [LayerCoverage("model.layers", "none", refusals=[Refusal(
             "model.layers", type(model).__name__, "no decoder layer with self_attn, mlp and a norm")])]
     return layers + [read_model(model)]
+
+
+def _refuse_scan_only_decoder_stack(model: nn.Module, layers: list[LayerCoverage]) -> None:
+    """Decoder layers whose token mixers are all Mamba-1 mixers (a Jamba-style model cut or configured without its
+    attention layers): transformers builds their causal mask from a cache of recurrent layers alone and stops
+    (`get_mask_sizes`), so no engine can decode it. Refused on the first layer, one line."""
+    decoders = [(n, m) for n, m in model.named_modules() if is_decoder_layer(m)]
+    if decoders and all(mamba_modules.is_mixer1(getattr(m, attention_name(m))) for _, m in decoders):
+        name, first = decoders[0]
+        cov = next(c for c in layers if c.layer == name)
+        cov.refusals.append(Refusal(name, type(first).__name__, "decoder layers with a Mamba-1 mixer and no "
+                                    "attention layer anywhere: transformers builds their causal mask from the cache "
+                                    "and cannot from recurrent layers alone; keep an attention layer (a cut of the "
+                                    "full model keeps one)"))
 
 
 def layer_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:

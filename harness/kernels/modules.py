@@ -41,8 +41,8 @@ from tic.harness.kernels.autograd import OPS, Backward, Ops
 from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, attention_name, attention_softcap,
                                           attention_window, final_norm, head_dim_of, is_attention, is_decoder_layer,
                                           is_gated_mlp, is_hybrid_block, is_layernorm, is_moe_block, is_rmsnorm,
-                                          norm_eps, output_projection_name, problem_lines, read_coverage,
-                                          rotary_modules, rotary_per_layer_type)
+                                          mlp_name, moe_router, norm_eps, output_projection_name, problem_lines,
+                                          read_coverage, rotary_modules, rotary_per_layer_type, router_renormalizes)
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.stand_ins import stands_for
@@ -208,6 +208,8 @@ def _attend(layer, h, attention_mask, position_ids, cache, use_cache, position_e
     """The layer's attention (self_attn, or GPT-NeoX's attention) on h: its output, the weights dropped; the cache
     as the layer was handed it."""
     cache = _layer_cache(cache, kwargs)  # before kwargs are passed on: it takes the cache's other names out
+    if getattr(layer, "_tic_mixes_by_scan", False):  # a Mamba-1 mixer in the attention's place: its output alone
+        return getattr(layer, layer._tic_attn_name)(h, cache=cache, attention_mask=attention_mask)
     return getattr(layer, layer._tic_attn_name)(hidden_states=h, attention_mask=attention_mask,
                                                 position_ids=position_ids, cache=cache, use_cache=use_cache,
                                                 position_embeddings=position_embeddings, **kwargs)[0]
@@ -234,6 +236,11 @@ def _layer_attention(self, hidden_states, attention_mask, position_ids, cache, u
     return h, residual
 
 
+def _mlp(self) -> nn.Module:
+    """The layer's MLP (or MoE) child: mlp, or feed_forward (Jamba)."""
+    return getattr(self, getattr(self, "_tic_mlp_name", None) or "mlp")
+
+
 def _norm(self, role: str) -> nn.Module:
     """The layer's norm playing `role` (coverage.NORM_DATAFLOW's names): the child of that name, or the one the
     dataflow probe found in that place (coverage.norm_roles, for norms named otherwise: the coverage reading)."""
@@ -254,7 +261,7 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
     h, residual = _layer_attention(self, hidden_states, attention_mask, position_ids, cache, use_cache,
                                    position_embeddings, kwargs)
     h, residual = _norm(self, "post_attention_layernorm")(h, residual=residual)
-    return _layer_out(self, self.mlp(h), residual)
+    return _layer_out(self, _mlp(self)(h), residual)
 
 
 def _four_norm_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
@@ -265,7 +272,7 @@ def _four_norm_layer_forward(self, hidden_states, attention_mask=None, position_
                                    position_embeddings, kwargs)
     h = _norm(self, "post_attention_layernorm")(h)
     h, residual = _norm(self, "pre_feedforward_layernorm")(h, residual=residual)
-    delta = self.mlp(h)
+    delta = _mlp(self)(h)
     return _layer_out(self, _norm(self, "post_feedforward_layernorm")(delta[0] if isinstance(delta, tuple)
                                                                       else delta), residual)
 
@@ -277,7 +284,7 @@ def _post_norm_layer_forward(self, hidden_states, attention_mask=None, position_
     the sum)."""
     h = _attend(self, hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings, kwargs)
     h = hidden_states + _norm(self, "post_attention_layernorm")(h)
-    delta = self.mlp(h)
+    delta = _mlp(self)(h)
     return h + _norm(self, "post_feedforward_layernorm")(delta[0] if isinstance(delta, tuple) else delta)
 
 
@@ -290,7 +297,7 @@ def _scaled_residual_layer_forward(self, hidden_states, attention_mask=None, pos
     h = _attend(self, self.input_layernorm(hidden_states), attention_mask, position_ids, cache, use_cache,
                 position_embeddings, kwargs)
     h = hidden_states + h * scale
-    delta = self.mlp(self.post_attention_layernorm(h))
+    delta = _mlp(self)(self.post_attention_layernorm(h))
     return h + (delta[0] if isinstance(delta, tuple) else delta) * scale
 
 
@@ -298,7 +305,7 @@ def _side_by_side(self, hidden_states, attention_mask, position_ids, cache, use_
     """(attention, MLP) outputs of a one-norm parallel layer: both on input_layernorm(x)."""
     h = self.input_layernorm(hidden_states)
     attn = _attend(self, h, attention_mask, position_ids, cache, use_cache, position_embeddings, kwargs)
-    delta = self.mlp(h)
+    delta = _mlp(self)(h)
     return attn, delta[0] if isinstance(delta, tuple) else delta
 
 
@@ -326,7 +333,7 @@ def _parallel_two_norm_layer_forward(self, hidden_states, attention_mask=None, p
     use_parallel_residual), summed as vLLM's GPTNeoXLayer and transformers sum them: MLP + attention + residual."""
     attn = _attend(self, self.input_layernorm(hidden_states), attention_mask, position_ids, cache, use_cache,
                    position_embeddings, kwargs)
-    delta = self.mlp(self.post_attention_layernorm(hidden_states))
+    delta = _mlp(self)(self.post_attention_layernorm(hidden_states))
     return (delta[0] if isinstance(delta, tuple) else delta) + attn + hidden_states
 
 
@@ -402,9 +409,9 @@ def _moe_forward(self, hidden_states):
     ops: Ops = self._tic_ops
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
-    router, experts = self.gate, self.experts
+    router, experts = moe_router(self), self.experts
     logits = ops.linear(x, [router.weight])
-    weights, ids = ops.moe_route(logits, router.top_k, getattr(router, "norm_topk_prob", True))
+    weights, ids = ops.moe_route(logits, router.top_k, self._tic_renormalize)
     calls = self._tic_routes.calls
     if calls is not None:
         calls.setdefault(self._tic_name, []).append(ids.detach().to("cpu"))
@@ -502,6 +509,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         mamba_modules.wrap_mixer(m, layout)
     elif is_moe_block(m):
         m._tic_name, m._tic_routes = name, routes
+        m._tic_renormalize = router_renormalizes(moe_router(m))
         m.forward = types.MethodType(_moe_forward, m)
     elif is_gated_mlp(m):
         m._tic_act = variant
@@ -521,6 +529,8 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
     elif is_decoder_layer(m):
         m._tic_stream = stream
         m._tic_attn_name = attention_name(m)  # a name: a module attribute would register the attention twice
+        m._tic_mlp_name = mlp_name(m)
+        m._tic_mixes_by_scan = mamba_modules.is_mixer1(getattr(m, m._tic_attn_name))  # Jamba's mamba layers
         m._tic_norm_roles = reading.get("norm_roles", {})  # names, for the same reason
         m.forward = types.MethodType(LAYER_FORWARDS[variant], m)
     elif isinstance(m, nn.Linear):

@@ -28,15 +28,18 @@ def advantages(n: int, seed: int = 0) -> list[float]:
 
 
 class RoutingPin:
-    """Makes each HF top-k router (a `gate` module returning (logits, top-k weights, top-k ids)) take given ids:
-    weights = its float32 softmax at those ids, renormalised as the router does. Counts the tokens whose own
+    """Makes each HF top-k router (a `gate` or `router` module returning (logits, top-k weights, top-k ids)) take
+    given ids: weights = its float32 softmax at those ids, renormalised as the router does. Counts the tokens whose own
     float32 top-k set differed (routing flips). near_tie: take a token's given ids only where each is within that
     relative distance of the router's own k-th probability (a near tie), else its own ids (the fidelity check:
     a router that picks other experts outright must still show)."""
 
     def __init__(self, model, near_tie: float | None = None):
-        self.gates = {name[: -len(".gate")]: m for name, m in model.named_modules()
-                      if name.endswith(".gate") and hasattr(m, "top_k") and hasattr(m, "weight")}
+        from tic.harness.kernels.coverage import router_renormalizes
+
+        self.gates = {name.rsplit(".", 1)[0]: m for name, m in model.named_modules()
+                      if name.rsplit(".", 1)[-1] in ("gate", "router") and hasattr(m, "top_k") and hasattr(m, "weight")}
+        self.renormalize = {id(m): router_renormalizes(m) for m in self.gates.values()}
         self.near_tie = near_tie
         self.flips = 0
         self.tokens = 0
@@ -74,7 +77,7 @@ class RoutingPin:
             self.flips += int((own.sort(-1).values != pin.sort(-1).values).any(-1).sum())
             self.tokens += pin.shape[0]
             w = probs.gather(-1, pin)
-            if getattr(gate, "norm_topk_prob", True):
+            if self.renormalize[id(gate)]:
                 w = w / w.sum(dim=-1, keepdim=True)
             return logits, w.to(logits.dtype), pin
         return forward
