@@ -53,14 +53,19 @@ def test_scan_decodes_a_token_with_its_prefill_bits():
     assert torch.allclose(full.double(), _closed_form(u, dt, B, C, z, A_log, D, bias), atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture
-def mamba1_ctx(example, workdir):
+def _small_ctx(example, name: str):
+    """The example's consistent config with a small workload, the locator off."""
     hf._MODELS.clear()
-    cfg = load_config(example("tiny-mamba") / "tic-consistent.yaml")
+    cfg = load_config(example(name) / "tic-consistent.yaml")
     cfg.prompts.count, cfg.sampling.max_tokens = 5, 10
     cfg.layouts.batch_sizes, cfg.layouts.probes = [3], 1
     cfg.locate.enabled = False
-    yield GateContext(cfg)
+    return GateContext(cfg)
+
+
+@pytest.fixture
+def mamba1_ctx(example, workdir):
+    yield _small_ctx(example, "tiny-mamba")
     hf._MODELS.clear()
 
 
@@ -111,12 +116,7 @@ def test_falcon_mamba_scan_input_norms_run_on_the_wrappers(example, workdir, mon
 
 @pytest.fixture
 def jamba_ctx(example, workdir):
-    hf._MODELS.clear()
-    cfg = load_config(example("tiny-jamba") / "tic-consistent.yaml")
-    cfg.prompts.count, cfg.sampling.max_tokens = 5, 10
-    cfg.layouts.batch_sizes, cfg.layouts.probes = [3], 1
-    cfg.locate.enabled = False
-    yield GateContext(cfg)
+    yield _small_ctx(example, "tiny-jamba")
     hf._MODELS.clear()
 
 
