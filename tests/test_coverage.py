@@ -861,3 +861,26 @@ def test_glm4_norms_wrapped_in_each_others_places_fail_c2(example, workdir, monk
     assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"].startswith("model.layers.0"), \
         res.reason
     hf._MODELS.clear()
+
+
+def test_routers_are_read_from_their_own_forward():
+    """A MoE block's router is read by what it computes, on the meta device too: Qwen3-MoE's renormalises its top-k
+    softmax weights, Jamba's keeps them, and PhiMoE's sparsemixer (weights of its own at other experts) is no
+    softmax top-k, so C0 names its MoE blocks as not covered."""
+    from transformers import AutoModelForCausalLM, JambaConfig, PhimoeConfig, Qwen3MoeConfig
+
+    from tic.harness.kernels.coverage import moe_router, router_renormalizes
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    with torch.device("meta"):
+        qwen = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**small, num_experts=4, num_experts_per_tok=2,
+                                                               moe_intermediate_size=16, norm_topk_prob=True))
+        jamba = AutoModelForCausalLM.from_config(JambaConfig(**small, num_experts=4, num_experts_per_tok=2,
+                                                             expert_layer_period=1, expert_layer_offset=0))
+        phi = AutoModelForCausalLM.from_config(PhimoeConfig(**small, num_local_experts=4, num_experts_per_tok=2))
+    assert router_renormalizes(moe_router(qwen.model.layers[0].mlp)) is True
+    assert router_renormalizes(moe_router(jamba.model.layers[0].feed_forward)) is False
+    assert router_renormalizes(moe_router(phi.model.layers[0].mlp)) is None
+    assert any("PhimoeSparseMoeBlock" in p and "router" in p for p in coverage_problems(phi))
+    assert not any("Qwen3MoeSparseMoeBlock" in p for p in coverage_problems(qwen))

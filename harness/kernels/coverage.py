@@ -184,21 +184,38 @@ def moe_router(m) -> nn.Module | None:
     return None
 
 
-def router_renormalizes(router: nn.Module) -> bool:
-    """Whether the router scales its top-k softmax weights to sum to one: its norm_topk_prob where it has one, else
-    read from its own forward on seeded rows (Jamba's keeps them as they are); True where it cannot run (meta)."""
-    flag = getattr(router, "norm_topk_prob", None)
-    if flag is not None:
-        return bool(flag)
-    w = router.weight
-    if w.is_meta:
-        return True
-    x = torch.randn(4, w.shape[1], generator=torch.Generator().manual_seed(0)).to(device=w.device, dtype=w.dtype)
-    with torch.no_grad():
-        out = router(x)
+def router_renormalizes(router: nn.Module) -> bool | None:
+    """Whether the router's top-k weights are its softmax probabilities scaled to sum to one (True) or left as they
+    are (False, Jamba's), read from its own forward on seeded rows (a copy with seeded weights where its own are on
+    the meta device); None where they are neither, or its top-k ids are not the softmax's (PhiMoE's sparsemixer),
+    or the forward does not run that way: a router the MoE wrapper does not compute."""
+    probe = router
+    if any(t.is_meta for t in router.parameters()):
+        probe = copy.deepcopy(router).to_empty(device="cpu")
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for t in [*probe.parameters(), *probe.buffers()]:
+                t.copy_(torch.randn(t.shape, generator=g) if t.is_floating_point() else torch.zeros_like(t))
+    w = probe.weight
+    x = torch.randn(8, w.shape[1], generator=torch.Generator().manual_seed(1)).to(device=w.device, dtype=w.dtype)
+    try:
+        with torch.no_grad():
+            out = probe(x)
+    except Exception:  # noqa: BLE001 - a router that does not run on the probe is not read
+        return None
     if not (isinstance(out, tuple) and len(out) == 3):
-        return True
-    return bool(torch.allclose(out[1].float().sum(-1), torch.ones(4, device=w.device), atol=1e-2))
+        return None
+    logits, weights, ids = out
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = torch.topk(probs, int(probe.top_k), dim=-1)
+    if not torch.equal(top.indices.sort(-1).values, ids.long().sort(-1).values):
+        return None
+    got = weights.float().gather(-1, ids.long().argsort(-1))
+    picked = probs.gather(-1, ids.long().sort(-1).values)
+    for renormalize, want in ((True, picked / picked.sum(-1, keepdim=True)), (False, picked)):
+        if torch.allclose(got, want, rtol=1e-2, atol=1e-4):
+            return renormalize
+    return None
 
 
 def is_moe_block(m) -> bool:
@@ -696,6 +713,10 @@ def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
         if activation_variant(getattr(m.experts, "act_fn", None)) != "mlp:silu_and_mul":
             cov.refusals.append(Refusal(name, kind, "MoE experts with an activation other than SiLU",
                                         *_act_field(cfg)))
+        if router_renormalizes(moe_router(m)) is None:
+            cov.refusals.append(Refusal(name, kind, "a router whose top-k weights are not its softmax probabilities "
+                                        "(renormalised or not) at the softmax's top-k experts, read from its own "
+                                        "forward"))
         cov.classes["moe:topk_silu"] = ("num_experts", getattr(cfg, "num_experts", None))
     elif is_gated_mlp(m):
         variant = activation_variant(mlp_activation(m))
