@@ -120,13 +120,10 @@ def cpu_mamba1_scan(u, dt_raw, B, C, z, A_log, D, dt_bias, state):
     u / dt_raw / z [n, I] (dt before dt_proj's bias and softplus), B / C [n, N], A_log [I, N], D / dt_bias [I],
     state float32 [I, N] (the state after the tokens before u). Returns (y [n, I] in u's dtype, the state after
     the last token). Each token runs the same operations on the same shapes from the state before it, so a
-    decoded token gets the bits it gets in a prefill, in any batch."""
-    A = -torch.exp(A_log.float())
-    S, ys = state.float(), []
-    for t in range(u.shape[0]):
-        y, S = _mamba1_step(S, u[t], dt_raw[t], B[t], C[t], z[t], A, D, dt_bias)
-        ys.append(y.to(u.dtype))
-    return (torch.stack(ys) if ys else u.new_zeros(u.shape)), S
+    decoded token gets the bits it gets in a prefill, in any batch. The float32 steps are the reference's
+    (mamba1_scan_ref), rounded once to u's dtype."""
+    y, S = mamba1_scan_ref(u, dt_raw, B, C, z, A_log, D, dt_bias, state)
+    return y.to(u.dtype), S
 
 
 class MambaCPUKernels:

@@ -162,10 +162,15 @@ def _each_sequence(mixer, hidden_states, cache, width: int, dtype, fresh, one) -
     return torch.stack(rows)
 
 
+def _given_cache(cache, cache_params, kwargs: dict):
+    """The cache HF hands a mixer: as `cache` (5.2x), `cache_params`, or `past_key_values`."""
+    return cache if cache is not None else cache_params if cache_params is not None else \
+        kwargs.get("past_key_values")
+
+
 def _mixer_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
     """The mixer on the wrappers (module docstring); HF passes the cache as `cache` (5.2x) or `cache_params`."""
-    cache = cache if cache is not None else cache_params if cache_params is not None else \
-        kwargs.get("past_key_values")
+    cache = _given_cache(cache, cache_params, kwargs)
     ops: Ops = self._tic_ops
     I, H = self.intermediate_size, self.num_heads
     proj = self.in_proj(hidden_states)
@@ -222,8 +227,7 @@ def _sequence1(mixer, ops: Ops, u, z, start: RowState1):
 def _mixer1_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
     """A Mamba-1 mixer on the wrappers: in_proj, per sequence the causal conv and the selective scan (gated by
     silu(z) inside it), out_proj; sequences and carried state as the Mamba-2 mixer's (module docstring)."""
-    cache = cache if cache is not None else cache_params if cache_params is not None else \
-        kwargs.get("past_key_values")
+    cache = _given_cache(cache, cache_params, kwargs)
     ops: Ops = self._tic_ops
     u, z = self.in_proj(hidden_states).chunk(2, dim=-1)
     y = _each_sequence(self, hidden_states, cache, self.intermediate_size, u.dtype, _fresh1,

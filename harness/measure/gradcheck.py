@@ -35,10 +35,10 @@ class RoutingPin:
     a router that picks other experts outright must still show)."""
 
     def __init__(self, model, near_tie: float | None = None):
-        from tic.harness.kernels.coverage import router_renormalizes
+        from tic.harness.kernels.coverage import moe_router, router_renormalizes
 
-        self.gates = {name.rsplit(".", 1)[0]: m for name, m in model.named_modules()
-                      if name.rsplit(".", 1)[-1] in ("gate", "router") and hasattr(m, "top_k") and hasattr(m, "weight")}
+        routers = ((name, moe_router(m)) for name, m in model.named_modules())
+        self.gates = {name: r for name, r in routers if r is not None}
         self.renormalize = {id(m): router_renormalizes(m) for m in self.gates.values()}
         self.near_tie = near_tie
         self.flips = 0

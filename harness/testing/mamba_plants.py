@@ -8,11 +8,10 @@ locator must name that mixer.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tic.harness.kernels.autograd import Op, Ops
-import torch.nn.functional as F
-
 from tic.harness.kernels.mamba import MAMBA_OPS, mamba_scan_ref
 
 
