@@ -164,13 +164,15 @@ def _variants() -> dict[str, Variant]:
                                           f"eager rollout, {tokens} sampled token(s), training on vLLM's kernels", m,
                                           patches=patches, tokens=tokens, options=mamba_options)
     # the replay's decode step with CUDA graphs of the decode steps (no torch.compile); C0 refuses it until measured,
-    # so run it from C3 (run_train.sh FROM=C3)
+    # so run it from C3 (run_train.sh FROM=C3). Graph capture needs a Mamba cache block per batch slot: vLLM refuses
+    # its default 1,024 slots beside ~1,000 blocks, so the batch is capped (the workloads send at most 64 requests)
+    graph_options = (*mamba_options, ("max_num_seqs", 64))
     for m in ("mamba2", "nemotron-h"):
         v[f"t-{m}-graph"] = Variant(f"{m}, patched rollout with CUDA graphs of the decode steps, training on vLLM's "
-                                    "kernels", m, mode="decode-graphs", patches=replay, options=mamba_options)
+                                    "kernels", m, mode="decode-graphs", patches=replay, options=graph_options)
     v["t-nemotron-h-long-graph"] = Variant("t-nemotron-h-long with CUDA graphs of the decode steps", "nemotron-h",
                                            mode="decode-graphs", patches=replay, tokens=512, workload="long",
-                                           options=mamba_options)
+                                           options=graph_options)
     # the hybrid at its real layer shapes on long sequences: prompts to 4,096 tokens, 512 sampled (issue 31)
     v["t-nemotron-h-long"] = Variant("nemotron-h, patched eager rollout, 16 prompts of 256-4096 tokens, 512 sampled, "
                                      "training on vLLM's kernels", "nemotron-h", patches=replay, tokens=512,

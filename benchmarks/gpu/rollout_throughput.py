@@ -3,7 +3,7 @@ mode, full-depth models with dummy weights, sides alternating in one run.
 
   python benchmarks/gpu/rollout_throughput.py [--shapes Qwen3-8B,Qwen3-30B-A3B] [--sides consistent,batch_invariant]
                                               [--workloads 512:256,256:2048:64] [--requests 256] [--rounds 3]
-                                              [--kv-gb 22] [--memory-gb 132] [--fp8] [--out FILE.json]
+                                              [--kv-gb 22] [--memory-gb GPU-8] [--fp8] [--out FILE.json]
 
 Sides (each a vLLM engine in a process of its own; `default` is every ratio's denominator):
 - default: vLLM's defaults (compilation mode 3, FULL_AND_PIECEWISE), no tic setting;
@@ -72,7 +72,13 @@ def side_spec(name: str, fp8: bool = False, previous: str = "") -> tuple[dict, d
 
 
 GiB = 1 << 30
-TOTAL_GIB = 139.8  # an H200's memory as torch reports it
+
+
+def gpu_total_gib() -> float:
+    """The first GPU's memory, from nvidia-smi: the parent process must not hold a CUDA context of its own."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0]) / 1024
 
 
 # -- one side: a process that starts its engine, then runs one timed pass per line it reads -------------------------
@@ -181,9 +187,11 @@ def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict]
     options every side gets (--fp8: the FP8 KV cache); fp8: block-FP8 weights (memory, the FP8 patches)."""
     max_len = max(w["input"] + w["output"] for w in works)
     need = side_gib(shape, layers, kv_bytes, fp8)
+    total_gib = gpu_total_gib()
+    memory_gb = memory_gb or total_gib - 8
     together = len(names) * need <= memory_gb
     if together:
-        sides = {n: Side(n, model_dir, kv_bytes, max_len, need / TOTAL_GIB, common, fp8, previous) for n in names}
+        sides = {n: Side(n, model_dir, kv_bytes, max_len, need / total_gib, common, fp8, previous) for n in names}
         try:
             for s in sides.values():
                 s.wait_ready()
@@ -194,7 +202,7 @@ def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict]
     else:
         got = {w["label"]: {n: [] for n in names} for w in works}
         for n in [*names, "default"]:
-            one = Side(n, model_dir, kv_bytes, max_len, need / TOTAL_GIB, common, fp8, previous)
+            one = Side(n, model_dir, kv_bytes, max_len, need / total_gib, common, fp8, previous)
             try:
                 one.wait_ready()
                 for label, passes in timed_rounds({n: one}, works, rounds).items():
@@ -249,7 +257,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kv-gb", type=float, default=22.0)
-    ap.add_argument("--memory-gb", type=float, default=132.0)
+    ap.add_argument("--memory-gb", type=float, default=0.0, help="what the sides may use together (0: the GPU's memory less 8 GiB)")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights and an FP8 KV cache on every side")
     ap.add_argument("--previous-pythonpath", default="", help="the import path of the `previous` side's tic tree")
     ap.add_argument("--out", default="")
