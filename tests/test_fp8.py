@@ -456,3 +456,52 @@ def test_c7_reference_experts_take_the_path_under_tests_silu_mul(example, workdi
     res = run_gate(get("C7"), ctx)
     assert res.details["routing"]["fp8_quantizer_calls_on_their_own_inputs"] > 0
     hf._MODELS.clear()
+
+
+def test_fp8_kv_cache_attention_inputs_are_recorded_and_taken_by_the_reference(example, monkeypatch):
+    """With an FP8 KV cache both sides round q, k and v to e4m3 before attention. The path under test records
+    each attention's (q, k, v) (Ops.capture_inputs, nothing without an FP8 cache), and the reference's FP8
+    attention rounds those, not its own: inputs a bf16 rounding apart land on other e4m3 codes and move its
+    output by the format's step (the plant: what C2/C7 did before), taken they give the path's values exactly."""
+    from tic.harness.kernels.autograd import ATTENTION_INPUTS
+    from tic.harness.measure import fp8_reference
+
+    cfg = load_config(example("tiny-qwen3") / "tic-consistent.yaml")
+    hf._MODELS.clear()
+    engine = GateContext(cfg).train_engine()
+    ops = engine.model._tic_ops
+    sample = type("S", (), {"ids": [5, 9, 2, 7, 11, 3, 8]})()
+    assert engine.quantizer_inputs(sample) == {}  # no FP8 step: nothing recorded
+    monkeypatch.setattr(ops.provider, "kv_cache_dtype", "fp8", raising=False)
+    seen = engine.quantizer_inputs(sample)
+    layers = engine.model.config.num_hidden_layers
+    assert list(seen) == [ATTENTION_INPUTS] and len(seen[ATTENTION_INPUTS]) == layers
+    q, k, v = seen[ATTENTION_INPUTS][0]
+    assert q.shape[:3] == (1, engine.model.config.num_attention_heads, 7) and k.shape == v.shape
+
+    d = GateContext(cfg).model.dir
+    ref = hf.load_model(d, "float32", kernels="stock", attn="eager", shared=False)
+    got = []
+    ref.model.layers[0].self_attn.o_proj.register_forward_hook(lambda m, args, out: got.append(args[0].detach()))
+    mask = torch.full((7, 7), float("-inf")).triu(1)[None, None]
+    scaling = ref.model.layers[0].self_attn.scaling
+    ids = torch.tensor([sample.ids])
+    # recorded inputs apart from the reference's own (here by a bf16 rounding and 1 %), so that which ones the
+    # reference rounds shows in its output
+    path = [tuple(t.to(torch.bfloat16).float() * 1.01 for t in call) for call in seen[ATTENTION_INPUTS]]
+    for taken in (True, False):
+        inputs = fp8_reference.QuantizerInputs()
+        inputs.current = {ATTENTION_INPUTS: list(path)} if taken else {}
+        fp8_reference.use_fp8_kv_cache(ref, inputs)
+        got.clear()
+        with torch.no_grad():
+            ref(input_ids=ids, use_cache=False)
+        want = fp8_reference.fp8_attention(*path[0], mask, scaling, q.shape[1] // k.shape[1])
+        same = torch.equal(got[0], want.reshape(got[0].shape))
+        if taken:
+            assert same and inputs.attention_taken == layers and inputs.attention_own == 0
+            assert inputs.counts("path_under_tests") == {"fp8_kv_attention_calls_on_the_path_under_tests_inputs":
+                                                         layers, "fp8_kv_attention_calls_on_their_own_inputs": 0}
+        else:
+            assert not same and inputs.attention_own == layers
+    hf._MODELS.clear()

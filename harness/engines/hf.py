@@ -299,13 +299,14 @@ class HFEngine(Engine):
             self.model(input_ids=torch.tensor([sample.ids], device=self.device), use_cache=False)
         return {name: torch.cat(calls) for name, calls in routes.items()}
 
-    def quantizer_inputs(self, sample: Sample) -> dict[str, list[torch.Tensor]]:
-        """The activation each block-FP8 operator of the wrapped model quantizes for this sequence (forward alone,
-        unpadded), by quantized parameter name; {} for a model without FP8 weights."""
-        quant = getattr(getattr(self.model, "_tic_ops", None), "quant", None)
-        if quant is None:
+    def quantizer_inputs(self, sample: Sample) -> dict[str, list]:
+        """What the wrapped model's FP8 steps round for this sequence (forward alone, unpadded): each block-FP8
+        operator's activation by quantized parameter name, each attention's (q, k, v) over an FP8 KV cache
+        (Ops.capture_inputs); {} for a model with neither."""
+        ops = getattr(self.model, "_tic_ops", None)
+        if ops is None or not ops.quantizes:
             return {}
-        with quant.capture_inputs() as seen, torch.no_grad():
+        with ops.capture_inputs() as seen, torch.no_grad():
             self.model(input_ids=torch.tensor([sample.ids], device=self.device), use_cache=False)
         return dict(seen)
 

@@ -719,6 +719,9 @@ OPS: dict[str, Op] = {op.name: op for op in [
 ]}
 
 
+ATTENTION_INPUTS = "attention (q, k, v)"  # Ops.capture_inputs' key for the inputs of attention over an FP8 cache
+
+
 class Ops:
     """The wrappers bound to one provider and one model's Backward, each operator looked up in `table` (OPS
     unless a test plants one of its own): what the patched model modules call."""
@@ -728,6 +731,34 @@ class Ops:
         self.backward = backward if backward is not None else Backward()
         self.table = table if table is not None else OPS
         self.quant = quant  # block-FP8 copies of a quantized model's weights (tic.harness.kernels.fp8), else None
+        self.inputs: dict[str, list] | None = None  # while capture_inputs runs
+
+    @property
+    def rounds_kv_to_fp8(self) -> bool:
+        """Whether attention reads K/V through an FP8 cache (the provider's kv_cache_dtype)."""
+        return str(getattr(self.provider, "kv_cache_dtype", "auto")).startswith("fp8")
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether any operator rounds its inputs to FP8: block-FP8 weights or an FP8 KV cache."""
+        return self.quant is not None or self.rounds_kv_to_fp8
+
+    @contextmanager
+    def capture_inputs(self):
+        """Records what this model's FP8 steps round, in call order: by quantized parameter name the activation
+        each block-FP8 operator quantizes, and under ATTENTION_INPUTS each attention call's (q, k, v) where K/V
+        go through an FP8 cache. C2's stock model and C7's reference take them as their own rounding steps'
+        inputs (as they take the path under test's expert routes): a rounding-level difference upstream would
+        otherwise fall on another e4m3 code."""
+        self.inputs = {}
+        if self.quant is not None:
+            self.quant.inputs = self.inputs
+        try:
+            yield self.inputs
+        finally:
+            self.inputs = None
+            if self.quant is not None:
+                self.quant.inputs = None
 
     def _run(self, name, *tensors, **kw):
         return KernelFunction.apply(self.table[name], self, kw, *tensors)
@@ -772,6 +803,8 @@ class Ops:
         return self._run("activation", x, kind=kind)
 
     def attention(self, q, k, v, mask, scale, softcap: float | None = None, window: int | None = None):
+        if self.inputs is not None and self.rounds_kv_to_fp8:
+            self.inputs.setdefault(ATTENTION_INPUTS, []).append(tuple(t.detach() for t in (q, k, v)))
         return self._run("attention", q, k, v, mask, scale=scale, **_attention_options(softcap, window))
 
     def moe_route(self, logits, top_k, renormalize):

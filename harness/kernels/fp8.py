@@ -49,7 +49,7 @@ class QuantizedCopies:
         self._copies: dict[int, _Copy] = {}
         self._joined: dict[tuple, tuple] = {}  # weight ids -> (their states, concatenated codes and scales)
         self.requantized = 0  # copies rebuilt from a changed master weight (tests and benchmarks read it)
-        self.inputs: dict[str, list] | None = None  # while capture_inputs runs: parameter name -> its FP8 inputs
+        self.inputs: dict[str, list] | None = None  # while Ops.capture_inputs runs: parameter name -> its inputs
 
     def register(self, name: str, w: torch.Tensor, codes: torch.Tensor | None = None,
                  scales: torch.Tensor | None = None):
@@ -83,16 +83,6 @@ class QuantizedCopies:
     def name_of(self, w) -> str | None:
         c = self._entry(w)
         return None if c is None else c.name
-
-    @contextlib.contextmanager
-    def capture_inputs(self):
-        """Records, by quantized parameter name, the activation each FP8 operator quantizes (C7's reference takes
-        those as its quantizers' inputs, as it takes the path under test's expert routes)."""
-        self.inputs = {}
-        try:
-            yield self.inputs
-        finally:
-            self.inputs = None
 
     def record_input(self, weights, x: torch.Tensor) -> None:
         if self.inputs is not None:

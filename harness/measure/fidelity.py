@@ -97,13 +97,14 @@ def compare_forward(stock: nn.Module, wrapped: nn.Module, input_ids, attention_m
 
     The wrapped model's modules are compared under their names, or under those `wrapped_modules` gives them (another
     trainer's model under the HF names); those in `sequence_first` (ids) return [T, B, ...], the stock ones
-    [B, T, ...]. quantizer_inputs (fp8_reference.QuantizerInputs, hooked into the stock model): given the
-    activations the wrapped model's block-FP8 operators quantized."""
+    [B, T, ...]. quantizer_inputs (fp8_reference.QuantizerInputs, hooked into the stock model): given what the
+    wrapped model's FP8 steps rounded (block-FP8 activations, attention inputs over an FP8 KV cache)."""
     dtype = next(stock.parameters()).dtype
     rtol = FIDELITY_RTOL.get(dtype, 5e-2)
     routes = contextlib.nullcontext({}) if not hasattr(wrapped, "_tic_routes") else capture_routes(wrapped)
-    quant = getattr(getattr(wrapped, "_tic_ops", None), "quant", None) if quantizer_inputs is not None else None
-    quantized = contextlib.nullcontext({}) if quant is None else quant.capture_inputs()
+    ops = getattr(wrapped, "_tic_ops", None) if quantizer_inputs is not None else None
+    rounding = ops if ops is not None and ops.quantizes else None  # FP8 weights or an FP8 KV cache
+    quantized = contextlib.nullcontext({}) if rounding is None else rounding.capture_inputs()
     with routes as calls, quantized as seen:
         got, _, logits = _outputs(wrapped, input_ids, attention_mask, wrapped_modules, sequence_first)
     if quantizer_inputs is not None:
@@ -133,5 +134,4 @@ def compare_forward(stock: nn.Module, wrapped: nn.Module, input_ids, attention_m
             "modules_checked": checked, "first_parting": None if first is None else first.line(),
             "first_parting_module": None if first is None else first.module, "logits_max_abs": logit_diff,
             "routing_flips": pin.flips,
-            **({} if quant is None else {"fp8_quantizer_calls_on_the_wrapped_inputs": quantizer_inputs.taken,
-                                         "fp8_quantizer_calls_on_their_own_inputs": quantizer_inputs.own})}
+            **({} if rounding is None else quantizer_inputs.counts("wrapped"))}

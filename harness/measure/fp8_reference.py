@@ -14,7 +14,8 @@ e4m3 (scale 1: vLLM's uncalibrated scales), and the probabilities P = exp(s - ma
 range, rounded to e4m3 as well before the P @ V product (the row sum stays float32). `use_fp8_kv_cache` gives a
 transformers model that attention in value, and for autograd the model's own eager attention on the unrounded
 q, k, v (straight through, as the training side's attention backward): C7's reference and C2's stock model then
-compute the model the two sides run.
+compute the model the two sides run. Their rounding takes the path under test's q, k, v where recorded, as their
+quantizers take its activations (QuantizerInputs).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tic.harness.kernels.autograd import ATTENTION_INPUTS
 from tic.harness.kernels.fp8 import QuantizedCopies, attach_checkpoint
 from tic.harness.kernels.fp8_cpu import per_token_group_quant
 from tic.harness.model.quantize import dequantize_weight_blocks
@@ -44,17 +46,20 @@ def _straight_through(visible: torch.Tensor, graph: torch.Tensor) -> torch.Tenso
 
 
 class QuantizerInputs:
-    """The activations the path under test's FP8 operators quantized for the sequence the reference runs now
-    (`current`: quantized parameter name -> its calls' inputs, in call order). Quantization is a step function:
-    float32 and bf16 activations a rounding apart fall on different e4m3 codes in a few percent of elements, and
-    the two forwards then drift apart by the format's step, which no backward fault causes. Where given, the
-    reference's quantizers take these inputs, as its routers take the path under test's experts; its own graph
-    still carries the gradient. Counts how many quantizer calls took them (`taken`) and how many their own."""
+    """What the path under test's FP8 steps rounded for the sequence the reference runs now (`current`, as
+    Ops.capture_inputs records it): by quantized parameter name the activations its block-FP8 operators quantized,
+    under ATTENTION_INPUTS the (q, k, v) of each attention over an FP8 KV cache, in call order. Rounding to e4m3 is a
+    step function: float32 and bf16 values a rounding apart fall on different codes in a few percent of elements,
+    and the two forwards then drift apart by the format's step, which no backward fault causes. Where given, the
+    reference's rounding steps take these inputs, as its routers take the path under test's experts; its own graph
+    still carries the gradient. Counts, per kind, the calls that took them and those that ran on their own."""
 
     def __init__(self):
-        self.current: dict[str, list[torch.Tensor]] | None = None
+        self.current: dict[str, list] | None = None
         self.taken = 0
         self.own = 0
+        self.attention_taken = 0
+        self.attention_own = 0
 
     def take(self, name: str | None, x: torch.Tensor) -> torch.Tensor:
         got = self.take_shaped(name, tuple(x.shape), x.device)
@@ -68,6 +73,26 @@ class QuantizerInputs:
             return calls.pop(0).to(device=device)
         self.own += 1
         return None
+
+    def take_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        """The next recorded attention's (q, k, v) where their shapes are these, else these."""
+        calls = (self.current or {}).get(ATTENTION_INPUTS)
+        if calls and all(tuple(a.shape) == tuple(b.shape) for a, b in zip(calls[0], (q, k, v))):
+            self.attention_taken += 1
+            return tuple(t.to(device=q.device) for t in calls.pop(0))
+        self.attention_own += 1
+        return q, k, v
+
+    def counts(self, whose: str) -> dict[str, int]:
+        """The record's figures: FP8 quantizer and FP8-cache attention calls on `whose` inputs and on their own."""
+        out = {}
+        if self.taken or self.own:
+            out.update({f"fp8_quantizer_calls_on_the_{whose}_inputs": self.taken,
+                        "fp8_quantizer_calls_on_their_own_inputs": self.own})
+        if self.attention_taken or self.attention_own:
+            out.update({f"fp8_kv_attention_calls_on_the_{whose}_inputs": self.attention_taken,
+                        "fp8_kv_attention_calls_on_their_own_inputs": self.attention_own})
+        return out
 
 
 def _linear_hook(quant: QuantizedCopies, inputs: QuantizerInputs | None):
@@ -162,14 +187,18 @@ def _fp8_kv_eager(module, query, key, value, attention_mask, scaling, dropout=0.
     if kwargs.get("s_aux") is not None:
         raise RuntimeError(f"{type(module).__name__}: attention sinks have no FP8 KV cache reference")
     graph, weights = own(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    visible = fp8_attention(query, key, value, attention_mask, scaling, query.shape[1] // key.shape[1],
-                            kwargs.get("softcap"))
+    inputs = getattr(module, KV_INPUTS_ATTR, None)
+    q, k, v = (query, key, value) if inputs is None else inputs.take_attention(query, key, value)
+    visible = fp8_attention(q, k, v, attention_mask, scaling, q.shape[1] // k.shape[1], kwargs.get("softcap"))
     return _straight_through(visible, graph), weights
 
 
-def use_fp8_kv_cache(model: nn.Module) -> None:
+KV_INPUTS_ATTR = "_tic_fp8_kv_inputs"  # where use_fp8_kv_cache leaves a model's QuantizerInputs for its attention
+
+
+def use_fp8_kv_cache(model: nn.Module, inputs: QuantizerInputs | None = None) -> None:
     """Run `model`'s attention as FlashAttention's FP8 forward in value (fp8_attention), its own eager attention
-    on the unrounded q, k, v for autograd."""
+    on the unrounded q, k, v for autograd; inputs: where its rounding takes the path under test's q, k, v."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
@@ -177,6 +206,8 @@ def use_fp8_kv_cache(model: nn.Module) -> None:
     # the masks eager attention takes: a name without a mask function of its own gets none (no causal mask)
     AttentionMaskInterface.register(FP8_KV_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
     model.set_attn_implementation(FP8_KV_ATTENTION)
+    for m in model.modules():  # the attention interface is global; the inputs belong to this model
+        setattr(m, KV_INPUTS_ATTR, inputs)
 
 
 def follow_deployment(model: nn.Module, model_dir, kv_cache_dtype: str,
@@ -187,4 +218,4 @@ def follow_deployment(model: nn.Module, model_dir, kv_cache_dtype: str,
     (C7's quantizers take the path under test's inputs: QuantizerInputs)."""
     install(model, model_dir, inputs)
     if str(kv_cache_dtype).startswith("fp8"):
-        use_fp8_kv_cache(model)
+        use_fp8_kv_cache(model, inputs)

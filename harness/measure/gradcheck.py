@@ -90,7 +90,7 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
     """routes: per sample, the path under test's top-k ids per MoE block name (None: the reference routes
     itself); report receives the routing-pin and quantizer counts; kv_cache_dtype: the training side's (fp8: the
     reference's attention reads q, k, v rounded as the FP8 cache rounds them); quantizer_inputs: sample index ->
-    the activations the path under test's block-FP8 operators quantized (fp8_reference.QuantizerInputs)."""
+    what the path under test's FP8 steps rounded (fp8_reference.QuantizerInputs)."""
     from transformers import AutoModelForCausalLM
 
     from tic.harness.kernels.fp8 import unquantized_config
@@ -102,7 +102,8 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
                                                      **fp8)
     model.to(device).train(False)
-    taken = fp8_reference.QuantizerInputs() if fp8 and quantizer_inputs is not None else None
+    rounds = fp8 or str(kv_cache_dtype).startswith("fp8")  # FP8 weights or an FP8 KV cache
+    taken = fp8_reference.QuantizerInputs() if rounds and quantizer_inputs is not None else None
     # FP8: its values, the float32 graph's gradient
     fp8_reference.follow_deployment(model, model_dir, kv_cache_dtype, taken)
     model.requires_grad_(True)
@@ -131,8 +132,7 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
         report.update({"moe_routers": len(pin.gates), "pinned": bool(routes), "routed_tokens": pin.tokens,
                        "reference_would_flip": pin.flips, "unpinned": sorted(pin.unpinned)})
     if report is not None and taken is not None:
-        report.update({"fp8_quantizer_calls_on_the_path_under_tests_inputs": taken.taken,
-                       "fp8_quantizer_calls_on_their_own_inputs": taken.own})
+        report.update(taken.counts("path_under_tests"))
     return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
             for n, p in model.named_parameters()}
 
