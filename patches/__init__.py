@@ -83,6 +83,11 @@ def apply(names: list[str]) -> list[str]:
     return [p.name for p in wanted]
 
 
+def choices() -> dict[str, dict]:
+    """Per active patch with run-time choices, what it chose in this process (Patch.choices)."""
+    return {n: c for n in active() if (c := registry()[n].choices())}
+
+
 def active() -> list[str]:
     """Names of the bundled patches active in this process, read from the patched objects themselves."""
     return [p.name for p in registry().values() if p.target_installed() and p.is_applied()]

@@ -29,6 +29,7 @@ class Patch:
     _apply: Callable[[], None] = field(repr=False, default=lambda: None)
     _revert: Callable[[], None] = field(repr=False, default=lambda: None)
     _is_applied: Callable[[], bool] = field(repr=False, default=lambda: False)
+    _choices: Callable[[], dict] = field(repr=False, default=lambda: {})
 
     def installed_version(self) -> str | None:
         try:
@@ -65,6 +66,11 @@ class Patch:
         import sys
 
         return (self.module or self.target) in sys.modules and bool(self._is_applied())
+
+    def choices(self) -> dict:
+        """What the patch decided at run time in this process so far, for a patch whose kernel choice rests on a
+        check it runs (e.g. how many problems passed it); {} for the others."""
+        return self._choices()
 
     def describe(self) -> dict:
         return {"name": self.name, "target": f"{self.target}{self.versions}", "gate": self.gate,

@@ -6,6 +6,7 @@ import time
 import traceback
 
 import tic
+from tic import patches
 from tic.gates import REGISTRY, gate_range
 from tic.gates.base import Gate, Measurement, Verdict
 from tic.harness.measure.metrics import NonFiniteLogprob
@@ -52,6 +53,13 @@ def _locate_nonfinite(gate: Gate, ctx: GateContext, e: NonFiniteLogprob) -> dict
         return locate_nonfinite
 
     return _guarded(gate, ctx, load, ctx, e.side, e.sequence)
+
+
+def _patch_choices() -> dict:
+    """What the active patches chose at run time in this process (e.g. which GEMM problems run cuBLAS), where any
+    did: how a record's rollout ran, beside which patches were active."""
+    got = patches.choices()
+    return {"patch_choices": got} if got else {}
 
 
 def _layouts(ctx: GateContext) -> dict:
@@ -115,7 +123,8 @@ def run_gate(gate: Gate, ctx: GateContext, save: bool = True) -> GateResult:
     mhash, inputs = read_before[0], {**read_before[1], **{k: read_after[1][k] for k in BUILT if k in read_after[1]}}
     res = GateResult(gate=gate.id, title=gate.title, verdict=verdict, reason=reason, key_figure=key, metrics=metrics,
                      details=details, evidence=evidence, config_hash=ctx.cfg.config_hash(), model_hash=mhash,
-                     inputs=inputs, environment={**environment_fingerprint(), "parallel": _layouts(ctx)},
+                     inputs=inputs, environment={**environment_fingerprint(), "parallel": _layouts(ctx),
+                                                  **_patch_choices()},
                      tic_version=tic.__version__, duration_s=round(time.perf_counter() - t0, 3))
     if save:
         if verdict == Verdict.PASS and gate.locate_on_fail and ctx.state.clear_locate(gate.id):

@@ -292,6 +292,8 @@ def test_fa3_fixed_tile_keeps_the_launch_where_a_check_shows_it_gives_the_pinned
     assert calls[-1] == (128 if pinned else 9)
     assert torch.equal(attend(q[-1:], 12, 1), prefill[-1:])
     assert calls[-1] == (128 if pinned else 1) and len(calls) == checked + 2  # no second check
+    assert patches.registry()["fa3-fixed-tile"].choices() == {"natural_launch_shapes": int(not pinned),
+                                                              "pinned_shapes": int(pinned)}
     attend(q[-1:], 12, 1, q_descale=torch.ones(1))
     assert calls[-1] == 128  # a scale without its FP8 inputs (or the other two scales): not checkable, pinned
     monkeypatch.setattr(fa3_fixed_tile, "_natural_ok", {})
@@ -482,6 +484,9 @@ def test_fixed_order_gemm_runs_cublas_only_where_it_gave_the_reference_bits(monk
     assert fog._alignment(shifted) == 4 != fog._alignment(x)
     assert torch.equal(fog.linear(shifted, w), shifted @ w.t())
     assert checks[-1] == 4 and len(checks) == 5  # another alignment: checked again
+    # what the records report (environment.patch_choices): three problems on cuBLAS, two on tic's kernel
+    assert fog.checks() == {"cublas_problems": 3, "fixed_order_kernel_problems": 2}
+    assert patches.registry()["gemm-fixed-order"].choices() == fog.checks()
     served.clear()
     assert torch.equal(fog.linear(x.t().contiguous().t()[:4], w), x[:4] @ w.t()) and not served  # strided
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
@@ -775,3 +780,18 @@ def test_vllm_provider_runs_commandrs_norm_function_whatever_patch_holds_it(fake
     seen = []
     monkeypatch.setattr(commandr, "layer_norm_func", lambda h, weight, eps: seen.append(h) or h)
     assert prov.layer_norm_float32(x, w, None, 1e-5) is x and seen == [x]
+
+
+def test_gate_records_carry_what_active_patches_chose(example, workdir, monkeypatch):
+    """A record's environment names the active patches and, where one chose kernels at run time by a check it
+    ran (gemm-fixed-order: cuBLAS or tic's kernel per problem), what it chose; nothing where none did."""
+    from tic.config.schema import load_config
+    from tic.gates import get
+    from tic.skill import runner
+    from tic.skill.context import GateContext
+
+    ctx = GateContext(load_config(example("tiny-qwen3") / "tic-consistent.yaml"))
+    assert "patch_choices" not in runner.run_gate(get("C0"), ctx).environment
+    chosen = {"gemm-fixed-order": {"cublas_problems": 3, "fixed_order_kernel_problems": 2}}
+    monkeypatch.setattr(runner.patches, "choices", lambda: chosen)
+    assert runner.run_gate(get("C0"), ctx).environment["patch_choices"] == chosen

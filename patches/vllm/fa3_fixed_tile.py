@@ -82,6 +82,12 @@ def _checkable(kw: dict) -> bool:
         and not _sliding(kw.get("window_size")) and all(kw.get(n) is None for n in ("s_aux", "q_v", "alibi_slopes"))
 
 
+def checks() -> dict:
+    """The natural-launch checks this process ran: attention shapes that keep their own launch, pinned ones."""
+    agreed = sum(_natural_ok.values())
+    return {"natural_launch_shapes": agreed, "pinned_shapes": len(_natural_ok) - agreed} if _natural_ok else {}
+
+
 def natural_launch_agrees(fn, kw: dict) -> bool:
     """Whether this call's attention shape gives the pinned launch's bits at any max_seqlen_q below the pin."""
     import torch
@@ -167,4 +173,5 @@ PATCH = Patch(
          "on windowed layers prefill runs one partly filled tile per row (not measured)",
     **swap_hooks(NAME, (_BACKEND, "flash_attn_varlen_func", _pin, _BACKEND),
                  (_BACKEND, "use_cascade_attention", _never, _BACKEND)),
+    _choices=checks,
 )

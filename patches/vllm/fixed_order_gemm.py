@@ -238,6 +238,12 @@ def _alignment(t) -> int:
     return a
 
 
+def checks() -> dict:
+    """The cuBLAS checks this process ran: problems that run cuBLAS, problems that run tic's kernel."""
+    agreed = sum(_cublas_ok.values())
+    return {"cublas_problems": agreed, "fixed_order_kernel_problems": len(_cublas_ok) - agreed} if _cublas_ok else {}
+
+
 def cublas_agrees(x2, weight, bias) -> bool:
     """Whether cuBLAS gives the reference tile's bits for this problem: checked once per (rows, weight shape,
     dtypes, bias, alignments) on seeded rows of x2's alignment against the layer's own weight. No for a strided

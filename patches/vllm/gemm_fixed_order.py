@@ -39,4 +39,12 @@ PATCH = Patch(
          "docs/results/rollout-throughput.md",
     excludes=("gemm-fixed-m",),
     **dispatch_swap(NAME, "tic::linear_fixed_order", linear_fixed_order),
+    _choices=lambda: _checks(),
 )
+
+
+def _checks() -> dict:
+    import sys
+
+    mod = sys.modules.get("tic.patches.vllm.fixed_order_gemm")  # never imported: no GEMM ran, nothing chosen
+    return mod.checks() if mod is not None else {}
