@@ -39,14 +39,16 @@ def wrapper_fidelity(ctx) -> dict | None:
                        shared=False)
     # a block-FP8 stock model's quantizers take the activations the wrapped model quantized (as C7's reference)
     taken = fp8_reference.QuantizerInputs()
+    rules = engine.fp8_rules() if hasattr(engine, "fp8_rules") else {}  # block FP8: the deployment's scale rule
     fp8_reference.follow_deployment(stock, engine.model_dir, str(train.options.get("kv_cache_dtype", "auto")),
-                                    taken)
+                                    taken, rules)
     ids, mask = fidelity_inputs(engine.vocab_size, engine.device)
     view = {"quantizer_inputs": taken}
     if train.engine == "megatron":  # the GPTModel's modules under the checkpoint's names, hidden states [T, B, H]
         view.update(wrapped_modules=engine.model.hf_named_modules(),
                     sequence_first=engine.model.sequence_first_modules())
     return {"kernels": train.kernels, "engine": train.engine,
+            **({"fp8_rules": fp8_reference.describe_rules(rules)} if rules else {}),
             **compare_forward(stock, engine.model, ids, mask, **view)}
 
 

@@ -58,11 +58,13 @@ def measure(ctx) -> Measurement:
     engine = ctx.train_engine()
     routes = [engine.expert_routes(s) for s in samples]
     routing: dict = {}
-    own_inputs = getattr(engine, "quantizer_inputs", None)  # block FP8: what the path under test quantized
+    own_inputs = getattr(engine, "quantizer_inputs", None)  # FP8: what the path under test rounded
+    rules = engine.fp8_rules() if hasattr(engine, "fp8_rules") else {}  # block FP8: the deployment's scale rule
     ref = reference_gradients(ctx.model.dir, samples, ctx.sampling, adv, device=tc.device,
                               routes=routes if any(routes) else None, report=routing,
                               kv_cache_dtype=str(tc.options.get("kv_cache_dtype", "auto")),
-                              quantizer_inputs=(lambda i: own_inputs(samples[i])) if own_inputs else None)
+                              quantizer_inputs=(lambda i: own_inputs(samples[i])) if own_inputs else None,
+                              fp8_rules=rules)
     if routing:
         details["routing"] = routing
     rows = [{**r, "cosine": _finite(r["cosine"]), "rel_error": _finite(r["rel_error"])} for r in compare(grads, ref)]

@@ -206,7 +206,7 @@ def test_c2_compares_the_wrapped_fp8_model_with_transformers_following_the_fp8_f
 
     res = run_gate(get("C2"), fp8_ctx)
     assert res.verdict == "pass", res.reason
-    monkeypatch.setattr(fp8_reference, "install", lambda model, model_dir, inputs=None: None)
+    monkeypatch.setattr(fp8_reference, "install", lambda model, model_dir, inputs=None, rules=None: None)
     res = run_gate(get("C2"), fp8_ctx)
     assert res.verdict == "fail" and "self_attn.q_proj" in res.reason, res.reason
 
@@ -504,4 +504,52 @@ def test_fp8_kv_cache_attention_inputs_are_recorded_and_taken_by_the_reference(e
                                                          layers, "fp8_kv_attention_calls_on_their_own_inputs": 0}
         else:
             assert not same and inputs.attention_own == layers
+    hf._MODELS.clear()
+
+
+def _ue8m0_linear(x, wq, ws, bias, block):
+    """A block-FP8 linear that rounds as vLLM's DeepGEMM path with UE8M0 scales: weight tiles requantized to
+    power-of-two scales, activation group scales rounded up to a power of two."""
+    from tic.harness.kernels.fp8_rule import Fp8Rule
+
+    wq, ws = Fp8Rule(weights_ue8m0=True).tiles(wq, ws, block)
+    xq, xs = per_token_group_quant(x.reshape(-1, x.shape[-1]), block[1], ue8m0=True)
+    out = block_fp8_matmul(xq, xs, wq, ws, block, x.dtype)
+    return (out if bias is None else out + bias).reshape(*x.shape[:-1], wq.shape[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_rule_is_read_from_the_operators_outputs(dtype):
+    """Which scale rule a provider's FP8 linear and experts follow is read from their outputs on seeded operands:
+    tic's CPU kernels round as the checkpoint says (amax / 448), a UE8M0 linear is recognised as one, and an
+    operator that follows no candidate (here: its output scaled by 1 %) is not identified."""
+    from tic.harness.kernels import fp8_cpu as cpu
+    from tic.harness.kernels.fp8_rule import DEFAULT, Fp8Rule, detect_experts, detect_linear
+
+    p, block = CPUProvider(), (16, 16)
+    experts = lambda x, w, i, gu, gus, d, ds: p.fp8_moe_experts(x, w, i, gu, gus, d, ds, block)  # noqa: E731
+    assert detect_linear(lambda x, c, s: cpu.fp8_linear(x, c, s, None, block), block, dtype, "cpu") == DEFAULT
+    assert detect_experts(experts, block, dtype, "cpu") == DEFAULT
+    assert detect_linear(lambda x, c, s: _ue8m0_linear(x, c, s, None, block), block, dtype, "cpu") == \
+        Fp8Rule(weights_ue8m0=True, activations_ue8m0=True)
+    assert detect_linear(lambda x, c, s: cpu.fp8_linear(x, c, s, None, block) * 1.01, block, dtype, "cpu") is None
+
+
+def test_c2_stock_model_rounds_by_the_rule_the_wrapped_operators_follow(example, workdir, monkeypatch):
+    """Where the deployment's FP8 kernels round scales to powers of two (vLLM's DeepGEMM path), C2's stock model
+    does too, read from the wrapped model's operators (HFEngine.fp8_rules), and C2 passes; told nothing (the plant:
+    the checkpoint's scales, what it assumed before), the same correct wrappers part from it."""
+    from tic.harness.engines.hf import HFEngine
+    from tic.harness.kernels import fp8_cpu as cpu
+
+    monkeypatch.setattr(cpu, "fp8_linear", _ue8m0_linear)
+    ctx = _bf16_fp8_ctx(example)
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "pass", res.reason
+    rules = json.loads((ctx.state.artifacts_dir("C2") / "check.json").read_text())["fidelity"]["fp8_rules"]
+    assert all("UE8M0" in r for r in rules.values()), rules
+    hf._MODELS.clear()
+    monkeypatch.setattr(HFEngine, "fp8_rules", lambda self: {})
+    res = run_gate(get("C2"), GateContext(ctx.cfg))
+    assert res.verdict == "fail" and "fidelity" in res.reason, res.reason
     hf._MODELS.clear()

@@ -151,6 +151,7 @@ class HFEngine(Engine):
         self.device = torch.device(device)
         self._load_args = (self.model_dir, dtype, kernels, attn, device, kv_block_size, backward)
         self._kv_cache_dtype = kv_cache_dtype
+        self._fp8_rules: dict | None = None  # fp8_rules(), read once
         self.model = load_model(*self._load_args, shared=shared_model, kv_cache_dtype=kv_cache_dtype)
         self.batch_size = batch_size
         self.micro_batch_size = micro_batch_size
@@ -298,6 +299,27 @@ class HFEngine(Engine):
         with capture_routes(self.model) as routes:
             self.model(input_ids=torch.tensor([sample.ids], device=self.device), use_cache=False)
         return {name: torch.cat(calls) for name, calls in routes.items()}
+
+    def fp8_rules(self) -> dict:
+        """The scale rule the wrapped model's block-FP8 linears and experts follow ({"linear": Fp8Rule | None,
+        "experts": ...}, None where not identified), read from its provider's operators once (fp8_rule); {} for a
+        model without FP8 weights. C2's stock model and C7's reference round by it."""
+        ops = getattr(self.model, "_tic_ops", None)
+        quant = getattr(ops, "quant", None)
+        if quant is None:
+            return {}
+        if self._fp8_rules is None:
+            from tic.harness.kernels import fp8_rule
+
+            p, block, dtype = ops.provider, quant.block, next(self.model.parameters()).dtype
+            self._fp8_rules = {
+                "linear": fp8_rule.detect_linear(
+                    lambda x, c, s: p.fp8_linear(x, c, s, None, block, checkpoint=quant.checkpoint),
+                    block, dtype, self.device),
+                "experts": fp8_rule.detect_experts(
+                    lambda x, w, i, gu, gus, d, ds: p.fp8_moe_experts(x, w, i, gu, gus, d, ds, block),
+                    block, dtype, self.device)}
+        return self._fp8_rules
 
     def quantizer_inputs(self, sample: Sample) -> dict[str, list]:
         """What the wrapped model's FP8 steps round for this sequence (forward alone, unpadded): each block-FP8

@@ -15,7 +15,6 @@ forward value is the provider's FP8 kernel on the copies, the gradient is the un
 
 from __future__ import annotations
 
-import contextlib
 import re
 import weakref
 from dataclasses import dataclass

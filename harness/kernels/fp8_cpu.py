@@ -13,18 +13,22 @@ from __future__ import annotations
 
 import torch
 
-from tic.harness.model.quantize import FP8_MAX
+from tic.harness.model.quantize import FP8_MAX, ceil_to_ue8m0
 
 GROUP_EPS = 1e-10  # vLLM's per_token_group_quant_fp8 default: an all-zero group gets scale eps / 448
 
 
-def per_token_group_quant(x: torch.Tensor, group: int, eps: float = GROUP_EPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes [.., K] float8_e4m3fn, scales [.., K / group] float32) of x [.., K]; K must be a multiple of group."""
+def per_token_group_quant(x: torch.Tensor, group: int, eps: float = GROUP_EPS,
+                          ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [.., K] float8_e4m3fn, scales [.., K / group] float32) of x [.., K]; K must be a multiple of group.
+    ue8m0: each scale rounded up to a power of two (vLLM's quantizer where its DeepGEMM path takes UE8M0)."""
     K = x.shape[-1]
     if K % group:
         raise ValueError(f"per-token-group quantization: {K} columns are not a multiple of the group {group}")
     g = x.float().reshape(*x.shape[:-1], K // group, group)
     scale = g.abs().amax(-1).clamp(min=eps) / FP8_MAX
+    if ue8m0:
+        scale = ceil_to_ue8m0(scale)
     codes = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return codes.reshape(x.shape), scale
 

@@ -6,7 +6,9 @@ weights, quantization treated as identity. Compared with the plain model, its gr
 forward itself (activations a few percent apart), which no backward fault causes. So the reference follows the
 same trajectory: each quantized module's output is, in value, the fake-quantized computation (activations
 quantized per token group by the deployment format, weights the checkpoint's codes times scales, float32
-arithmetic), and, for autograd, the module's own float32 graph. Its backward is transformers' autograd through
+arithmetic), and, for autograd, the module's own float32 graph. Where the deployment rounds its scales to powers
+of two (vLLM's DeepGEMM path with UE8M0 scales), the training side's operators show it (fp8_rule) and the
+reference rounds alike. Its backward is transformers' autograd through
 that graph: nothing of tic's kernel wrappers or written-out backwards is on its path.
 
 With an FP8 KV cache (method 4.2) both engines' attention is FlashAttention's FP8 forward: q, k and v rounded to
@@ -26,23 +28,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tic.harness.kernels import fp8_rule
 from tic.harness.kernels.autograd import ATTENTION_INPUTS
 from tic.harness.kernels.fp8 import QuantizedCopies, attach_checkpoint
-from tic.harness.kernels.fp8_cpu import per_token_group_quant
+from tic.harness.kernels.fp8_rule import Fp8Rule
 from tic.harness.model.quantize import dequantize_weight_blocks
-
-
-def _fake_act(x: torch.Tensor, group: int) -> torch.Tensor:
-    q, s = per_token_group_quant(x.detach(), group)
-    return (q.float() * s.repeat_interleave(group, dim=-1)).reshape(x.shape)
-
-
-def _weights(quant: QuantizedCopies, w: torch.Tensor) -> torch.Tensor:
-    return dequantize_weight_blocks(*quant.get(w), quant.block, torch.float32)
 
 
 def _straight_through(visible: torch.Tensor, graph: torch.Tensor) -> torch.Tensor:
     return visible.detach().to(graph.dtype) + (graph - graph.detach())
+
+
+class _RuleWeights:
+    """A quantized weight's float32 values under a scale rule (Fp8Rule.tiles), its requantized tiles kept while
+    its copy is unchanged: requantizing every weight per forward would cost more than the reference's arithmetic."""
+
+    def __init__(self, quant: QuantizedCopies, rule: Fp8Rule):
+        self.quant, self.rule = quant, rule
+        self._held: dict[int, tuple] = {}
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        codes, scales = self.quant.get(w)
+        if self.rule.weights_ue8m0:
+            state = (codes.data_ptr(), codes._version, scales._version)
+            held = self._held.get(id(w))
+            if held is None or held[0] != state:
+                held = self._held[id(w)] = (state, self.rule.tiles(codes, scales, self.quant.block))
+            codes, scales = held[1]
+        return dequantize_weight_blocks(codes, scales, self.quant.block, torch.float32)
 
 
 class QuantizerInputs:
@@ -95,20 +108,24 @@ class QuantizerInputs:
         return out
 
 
-def _linear_hook(quant: QuantizedCopies, inputs: QuantizerInputs | None):
+def _linear_hook(quant: QuantizedCopies, inputs: QuantizerInputs | None, rule: Fp8Rule):
+    weights = _RuleWeights(quant, rule)
+
     def hook(m, args, out):
         x = args[0] if inputs is None else inputs.take(quant.name_of(m.weight), args[0])
-        vis = F.linear(_fake_act(x.float(), quant.block[1]), _weights(quant, m.weight),
+        vis = F.linear(rule.activations(x.float(), quant.block[1]), weights(m.weight),
                        None if m.bias is None else m.bias.detach().float())
         return _straight_through(vis, out)
     return hook
 
 
-def _experts_hook(quant: QuantizedCopies, inputs: QuantizerInputs | None):
+def _experts_hook(quant: QuantizedCopies, inputs: QuantizerInputs | None, rule: Fp8Rule):
+    weights = _RuleWeights(quant, rule)
+
     def hook(m, args, kwargs, out):
         names = ("hidden_states", "top_k_index", "top_k_weights")
         x, ids, w = (*args, *(kwargs[n] for n in names[len(args):]))
-        gu, down = _weights(quant, m.gate_up_proj), _weights(quant, m.down_proj)
+        gu, down = weights(m.gate_up_proj), weights(m.down_proj)
         between = None  # the down projection's inputs, one row per (token, top-k slot)
         if inputs is not None:
             x = inputs.take(quant.name_of(m.gate_up_proj), x)
@@ -120,29 +137,38 @@ def _experts_hook(quant: QuantizedCopies, inputs: QuantizerInputs | None):
                 continue
             tok, slot = (ids == e).nonzero(as_tuple=True)
             if between is None:
-                gate, up = F.linear(_fake_act(x[tok].float(), g), gu[e]).chunk(2, dim=-1)
+                gate, up = F.linear(rule.activations(x[tok].float(), g), gu[e]).chunk(2, dim=-1)
                 h = F.silu(gate) * up
             else:
                 h = between[tok * ids.shape[1] + slot].float()
-            y = F.linear(_fake_act(h, g), down[e])
+            y = F.linear(rule.activations(h, g), down[e])
             vis.index_add_(0, tok, y * w[tok, slot, None].detach().float())
         return _straight_through(vis, out)
     return hook
 
 
-def install(model: nn.Module, model_dir, inputs: QuantizerInputs | None = None) -> list | None:
+def describe_rules(rules: dict[str, Fp8Rule | None]) -> dict[str, str]:
+    """A record's view of the scale rules the reference rounded by (a rule not identified: the default)."""
+    return {k: r.describe() if r is not None else f"not identified; rounded as {fp8_rule.DEFAULT.describe()}"
+            for k, r in rules.items()}
+
+
+def install(model: nn.Module, model_dir, inputs: QuantizerInputs | None = None,
+            rules: dict[str, Fp8Rule | None] | None = None) -> list | None:
     """For a block-FP8 checkpoint: load its master weights and codes into `model` (built without quantization)
     and hook every quantized linear and expert block as above; the hook handles. None for any other checkpoint.
-    inputs: where the quantizers take the path under test's activations (C7)."""
+    inputs: where the quantizers take the path under test's activations (C7); rules: the scale rule of the
+    deployment's linears and experts (fp8_rule.detect_*; missing or None: the checkpoint's scales, amax / 448)."""
     quant = attach_checkpoint(model, model_dir)
     if quant is None:
         return None
+    rule = {k: (rules or {}).get(k) or fp8_rule.DEFAULT for k in ("linear", "experts")}
     handles = []
     for m in model.modules():
         if isinstance(m, nn.Linear) and quant.covers([m.weight]):
-            handles.append(m.register_forward_hook(_linear_hook(quant, inputs)))
+            handles.append(m.register_forward_hook(_linear_hook(quant, inputs, rule["linear"])))
         elif hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and quant.covers([m.gate_up_proj, m.down_proj]):
-            handles.append(m.register_forward_hook(_experts_hook(quant, inputs), with_kwargs=True))
+            handles.append(m.register_forward_hook(_experts_hook(quant, inputs, rule["experts"]), with_kwargs=True))
     return handles
 
 
@@ -210,12 +236,12 @@ def use_fp8_kv_cache(model: nn.Module, inputs: QuantizerInputs | None = None) ->
         setattr(m, KV_INPUTS_ATTR, inputs)
 
 
-def follow_deployment(model: nn.Module, model_dir, kv_cache_dtype: str,
-                      inputs: QuantizerInputs | None = None) -> None:
+def follow_deployment(model: nn.Module, model_dir, kv_cache_dtype: str, inputs: QuantizerInputs | None = None,
+                      rules: dict[str, Fp8Rule | None] | None = None) -> None:
     """Make a transformers model compute, in value, the model the deployed sides run: for a block-FP8 checkpoint
     its FP8 forward (install), with an FP8 KV cache FlashAttention's FP8 attention (use_fp8_kv_cache); a plain
     checkpoint with a model-dtype cache stays as it is. C2's stock model and C7's reference both are this model
     (C7's quantizers take the path under test's inputs: QuantizerInputs)."""
-    install(model, model_dir, inputs)
+    install(model, model_dir, inputs, rules)
     if str(kv_cache_dtype).startswith("fp8"):
         use_fp8_kv_cache(model, inputs)

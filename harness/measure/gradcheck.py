@@ -86,11 +86,13 @@ class RoutingPin:
 def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampling, adv: list[float],
                         device: str = "cpu", routes: list[dict] | None = None,
                         report: dict | None = None, kv_cache_dtype: str = "auto",
-                        quantizer_inputs: Callable[[int], dict] | None = None) -> dict[str, torch.Tensor]:
+                        quantizer_inputs: Callable[[int], dict] | None = None,
+                        fp8_rules: dict | None = None) -> dict[str, torch.Tensor]:
     """routes: per sample, the path under test's top-k ids per MoE block name (None: the reference routes
     itself); report receives the routing-pin and quantizer counts; kv_cache_dtype: the training side's (fp8: the
     reference's attention reads q, k, v rounded as the FP8 cache rounds them); quantizer_inputs: sample index ->
-    what the path under test's FP8 steps rounded (fp8_reference.QuantizerInputs)."""
+    what the path under test's FP8 steps rounded (fp8_reference.QuantizerInputs); fp8_rules: the scale rule of the
+    path's block-FP8 linears and experts (tic.harness.kernels.fp8_rule; the reference rounds alike)."""
     from transformers import AutoModelForCausalLM
 
     from tic.harness.kernels.fp8 import unquantized_config
@@ -105,7 +107,7 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
     rounds = fp8 or str(kv_cache_dtype).startswith("fp8")  # FP8 weights or an FP8 KV cache
     taken = fp8_reference.QuantizerInputs() if rounds and quantizer_inputs is not None else None
     # FP8: its values, the float32 graph's gradient
-    fp8_reference.follow_deployment(model, model_dir, kv_cache_dtype, taken)
+    fp8_reference.follow_deployment(model, model_dir, kv_cache_dtype, taken, fp8_rules)
     model.requires_grad_(True)
     pin = RoutingPin(model)
     n_tokens = sum(int(s.mask.sum()) if s.mask is not None else len(s.response_ids) for s in samples)
@@ -133,6 +135,8 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
                        "reference_would_flip": pin.flips, "unpinned": sorted(pin.unpinned)})
     if report is not None and taken is not None:
         report.update(taken.counts("path_under_tests"))
+    if report is not None and fp8_rules:
+        report["fp8_rules"] = fp8_reference.describe_rules(fp8_rules)
     return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
             for n, p in model.named_parameters()}
 

@@ -31,11 +31,19 @@ SCALE_SUFFIX = ".weight_scale_inv"
 UNQUANTIZED = ("embed_tokens", "lm_head", "gate", "router")
 
 
-def quantize_weight_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def ceil_to_ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    """The power of two at or above each scale: UE8M0 scales (an exponent alone), as vLLM's DeepGEMM path rounds
+    them (`_ceil_to_ue8m0`)."""
+    return torch.pow(2.0, torch.ceil(torch.log2(scale.abs())))
+
+
+def quantize_weight_blocks(w: torch.Tensor, block: tuple[int, int],
+                           ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn codes [N, K], float32 scales [ceil(N/bn), ceil(K/bk)]) of a 2-D weight by the deployment rule;
-    a 3-D weight [E, N, K] (MoE experts) is quantized per expert."""
+    a 3-D weight [E, N, K] (MoE experts) is quantized per expert. ue8m0: each scale rounded up to a power of two
+    first (vLLM's `requant_weight_ue8m0_inplace` where its DeepGEMM path takes UE8M0 scales)."""
     if w.dim() == 3:
-        pairs = [quantize_weight_blocks(e, block) for e in w]
+        pairs = [quantize_weight_blocks(e, block, ue8m0) for e in w]
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
     bn, bk = block
     n, k = w.shape
@@ -44,6 +52,8 @@ def quantize_weight_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[tor
     tiles = padded.view(-1, bn, padded.shape[1] // bk, bk)
     amax = tiles.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
     scale = amax / FP8_MAX
+    if ue8m0:
+        scale = ceil_to_ue8m0(scale)
     codes = (tiles * (1.0 / scale)).to(torch.float8_e4m3fn)
     return codes.view_as(padded)[:n, :k].contiguous(), scale.view(tiles.shape[0], tiles.shape[2])
 

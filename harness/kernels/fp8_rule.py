@@ -1,0 +1,121 @@
+"""Which scale rule a provider's block-FP8 operators follow, read from their outputs (not from a setting).
+
+A block-FP8 deployment has two rounding rules besides the format: the weight tiles' scales (the checkpoint's
+amax / 448, or those rounded up to a power of two and the codes requantized: vLLM's DeepGEMM path with UE8M0
+scales, `requant_weight_ue8m0_inplace`) and the activations' per-token-group scales (amax / 448, or its UE8M0
+rounding). vLLM picks them by platform and kernel (`VLLM_USE_DEEP_GEMM_E8M0`, on by default where DeepGEMM runs),
+and its linear and fused-MoE paths need not agree. C2's stock model and C7's reference compute the FP8 model in
+value, so they must round as the deployment does: a model rounded otherwise differs by the format's step.
+
+`detect` runs an operator once on seeded operands whose scales are not powers of two and compares its output
+with each candidate rule's, computed in float32 and rounded to the output dtype: the rule the operator follows
+agrees with nearly every element (within AGREE_REL: float32 accumulation order is all that separates them), the
+others with almost none. No clear winner: None, and the records say the rule was not identified.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tic.harness.kernels.fp8_cpu import per_token_group_quant
+from tic.harness.model.quantize import dequantize_weight_blocks, quantize_weight_blocks
+
+# an element agrees with a candidate within this relative distance: float32 accumulation order moves a float32
+# output by ~1e-6 and rarely a 16-bit one by its rounding step; another scale rule moves most elements by percents
+AGREE_REL = 1e-4
+MATCH_MIN = 0.5  # the winning rule's share of agreeing output elements, at least
+RUNNER_UP_MAX = 0.5  # the runner-up's share, at most this fraction of the winner's
+
+
+@dataclass(frozen=True)
+class Fp8Rule:
+    """weights_ue8m0: weight tiles requantized to power-of-two scales; activations_ue8m0: activation group scales
+    rounded up to a power of two."""
+    weights_ue8m0: bool = False
+    activations_ue8m0: bool = False
+
+    def describe(self) -> str:
+        w = "UE8M0 (requantized)" if self.weights_ue8m0 else "the checkpoint's"
+        a = "UE8M0" if self.activations_ue8m0 else "amax / 448"
+        return f"weight scales {w}, activation scales {a}"
+
+    def tiles(self, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> tuple:
+        """The (codes, scales) an operator following this rule multiplies by, from the checkpoint's."""
+        if not self.weights_ue8m0:
+            return codes, scales
+        return quantize_weight_blocks(dequantize_weight_blocks(codes, scales, block, torch.float32), block,
+                                      ue8m0=True)
+
+    def weights(self, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+        """The float32 weights an operator following this rule multiplies by."""
+        return dequantize_weight_blocks(*self.tiles(codes, scales, block), block, torch.float32)
+
+    def activations(self, x: torch.Tensor, group: int) -> torch.Tensor:
+        """x quantized per token group and dequantized, in float32."""
+        q, s = per_token_group_quant(x.detach(), group, ue8m0=self.activations_ue8m0)
+        return (q.float() * s.repeat_interleave(group, dim=-1)).reshape(x.shape)
+
+
+CANDIDATES = tuple(Fp8Rule(w, a) for w, a in itertools.product((False, True), repeat=2))
+DEFAULT = CANDIDATES[0]  # the checkpoint's scales, amax / 448 activations: tic's CPU kernels
+
+
+def _seeded(shape: tuple, block: tuple[int, int], seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-FP8 (codes, scales) of a seeded weight: its tile scales are not powers of two (UE8M0 moves them)."""
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 0.05
+    codes, scales = quantize_weight_blocks(w, block)
+    return codes.to(device), scales.to(device)
+
+
+def _rows(k: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Eight seeded activation rows of k columns, of varied scales."""
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.3, 3.0, 8)[:, None]
+    return x.to(device=device, dtype=dtype)
+
+
+def _pick(got: torch.Tensor, candidates: dict[Fp8Rule, torch.Tensor]) -> Fp8Rule | None:
+    share = {r: float(((c.float() - got).abs() <= AGREE_REL * got.abs()).float().mean()) for r, c in candidates.items()}
+    ranked = sorted(share, key=share.get, reverse=True)
+    best, second = share[ranked[0]], share[ranked[1]]
+    return ranked[0] if best >= MATCH_MIN and second <= RUNNER_UP_MAX * best else None
+
+
+def detect_linear(linear: Callable, block: tuple[int, int], dtype: torch.dtype, device) -> Fp8Rule | None:
+    """linear(x, codes, scales) -> x @ W.T as the operator under test runs it (no bias)."""
+    codes, scales = _seeded((2 * block[0], 2 * block[1]), block, 0, device)
+    x = _rows(2 * block[1], dtype, device)
+    with torch.no_grad():
+        got = linear(x, codes, scales).float().cpu()
+    return _pick(got, {r: F.linear(r.activations(x, block[1]), r.weights(codes, scales, block)).to(dtype).cpu()
+                       for r in CANDIDATES})
+
+
+def detect_experts(experts: Callable, block: tuple[int, int], dtype: torch.dtype, device) -> Fp8Rule | None:
+    """experts(x, weights, ids, gu_codes, gu_scales, down_codes, down_scales) -> the block's output, as the
+    operator under test runs it: two experts, one per token, each a gated MLP whose SiLU*mul is quantized again."""
+    bn, bk = block
+    hidden, inter = 2 * bk, math.lcm(bn, bk)  # the down GEMM's K: whole weight tiles and activation groups
+    gu, gu_s = _seeded((2, 2 * inter, hidden), block, 0, device)
+    down, down_s = _seeded((2, hidden, inter), block, 1, device)
+    x = _rows(hidden, dtype, device)
+    ids = (torch.arange(x.shape[0], device=device) % 2)[:, None]
+    weights = torch.ones(x.shape[0], 1, device=device)
+    with torch.no_grad():
+        got = experts(x, weights, ids, gu, gu_s, down, down_s).float().cpu()
+    out = {}
+    for r in CANDIDATES:
+        rows = []
+        for t in range(x.shape[0]):
+            e = int(ids[t, 0])
+            h = F.linear(r.activations(x[t:t + 1], bk), r.weights(gu[e], gu_s[e], block)).to(dtype)
+            gate, up = h.float().chunk(2, dim=-1)
+            between = (F.silu(gate) * up).to(dtype)
+            rows.append(F.linear(r.activations(between, bk), r.weights(down[e], down_s[e], block)))
+        out[r] = torch.cat(rows).to(dtype).cpu()
+    return _pick(got, out)
