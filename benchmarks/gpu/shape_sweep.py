@@ -4,7 +4,7 @@
   python benchmarks/gpu/shape_sweep.py run WORK OUT [--shapes A,B] [--modes eager,graph] [--variants patched]
                                            [--first SHAPE:MODE:VARIANT,...]
                                            [--requests 64] [--max-prompt 4096] [--tokens 512] [--parallel 6]
-                                           [--memory-gb 125] [--timeout 3000] [--previous-pythonpath P]
+                                           [--memory-gb GPU-8] [--timeout 3000] [--previous-pythonpath P]
   python benchmarks/gpu/shape_sweep.py table OUT          # the table again, from OUT's records
 
 Each (shape, rollout mode, variant) is one tic.yaml under WORK, run by run_gates.py in a process of its own:
@@ -173,18 +173,25 @@ class Weights:
         self.on_disk.discard(s.name)
 
 
-def free_gib() -> float:
-    """Free memory on the GPU now (nvidia-smi), in GiB."""
+def _gpu_gib(field: str) -> float:
+    """nvidia-smi's memory.FIELD of the first GPU, in GiB (inf where it cannot be read)."""
     try:
-        got = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+        got = subprocess.run(["nvidia-smi", f"--query-gpu=memory.{field}", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30).stdout.split()
         return float(got[0]) / 1024
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
         return float("inf")
 
 
+def free_gib() -> float:
+    """Free memory on the GPU now, in GiB."""
+    return _gpu_gib("free")
+
+
 def execute(args) -> None:
     runs, loads = plan(args)
+    if not args.memory_gb:  # the card's memory less room for the allocators beside the estimates
+        args.memory_gb = _gpu_gib("total") - 8
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work).resolve()
@@ -318,7 +325,8 @@ def main() -> None:
     r.add_argument("--max-prompt", type=int, default=4096)
     r.add_argument("--tokens", type=int, default=512)
     r.add_argument("--parallel", type=int, default=6)
-    r.add_argument("--memory-gb", type=float, default=125.0)
+    r.add_argument("--memory-gb", type=float, default=0.0,
+                   help="the runs' estimated peaks together, at most (0: the GPU's memory less 8 GiB)")
     r.add_argument("--timeout", type=float, default=3000.0)
     r.add_argument("--stagger", type=float, default=60.0, help="seconds between run starts (memory settles)")
     r.add_argument("--previous-pythonpath", default="")
