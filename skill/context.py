@@ -26,11 +26,19 @@ def _kv_cache_dtype(options: dict) -> str:
 
 
 def check_kernels(cfg: TicConfig) -> None:
-    if cfg.train.kernels != "vllm" and _kv_cache_dtype(cfg.train.options) != "auto":
-        # only the vLLM provider makes K/V's cache round trip; C2 and C7 would model one the forward does not make
-        raise TicInputError(f"train.options.kv_cache_dtype {_kv_cache_dtype(cfg.train.options)!r} needs train.kernels "
-                            f"vllm (kernels {cfg.train.kernels} keep K/V in the model dtype)")
-    if cfg.train.kernels == "vllm" and cfg.rollout.engine == "vllm" and \
+    for side in ("rollout", "train"):
+        c = getattr(cfg, side)
+        kv = _kv_cache_dtype(c.options)
+        if c.engine == "vllm" or kv == "auto":
+            continue  # vLLM checks its own options
+        if kv != "fp8":
+            raise TicInputError(f"{side}.options.kv_cache_dtype {kv!r}: tic's kernels model auto and fp8 (e4m3)")
+        if c.kernels not in ("vllm", "consistent"):
+            # stock HF keeps K/V in the model dtype whatever the option says: C2 and C7 would model a round trip
+            # the forward does not make
+            raise TicInputError(f"{side}.options.kv_cache_dtype {kv!r} needs {side}.kernels vllm or consistent "
+                                f"(kernels {c.kernels} keep K/V in the model dtype)")
+    if cfg.train.kernels in ("vllm", "consistent") and cfg.rollout.engine in ("vllm", "hf") and \
             _kv_cache_dtype(cfg.rollout.options) != _kv_cache_dtype(cfg.train.options):
         # the training forward's K/V must make the rollout's cache round trip (tic.harness.kernels.vllm_fp8)
         raise TicInputError(f"train.options.kv_cache_dtype {_kv_cache_dtype(cfg.train.options)!r} differs from "

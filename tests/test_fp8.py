@@ -553,3 +553,58 @@ def test_c2_stock_model_rounds_by_the_rule_the_wrapped_operators_follow(example,
     res = run_gate(get("C2"), GateContext(ctx.cfg))
     assert res.verdict == "fail" and "fidelity" in res.reason, res.reason
     hf._MODELS.clear()
+
+
+def _kv_fp8_ctx(example, prompts: int = 3, tokens: int = 4) -> GateContext:
+    """The bfloat16 FP8 example with an FP8 KV cache on both sides (tic's CPU kernels round q, k, v and P as
+    FlashAttention's FP8 forward does)."""
+    ctx = _bf16_fp8_ctx(example, prompts=prompts, tokens=tokens)
+    for side in (ctx.cfg.rollout, ctx.cfg.train):
+        side.options["kv_cache_dtype"] = "fp8"
+    hf._MODELS.clear()
+    return GateContext(ctx.cfg)
+
+
+def test_fp8_kv_cache_on_cpu_kernels_passes_and_c7_takes_the_paths_attention_inputs(example, workdir, monkeypatch):
+    """With an FP8 KV cache on tic's CPU kernels, C3-C7 pass, and C7's reference rounds the q, k, v the path under
+    test rounded (one call per layer and sequence). Rounding its own float32 ones instead (the plant: what it did
+    before) the same, correct backward moves further from it: bf16 and float32 q, k, v a rounding apart fall on
+    other e4m3 codes."""
+    from tic.harness.measure import fp8_reference
+
+    ctx = _kv_fp8_ctx(example)
+    assert ctx.train_engine().model._tic_ops.rounds_kv_to_fp8
+    for gate in ("C3", "C4", "C5", "C6"):
+        res = run_gate(get(gate), ctx)
+        assert res.verdict == "pass", (gate, res.reason)
+    taken = run_gate(get("C7"), ctx)
+    assert taken.verdict == "pass", taken.reason
+    routing = taken.details["routing"]
+    assert routing["fp8_kv_attention_calls_on_their_own_inputs"] == 0
+    assert routing["fp8_kv_attention_calls_on_the_path_under_tests_inputs"] > 0
+    monkeypatch.setattr(fp8_reference.QuantizerInputs, "take_attention", lambda self, q, k, v: (q, k, v))
+    own = run_gate(get("C7"), ctx)
+    assert own.metrics["max_rel_error"] > 1.3 * taken.metrics["max_rel_error"], (own.metrics, taken.metrics)
+    hf._MODELS.clear()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"train": {"kernels": "stock"}}, "needs train.kernels vllm or consistent"),
+    ({"rollout": {"kv": "auto"}}, "differs from rollout.options.kv_cache_dtype"),
+    ({"train": {"kv": "fp8_e5m2"}}, "tic's kernels model auto and fp8"),
+])
+def test_fp8_kv_cache_settings_tic_cannot_model_are_refused(example, workdir, change, message):
+    """An FP8 KV cache on stock HF kernels (which keep K/V in the model dtype), sides that disagree on it, or a
+    format tic's kernels do not round to: one clear line, exit 2 (TicInputError), before any gate runs."""
+    from tic.skill.context import check_kernels
+
+    cfg = _kv_fp8_ctx(example).cfg
+    for side, what in change.items():
+        c = getattr(cfg, side)
+        if "kernels" in what:
+            c.kernels = what["kernels"]
+        if "kv" in what:
+            c.options["kv_cache_dtype"] = what["kv"]
+    with pytest.raises(TicInputError, match=message):
+        check_kernels(cfg)
+    hf._MODELS.clear()

@@ -43,12 +43,13 @@ def row_log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def rowwise_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, softcap=None, window=None,
-                      **kwargs):
+                      fp8_kv: bool = False, **kwargs):
     """Attention one query row at a time over exactly the keys its mask allows, in sequence order.
 
     query [B, H, Q, D], key/value [B, Hkv, K, D], attention_mask bool [B, 1, Q, K] (True = attend; a sliding
     window is already in it, as HF builds it per layer type) or None (causal, the last `window` keys when
     given). softcap: the scores cap * tanh(s / cap) in the model dtype, before the mask (HF's eager order).
+    fp8_kv: an FP8 KV cache's attention, FlashAttention's FP8 forward in value (fp8_cpu.fp8_attention_row).
     """
     B, H, Q, D = query.shape
     Hkv, K = key.shape[1], key.shape[2]
@@ -68,6 +69,9 @@ def rowwise_attention(module, query, key, value, attention_mask, scaling, dropou
             k = key[b][:, idx].repeat_interleave(rep, dim=0)  # [H, n, D]
             v = value[b][:, idx].repeat_interleave(rep, dim=0)
             qr = query[b, :, q : q + 1]  # [H, 1, D]
+            if fp8_kv:
+                out[b, q] = fp8_cpu.fp8_attention_row(qr, k, v, scaling, softcap)[:, 0]
+                continue
             scores = torch.matmul(qr, k.transpose(1, 2)) * scaling
             if softcap is not None:
                 scores = torch.tanh(scores / softcap) * softcap
@@ -80,6 +84,10 @@ class CPUProvider(MambaCPUKernels, KernelProvider):  # Mamba-2 kernels: tic.harn
     """tic's consistent CPU kernels: each token row through the same call with the same shapes."""
 
     name = "cpu"
+
+    def __init__(self, kv_cache_dtype: str = "auto"):
+        """kv_cache_dtype: fp8 makes attention read q, k, v through an FP8 cache's rounding (fp8_attention_row)."""
+        self.kv_cache_dtype = kv_cache_dtype
 
     def linear(self, x, w, b=None):
         return row_linear(x, w, b)
@@ -143,7 +151,8 @@ class CPUProvider(MambaCPUKernels, KernelProvider):  # Mamba-2 kernels: tic.harn
         return torch.cat(rows) if rows else y.clone()
 
     def attention(self, q, k, v, mask, scale, softcap=None, window=None):
-        return rowwise_attention(None, q, k, v, mask, scale, softcap=softcap, window=window)[0]
+        return rowwise_attention(None, q, k, v, mask, scale, softcap=softcap, window=window,
+                                 fp8_kv=str(self.kv_cache_dtype).startswith("fp8"))[0]
 
     def moe_route(self, logits, top_k, renormalize):
         outs = [route_topk(r, top_k, renormalize) for r in logits.split(1, dim=0)]

@@ -31,6 +31,7 @@ from torch import nn
 from tic.harness.kernels import fp8_rule
 from tic.harness.kernels.autograd import ATTENTION_INPUTS
 from tic.harness.kernels.fp8 import QuantizedCopies, attach_checkpoint
+from tic.harness.kernels.fp8_cpu import P_SCALE, e4m3_round
 from tic.harness.kernels.fp8_rule import Fp8Rule
 from tic.harness.model.quantize import dequantize_weight_blocks
 
@@ -179,12 +180,7 @@ FP8_KV_ATTENTION = "tic_fp8_kv_eager"  # the name it is registered under in tran
 def fp8_round_trip(t: torch.Tensor) -> torch.Tensor:
     """t rounded to e4m3 and back, saturating at its largest finite value as vLLM's FP8 cache and query quantizers
     do; the gradient passes straight through."""
-    top = torch.finfo(torch.float8_e4m3fn).max
-    rounded = t.detach().clamp(-top, top).to(torch.float8_e4m3fn).to(t.dtype)
-    return t + (rounded - t).detach()
-
-
-P_SCALE = 2.0 ** 8  # FlashAttention's FP8 forward: exp(s - max) times 2**Max_offset (8) before P is rounded
+    return t + (e4m3_round(t.detach()) - t).detach()
 
 
 def fp8_attention(query, key, value, attention_mask, scaling: float, groups: int, softcap: float | None = None):
