@@ -884,3 +884,29 @@ def test_routers_are_read_from_their_own_forward():
     assert router_renormalizes(moe_router(phi.model.layers[0].mlp)) is None
     assert any("PhimoeSparseMoeBlock" in p and "router" in p for p in coverage_problems(phi))
     assert not any("Qwen3MoeSparseMoeBlock" in p for p in coverage_problems(qwen))
+
+
+def test_c2_fidelity_keeps_a_routers_own_weights_where_it_chose_the_same_experts(tmp_path, workdir, monkeypatch):
+    """C2's routing pin gives the stock router the wrapped model's experts only where they differ by a near tie;
+    where they are the experts it chose itself it keeps its own weights. So a router of another rule than the
+    wrappers' softmax top-k parts at its block even past C0 (PhiMoE's sparsemixer, with C0's refusal of it
+    bypassed: before, the pin rewrote its weights as a softmax top-k and C2 passed)."""
+    from transformers import PhimoeConfig
+
+    from tic.harness.kernels import coverage, modules
+    from tic.skill.context import GateContext
+
+    cfg = PhimoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+                       bos_token_id=1, eos_token_id=2).to_dict()
+    cfg.update(architectures=["PhimoeForCausalLM"], dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "tic.yaml").write_text(
+        "model: {path: ., dtype: float32, generate: {seed: 0}}\n"
+        "rollout: {engine: hf, kernels: consistent}\ntrain: {engine: hf, kernels: consistent}\n")
+    for where in (coverage, modules):  # C0's refusal and the wrappers: a renormalised softmax top-k
+        monkeypatch.setattr(where, "router_renormalizes", lambda router: True)
+    hf._MODELS.clear()
+    res = run_gate(get("C2"), GateContext(load_config(tmp_path / "tic.yaml")))
+    assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"].endswith(".mlp"), res.reason
+    hf._MODELS.clear()

@@ -29,8 +29,9 @@ def advantages(n: int, seed: int = 0) -> list[float]:
 
 class RoutingPin:
     """Makes each HF top-k router (a `gate` or `router` module returning (logits, top-k weights, top-k ids)) take
-    given ids: weights = its float32 softmax at those ids, renormalised as the router does. Counts the tokens whose own
-    float32 top-k set differed (routing flips). near_tie: take a token's given ids only where each is within that
+    given ids: where they are the experts it chose itself, its own weights in the given slot order; where they are
+    not, its float32 softmax at those ids, renormalised as the router does. Counts the tokens whose own float32
+    top-k set differed (routing flips). near_tie: take a token's given ids only where each is within that
     relative distance of the router's own k-th probability (a near tie), else its own ids (the fidelity check:
     a router that picks other experts outright must still show)."""
 
@@ -74,12 +75,17 @@ class RoutingPin:
                 kth = probs.gather(-1, own).min(-1, keepdim=True).values
                 tie = (probs.gather(-1, pin) >= kth * (1 - self.near_tie)).all(-1, keepdim=True)
                 pin = torch.where(tie, pin, own)
-            self.flips += int((own.sort(-1).values != pin.sort(-1).values).any(-1).sum())
+            moved = (own.sort(-1).values != pin.sort(-1).values).any(-1, keepdim=True)
+            self.flips += int(moved.sum())
             self.tokens += pin.shape[0]
             w = probs.gather(-1, pin)
             if self.renormalize[id(gate)]:
                 w = w / w.sum(dim=-1, keepdim=True)
-            return logits, w.to(logits.dtype), pin
+            # where the router chose these experts itself, its own weights (in the pinned slot order): the rule
+            # above stands in only for the tokens it moved, so a router of another rule still parts
+            same = (pin[..., :, None] == own[..., None, :]).to(out[1].dtype)
+            kept = (same * out[1][..., None, :]).sum(-1)
+            return logits, torch.where(moved, w.to(logits.dtype), kept.to(logits.dtype)), pin
         return forward
 
 
