@@ -552,7 +552,8 @@ def test_c7s_reference_takes_the_training_sides_kv_cache_dtype(dense_ctx, monkey
     from tic.harness.measure import fp8_reference
 
     used = []
-    monkeypatch.setattr(fp8_reference, "use_fp8_kv_cache", lambda model, inputs=None: used.append(type(model).__name__))
+    monkeypatch.setattr(fp8_reference, "use_fp8_kv_cache",
+                        lambda model, inputs=None, rule=None: used.append(type(model).__name__))
     monkeypatch.setitem(dense_ctx.cfg.train.options, "kv_cache_dtype", kv)
     c7.measure(dense_ctx)
     assert bool(used) == rounded, used

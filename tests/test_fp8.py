@@ -580,6 +580,9 @@ def test_fp8_kv_cache_on_cpu_kernels_passes_and_c7_takes_the_paths_attention_inp
     taken = run_gate(get("C7"), ctx)
     assert taken.verdict == "pass", taken.reason
     routing = taken.details["routing"]
+    from tic.harness.kernels.fp8_rule import DEFAULT_KV
+
+    assert routing["fp8_rules"]["kv_attention"] == DEFAULT_KV.describe(), routing["fp8_rules"]
     assert routing["fp8_kv_attention_calls_on_their_own_inputs"] == 0
     assert routing["fp8_kv_attention_calls_on_the_path_under_tests_inputs"] > 0
     monkeypatch.setattr(fp8_reference.QuantizerInputs, "take_attention", lambda self, q, k, v: (q, k, v))
@@ -608,3 +611,24 @@ def test_fp8_kv_cache_settings_tic_cannot_model_are_refused(example, workdir, ch
     with pytest.raises(TicInputError, match=message):
         check_kernels(cfg)
     hf._MODELS.clear()
+
+
+def test_kv_cache_attention_rule_is_read_from_the_operator():
+    """How attention over an FP8 KV cache rounds is read from the operator: tic's CPU kernels round q, k, v and P
+    as FlashAttention's FP8 forward does; a backend that dequantizes K/V and computes in float32 (q and P left
+    as they are) is recognised as that; attention without any FP8 rounding is no candidate."""
+    import torch.nn.functional as F
+
+    from tic.harness.kernels.fp8_cpu import e4m3_round
+    from tic.harness.kernels.fp8_rule import DEFAULT_KV, KvRule, detect_kv_attention
+
+    def dequantizing(q, k, v, mask, scale):
+        k, v = (e4m3_round(t).float().repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        out = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=scale)
+        return out.transpose(1, 2).to(q.dtype)
+
+    fp8, plain = CPUProvider("fp8"), CPUProvider()
+    for dtype in (torch.bfloat16, torch.float32):
+        assert detect_kv_attention(lambda *a: fp8.attention(*a), dtype, "cpu") == DEFAULT_KV
+        assert detect_kv_attention(dequantizing, dtype, "cpu") == KvRule(query_rounded=False, probs_rounded=False)
+        assert detect_kv_attention(lambda *a: plain.attention(*a), dtype, "cpu") is None

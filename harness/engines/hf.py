@@ -301,24 +301,30 @@ class HFEngine(Engine):
         return {name: torch.cat(calls) for name, calls in routes.items()}
 
     def fp8_rules(self) -> dict:
-        """The scale rule the wrapped model's block-FP8 linears and experts follow ({"linear": Fp8Rule | None,
-        "experts": ...}, None where not identified), read from its provider's operators once (fp8_rule); {} for a
-        model without FP8 weights. C2's stock model and C7's reference round by it."""
+        """How the wrapped model's FP8 steps round, read from its provider's operators once (fp8_rule): the scale
+        rule of its block-FP8 linears and experts ({"linear": Fp8Rule | None, "experts": ...}) and, over an FP8
+        KV cache, its attention's ({"kv_attention": KvRule | None}); None where not identified, {} for a model
+        with neither. C2's stock model and C7's reference round by them."""
         ops = getattr(self.model, "_tic_ops", None)
-        quant = getattr(ops, "quant", None)
-        if quant is None:
+        if ops is None or not ops.quantizes:
             return {}
         if self._fp8_rules is None:
             from tic.harness.kernels import fp8_rule
 
-            p, block, dtype = ops.provider, quant.block, next(self.model.parameters()).dtype
-            self._fp8_rules = {
-                "linear": fp8_rule.detect_linear(
+            p, dtype, quant = ops.provider, next(self.model.parameters()).dtype, ops.quant
+            rules = {}
+            if quant is not None:
+                block = quant.block
+                rules["linear"] = fp8_rule.detect_linear(
                     lambda x, c, s: p.fp8_linear(x, c, s, None, block, checkpoint=quant.checkpoint),
-                    block, dtype, self.device),
-                "experts": fp8_rule.detect_experts(
+                    block, dtype, self.device)
+                rules["experts"] = fp8_rule.detect_experts(
                     lambda x, w, i, gu, gus, d, ds: p.fp8_moe_experts(x, w, i, gu, gus, d, ds, block),
-                    block, dtype, self.device)}
+                    block, dtype, self.device)
+            if ops.rounds_kv_to_fp8:
+                rules["kv_attention"] = fp8_rule.detect_kv_attention(
+                    lambda q, k, v, mask, scale: p.attention(q, k, v, mask, scale), dtype, self.device)
+            self._fp8_rules = rules
         return self._fp8_rules
 
     def quantizer_inputs(self, sample: Sample) -> dict[str, list]:

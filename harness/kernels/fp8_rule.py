@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tic.harness.kernels.fp8_cpu import per_token_group_quant
+from tic.harness.kernels.fp8_cpu import P_SCALE, e4m3_round, per_token_group_quant
 from tic.harness.model.quantize import dequantize_weight_blocks, quantize_weight_blocks
 
 # an element agrees with a candidate within this relative distance: float32 accumulation order moves a float32
@@ -119,3 +119,54 @@ def detect_experts(experts: Callable, block: tuple[int, int], dtype: torch.dtype
             rows.append(F.linear(r.activations(between, bk), r.weights(down[e], down_s[e], block)))
         out[r] = torch.cat(rows).to(dtype).cpu()
     return _pick(got, out)
+
+
+# -- attention over an FP8 KV cache -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KvRule:
+    """How attention over an FP8 KV cache rounds, besides K and V themselves (always rounded to e4m3, scale 1):
+    query_rounded: q too (FlashAttention's FP8 forward takes an FP8 query; a backend that dequantizes K/V to the
+    model dtype does not); probs_rounded: P = exp(s - max) * 2**8 rounded to e4m3 before P @ V (FA3's FP8 forward)."""
+    query_rounded: bool = True
+    probs_rounded: bool = True
+
+    def describe(self) -> str:
+        q = "q, k, v" if self.query_rounded else "k, v"
+        return f"{q} rounded to e4m3, P {'rounded to e4m3 (x 2^8)' if self.probs_rounded else 'in float32'}"
+
+    def attention(self, query, key, value, attention_mask, scaling: float, groups: int,
+                  softcap: float | None = None) -> torch.Tensor:
+        """This rule's attention in float32 on [B, H, Q, D] / [B, Hk, K, D] inputs (an additive mask or None), the
+        output divided by the float32 row sum of the unrounded P; [B, Q, H, Dv] in query's dtype."""
+        q = (e4m3_round(query.detach()) if self.query_rounded else query.detach()).float()
+        k, v = (e4m3_round(t.detach()).float().repeat_interleave(groups, dim=1) for t in (key, value))
+        s = q @ k.transpose(-1, -2) * scaling
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        if attention_mask is not None:
+            s = s + attention_mask.float()
+        p = torch.exp(s - s.amax(-1, keepdim=True))
+        scale = P_SCALE if self.probs_rounded else 1.0
+        weights = (p * scale).to(torch.float8_e4m3fn).float() if self.probs_rounded else p
+        out = (weights @ v) / (p.sum(-1, keepdim=True) * scale)
+        return out.transpose(1, 2).to(query.dtype)
+
+
+KV_CANDIDATES = tuple(KvRule(q, p) for q, p in itertools.product((True, False), repeat=2))
+DEFAULT_KV = KV_CANDIDATES[0]  # FlashAttention 3's FP8 forward (vLLM's FLASH_ATTN backend on Hopper)
+
+
+def detect_kv_attention(attention: Callable, dtype: torch.dtype, device, heads: int = 4, kv_heads: int = 2,
+                        head_dim: int = 64, tokens: int = 48) -> KvRule | None:
+    """attention(q, k, v, mask, scale) -> [B, T, H, Dv] as the operator under test runs it over an FP8 KV cache
+    (q [B, H, T, D], k/v [B, Hk, T, D], mask bool [B, 1, T, T], True = attend): one causal sequence, fewer keys
+    than a key tile, so a one-pass softmax is what an online one computes."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, tokens, head_dim, generator=g).to(device=device, dtype=dtype)
+               for h in (heads, kv_heads, kv_heads))
+    allowed = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()[None, None]
+    additive = torch.zeros(allowed.shape, device=device).masked_fill(~allowed, float("-inf"))
+    scale = head_dim ** -0.5
+    with torch.no_grad():
+        got = attention(q, k, v, allowed, scale).float().cpu()
+    return _pick(got, {r: r.attention(q, k, v, additive, scale, heads // kv_heads).cpu() for r in KV_CANDIDATES})

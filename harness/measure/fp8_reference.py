@@ -31,8 +31,8 @@ from torch import nn
 from tic.harness.kernels import fp8_rule
 from tic.harness.kernels.autograd import ATTENTION_INPUTS
 from tic.harness.kernels.fp8 import QuantizedCopies, attach_checkpoint
-from tic.harness.kernels.fp8_cpu import P_SCALE, e4m3_round
-from tic.harness.kernels.fp8_rule import Fp8Rule
+from tic.harness.kernels.fp8_cpu import e4m3_round
+from tic.harness.kernels.fp8_rule import Fp8Rule, KvRule
 from tic.harness.model.quantize import dequantize_weight_blocks
 
 
@@ -148,10 +148,11 @@ def _experts_hook(quant: QuantizedCopies, inputs: QuantizerInputs | None, rule: 
     return hook
 
 
-def describe_rules(rules: dict[str, Fp8Rule | None]) -> dict[str, str]:
-    """A record's view of the scale rules the reference rounded by (a rule not identified: the default)."""
-    return {k: r.describe() if r is not None else f"not identified; rounded as {fp8_rule.DEFAULT.describe()}"
-            for k, r in rules.items()}
+def describe_rules(rules: dict) -> dict[str, str]:
+    """A record's view of the rules the reference rounded by (a rule not identified: the default)."""
+    default = {"kv_attention": fp8_rule.DEFAULT_KV}
+    return {k: r.describe() if r is not None else
+            f"not identified; rounded as {default.get(k, fp8_rule.DEFAULT).describe()}" for k, r in rules.items()}
 
 
 def install(model: nn.Module, model_dir, inputs: QuantizerInputs | None = None,
@@ -183,22 +184,13 @@ def fp8_round_trip(t: torch.Tensor) -> torch.Tensor:
     return t + (e4m3_round(t.detach()) - t).detach()
 
 
-def fp8_attention(query, key, value, attention_mask, scaling: float, groups: int, softcap: float | None = None):
-    """FlashAttention's FP8 forward in float32 on [B, H, Q, D] / [B, Hk, K, D] inputs (an additive mask or None):
-    q, k, v rounded to e4m3, P = exp(s - row max) * 2**8 rounded to e4m3 for the P @ V product, divided by the
-    float32 row sum of the unrounded P. Returns [B, Q, H, Dv] in query's dtype."""
-    e4m3 = torch.float8_e4m3fn
-    q, k, v = (fp8_round_trip(t.detach()).float() for t in (query, key, value))
-    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-    s = q @ k.transpose(-1, -2) * scaling
-    if softcap:
-        s = torch.tanh(s / softcap) * softcap
-    if attention_mask is not None:
-        s = s + attention_mask.float()
-    p = torch.exp(s - s.amax(-1, keepdim=True))
-    rounded = (p * P_SCALE).to(e4m3).float()
-    out = (rounded @ v) / (p.sum(-1, keepdim=True) * P_SCALE)
-    return out.transpose(1, 2).to(query.dtype)
+def fp8_attention(query, key, value, attention_mask, scaling: float, groups: int, softcap: float | None = None,
+                  rule: KvRule = fp8_rule.DEFAULT_KV):
+    """Attention over an FP8 KV cache in value, by the deployment's rule (fp8_rule.KvRule; by default
+    FlashAttention's FP8 forward: q, k, v rounded to e4m3, P = exp(s - row max) * 2**8 rounded to e4m3 for P @ V,
+    divided by the float32 row sum of the unrounded P). [B, H, Q, D] / [B, Hk, K, D] inputs, an additive mask or
+    None; returns [B, Q, H, Dv] in query's dtype."""
+    return rule.attention(query, key, value, attention_mask, scaling, groups, softcap)
 
 
 def _fp8_kv_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -209,18 +201,20 @@ def _fp8_kv_eager(module, query, key, value, attention_mask, scaling, dropout=0.
     if kwargs.get("s_aux") is not None:
         raise RuntimeError(f"{type(module).__name__}: attention sinks have no FP8 KV cache reference")
     graph, weights = own(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    inputs = getattr(module, KV_INPUTS_ATTR, None)
+    inputs, rule = getattr(module, KV_STATE_ATTR, (None, None))
     q, k, v = (query, key, value) if inputs is None else inputs.take_attention(query, key, value)
-    visible = fp8_attention(q, k, v, attention_mask, scaling, q.shape[1] // k.shape[1], kwargs.get("softcap"))
+    visible = fp8_attention(q, k, v, attention_mask, scaling, q.shape[1] // k.shape[1], kwargs.get("softcap"),
+                            rule or fp8_rule.DEFAULT_KV)
     return _straight_through(visible, graph), weights
 
 
-KV_INPUTS_ATTR = "_tic_fp8_kv_inputs"  # where use_fp8_kv_cache leaves a model's QuantizerInputs for its attention
+KV_STATE_ATTR = "_tic_fp8_kv"  # where use_fp8_kv_cache leaves a model's (QuantizerInputs, KvRule) for its attention
 
 
-def use_fp8_kv_cache(model: nn.Module, inputs: QuantizerInputs | None = None) -> None:
-    """Run `model`'s attention as FlashAttention's FP8 forward in value (fp8_attention), its own eager attention
-    on the unrounded q, k, v for autograd; inputs: where its rounding takes the path under test's q, k, v."""
+def use_fp8_kv_cache(model: nn.Module, inputs: QuantizerInputs | None = None, rule: KvRule | None = None) -> None:
+    """Run `model`'s attention over an FP8 KV cache in value (fp8_attention by `rule`, by default FlashAttention's
+    FP8 forward), its own eager attention on the unrounded q, k, v for autograd; inputs: where its rounding takes
+    the path under test's q, k, v."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
@@ -228,8 +222,8 @@ def use_fp8_kv_cache(model: nn.Module, inputs: QuantizerInputs | None = None) ->
     # the masks eager attention takes: a name without a mask function of its own gets none (no causal mask)
     AttentionMaskInterface.register(FP8_KV_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
     model.set_attn_implementation(FP8_KV_ATTENTION)
-    for m in model.modules():  # the attention interface is global; the inputs belong to this model
-        setattr(m, KV_INPUTS_ATTR, inputs)
+    for m in model.modules():  # the attention interface is global; the inputs and rule belong to this model
+        setattr(m, KV_STATE_ATTR, (inputs, rule))
 
 
 def follow_deployment(model: nn.Module, model_dir, kv_cache_dtype: str, inputs: QuantizerInputs | None = None,
@@ -240,4 +234,4 @@ def follow_deployment(model: nn.Module, model_dir, kv_cache_dtype: str, inputs: 
     (C7's quantizers take the path under test's inputs: QuantizerInputs)."""
     install(model, model_dir, inputs, rules)
     if str(kv_cache_dtype).startswith("fp8"):
-        use_fp8_kv_cache(model, inputs)
+        use_fp8_kv_cache(model, inputs, (rules or {}).get("kv_attention"))
