@@ -1,4 +1,4 @@
-"""Which scale rule a provider's block-FP8 operators follow, read from their outputs (not from a setting).
+"""Which rounding rules a provider's FP8 operators follow, read from their outputs (not from a setting).
 
 A block-FP8 deployment has two rounding rules besides the format: the weight tiles' scales (the checkpoint's
 amax / 448, or those rounded up to a power of two and the codes requantized: vLLM's DeepGEMM path with UE8M0
@@ -7,10 +7,14 @@ rounding). vLLM picks them by platform and kernel (`VLLM_USE_DEEP_GEMM_E8M0`, on
 and its linear and fused-MoE paths need not agree. C2's stock model and C7's reference compute the FP8 model in
 value, so they must round as the deployment does: a model rounded otherwise differs by the format's step.
 
-`detect` runs an operator once on seeded operands whose scales are not powers of two and compares its output
-with each candidate rule's, computed in float32 and rounded to the output dtype: the rule the operator follows
-agrees with nearly every element (within AGREE_REL: float32 accumulation order is all that separates them), the
-others with almost none. No clear winner: None, and the records say the rule was not identified.
+Attention over an FP8 KV cache has its own (KvRule): whether the query and the probabilities are rounded to e4m3
+too (FlashAttention's FP8 forward) or only K and V (a backend that dequantizes the cache).
+
+`detect_linear`, `detect_experts` and `detect_kv_attention` run an operator once on seeded operands (weight scales
+not powers of two) and compare its output with each candidate rule's, computed in float32 and rounded to the
+output dtype: the rule the operator follows agrees with nearly every element (within AGREE_REL: float32
+accumulation order is all that separates them), the others with almost none. No clear winner: None, and the
+records say the rule was not identified.
 """
 
 from __future__ import annotations
