@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tic.harness.kernels import fp8_cpu
+from tic.harness.kernels.fp8_rule import DEFAULT_KV as FP8_KV_RULE
 from tic.harness.kernels.autograd import PLAIN_ACTS, layer_norm_float32_written_out
 from tic.harness.kernels.mamba import MambaCPUKernels
 from tic.harness.kernels.rope import hf_cos_sin_cache, rotate_interleaved, rotate_neox
@@ -49,7 +50,7 @@ def rowwise_attention(module, query, key, value, attention_mask, scaling, dropou
     query [B, H, Q, D], key/value [B, Hkv, K, D], attention_mask bool [B, 1, Q, K] (True = attend; a sliding
     window is already in it, as HF builds it per layer type) or None (causal, the last `window` keys when
     given). softcap: the scores cap * tanh(s / cap) in the model dtype, before the mask (HF's eager order).
-    fp8_kv: an FP8 KV cache's attention, FlashAttention's FP8 forward in value (fp8_cpu.fp8_attention_row).
+    fp8_kv: an FP8 KV cache's attention, FlashAttention's FP8 forward in value (fp8_rule.DEFAULT_KV).
     """
     B, H, Q, D = query.shape
     Hkv, K = key.shape[1], key.shape[2]
@@ -69,8 +70,8 @@ def rowwise_attention(module, query, key, value, attention_mask, scaling, dropou
             k = key[b][:, idx].repeat_interleave(rep, dim=0)  # [H, n, D]
             v = value[b][:, idx].repeat_interleave(rep, dim=0)
             qr = query[b, :, q : q + 1]  # [H, 1, D]
-            if fp8_kv:
-                out[b, q] = fp8_cpu.fp8_attention_row(qr, k, v, scaling, softcap)[:, 0]
+            if fp8_kv:  # one row through the whole rule, k and v already per query head
+                out[b, q] = FP8_KV_RULE.attention(qr[None], k[None], v[None], None, scaling, 1, softcap)[0, 0]
                 continue
             scores = torch.matmul(qr, k.transpose(1, 2)) * scaling
             if softcap is not None:
@@ -86,7 +87,7 @@ class CPUProvider(MambaCPUKernels, KernelProvider):  # Mamba-2 kernels: tic.harn
     name = "cpu"
 
     def __init__(self, kv_cache_dtype: str = "auto"):
-        """kv_cache_dtype: fp8 makes attention read q, k, v through an FP8 cache's rounding (fp8_attention_row)."""
+        """kv_cache_dtype: fp8 makes attention round q, k, v and P as FlashAttention's FP8 forward does."""
         self.kv_cache_dtype = kv_cache_dtype
 
     def linear(self, x, w, b=None):

@@ -71,17 +71,3 @@ def e4m3_round(t: torch.Tensor) -> torch.Tensor:
 
 
 P_SCALE = 2.0 ** 8  # FlashAttention's FP8 forward: exp(s - max) times 2**8 before P is rounded to e4m3
-
-
-def fp8_attention_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
-                      softcap: float | None = None) -> torch.Tensor:
-    """One query row of FlashAttention's FP8 forward in value: q [H, 1, D], k/v [H, n, D] rounded to e4m3; scores in
-    float32; P = exp(s - max) * 2**8 rounded to e4m3 for P @ V, divided by the float32 sum of the unrounded P.
-    Returns [H, 1, Dv] in q's dtype."""
-    q8, k8, v8 = (e4m3_round(t).float() for t in (q, k, v))
-    s = torch.matmul(q8, k8.transpose(1, 2)) * scaling
-    if softcap:
-        s = torch.tanh(s / softcap) * softcap
-    p = torch.exp(s - s.amax(-1, keepdim=True))
-    out = torch.matmul((p * P_SCALE).to(torch.float8_e4m3fn).float(), v8) / (p.sum(-1, keepdim=True) * P_SCALE)
-    return out.to(q.dtype)
