@@ -160,6 +160,13 @@ def side_gib(shape: Shape, layers: int, kv_bytes: int, fp8: bool = False) -> flo
     return weights_gib(shape, layers, fp8) + kv_bytes / GiB + 6
 
 
+def shared_kv_gib(shape: Shape, layers: int, sides: int, memory_gb: float, fp8: bool = False) -> float:
+    """The largest whole-GiB KV cache with which `sides` engines fit in memory_gb together (side_gib), at least
+    4 GiB; else 22 GiB (the sides then run in turn)."""
+    kv = int(memory_gb / sides - side_gib(shape, layers, 0, fp8))
+    return float(kv) if kv >= 4 else 22.0
+
+
 def order(names: list[str], r: int) -> list[str]:
     """Round r's order: rotated each round, so no side always runs right after another."""
     k = r % len(names)
@@ -256,7 +263,9 @@ def main() -> int:
     ap.add_argument("--workloads", default="512:256,256:2048:64")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--kv-gb", type=float, default=22.0)
+    ap.add_argument("--kv-gb", type=float, default=22.0,
+                    help="each side's KV cache; 0: the most that lets every side be resident together (at least "
+                         "4 GiB, else 22 GiB and the sides in turn)")
     ap.add_argument("--memory-gb", type=float, default=0.0, help="what the sides may use together (0: the GPU's memory less 8 GiB)")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights and an FP8 KV cache on every side")
     ap.add_argument("--previous-pythonpath", default="", help="the import path of the `previous` side's tic tree")
@@ -279,7 +288,9 @@ def main() -> int:
             cfg["quantization_config"] = block_fp8_config((128, 128), unquantized_linears(linear_weights(cfg)))
         (model_dir / "config.json").write_text(json.dumps(cfg))
         common = {"kv_cache_dtype": "fp8"} if a.fp8 else {}
-        for res in measure_model(shape, layers, names, works, a.rounds, int(a.kv_gb * GiB), a.memory_gb, model_dir,
+        kv_gb = a.kv_gb or shared_kv_gib(shape, layers, len(names), a.memory_gb or gpu_total_gib() - 8, a.fp8)
+        print(f"{shape.name}: {kv_gb:.1f} GiB of KV cache per side", flush=True)
+        for res in measure_model(shape, layers, names, works, a.rounds, int(kv_gb * GiB), a.memory_gb, model_dir,
                                  common, a.fp8, a.previous_pythonpath):
             results.append({**res, "fp8": a.fp8})
             print(json.dumps(results[-1]), flush=True)
