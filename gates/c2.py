@@ -57,8 +57,11 @@ def measure(ctx) -> Measurement:
     r = check_cut(ctx.model.dir, cut_dir)
     fidelity = wrapper_fidelity(ctx)
     if fidelity is not None and fidelity["first_parting"]:
+        unread = [k for k, v in fidelity.get("fp8_rules", {}).items() if v.startswith("not identified")]
+        why = (f"; the FP8 rounding rule of {', '.join(unread)} was not identified, so the stock model rounds by "
+               "tic's default (fidelity.fp8_rules)") if unread else ""
         r["problems"] = [f"fidelity: kernels: {fidelity['kernels']} computes another model than stock HF from "
-                         f"{fidelity['first_parting']} ({fidelity['dtype']} bound rtol {fidelity['rtol']:g}); "
+                         f"{fidelity['first_parting']} ({fidelity['dtype']} bound rtol {fidelity['rtol']:g}){why}; "
                          "guides/extend.md"] + list(r["problems"])
     path = ctx.artifacts("C2") / "check.json"
     atomic_write_text(path, json.dumps({**r, "cut_dir": str(cut_dir), "fidelity": fidelity}, indent=2,

@@ -632,3 +632,15 @@ def test_kv_cache_attention_rule_is_read_from_the_operator():
         assert detect_kv_attention(lambda *a: fp8.attention(*a), dtype, "cpu") == DEFAULT_KV
         assert detect_kv_attention(dequantizing, dtype, "cpu") == KvRule(query_rounded=False, probs_rounded=False)
         assert detect_kv_attention(lambda *a: plain.attention(*a), dtype, "cpu") is None
+
+
+def test_c2_names_an_fp8_rule_it_could_not_identify(example, workdir, monkeypatch):
+    """Wrappers whose FP8 linear follows no known rule (here: UE8M0 weights with a 1 % gain, a plant): the rule is
+    not identified, the stock model rounds by tic's default, and C2's failure line says so."""
+    from tic.harness.kernels import fp8_cpu as cpu
+
+    monkeypatch.setattr(cpu, "fp8_linear", lambda x, wq, ws, b, block: _ue8m0_linear(x, wq, ws, b, block) * 1.01)
+    res = run_gate(get("C2"), _bf16_fp8_ctx(example))
+    assert res.verdict == "fail" and "rounding rule of linear" in res.reason and "not identified" in res.reason, \
+        res.reason
+    hf._MODELS.clear()
