@@ -39,7 +39,7 @@ def wrapper_fidelity(ctx) -> dict | None:
                        shared=False)
     # a block-FP8 stock model's quantizers take the activations the wrapped model quantized (as C7's reference)
     taken = fp8_reference.QuantizerInputs()
-    rules = engine.fp8_rules() if hasattr(engine, "fp8_rules") else {}  # block FP8: the deployment's scale rule
+    rules = engine.fp8_rules() if hasattr(engine, "fp8_rules") else {}  # FP8: the deployment's rounding rules
     fp8_reference.follow_deployment(stock, engine.model_dir, str(train.options.get("kv_cache_dtype", "auto")),
                                     taken, rules)
     ids, mask = fidelity_inputs(engine.vocab_size, engine.device)

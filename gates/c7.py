@@ -59,7 +59,7 @@ def measure(ctx) -> Measurement:
     routes = [engine.expert_routes(s) for s in samples]
     routing: dict = {}
     own_inputs = getattr(engine, "quantizer_inputs", None)  # FP8: what the path under test rounded
-    rules = engine.fp8_rules() if hasattr(engine, "fp8_rules") else {}  # block FP8: the deployment's scale rule
+    rules = engine.fp8_rules() if hasattr(engine, "fp8_rules") else {}  # FP8: the deployment's rounding rules
     ref = reference_gradients(ctx.model.dir, samples, ctx.sampling, adv, device=tc.device,
                               routes=routes if any(routes) else None, report=routing,
                               kv_cache_dtype=str(tc.options.get("kv_cache_dtype", "auto")),
