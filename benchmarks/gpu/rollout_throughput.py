@@ -3,7 +3,7 @@ mode, full-depth models with dummy weights, sides alternating in one run.
 
   python benchmarks/gpu/rollout_throughput.py [--shapes Qwen3-8B,Qwen3-30B-A3B] [--sides consistent,batch_invariant]
                                               [--workloads 512:256,256:2048:64] [--requests 256] [--rounds 3]
-                                              [--kv-gb 22] [--memory-gb GPU-8] [--fp8] [--out FILE.json]
+                                              [--kv-gb 22 | 0: fit] [--memory-gb GPU-8] [--fp8] [--out FILE.json]
 
 Sides (each a vLLM engine in a process of its own; `default` is every ratio's denominator):
 - default: vLLM's defaults (compilation mode 3, FULL_AND_PIECEWISE), no tic setting;
