@@ -33,6 +33,7 @@ import functools
 
 from tic.patches._swap import swap_hooks
 from tic.patches.base import Patch
+from tic.patches.vllm._decided import counts, decided
 
 NAME = "fa3-fixed-tile"
 MIN_TILE_Q = 128  # a max_seqlen_q at or above this selects FA3's prefill tile (measured: decode = prefill)
@@ -84,24 +85,17 @@ def _checkable(kw: dict) -> bool:
 
 def checks() -> dict:
     """The natural-launch checks this process ran: attention shapes that keep their own launch, pinned ones."""
-    agreed = sum(_natural_ok.values())
-    return {"natural_launch_shapes": agreed, "pinned_shapes": len(_natural_ok) - agreed} if _natural_ok else {}
+    return counts(_natural_ok, "natural_launch_shapes", "pinned_shapes")
 
 
 def natural_launch_agrees(fn, kw: dict) -> bool:
     """Whether this call's attention shape gives the pinned launch's bits at any max_seqlen_q below the pin."""
-    import torch
-
     if not _checkable(kw):
         return False
     q, k, v = kw["q"], kw["k"], kw["v"]
     key = (q.dtype, tuple(q.shape[-2:]), tuple(k.shape[1:]), v.shape[-1], float(kw.get("softcap") or 0.0),
            kw.get("fa_version"), kw.get("softmax_scale"), q.device)
-    if key not in _natural_ok:
-        if q.is_cuda and torch.cuda.is_current_stream_capturing():
-            return False
-        _natural_ok[key] = _check_natural_launch(fn, kw)
-    return _natural_ok[key]
+    return decided(_natural_ok, key, lambda: _check_natural_launch(fn, kw), q.is_cuda, False)
 
 
 def _check_natural_launch(fn, kw: dict) -> bool:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+from tic.patches.vllm._decided import counts, decided
+
 
 class Tile(NamedTuple):
     bm: int
@@ -188,16 +190,11 @@ def tile_for(m: int, weight, x_dtype, has_bias: bool) -> Tile:
     tile's on seeded rows against the layer's weight (measured once per class, weight shape and dtype).
     While a CUDA graph is being captured an unmeasured class takes the reference tile (measuring would launch
     work into the graph); its bits are the same."""
-    import torch
-
     bound = _bucket(m)
     key = (bound, weight.shape, weight.dtype, x_dtype, has_bias, weight.device)
-    if key not in _chosen:
-        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
-            return REFERENCE
-        rows = max(1, min(bound, 4096, (1 << 28) // weight.shape[0]))  # the lm_head's logits stay under 512 MiB
-        _chosen[key] = _measure(dict(CANDIDATES)[bound], rows, weight, x_dtype, has_bias)
-    return _chosen[key]
+    rows = max(1, min(bound, 4096, (1 << 28) // weight.shape[0]))  # the lm_head's logits stay under 512 MiB
+    return decided(_chosen, key, lambda: _measure(dict(CANDIDATES)[bound], rows, weight, x_dtype, has_bias),
+                   weight.is_cuda, REFERENCE)
 
 
 def _measure(candidates, m: int, w, x_dtype, has_bias: bool) -> Tile:
@@ -240,8 +237,7 @@ def _alignment(t) -> int:
 
 def checks() -> dict:
     """The cuBLAS checks this process ran: problems that run cuBLAS, problems that run tic's kernel."""
-    agreed = sum(_cublas_ok.values())
-    return {"cublas_problems": agreed, "fixed_order_kernel_problems": len(_cublas_ok) - agreed} if _cublas_ok else {}
+    return counts(_cublas_ok, "cublas_problems", "fixed_order_kernel_problems")
 
 
 def cublas_agrees(x2, weight, bias) -> bool:
@@ -249,18 +245,13 @@ def cublas_agrees(x2, weight, bias) -> bool:
     dtypes, bias, alignments) on seeded rows of x2's alignment against the layer's own weight. No for a strided
     operand (cuBLAS may take another kernel than the check saw), past CUBLAS_CHECK_ELEMENTS, and for an unchecked
     problem while a CUDA graph is captured (checking would launch into the graph)."""
-    import torch
-
     m, n = x2.shape[0], weight.shape[0]
     if not (x2.is_cuda and x2.is_contiguous() and weight.is_contiguous()) or not m or m * n > CUBLAS_CHECK_ELEMENTS:
         return False
     key = (m, weight.shape, weight.dtype, x2.dtype, bias is not None, _alignment(x2), _alignment(weight),
            weight.device)
-    if key not in _cublas_ok:
-        if torch.cuda.is_current_stream_capturing():
-            return False
-        _cublas_ok[key] = _cublas_check(m, weight, x2.dtype, bias is not None, _alignment(x2))
-    return _cublas_ok[key]
+    return decided(_cublas_ok, key, lambda: _cublas_check(m, weight, x2.dtype, bias is not None, _alignment(x2)),
+                   True, False)
 
 
 def _cublas_check(m: int, w, x_dtype, has_bias: bool, align: int) -> bool:
