@@ -106,7 +106,7 @@ def cpu_gated_rms_norm(y, gate, w, group_size: int, eps: float, out_dtype: torch
     return out.reshape(*y.shape[:-1], y.shape[-1])
 
 
-def _mamba1_step(S, u_t, dt_t, B_t, C_t, z_t, A, D, dt_bias):
+def mamba1_step(S, u_t, dt_t, B_t, C_t, z_t, A, D, dt_bias):
     """One token of the selective scan (Mamba-1), float32: dt = softplus(dt_raw + bias) [I];
     S <- exp(dt A) S + (dt u) B^T [I, N]; y = (S C + D u) * silu(z). Returns (y [I], S)."""
     dt = F.softplus(dt_t.float() + dt_bias.float())
@@ -184,7 +184,7 @@ def mamba1_scan_ref(u, dt_raw, B, C, z, A_log, D, dt_bias, state):
     A = -torch.exp(A_log.float())
     S, ys = state.float(), []
     for t in range(u.shape[0]):
-        y, S = _mamba1_step(S, u[t], dt_raw[t], B[t], C[t], z[t], A, D, dt_bias)
+        y, S = mamba1_step(S, u[t], dt_raw[t], B[t], C[t], z[t], A, D, dt_bias)
         ys.append(y)
     return (torch.stack(ys) if ys else u.new_zeros(u.shape, dtype=torch.float32)), S
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tic.harness.kernels.autograd import Op, Ops
-from tic.harness.kernels.mamba import MAMBA_OPS, mamba_scan_ref
+from tic.harness.kernels.mamba import MAMBA_OPS, mamba1_step, mamba_scan_ref
 
 
 def _single_step_decode(provider, x, dt, B, C, A_log, dt_bias, D, state, buf_x, buf_dt, buf_B, **kw):
@@ -23,11 +23,16 @@ def _single_step_decode(provider, x, dt, B, C, A_log, dt_bias, D, state, buf_x, 
     return y, carried
 
 
-def plant_single_step_decode(mixer: nn.Module) -> None:
-    """Install the plant in this one (wrapped) mixer: every other module keeps the model's operators."""
+def _plant(mixer: nn.Module, name: str, forward) -> None:
+    """Run operator `name` as `forward` in this one (wrapped) mixer: every other module keeps the model's operators."""
     ops: Ops = mixer._tic_ops
-    op = Op("mamba_scan", _single_step_decode, MAMBA_OPS["mamba_scan"].reference)
-    mixer._tic_ops = Ops(ops.provider, ops.backward, {**ops.table, "mamba_scan": op})
+    op = Op(name, forward, MAMBA_OPS[name].reference)
+    mixer._tic_ops = Ops(ops.provider, ops.backward, {**ops.table, name: op})
+
+
+def plant_single_step_decode(mixer: nn.Module) -> None:
+    """Install the plant in this one (wrapped) mixer."""
+    _plant(mixer, "mamba_scan", _single_step_decode)
 
 
 def _matmul_decode1(provider, u, dt_raw, B, C, z, A_log, D, dt_bias, state):
@@ -35,10 +40,9 @@ def _matmul_decode1(provider, u, dt_raw, B, C, z, A_log, D, dt_bias, state):
     order than the kernel's: as an engine whose decode kernel differs from its prefill scan would."""
     y, carried = provider.mamba1_scan(u, dt_raw, B, C, z, A_log, D, dt_bias, state)
     if u.shape[0] == 1 and bool(state.any()):
-        with torch.no_grad():
-            A = -torch.exp(A_log.float())
-            dt = F.softplus(dt_raw[0].float() + dt_bias.float())
-            S = torch.exp(dt[:, None] * A) * state.float() + (dt * u[0].float())[:, None] * B[0].float()[None, :]
+        with torch.no_grad():  # the kernel's step for the state, the output summed as (S @ C)
+            _, S = mamba1_step(state.float(), u[0], dt_raw[0], B[0], C[0], z[0], -torch.exp(A_log.float()), D,
+                                dt_bias)
             y = (((S @ C[0].float()[:, None])[:, 0] + D.float() * u[0].float()) * F.silu(z[0].float()))[None]
             y = y.to(u.dtype)
     return y, carried
@@ -46,6 +50,4 @@ def _matmul_decode1(provider, u, dt_raw, B, C, z, A_log, D, dt_bias, state):
 
 def plant_matmul_decode1(mixer: nn.Module) -> None:
     """Install the Mamba-1 plant in this one (wrapped) mixer."""
-    ops: Ops = mixer._tic_ops
-    op = Op("mamba1_scan", _matmul_decode1, MAMBA_OPS["mamba1_scan"].reference)
-    mixer._tic_ops = Ops(ops.provider, ops.backward, {**ops.table, "mamba1_scan": op})
+    _plant(mixer, "mamba1_scan", _matmul_decode1)
