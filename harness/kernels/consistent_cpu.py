@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from tic.harness.kernels import fp8_cpu
-from tic.harness.kernels.fp8_rule import DEFAULT_KV as FP8_KV_RULE
 from tic.harness.kernels.autograd import PLAIN_ACTS, layer_norm_float32_written_out
+from tic.harness.kernels.fp8_rule import DEFAULT_KV as FP8_KV_RULE
 from tic.harness.kernels.mamba import MambaCPUKernels
 from tic.harness.kernels.rope import hf_cos_sin_cache, rotate_interleaved, rotate_neox
 from tic.harness.kernels.spec import KernelProvider

@@ -97,8 +97,9 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
     """routes: per sample, the path under test's top-k ids per MoE block name (None: the reference routes
     itself); report receives the routing-pin and quantizer counts; kv_cache_dtype: the training side's (fp8: the
     reference's attention reads q, k, v rounded as the FP8 cache rounds them); quantizer_inputs: sample index ->
-    what the path under test's FP8 steps rounded (fp8_reference.QuantizerInputs); fp8_rules: the scale rule of the
-    path's block-FP8 linears and experts (tic.harness.kernels.fp8_rule; the reference rounds alike)."""
+    what the path under test's FP8 steps rounded (fp8_reference.QuantizerInputs); fp8_rules: how the path's FP8
+    steps round (tic.harness.kernels.fp8_rule: its block-FP8 linears' and experts' scales, its attention over an
+    FP8 KV cache; the reference rounds alike)."""
     from transformers import AutoModelForCausalLM
 
     from tic.harness.kernels.fp8 import unquantized_config
