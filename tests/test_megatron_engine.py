@@ -131,3 +131,19 @@ def test_c8_fails_when_the_export_is_not_the_trainers_weights(megatron_ctx, monk
     ctx = megatron_ctx()
     ctx.cfg.training.updates = 2
     assert run_gate(get("C8"), ctx).verdict == "fail"
+
+
+def test_layouts_share_one_megatron_model_and_private_engines_get_their_own(megatron_ctx):
+    """As the hf engine's: C6's layouts score through the run's one model, the trainable copy is one per
+    configuration, and an engine C8/C9 update loads its own (a real shape has room for no more)."""
+    ctx = megatron_ctx()
+    train = ctx.train_engine()
+    layout = ctx.train_layout_engine({"micro_batch_size": 1})
+    own = ctx.private_engine("train", "C8")
+    assert layout.model is train.model and own.model is not train.model
+    assert train.trainable_model() is layout.trainable_model() is not train.model
+    samples = ctx.rollout_samples()
+    grads = train.policy_gradients(samples, ctx.sampling, [1.0] * len(samples))
+    # the result is the host copies; the device's gradients are released for the gates that follow
+    assert any(g.abs().sum() > 0 for g in grads.values())
+    assert all(p.grad is None for p in train.trainable_model().parameters())

@@ -15,6 +15,7 @@ from tic.config.schema import EngineConfig, load_config  # noqa: E402
 from tic.gates import get  # noqa: E402
 from tic.gates.base import Measurement  # noqa: E402
 from tic.harness.engines import hf  # noqa: E402
+from tic.harness.engines.megatron import load_megatron_model  # noqa: E402
 from tic.harness.locate.search import locate, sides_for_gate  # noqa: E402
 from tic.harness.model.megatron_convert import conversion_plan, module_map  # noqa: E402
 from tic.harness.testing.tinymodels import tiny_model  # noqa: E402
@@ -117,9 +118,12 @@ def test_nothing_planted_the_same_search_finds_no_divergence(megatron_ctx, tmp_p
 
 
 def test_a_c6_failure_between_two_megatron_sides_is_located(megatron_ctx):
-    """Both sides Megatron (the reference layout planted, a variant layout not): the same names on both."""
+    """Both sides Megatron (the reference layout planted, a variant layout not): the same names on both. The
+    layouts share one model, as the hf engine's do, so the planted one is given a model of its own."""
     ctx = megatron_ctx("tiny-qwen3")
-    _eps(ctx.train_engine().model.gpt)
+    eng = ctx.train_engine()
+    eng.model = load_megatron_model(*eng._load_args, shared=False)
+    _eps(eng.model.gpt)
     res = run_gate(get("C6"), ctx)
     assert res.verdict == "fail"
     loc = res.details["locate"]

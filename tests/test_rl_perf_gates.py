@@ -198,6 +198,36 @@ def test_c8_two_updates_with_in_place_sync_pass(small):
     assert m["unchanged_updates"] == 0
 
 
+def test_the_rl_step_accumulates_micro_batches_into_one_update_of_the_mini_batch_loss(small):
+    """The step holds one micro-batch's graph at a time (backward per micro-batch) and still makes one optimizer
+    update whose gradient is the whole mini-batch's loss: here against that loss in one backward (float32; the
+    sums differ only in order), and a plant that normalises each micro-batch by its own tokens does not match."""
+    from tic.harness.measure.rl import response_logprobs, synthetic_reward
+
+    ctx = ctx_of(small)
+    ctx.cfg.prompts.count = 5
+    samples = ctx.rollout_samples()
+    engine = ctx.private_engine("train", "test")
+    engine.micro_batch_size = 2
+    adv = synthetic_reward(samples) - synthetic_reward(samples).mean()
+    tokens = sum(len(s.response_ids) for s in samples)
+    engine.model.requires_grad_(True)
+    parts = list(response_logprobs(engine, samples, ctx.sampling))
+    assert [g for g, _ in parts] == [[0, 1], [2, 3], [4]]  # the engine's micro-batches, one graph each
+    whole = -sum(adv[i] * lp.sum() for g, lps in parts for i, lp in zip(g, lps)) / tokens
+    want = torch.autograd.grad(whole, list(engine.model.parameters()), allow_unused=True, retain_graph=True)
+    plant = -sum(adv[i] * lp.sum() / sum(len(samples[j].response_ids) for j in g)
+                 for g, lps in parts for i, lp in zip(g, lps))
+    planted = torch.autograd.grad(plant, list(engine.model.parameters()), allow_unused=True)
+    trainer = PolicyGradientTrainer(engine, lr=0.0)
+    report = trainer.step(samples, ctx.sampling)
+    got = [p.grad for p in engine.model.parameters()]
+    assert report.updates == 1
+    pairs = [(g, w, x) for g, w, x in zip(got, want, planted) if w is not None]
+    assert pairs and all(torch.allclose(g, w, rtol=1e-5, atol=1e-7) for g, w, _ in pairs)
+    assert not all(torch.allclose(g, x, rtol=1e-5, atol=1e-7) for g, _, x in pairs)
+
+
 def test_c8_fails_when_sync_reallocates_weights(small, monkeypatch):
     @torch.no_grad()
     def reallocating(self, weights, version):  # planted: new storage instead of a copy into the old one

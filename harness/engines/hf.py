@@ -28,6 +28,15 @@ from tic.core.errors import TicInputError
 _MODELS: dict[tuple, torch.nn.Module] = {}
 
 
+def cached_model(key: tuple, load, shared: bool = True) -> torch.nn.Module:
+    """The train engines' model cache: load() once per key while shared; shared=False, an object of its own."""
+    if not shared:
+        return load()
+    if key not in _MODELS:
+        _MODELS[key] = load()
+    return _MODELS[key]
+
+
 WRAPPED_KERNELS = ("consistent", "vllm")  # kernels that run through tic's autograd wrappers
 
 
@@ -360,8 +369,10 @@ class HFEngine(Engine):
                     lp = lp * s.mask.to(lp.dtype)
                 loss = loss - a * lp.sum() / max(n_tokens, 1)
             loss.backward()
-        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
-                for n, p in model.named_parameters()}
+        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
+                 for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)  # the copies above are the result; the device's gradients are free
+        return grads
 
     def _gather(self, logits_rows: torch.Tensor, targets: list[int], sampling: Sampling) -> torch.Tensor:
         lp = self.logprobs_of(logits_rows, sampling.temperature)

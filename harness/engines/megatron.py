@@ -20,7 +20,7 @@ from torch import nn
 
 from tic.config.schema import BackwardConfig
 from tic.core.errors import TicInputError
-from tic.harness.engines.hf import WRAPPED_KERNELS, HFEngine
+from tic.harness.engines.hf import WRAPPED_KERNELS, HFEngine, cached_model
 from tic.harness.engines.megatron_spec import ForwardBatch, TicShared, gpt_block_spec
 from tic.harness.kernels.autograd import Backward, Ops
 from tic.harness.kernels.modules import ResidualStream, RopeTable, RouteLog
@@ -195,8 +195,18 @@ class MegatronCausalLM(nn.Module):
 
 
 def load_megatron_model(model_dir: Path, dtype: str, kernels: str, device: str, kv_block_size: int,
-                        backward: BackwardConfig | None, trainable: bool = False) -> MegatronCausalLM:
-    """The Megatron model of model_dir's config.json with the checkpoint's weights, on `device`."""
+                        backward: BackwardConfig | None, trainable: bool = False,
+                        shared: bool = True) -> MegatronCausalLM:
+    """The Megatron model of model_dir's config.json with the checkpoint's weights, on `device`, cached per
+    configuration in the hf engine's model cache: the layouts C6 compares share one model, and the trainable copy
+    (trainable=True) is one per configuration too. shared=False loads one of its own (C8/C9 update it)."""
+    key = ("megatron", str(model_dir), dtype, kernels, device, kv_block_size, backward, trainable)
+    return cached_model(key, lambda: _load_megatron_model(model_dir, dtype, kernels, device, kv_block_size,
+                                                          backward, trainable), shared)
+
+
+def _load_megatron_model(model_dir: Path, dtype: str, kernels: str, device: str, kv_block_size: int,
+                         backward: BackwardConfig | None, trainable: bool) -> MegatronCausalLM:
     import json
 
     from safetensors.torch import load_file
@@ -224,12 +234,11 @@ class MegatronEngine(HFEngine):
     def __init__(self, model_dir: Path, dtype: str = "auto", kernels: str = "consistent",
                  micro_batch_size: int = 4, padding_side: str = "right", packing: bool = False,
                  device: str = "cpu", order: str = "given", kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
-                 backward: BackwardConfig | None = None):
+                 backward: BackwardConfig | None = None, shared_model: bool = True):
         self.model_dir, self.kernels, self.dtype, self.attn = Path(model_dir), kernels, dtype, "tic wrapped"
         self.device = torch.device(device)
         self._load_args = (self.model_dir, dtype, kernels, device, kv_block_size, backward)
-        self.model = load_megatron_model(*self._load_args)
-        self._trainable = None
+        self.model = load_megatron_model(*self._load_args, shared=shared_model)
         self.micro_batch_size = micro_batch_size
         self.padding_side, self.packing, self.order = padding_side, packing, order
         self.vocab_size = self.model.config.get_text_config().vocab_size
@@ -241,7 +250,8 @@ class MegatronEngine(HFEngine):
         if why:
             raise TicInputError(why[0])
         return cls(model_dir, dtype, side_cfg.kernels, side_cfg.micro_batch_size, side_cfg.padding_side,
-                   side_cfg.packing, side_cfg.device, side_cfg.order, kv_block_size, side_cfg.backward)
+                   side_cfg.packing, side_cfg.device, side_cfg.order, kv_block_size, side_cfg.backward,
+                   shared_model)
 
     def fingerprint(self) -> dict:
         import megatron.core
@@ -255,9 +265,7 @@ class MegatronEngine(HFEngine):
     generate_together = generate
 
     def trainable_model(self) -> MegatronCausalLM:
-        if self._trainable is None:
-            self._trainable = load_megatron_model(*self._load_args, trainable=True)
-        return self._trainable
+        return load_megatron_model(*self._load_args, trainable=True)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Under the checkpoint's names (what the rollout and the HF reference call them)."""

@@ -28,19 +28,21 @@ def synthetic_reward(samples: list[Sample]) -> torch.Tensor:
                         dtype=torch.float32)
 
 
-def response_logprobs(engine, samples: list[Sample], sampling: Sampling) -> list[torch.Tensor]:
-    """Differentiable logprob of every response token: the train engine's padded layout, with autograd."""
+def response_logprobs(engine, samples: list[Sample], sampling: Sampling):
+    """Differentiable logprob of every response token, micro-batch by micro-batch in the train engine's padded
+    layout and sequence order: yields (sample indices, their logprobs). A caller that runs backward on each
+    before taking the next holds one micro-batch's graph at a time (a real shape's long rows do not fit more)."""
     model = engine.model
-    out: list[torch.Tensor | None] = [None] * len(samples)
-    for group in engine.micro_batches(len(samples)):  # the engine's micro-batches, in its sequence order
+    for group in engine.micro_batches(len(samples)):
         chunk = [samples[i] for i in group]
         ids, mask, pos, starts = padded_batch([s.ids for s in chunk], engine.padding_side, engine.device)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
-        for b, (i, s) in enumerate(zip(group, chunk)):
+        lps = []
+        for b, s in enumerate(chunk):
             P, R = len(s.prompt_ids), len(s.response_ids)
             lp = engine.logprobs_of(logits[b, starts[b] + P - 1: starts[b] + P - 1 + R], sampling.temperature)
-            out[i] = lp[torch.arange(R), torch.tensor(s.response_ids)]
-    return out
+            lps.append(lp[torch.arange(R), torch.tensor(s.response_ids)])
+        yield list(group), lps
 
 
 @dataclass
@@ -77,7 +79,8 @@ class PolicyGradientTrainer:
         return self._count
 
     def step(self, samples: list[Sample], sampling: Sampling) -> StepReport:
-        before = {k: v.detach().clone() for k, v in self.model.named_parameters()}
+        # host copies: a second copy of the weights on the GPU is what a real shape's step cannot spare
+        before = {k: v.detach().to("cpu", copy=True) for k, v in self.model.named_parameters()}
         start = self._count
         rewards = synthetic_reward(samples)
         adv = rewards - rewards.mean()
@@ -87,14 +90,18 @@ class PolicyGradientTrainer:
         for j in range(0, n, per):
             idx = list(range(j, min(j + per, n)))
             self.optimizer.zero_grad(set_to_none=True)
-            lps = response_logprobs(self.engine, [samples[i] for i in idx], sampling)
-            tokens = sum(int(lp.numel()) for lp in lps)
-            loss = -sum(adv[i] * lp.sum() for i, lp in zip(idx, lps)) / max(tokens, 1)
-            loss.backward()
+            part = [samples[i] for i in idx]
+            tokens = sum(len(s.response_ids) for s in part)
+            loss = 0.0
+            # the mini-batch's loss, its gradient accumulated micro-batch by micro-batch: one optimizer step
+            for group, lps in response_logprobs(self.engine, part, sampling):
+                piece = -sum(adv[idx[g]] * lp.sum() for g, lp in zip(group, lps)) / max(tokens, 1)
+                piece.backward()
+                loss += float(piece.detach())
             self.optimizer.step()
-            losses.append(float(loss.detach()))
+            losses.append(loss)
         self.version += 1
-        changed = sum(not torch.equal(before[k], v.detach()) for k, v in self.model.named_parameters())
+        changed = sum(not torch.equal(before[k], v.detach().cpu()) for k, v in self.model.named_parameters())
         return StepReport(self.version, self._count - start, sum(losses) / len(losses), float(rewards.mean()),
                           changed)
 
