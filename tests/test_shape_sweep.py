@@ -108,3 +108,26 @@ def test_throughput_workloads_parse_and_rounds_rotate_the_order():
     names = ["default", "consistent", "batch_invariant"]
     firsts = {rt.order(names, r)[0] for r in range(3)}
     assert firsts == set(names) and all(sorted(rt.order(names, r)) == sorted(names) for r in range(5))
+
+
+def test_throughput_rounds_keep_each_sides_patch_choices_beside_its_passes():
+    """Each timed pass reports the side's run-time patch choices (cuBLAS or tic's kernel per GEMM problem, FA3's
+    launch); the benchmark keeps the last per side and workload, so a ratio comes with what the side ran."""
+    import rollout_throughput as rt
+
+    class FakeSide:
+        def __init__(self, name, cublas):
+            self.name, self.cublas, self.passes = name, cublas, 0
+
+        def run(self, work):
+            if work.get("warmup"):
+                return {"ready": True}
+            self.passes += 1
+            choices = {"gemm-fixed-order": {"cublas_problems": self.cublas + self.passes}} if self.cublas else {}
+            return {"tok_s": 100.0 * self.passes, "patch_choices": choices}
+
+    works = [rt.parse_workload("8:4:2", 2)]
+    got, chose = rt.timed_rounds({"default": FakeSide("default", 0), "consistent": FakeSide("consistent", 5)},
+                                 works, rounds=2)
+    assert got["8:4 x 2"] == {"default": [100.0, 200.0], "consistent": [100.0, 200.0]}
+    assert chose["8:4 x 2"] == {"default": {}, "consistent": {"gemm-fixed-order": {"cublas_problems": 7}}}

@@ -22,7 +22,8 @@ Workloads: `input:output[:requests]` tokens, all requests submitted at once, tem
 sides fit on the GPU together (estimated), they are resident at once (started concurrently) and take turns pass by
 pass, the order rotated each round; otherwise each side is a process of its own in turn, default first and last.
 A warm-up pass per side and workload keeps compilation and graph capture out of the timing. Prints, per model,
-workload and side, tokens/s and the side's passes over the default's median (median, min, max over rounds).
+workload and side, tokens/s and the side's passes over the default's median (median, min, max over rounds);
+the JSON keeps beside each ratio what the side's patches chose at run time (`patch_choices`).
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def child(model_dir: str, options: str, kv_bytes: int, max_len: int) -> None:
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        print(json.dumps({"tok_s": tokens / dt, "seconds": dt, "tokens": tokens}), flush=True)
+        print(json.dumps({"tok_s": tokens / dt, "seconds": dt, "tokens": tokens,
+                          "patch_choices": patches.choices()}), flush=True)
 
 
 class Side:
@@ -173,17 +175,22 @@ def order(names: list[str], r: int) -> list[str]:
     return names[k:] + names[:k]
 
 
-def timed_rounds(sides: dict[str, Side], works: list[dict], rounds: int) -> dict:
+def timed_rounds(sides: dict[str, Side], works: list[dict], rounds: int) -> tuple[dict, dict]:
     """Per workload: a warm-up pass of every side (compilation and graph capture out of the timing), then
-    `rounds` rounds in which every side runs one timed pass."""
+    `rounds` rounds in which every side runs one timed pass. Returns (tokens/s of each pass, and per side what
+    its patches chose at run time by its last pass: how many GEMM problems run cuBLAS, which attention launches
+    stay natural)."""
     got = {w["label"]: {n: [] for n in sides} for w in works}
+    chose = {w["label"]: {} for w in works}
     for w in works:
         for s in sides.values():
             s.run({**w, "warmup": True})
         for r in range(rounds):
             for n in order(list(sides), r):
-                got[w["label"]][n].append(sides[n].run(w)["tok_s"])
-    return got
+                res = sides[n].run(w)
+                got[w["label"]][n].append(res["tok_s"])
+                chose[w["label"]][n] = res.get("patch_choices", {})
+    return got, chose
 
 
 def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict], rounds: int, kv_bytes: int,
@@ -202,18 +209,21 @@ def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict]
         try:
             for s in sides.values():
                 s.wait_ready()
-            got = timed_rounds(sides, works, rounds)
+            got, chose = timed_rounds(sides, works, rounds)
         finally:
             for s in sides.values():
                 s.close()
     else:
         got = {w["label"]: {n: [] for n in names} for w in works}
+        chose = {w["label"]: {} for w in works}
         for n in [*names, "default"]:
             one = Side(n, model_dir, kv_bytes, max_len, need / total_gib, common, fp8, previous)
             try:
                 one.wait_ready()
-                for label, passes in timed_rounds({n: one}, works, rounds).items():
-                    got[label][n].extend(passes[n])
+                passes, choices = timed_rounds({n: one}, works, rounds)
+                for label in passes:
+                    got[label][n].extend(passes[label][n])
+                    chose[label].update(choices[label])
             finally:
                 one.close()
     out = []
@@ -226,7 +236,8 @@ def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict]
                         "requests": w["requests"], "together": together, "tok_s": {"default": tok["default"],
                                                                                  n: tok[n]},
                         "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
-                                  "all": ratios}})
+                                  "all": ratios},
+                        "patch_choices": chose[w["label"]].get(n, {})})
     return out
 
 
