@@ -200,14 +200,22 @@ def test_nemotron_h_moe_blocks_are_named_as_not_covered():
     ("tiny-nemotron-h", "{engine: vllm}", "Mamba-2 mixer(s): vLLM 0.26 decodes"),
     ("tiny-mamba2", "{engine: vllm, patches: [mamba-ssd-fixed-config]}", "Mamba-2 mixer(s): vLLM 0.26 decodes"),
     ("tiny-mamba2", "{engine: vllm, patches: [mamba-decode-replay], options: {enforce_eager: false}}",
-     "mamba-decode-replay has been measured eager only"),
+     "mamba-decode-replay has been measured eager and with full CUDA graphs of the decode steps"),
+    ("tiny-mamba2", "{engine: vllm, patches: [mamba-decode-replay], options: {enforce_eager: false, "
+     "compilation_config: {mode: 0}, cudagraph_mode: PIECEWISE}}", "measured eager and with full CUDA graphs"),
+    ("tiny-mamba2", "{engine: vllm, patches: [mamba-decode-replay], options: {enforce_eager: false, "
+     "compilation_config: {mode: 3, cudagraph_mode: FULL_DECODE_ONLY}}}", "measured eager and with full CUDA graphs"),
+    ("tiny-mamba2", "{engine: vllm, patches: [mamba-decode-replay], options: {enforce_eager: false, "
+     "compilation_config: {mode: 0}, cudagraph_mode: FULL_DECODE_ONLY}}", None),
+    ("tiny-nemotron-h", "{engine: vllm, patches: [mamba-decode-replay], options: {enforce_eager: false, "
+     "compilation_config: {mode: 0, cudagraph_mode: full_decode_only}}}", None),
     ("tiny-mamba2", "{engine: vllm, patches: [mamba-decode-replay]}", None),
     ("tiny-mamba", "{engine: vllm}", "Mamba-1 (selective scan) mixer(s)"),
     ("tiny-mamba", "{engine: vllm, patches: [mamba-decode-replay]}", "Mamba-1 (selective scan) mixer(s)"),
     ("tiny-jamba", "{engine: vllm}", "Mamba-1 (selective scan) mixer(s)"),
     ("tiny-qwen3", "{engine: vllm}", None)])
-def test_c0_refuses_a_vllm_rollout_of_a_mamba_model_without_the_eager_replay_patch(example, workdir, tic, name,
-                                                                                    rollout, why):
+def test_c0_refuses_a_vllm_rollout_of_a_mamba_model_without_the_replay_patch_in_a_measured_mode(
+        example, workdir, tic, name, rollout, why):
     import json
 
     ex = example(name)

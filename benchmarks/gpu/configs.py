@@ -163,8 +163,8 @@ def _variants() -> dict[str, Variant]:
             v[f"t-{m}-{label}"] = Variant(f"{m}, {'patched' if 'mamba-decode-replay' in patches else 'stock-decode'} "
                                           f"eager rollout, {tokens} sampled token(s), training on vLLM's kernels", m,
                                           patches=patches, tokens=tokens, options=mamba_options)
-    # the replay's decode step with CUDA graphs of the decode steps (no torch.compile); C0 refuses it until measured,
-    # so run it from C3 (run_train.sh FROM=C3). Graph capture needs a Mamba cache block per batch slot: vLLM refuses
+    # the replay's decode step with full CUDA graphs of the decode steps (no torch.compile), a mode C0 accepts for it.
+    # Graph capture needs a Mamba cache block per batch slot: vLLM refuses
     # its default 1,024 slots beside ~1,000 blocks, so the batch is capped (the workloads send at most 64 requests)
     graph_options = (*mamba_options, ("max_num_seqs", 64))
     for m in ("mamba2", "nemotron-h"):

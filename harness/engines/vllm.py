@@ -99,12 +99,19 @@ def compiles_with_inductor(options: dict) -> bool:
     """Whether vLLM compiles the model with Inductor under these options: not enforce_eager and a compilation
     mode above NONE (vLLM's default when none is given is VLLM_COMPILE) on the inductor backend."""
     o = {**OPTIONS, **options}
-    if o["enforce_eager"]:
-        return False
+    comp = _compilation(o)
+    return not o["enforce_eager"] and _compiles(comp) and str(comp.get("backend") or "inductor") == "inductor"
+
+
+def _compilation(o: dict) -> dict:
+    """compilation_config as a dict (an int or a name is its mode)."""
     comp = o["compilation_config"]
-    comp = {"mode": comp} if isinstance(comp, (int, str)) else dict(comp or {})
-    mode = comp.get("mode", comp.get("level", 3))
-    return str(mode).upper() not in ("0", "NONE") and str(comp.get("backend") or "inductor") == "inductor"
+    return {"mode": comp} if isinstance(comp, (int, str)) else dict(comp or {})
+
+
+def _compiles(comp: dict) -> bool:
+    """A compilation mode above NONE (vLLM's default when none is given is VLLM_COMPILE)."""
+    return str(comp.get("mode", comp.get("level", 3))).upper() not in ("0", "NONE")
 
 
 def mode_refusals(options: dict, train_kernels: str) -> list[str]:
@@ -132,7 +139,8 @@ def mode_refusals(options: dict, train_kernels: str) -> list[str]:
 
 def recurrent_refusals(model_config: dict, options: dict, patch_names) -> list[str]:
     """Why a vLLM rollout of this model is outside what tic makes consistent: Mamba-1 mixers (no decode patch),
-    Mamba-2 mixers without the mamba-decode-replay patch, or with it outside eager mode (one line each, for C0)."""
+    Mamba-2 mixers without the mamba-decode-replay patch, or with it in a mode not measured (eager and decode-only
+    full CUDA graphs are; one line each, for C0)."""
     from tic.harness.kernels.mamba_modules import is_mixer, is_mixer1
     from tic.harness.model.layer_structure import build_meta
 
@@ -150,14 +158,22 @@ def recurrent_refusals(model_config: dict, options: dict, patch_names) -> list[s
         return [f"rollout.engine: vllm on a model with {mixers} Mamba-2 mixer(s): vLLM 0.26 decodes a mixer by the "
                 "single-step state update (selective_state_update), which rounds differently from the chunked "
                 "scan that prefilled the sequence and that the training forward runs; list the patch "
-                "mamba-decode-replay in rollout.patches (eager), or roll out with engine: hf, kernels: consistent "
+                "mamba-decode-replay in rollout.patches, or roll out with engine: hf, kernels: consistent "
                 "(guides/ops/recurrent-layers.md)"]
-    o = {**OPTIONS, **options}
-    if not o["enforce_eager"]:
-        return ["rollout.patches: mamba-decode-replay has been measured eager only (its decode step keeps its "
-                "state on the device for CUDA graphs, not yet measured with them); set rollout.options."
-                "enforce_eager: true"]
+    if not ({**OPTIONS, **options}["enforce_eager"] or decode_graphs_only(options)):
+        return ["rollout.patches: mamba-decode-replay has been measured eager and with full CUDA graphs of the "
+                "decode steps without torch.compile; set rollout.options.enforce_eager: true, or enforce_eager: "
+                "false with compilation_config: {mode: 0} and cudagraph_mode: FULL_DECODE_ONLY"]
     return []
+
+
+def decode_graphs_only(options: dict) -> bool:
+    """Whether vLLM runs eager kernels with full CUDA graphs of the decode steps alone: CUDA graphs on, no
+    compilation, cudagraph_mode FULL_DECODE_ONLY (the shorthand or compilation_config's)."""
+    o = {**OPTIONS, **options}
+    comp = _compilation(o)
+    graphs = o["cudagraph_mode"] if o["cudagraph_mode"] is not None else comp.get("cudagraph_mode")
+    return not o["enforce_eager"] and not _compiles(comp) and str(graphs).upper() == "FULL_DECODE_ONLY"
 
 
 def context_length(options: dict, max_positions: int) -> int:
