@@ -127,7 +127,39 @@ def test_throughput_rounds_keep_each_sides_patch_choices_beside_its_passes():
             return {"tok_s": 100.0 * self.passes, "patch_choices": choices}
 
     works = [rt.parse_workload("8:4:2", 2)]
-    got, chose = rt.timed_rounds({"default": FakeSide("default", 0), "consistent": FakeSide("consistent", 5)},
+    got, notes = rt.timed_rounds({"default": FakeSide("default", 0), "consistent": FakeSide("consistent", 5)},
                                  works, rounds=2)
     assert got["8:4 x 2"] == {"default": [100.0, 200.0], "consistent": [100.0, 200.0]}
-    assert chose["8:4 x 2"] == {"default": {}, "consistent": {"gemm-fixed-order": {"cublas_problems": 7}}}
+    assert notes["8:4 x 2"] == {"default": {"patch_choices": {}},
+                                "consistent": {"patch_choices": {"gemm-fixed-order": {"cublas_problems": 7}}}}
+
+
+def test_throughput_profile_pass_is_untimed_shorter_and_compared_kernel_by_kernel():
+    """--profile-tokens: after the timed rounds each side runs one pass under the profiler with the output capped;
+    its kernel table is kept beside the ratio and printed against the default's, largest kernels first."""
+    import rollout_throughput as rt
+
+    asked = []
+
+    class FakeSide:
+        def __init__(self, ms):
+            self.ms = ms
+
+        def run(self, work):
+            asked.append(work)
+            if work.get("profile"):
+                return {"tok_s": 1.0, "kernels": {"total_ms": sum(self.ms.values()), "kernels": [
+                    {"name": k, "calls": 1, "ms": v} for k, v in self.ms.items()]}}
+            return {"tok_s": 1.0}
+
+    works = [rt.parse_workload("8:512:2", 2)]
+    got, notes = rt.timed_rounds({"default": FakeSide({"gemm": 5.0, "attn": 2.0}),
+                                  "consistent": FakeSide({"tic_gemm": 6.0, "attn": 3.0})}, works, 1, 64)
+    profiled = [w for w in asked if w.get("profile")]
+    assert len(profiled) == 2 and all(w["output"] == 64 for w in profiled)
+    assert got["8:512 x 2"] == {"default": [1.0], "consistent": [1.0]}  # the profiled pass is not a timed one
+    row = {"shape": "S", "workload": "8:512 x 2", "side": "consistent",
+           "kernels": {n: notes["8:512 x 2"][n]["kernels"] for n in ("default", "consistent")}}
+    table = rt.kernel_comparison(row)
+    lines = [ln for ln in table.splitlines() if ln.startswith("| ") and "kernel" not in ln]
+    assert lines == ["| tic_gemm | - | 6.0 |", "| gemm | 5.0 | - |", "| attn | 2.0 | 3.0 |"]

@@ -4,6 +4,7 @@ mode, full-depth models with dummy weights, sides alternating in one run.
   python benchmarks/gpu/rollout_throughput.py [--shapes Qwen3-8B,Qwen3-30B-A3B] [--sides consistent,batch_invariant]
                                               [--workloads 512:256,256:2048:64] [--requests 256] [--rounds 3]
                                               [--kv-gb 22 | 0: fit] [--memory-gb GPU-8] [--fp8] [--out FILE.json]
+                                              [--profile-tokens N] [--previous-pythonpath P]
 
 Sides (each a vLLM engine in a process of its own; `default` is every ratio's denominator):
 - default: vLLM's defaults (compilation mode 3, FULL_AND_PIECEWISE), no tic setting;
@@ -23,7 +24,9 @@ sides fit on the GPU together (estimated), they are resident at once (started co
 pass, the order rotated each round; otherwise each side is a process of its own in turn, default first and last.
 A warm-up pass per side and workload keeps compilation and graph capture out of the timing. Prints, per model,
 workload and side, tokens/s and the side's passes over the default's median (median, min, max over rounds);
-the JSON keeps beside each ratio what the side's patches chose at run time (`patch_choices`).
+the JSON keeps beside each ratio what the side's patches chose at run time (`patch_choices`). --profile-tokens N
+adds one untimed pass per side and workload under torch.profiler (N output tokens at most) and prints where each
+side's GPU time goes, kernel by kernel, beside the default's.
 """
 
 from __future__ import annotations
@@ -114,8 +117,24 @@ def child(model_dir: str, options: str, kv_bytes: int, max_len: int) -> None:
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        print(json.dumps({"tok_s": tokens / dt, "seconds": dt, "tokens": tokens,
-                          "patch_choices": patches.choices()}), flush=True)
+        res = {"tok_s": tokens / dt, "seconds": dt, "tokens": tokens, "patch_choices": patches.choices()}
+        if req.get("profile"):  # an untimed pass under the profiler: where the side's GPU time goes
+            res["kernels"] = kernel_table(lambda: llm.generate(prompts, sp, use_tqdm=False))
+        print(json.dumps(res), flush=True)
+
+
+def kernel_table(run, top: int = 40) -> dict:
+    """GPU time per kernel name (CUDA graph replays included) over one call of run(), the largest first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    rows = sorted(((e.key, e.count, e.self_device_time_total) for e in prof.key_averages()
+                   if e.self_device_time_total > 0), key=lambda r: -r[2])
+    return {"total_ms": sum(r[2] for r in rows) / 1e3,
+            "kernels": [{"name": k[:160], "calls": c, "ms": t / 1e3} for k, c, t in rows[:top]]}
 
 
 class Side:
@@ -175,13 +194,13 @@ def order(names: list[str], r: int) -> list[str]:
     return names[k:] + names[:k]
 
 
-def timed_rounds(sides: dict[str, Side], works: list[dict], rounds: int) -> tuple[dict, dict]:
+def timed_rounds(sides: dict[str, Side], works: list[dict], rounds: int, profile_tokens: int = 0) -> tuple[dict, dict]:
     """Per workload: a warm-up pass of every side (compilation and graph capture out of the timing), then
-    `rounds` rounds in which every side runs one timed pass. Returns (tokens/s of each pass, and per side what
-    its patches chose at run time by its last pass: how many GEMM problems run cuBLAS, which attention launches
-    stay natural)."""
+    `rounds` rounds in which every side runs one timed pass. Returns (tokens/s of each pass, and per side: what
+    its patches chose at run time by its last pass (how many GEMM problems run cuBLAS, which attention launches
+    stay natural) and, with profile_tokens, its kernel table over one untimed pass of that many output tokens)."""
     got = {w["label"]: {n: [] for n in sides} for w in works}
-    chose = {w["label"]: {} for w in works}
+    notes = {w["label"]: {n: {} for n in sides} for w in works}
     for w in works:
         for s in sides.values():
             s.run({**w, "warmup": True})
@@ -189,13 +208,16 @@ def timed_rounds(sides: dict[str, Side], works: list[dict], rounds: int) -> tupl
             for n in order(list(sides), r):
                 res = sides[n].run(w)
                 got[w["label"]][n].append(res["tok_s"])
-                chose[w["label"]][n] = res.get("patch_choices", {})
-    return got, chose
+                notes[w["label"]][n]["patch_choices"] = res.get("patch_choices", {})
+        for n, s in sides.items() if profile_tokens else ():
+            notes[w["label"]][n]["kernels"] = s.run({**w, "output": min(w["output"], profile_tokens),
+                                                     "profile": True})["kernels"]
+    return got, notes
 
 
 def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict], rounds: int, kv_bytes: int,
                   memory_gb: float, model_dir: Path, common: dict | None = None, fp8: bool = False,
-                  previous: str = "") -> list[dict]:
+                  previous: str = "", profile_tokens: int = 0) -> list[dict]:
     """Every side on every workload. Sides that fit on the GPU together are resident at once and take turns,
     pass by pass; otherwise each side is a process of its own in turn (default first and last). common: LLM
     options every side gets (--fp8: the FP8 KV cache); fp8: block-FP8 weights (memory, the FP8 patches)."""
@@ -209,21 +231,21 @@ def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict]
         try:
             for s in sides.values():
                 s.wait_ready()
-            got, chose = timed_rounds(sides, works, rounds)
+            got, notes = timed_rounds(sides, works, rounds, profile_tokens)
         finally:
             for s in sides.values():
                 s.close()
     else:
         got = {w["label"]: {n: [] for n in names} for w in works}
-        chose = {w["label"]: {} for w in works}
+        notes = {w["label"]: {n: {} for n in names} for w in works}
         for n in [*names, "default"]:
             one = Side(n, model_dir, kv_bytes, max_len, need / total_gib, common, fp8, previous)
             try:
                 one.wait_ready()
-                passes, choices = timed_rounds({n: one}, works, rounds)
+                passes, seen = timed_rounds({n: one}, works, rounds, profile_tokens)
                 for label in passes:
                     got[label][n].extend(passes[label][n])
-                    chose[label].update(choices[label])
+                    notes[label][n].update(seen[label][n])
             finally:
                 one.close()
     out = []
@@ -237,8 +259,24 @@ def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict]
                                                                                  n: tok[n]},
                         "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
                                   "all": ratios},
-                        "patch_choices": chose[w["label"]].get(n, {})})
+                        "patch_choices": notes[w["label"]][n].get("patch_choices", {}),
+                        **({"kernels": {m: notes[w["label"]][m]["kernels"] for m in ("default", n)}}
+                           if profile_tokens else {})})
     return out
+
+
+def kernel_comparison(r: dict, top: int = 15) -> str:
+    """A result's kernel tables side by side: the kernels that take most GPU time on either side, in ms."""
+    side, k = r["side"], r["kernels"]
+    ms = {n: {row["name"]: row["ms"] for row in k[n]["kernels"]} for n in ("default", side)}
+    names = sorted(set(ms["default"]) | set(ms[side]), key=lambda x: -max(ms["default"].get(x, 0), ms[side].get(x, 0)))
+    lines = [f"\n{r['shape']} {r['workload']}: GPU ms per kernel over one profiled pass, default vs {side} "
+             f"(totals {k['default']['total_ms']:.0f} / {k[side]['total_ms']:.0f})",
+             f"| kernel | default | {side} |", "|---|---|---|"]
+    for x in names[:top]:
+        cell = lambda n: f"{ms[n][x]:.1f}" if x in ms[n] else "-"  # noqa: E731
+        lines.append(f"| {x[:90]} | {cell('default')} | {cell(side)} |")
+    return "\n".join(lines)
 
 
 def parse_workload(text: str, requests: int) -> dict:
@@ -280,6 +318,9 @@ def main() -> int:
     ap.add_argument("--memory-gb", type=float, default=0.0, help="what the sides may use together (0: the GPU's memory less 8 GiB)")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights and an FP8 KV cache on every side")
     ap.add_argument("--previous-pythonpath", default="", help="the import path of the `previous` side's tic tree")
+    ap.add_argument("--profile-tokens", type=int, default=0,
+                    help="after the timed rounds, one untimed pass per side and workload under torch.profiler with "
+                         "at most this many output tokens: GPU time per kernel, printed side by side (0: none)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     known = [*SIDES, "previous"]
@@ -302,7 +343,7 @@ def main() -> int:
         kv_gb = a.kv_gb or shared_kv_gib(shape, layers, len(names), a.memory_gb or gpu_total_gib() - 8, a.fp8)
         print(f"{shape.name}: {kv_gb:.1f} GiB of KV cache per side", flush=True)
         for res in measure_model(shape, layers, names, works, a.rounds, int(kv_gb * GiB), a.memory_gb, model_dir,
-                                 common, a.fp8, a.previous_pythonpath):
+                                 common, a.fp8, a.previous_pythonpath, a.profile_tokens):
             results.append({**res, "fp8": a.fp8})
             print(json.dumps(results[-1]), flush=True)
     print("\n| model (layers) | workload | side | default tok/s | side tok/s | side / default: median (min-max) |")
@@ -313,6 +354,9 @@ def main() -> int:
         print(f"| {r['shape']} ({r['layers']}) | {r['workload']} | {r['side']} | "
               f"{med(r['tok_s']['default']):.0f} | {med(r['tok_s'][r['side']]):.0f} | "
               f"{q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f}) |")
+    for r in results:
+        if "kernels" in r:
+            print(kernel_comparison(r))
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1))
     return 0
