@@ -163,3 +163,33 @@ def test_throughput_profile_pass_is_untimed_shorter_and_compared_kernel_by_kerne
     table = rt.kernel_comparison(row)
     lines = [ln for ln in table.splitlines() if ln.startswith("| ") and "kernel" not in ln]
     assert lines == ["| tic_gemm | - | 6.0 |", "| gemm | 5.0 | - |", "| attn | 2.0 | 3.0 |"]
+
+
+def test_a_hybrid_shape_is_nemotron_h_at_full_depth_and_its_consistent_side_is_what_c0_accepts():
+    """Nemotron-H-8B's published layout (52 layers: 24 Mamba-2, 4 attention, 24 MLP; 8.1 B parameters); its
+    throughput sides: the default one as users run vLLM, the consistent one with the Mamba patches in the decode
+    graphs mode C0 accepts for the replay, and replay buffers counted in each side's memory."""
+    import rollout_throughput as rt
+    import torch
+    from shapes import HybridShape, by_name
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tic.harness.engines.vllm import recurrent_refusals
+
+    (s,) = by_name(["Nemotron-H-8B"])
+    assert isinstance(s, HybridShape) and s not in by_name()  # named only: the 4-layer sweep does not take it
+    cfg = s.config()
+    assert (cfg["num_hidden_layers"], s.mixers, s.pattern.count("*")) == (52, 24, 4)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+    n = sum(p.numel() for p in model.parameters())
+    assert abs(n - s.params(52)) / n < 1e-3 and 8.0e9 < n < 8.2e9
+
+    options, env = rt.side_spec("consistent", hybrid=True)
+    assert env["TIC_PATCHES"].split(",") == list(rt.MAMBA_PATCHES)
+    assert recurrent_refusals(cfg, options, env["TIC_PATCHES"].split(",")) == []
+    assert rt.side_spec("default", hybrid=True) == rt.SIDES["default"]
+    assert rt.side_spec("only:mamba-decode-replay", hybrid=True)[0] == rt.HYBRID_CONSISTENT
+    assert rt.side_gib(s, 52, 10 * rt.GiB) > rt.side_gib(s, 52, 0) + 10 + 5  # the buffers come with the cache
+    kv = rt.shared_kv_gib(s, 52, 2, 100)
+    assert 2 * rt.side_gib(s, 52, kv * rt.GiB) <= 100 < 2 * rt.side_gib(s, 52, (kv + 1) * rt.GiB)

@@ -28,6 +28,8 @@ PATCHES = ("fa3-fixed-tile", "rmsnorm-fixed-block", "gemm-fixed-order")  # the C
 SLOT_ORDER = "moe-slot-order-sum"  # the EP merge patch (parallel layouts)
 # block-FP8 models: one FP8 GEMM kernel and one fused-MoE tile config for every batch size
 FP8_PATCHES = (*PATCHES, "fp8-gemm-one-kernel", "moe-fixed-config")
+# Mamba-2 hybrids: decode replays the current chunk, the SSD kernels on one config, the gated norm in one kernel
+MAMBA_PATCHES = (*PATCHES, "mamba-decode-replay", "mamba-ssd-fixed-config", "mamba-gated-norm-triton")
 
 # Rollout modes: vLLM options on top of the workload's.
 MODES = {
@@ -153,7 +155,7 @@ def _variants() -> dict[str, Variant]:
     # chunked scan and gated norm. `-prefill` samples one token, whose logprob vLLM's prefill computes (C5 of the
     # training forward alone); `-nodecode` drops the replay patch (C0 refuses it: C4/C5 from C3 record the flip).
     # `-no-gatednorm` drops mamba-gated-norm-triton (its with/without run on NemotronH, 8 groups)
-    replay = (*PATCHES, "mamba-decode-replay", "mamba-ssd-fixed-config", "mamba-gated-norm-triton")
+    replay = MAMBA_PATCHES
     mamba_options = (("mamba_ssm_cache_dtype", "float32"), ("kv_cache_memory_bytes", 4 << 30),
                      ("gpu_memory_utilization", 0.15))  # float32 SSM states per request, more than 512 MiB
     for m in ("mamba2", "nemotron-h"):

@@ -17,6 +17,9 @@ Sides (each a vLLM engine in a process of its own; `default` is every ratio's de
 - previous: the consistent side run on another tic tree (--previous-pythonpath, device_env.sh's previous_tree:
   a patch change's with/without in one run).
 Models: each shape at its full depth (shapes.py), `load_format: dummy`, every side with the same KV cache size;
+a Mamba-2 hybrid (shapes.HYBRID_SHAPES, e.g. --shapes Nemotron-H-8B --workloads 512:256:64,256:2048:64): its
+consistent side runs the Mamba patches with full CUDA graphs of the decode steps (HYBRID_CONSISTENT, what C0
+accepts), every side max_num_seqs = the largest workload's requests (vLLM refuses more slots than states);
 --fp8: block-FP8 weights (config.json's quantization_config as Qwen3-*-FP8 ship it, 128x128 blocks) and an FP8 KV
 cache (kv_cache_dtype fp8) on every side, so the ratios are FP8 consistent (or batch-invariant) over FP8 default.
 Workloads: `input:output[:requests]` tokens, all requests submitted at once, temperature 1, ignore_eos. Where all
@@ -42,8 +45,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from configs import FP8_PATCHES, MODES, PATCHES as TIC_PATCHES  # noqa: E402
-from shapes import Shape, by_name  # noqa: E402
+from configs import FP8_PATCHES, MAMBA_PATCHES, MODES, PATCHES as TIC_PATCHES  # noqa: E402
+from shapes import HybridShape, Shape, by_name  # noqa: E402
 
 from tic.harness.model.quantize import block_fp8_config, unquantized_linears  # noqa: E402
 
@@ -57,21 +60,29 @@ SIDES = {
     "batch_invariant": ({}, {"TIC_PATCHES": "", "VLLM_BATCH_INVARIANT": "1"}),
     "keep_kernels": (KEEP_KERNELS, {"TIC_PATCHES": "", "VLLM_BATCH_INVARIANT": "0"}),
 }
+# A hybrid's consistent rollout: the Mamba patches in the modes C0 accepts for the decode replay (full CUDA graphs
+# of the decode steps, no torch.compile), the SSM state between chunks in float32 as the training side keeps it
+HYBRID_CONSISTENT = {**MODES["decode-graphs"], "mamba_ssm_cache_dtype": "float32"}
 
 
-def side_spec(name: str, fp8: bool = False, previous: str = "") -> tuple[dict, dict]:
+def side_spec(name: str, fp8: bool = False, previous: str = "", hybrid: bool = False) -> tuple[dict, dict]:
     """A named side, or `only:P1+P2`: the consistent side's compilation with only those patches (A/B one patch).
     fp8: the sides with tic's patches take the FP8 ones too (configs.FP8_PATCHES); previous: the import path of
-    the tic tree the `previous` side runs."""
+    the tic tree the `previous` side runs; hybrid: a Mamba-2 hybrid, whose sides with tic's patches run
+    HYBRID_CONSISTENT with the Mamba patches (configs.MAMBA_PATCHES)."""
     if name.startswith("only:"):
-        return KEEP_KERNELS, {"TIC_PATCHES": name[5:].replace("+", ","), "VLLM_BATCH_INVARIANT": "0"}
-    if name == "previous":
+        options, env = KEEP_KERNELS, {"TIC_PATCHES": name[5:].replace("+", ","), "VLLM_BATCH_INVARIANT": "0"}
+    elif name == "previous":
         options, env = SIDES["consistent"]
         env = {**env, "PYTHONPATH": previous}
     else:
         options, env = SIDES[name]
     if fp8 and env["TIC_PATCHES"] == PATCHES:
         env = {**env, "TIC_PATCHES": ",".join(FP8_PATCHES)}
+    if hybrid and env["TIC_PATCHES"]:
+        options = HYBRID_CONSISTENT
+        if env["TIC_PATCHES"] == PATCHES:
+            env = {**env, "TIC_PATCHES": ",".join(MAMBA_PATCHES)}
     return options, env
 
 
@@ -141,8 +152,8 @@ class Side:
     """A side's process; `start` returns at once, `wait_ready` blocks until its engine is up."""
 
     def __init__(self, name: str, model_dir: Path, kv_bytes: int, max_len: int, memory_fraction: float,
-                 common: dict | None = None, fp8: bool = False, previous: str = ""):
-        options, env = side_spec(name, fp8, previous)
+                 common: dict | None = None, fp8: bool = False, previous: str = "", hybrid: bool = False):
+        options, env = side_spec(name, fp8, previous, hybrid)
         options = {**options, **(common or {}), "gpu_memory_utilization": round(memory_fraction, 3)}
         self.name = name
         self.proc = subprocess.Popen(
@@ -176,15 +187,26 @@ def weights_gib(s: Shape, layers: int, fp8: bool = False) -> float:
     return (s.params(layers) + s.params(0)) / GiB  # every weight's byte, and the embeddings' second one
 
 
+def replay_share(shape: Shape) -> float:
+    """A hybrid's decode-replay buffers per byte of its cache: per state slot and mixer, chunk_size tokens of x (H x
+    P), dt (H) and B (G x N) in bf16 beside the float32 state (H x P x N) the slot holds; 0 for other models."""
+    if not isinstance(shape, HybridShape):
+        return 0.0
+    e = shape.extra
+    H, P, N, G = e["mamba_num_heads"], e["mamba_head_dim"], e["ssm_state_size"], e["n_groups"]
+    return e["chunk_size"] * (H * P + H + G * N) * 2 / (H * P * N * 4)
+
+
 def side_gib(shape: Shape, layers: int, kv_bytes: int, fp8: bool = False) -> float:
-    """What one side holds on the GPU: weights, KV cache, and room for activations, graphs and the allocator."""
-    return weights_gib(shape, layers, fp8) + kv_bytes / GiB + 6
+    """What one side holds on the GPU: weights, KV cache (a hybrid's with its replay buffers), and room for
+    activations, graphs and the allocator."""
+    return weights_gib(shape, layers, fp8) + kv_bytes / GiB * (1 + replay_share(shape)) + 6
 
 
 def shared_kv_gib(shape: Shape, layers: int, sides: int, memory_gb: float, fp8: bool = False) -> float:
     """The largest whole-GiB KV cache with which `sides` engines fit in memory_gb together (side_gib), at least
     4 GiB; else 22 GiB (the sides then run in turn)."""
-    kv = int(memory_gb / sides - side_gib(shape, layers, 0, fp8))
+    kv = int((memory_gb / sides - side_gib(shape, layers, 0, fp8)) / (1 + replay_share(shape)))
     return float(kv) if kv >= 4 else 22.0
 
 
@@ -223,11 +245,13 @@ def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict]
     options every side gets (--fp8: the FP8 KV cache); fp8: block-FP8 weights (memory, the FP8 patches)."""
     max_len = max(w["input"] + w["output"] for w in works)
     need = side_gib(shape, layers, kv_bytes, fp8)
+    hybrid = isinstance(shape, HybridShape)
     total_gib = gpu_total_gib()
     memory_gb = memory_gb or total_gib - 8
     together = len(names) * need <= memory_gb
     if together:
-        sides = {n: Side(n, model_dir, kv_bytes, max_len, need / total_gib, common, fp8, previous) for n in names}
+        sides = {n: Side(n, model_dir, kv_bytes, max_len, need / total_gib, common, fp8, previous, hybrid)
+                 for n in names}
         try:
             for s in sides.values():
                 s.wait_ready()
@@ -239,7 +263,7 @@ def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict]
         got = {w["label"]: {n: [] for n in names} for w in works}
         notes = {w["label"]: {n: {} for n in names} for w in works}
         for n in [*names, "default"]:
-            one = Side(n, model_dir, kv_bytes, max_len, need / total_gib, common, fp8, previous)
+            one = Side(n, model_dir, kv_bytes, max_len, need / total_gib, common, fp8, previous, hybrid)
             try:
                 one.wait_ready()
                 passes, seen = timed_rounds({n: one}, works, rounds, profile_tokens)
@@ -340,6 +364,8 @@ def main() -> int:
             cfg["quantization_config"] = block_fp8_config((128, 128), unquantized_linears(linear_weights(cfg)))
         (model_dir / "config.json").write_text(json.dumps(cfg))
         common = {"kv_cache_dtype": "fp8"} if a.fp8 else {}
+        if isinstance(shape, HybridShape):  # every side: vLLM refuses more batch slots than the cache has states
+            common["max_num_seqs"] = max(w["requests"] for w in works)
         kv_gb = a.kv_gb or shared_kv_gib(shape, layers, len(names), a.memory_gb or gpu_total_gib() - 8, a.fp8)
         print(f"{shape.name}: {kv_gb:.1f} GiB of KV cache per side", flush=True)
         for res in measure_model(shape, layers, names, works, a.rounds, int(kv_gb * GiB), a.memory_gb, model_dir,

@@ -103,10 +103,56 @@ SHAPES: tuple[Shape, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class HybridShape(Shape):
+    """A Mamba-2 / attention / MLP hybrid in NemotronH's layout: `pattern` has one character per layer, M a
+    Mamba-2 mixer, * attention, - a relu2 MLP; extra holds the mixer's fields (mamba_num_heads, mamba_head_dim,
+    ssm_state_size, n_groups, chunk_size, conv_kernel, expand). Only full-depth runs use it (the 4-layer hybrid
+    cuts are the t-nemotron-h configs)."""
+    pattern: str = ""
+
+    @property
+    def mixers(self) -> int:
+        return self.pattern.count("M")
+
+    def config(self, layers: int = 0, dtype: str = "bfloat16") -> dict:
+        """config.json at the model's full depth (its pattern sets the layers)."""
+        return {
+            "architectures": [self.architecture], "model_type": self.model_type, "vocab_size": self.vocab,
+            "hidden_size": self.hidden, "intermediate_size": self.intermediate, "num_hidden_layers": len(self.pattern),
+            "hybrid_override_pattern": self.pattern, "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "mlp_hidden_act": "relu2",
+            "mamba_hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "use_bias": False,
+            "use_conv_bias": True, "layer_norm_epsilon": self.rms_norm_eps, "residual_in_fp32": False,
+            "max_position_embeddings": self.max_positions, "tie_word_embeddings": self.tie_embeddings,
+            "initializer_range": 0.02, "dtype": dtype, "bos_token_id": 1, "eos_token_id": 2, **self.extra,
+        }
+
+    def params(self, layers: int = 0) -> int:
+        """Parameter count at full depth (layers 0: the embeddings alone, as Shape.params(0))."""
+        e = self.extra
+        heads, hd, groups, state = e["mamba_num_heads"], e["mamba_head_dim"], e["n_groups"], e["ssm_state_size"]
+        inner = heads * hd
+        mixer = self.hidden * (2 * inner + 2 * groups * state + heads) + inner * self.hidden
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per = {"M": mixer, "*": self.hidden * (q + 2 * kv) + q * self.hidden, "-": 2 * self.hidden * self.intermediate}
+        emb = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
+        return (sum(per[c] for c in self.pattern) if layers else 0) + emb
+
+
+HYBRID_SHAPES = (
+    HybridShape("Nemotron-H-8B", "nemotron_h", "NemotronHForCausalLM", 4096, 21504, 32, 8, 128, 131072, 8192, 1e-5,
+                {}, extra={"mamba_num_heads": 128, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8,
+                           "chunk_size": 128, "conv_kernel": 4, "expand": 2},
+                layers=52, pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"),
+)
+
+
 def by_name(names: list[str] | None = None) -> list[Shape]:
+    """The named shapes (hybrids by name only); none named: every transformer shape."""
     if not names:
         return list(SHAPES)
-    known = {s.name: s for s in SHAPES}
+    known = {s.name: s for s in (*SHAPES, *HYBRID_SHAPES)}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"unknown shape {unknown[0]!r}; known: {', '.join(known)}")
