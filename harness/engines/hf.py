@@ -29,7 +29,8 @@ _MODELS: dict[tuple, torch.nn.Module] = {}
 
 
 def cached_model(key: tuple, load, shared: bool = True) -> torch.nn.Module:
-    """The train engines' model cache: load() once per key while shared; shared=False, an object of its own."""
+    """The hf and megatron engines' model cache: load() once per key while shared; shared=False, an object of
+    its own."""
     if not shared:
         return load()
     if key not in _MODELS:
@@ -51,8 +52,12 @@ def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", att
     train.backward)."""
     backward = backward if backward is not None else BackwardConfig()
     key = (str(model_dir), dtype, kernels, attn, device, kv_block_size, kv_cache_dtype, backward, trainable)
-    if shared and key in _MODELS:
-        return _MODELS[key]
+    return cached_model(key, lambda: _load_model(model_dir, dtype, kernels, attn, device, kv_block_size, backward,
+                                                 trainable, kv_cache_dtype), shared)
+
+
+def _load_model(model_dir: Path, dtype: str, kernels: str, attn: str, device: str, kv_block_size: int,
+                backward: BackwardConfig, trainable: bool, kv_cache_dtype: str):
     from transformers import AutoModelForCausalLM
 
     if kernels == "consistent" and device != "cpu":
@@ -83,8 +88,6 @@ def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", att
     model.requires_grad_(trainable)
     if kernels in WRAPPED_KERNELS:
         apply(model, provider_for(kernels, kv_block_size, kv_cache_dtype), backward, quant)
-    if shared:
-        _MODELS[key] = model
     return model
 
 
