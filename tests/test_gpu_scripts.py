@@ -8,11 +8,13 @@ from __future__ import annotations
 import ast
 import importlib
 import json
+import os
 import py_compile
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -255,3 +257,25 @@ def test_locate_trace_plants_the_eps_by_its_hf_name_on_the_megatron_engine(examp
     locate_trace.plant_eps(ctx, 2)
     layers = ctx.train_engine().model.gpt.decoder.layers
     assert [layer.pre_mlp_layernorm.eps for layer in layers] == [1e-6, 1e-6, 1e-3, 1e-6]
+
+
+def test_the_queue_runs_phases_in_order_and_collect_reports_each_job(tmp_path):
+    """run_queue.sh: a phase's jobs side by side, the next phase after it, each job's exit status and output kept;
+    collect waits on the queue's files and packs them. A failing job is reported, and does not stop the queue."""
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash")
+    env = {**os.environ, "TIC_GPU_WORK": str(tmp_path / "w"), "OUT": str(tmp_path / "out")}
+    script = str(GPU / "run_queue.sh")
+    first = "sleep 1; echo one > $OUT/one.txt ;; echo 'two words'; exit 3"  # phase two needs one.txt
+    second = "test -f $TIC_GPU_WORK/../p1-job1/out/one.txt && echo after-phase-one"
+    r = subprocess.run([bash, script, "start", first, second], capture_output=True, text=True, env=env, cwd=REPO)
+    assert r.returncode == 0 and "2 phase(s), 3 job(s)" in r.stdout, r.stderr
+    r = subprocess.run([bash, script, "collect", "60"], capture_output=True, text=True, env=env, cwd=REPO)
+    assert r.returncode == 0 and "queue finished" in r.stdout, r.stdout + r.stderr
+    assert "== p1-job2 (exit 3): echo 'two words'; exit 3\ntwo words" in r.stdout
+    assert "== p2-job1 (exit 0)" in r.stdout and "after-phase-one" in r.stdout
+    with tarfile.open(tmp_path / "out" / "queue.tgz") as t:
+        assert {"./p1-job1/out/one.txt", "./p2-job1.log", "./done"} <= set(t.getnames())
+    r = subprocess.run([bash, script, "start"], capture_output=True, text=True, env=env, cwd=REPO)
+    assert r.returncode == 2 and r.stderr.strip() == "start needs at least one phase"
