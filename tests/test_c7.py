@@ -568,3 +568,54 @@ def test_an_fp8_kv_cache_on_the_train_side_alone_is_refused(example, workdir, ti
     code, _, err = tic("gate", "C5", "-c", str(ex / "kv.yaml"))
     assert code == 2 and len(err.strip().splitlines()) == 1 and "differs from rollout" in err, err
     assert not (ex / ".tic").exists()
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-nemotron-h"])
+def test_the_references_attention_keeps_no_scores_for_backward_and_gives_eager_gradients(tmp_path, name):
+    """C7's reference runs each model's own eager attention under checkpointing: autograd keeps no positions x
+    positions tensor (the scores, 2.6 GiB a layer on a long real-shape row), and the gradients are plain eager
+    attention's bit for bit (a softcapped, a sliding-window and a hybrid model too). A model without attention
+    modules keeps its own."""
+    from transformers import AutoModelForCausalLM
+
+    from tic.harness.measure.lean_attention import use_lean_attention
+    from tic.harness.model.generate import resolve_model_dir
+
+    ex = tmp_path / name
+    shutil.copytree(EXAMPLES / name, ex, ignore=shutil.ignore_patterns("weights", ".tic", ".tic-*"))
+    model_dir = resolve_model_dir(load_config(next(ex.glob("tic*.yaml"))))
+    T = 24
+    ids = torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(0))
+
+    def run(lean: bool):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+        switched = use_lean_attention(model) if lean else 0
+        square = []
+
+        def keep(t):
+            if t.dim() >= 2 and t.shape[-1] == t.shape[-2] == T and t.numel() > T * T:  # per head, not the mask
+                square.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss = model(input_ids=ids, use_cache=False).logits.float().logsumexp(-1).sum()
+        loss.backward()
+        return switched, square, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    plain_n, plain_square, plain = run(False)
+    lean_n, lean_square, lean = run(True)
+    assert lean_n > 0 and plain_square and not lean_square, (lean_n, plain_square, lean_square)
+    assert plain.keys() == lean.keys() and all(torch.equal(plain[n], lean[n]) for n in plain)
+
+
+def test_a_model_without_attention_keeps_its_own_forward(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tic.harness.measure.lean_attention import use_lean_attention
+    from tic.harness.model.generate import resolve_model_dir
+
+    ex = tmp_path / "m"
+    shutil.copytree(EXAMPLES / "tiny-mamba2", ex, ignore=shutil.ignore_patterns("weights", ".tic", ".tic-*"))
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(load_config(ex / "tic-consistent.yaml")),
+                                                 dtype=torch.float32)
+    assert use_lean_attention(model) == 0 and model.config._attn_implementation != "tic_lean_eager"

@@ -104,6 +104,7 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
 
     from tic.harness.kernels.fp8 import unquantized_config
     from tic.harness.measure import fp8_reference, ssd_reference
+    from tic.harness.measure.lean_attention import use_lean_attention
     from tic.harness.model.layer_structure import quiet_transformers
 
     fp8 = unquantized_config(model_dir)
@@ -115,6 +116,7 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
     taken = fp8_reference.QuantizerInputs() if rounds and quantizer_inputs is not None else None
     # FP8: its values, the float32 graph's gradient
     fp8_reference.follow_deployment(model, model_dir, kv_cache_dtype, taken, fp8_rules)
+    recomputed = use_lean_attention(model)  # long rows: one layer's attention scores at a time, not every layer's
     model.requires_grad_(True)
     pin = RoutingPin(model)
     n_tokens = sum(int(s.mask.sum()) if s.mask is not None else len(s.response_ids) for s in samples)
@@ -137,6 +139,8 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
             (-a * lp.sum() / max(n_tokens, 1)).backward()
     if report is not None and switched:
         report["mamba2_scans_as_einsums"] = switched
+    if report is not None and recomputed:
+        report["attention_scores_recomputed_in_backward"] = recomputed
     if report is not None and pin.gates:
         report.update({"moe_routers": len(pin.gates), "pinned": bool(routes), "routed_tokens": pin.tokens,
                        "reference_would_flip": pin.flips, "unpinned": sorted(pin.unpinned)})
