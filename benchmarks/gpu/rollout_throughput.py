@@ -135,16 +135,21 @@ def child(model_dir: str, options: str, kv_bytes: int, max_len: int) -> None:
 
 
 def kernel_table(run, top: int = 40) -> dict:
-    """GPU time per kernel name (CUDA graph replays included) over one call of run(), the largest first."""
+    """GPU time per kernel name (CUDA graph replays included) over one call of run(), the largest first, and the
+    call's wall time (GPU time well below it: the side waits on its host)."""
+    import time
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         run()
         torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
     rows = sorted(((e.key, e.count, e.self_device_time_total) for e in prof.key_averages()
                    if e.self_device_time_total > 0), key=lambda r: -r[2])
-    return {"total_ms": sum(r[2] for r in rows) / 1e3,
+    return {"total_ms": sum(r[2] for r in rows) / 1e3, "wall_ms": wall * 1e3,
             "kernels": [{"name": k[:160], "calls": c, "ms": t / 1e3} for k, c, t in rows[:top]]}
 
 
@@ -295,7 +300,8 @@ def kernel_comparison(r: dict, top: int = 15) -> str:
     ms = {n: {row["name"]: row["ms"] for row in k[n]["kernels"]} for n in ("default", side)}
     names = sorted(set(ms["default"]) | set(ms[side]), key=lambda x: -max(ms["default"].get(x, 0), ms[side].get(x, 0)))
     lines = [f"\n{r['shape']} {r['workload']}: GPU ms per kernel over one profiled pass, default vs {side} "
-             f"(totals {k['default']['total_ms']:.0f} / {k[side]['total_ms']:.0f})",
+             f"(GPU totals {k['default']['total_ms']:.0f} / {k[side]['total_ms']:.0f} ms, wall "
+             f"{k['default'].get('wall_ms', 0):.0f} / {k[side].get('wall_ms', 0):.0f} ms)",
              f"| kernel | default | {side} |", "|---|---|---|"]
     for x in names[:top]:
         cell = lambda n: f"{ms[n][x]:.1f}" if x in ms[n] else "-"  # noqa: E731
