@@ -619,3 +619,22 @@ def test_a_model_without_attention_keeps_its_own_forward(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(load_config(ex / "tic-consistent.yaml")),
                                                  dtype=torch.float32)
     assert use_lean_attention(model) == 0 and model.config._attn_implementation != "tic_lean_eager"
+
+
+def test_an_attention_module_without_an_eager_function_to_run_keeps_the_model_as_it_is(tmp_path, monkeypatch):
+    """A model one of whose attention modules comes from a modeling file without eager_attention_forward would
+    find nothing to run under the checkpoint: the model keeps its own eager attention."""
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from tic.harness.measure.lean_attention import use_lean_attention
+    from tic.harness.model.generate import resolve_model_dir
+
+    ex = tmp_path / "q"
+    shutil.copytree(EXAMPLES / "tiny-qwen3", ex, ignore=shutil.ignore_patterns("weights", ".tic", ".tic-*"))
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(load_config(ex / "tic-consistent.yaml")),
+                                                 dtype=torch.float32, attn_implementation="eager")
+    home = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    monkeypatch.delattr(home, "eager_attention_forward")
+    assert use_lean_attention(model) == 0 and model.config._attn_implementation == "eager"

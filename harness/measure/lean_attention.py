@@ -31,20 +31,20 @@ def _checkpointed_eager(module, query, key, value, attention_mask, **kwargs):
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules that call transformers' attention interface: those whose modeling file defines the eager
-    implementation they dispatch to (eager_attention_forward) and that hold a projection of their own."""
-    return [m for m in model.modules() if _own_eager(m) is not None and type(m).__name__.endswith("Attention")
+    """The model's attention modules: a class named ...Attention holding a projection of its own."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention")
             and any(isinstance(c, nn.Linear) for c in m.children())]
 
 
 def use_lean_attention(model: nn.Module) -> int:
     """Switch a model running eager attention to the checkpointed eager attention; returns how many attention
-    modules take it (0: nothing switched, the model keeps its attention: not eager, or no module found)."""
+    modules take it. 0: nothing switched, the model keeps its attention (not eager, no attention module, or one
+    whose modeling file has no eager_attention_forward to run)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     found = attention_modules(model)
-    if model.config._attn_implementation != "eager" or not found:
+    if model.config._attn_implementation != "eager" or not found or any(_own_eager(m) is None for m in found):
         return 0
     AttentionInterface.register(LEAN_ATTENTION, _checkpointed_eager)
     AttentionMaskInterface.register(LEAN_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
