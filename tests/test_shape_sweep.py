@@ -174,7 +174,7 @@ def test_a_hybrid_shape_is_nemotron_h_at_full_depth_and_its_consistent_side_is_w
     from shapes import HybridShape, by_name
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tic.harness.engines.vllm import recurrent_refusals
+    from tic.harness.engines.vllm import decode_graphs_only, recurrent_refusals
 
     (s,) = by_name(["Nemotron-H-8B"])
     assert isinstance(s, HybridShape) and s not in by_name()  # named only: the 4-layer sweep does not take it
@@ -187,7 +187,8 @@ def test_a_hybrid_shape_is_nemotron_h_at_full_depth_and_its_consistent_side_is_w
 
     options, env = rt.side_spec("consistent", hybrid=True)
     assert env["TIC_PATCHES"].split(",") == list(rt.MAMBA_PATCHES)
-    assert recurrent_refusals(cfg, options, env["TIC_PATCHES"].split(",")) == []
+    assert decode_graphs_only(options) and recurrent_refusals(cfg, options, env["TIC_PATCHES"].split(",")) == []
+    assert "cudagraph_mode" not in options  # LLM(...) takes it inside compilation_config only
     assert rt.side_spec("default", hybrid=True) == rt.SIDES["default"]
     assert rt.side_spec("only:mamba-decode-replay", hybrid=True)[0] == rt.HYBRID_CONSISTENT
     assert rt.side_gib(s, 52, 10 * rt.GiB) > rt.side_gib(s, 52, 0) + 10 + 5  # the buffers come with the cache

@@ -62,7 +62,8 @@ SIDES = {
 }
 # A hybrid's consistent rollout: the Mamba patches in the modes C0 accepts for the decode replay (full CUDA graphs
 # of the decode steps, no torch.compile), the SSM state between chunks in float32 as the training side keeps it
-HYBRID_CONSISTENT = {**MODES["decode-graphs"], "mamba_ssm_cache_dtype": "float32"}
+HYBRID_CONSISTENT = {"enforce_eager": False, "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
+                     "mamba_ssm_cache_dtype": "float32"}  # LLM(...)'s own keywords
 
 
 def side_spec(name: str, fp8: bool = False, previous: str = "", hybrid: bool = False) -> tuple[dict, dict]:
