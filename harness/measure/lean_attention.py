@@ -23,6 +23,9 @@ def _own_eager(module: nn.Module):
 
 def _checkpointed_eager(module, query, key, value, attention_mask, **kwargs):
     own = _own_eager(module)
+    if own is None:
+        raise RuntimeError(f"{type(module).__name__}: its modeling file has no eager_attention_forward for C7's "
+                           "reference to recompute")
 
     def scores_recomputed(q, k, v, mask):
         return own(module, q, k, v, mask, **kwargs)[0]
