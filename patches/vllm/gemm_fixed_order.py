@@ -27,6 +27,13 @@ def linear_fixed_order(x, weight, bias=None):
     return linear(x, weight, bias)
 
 
+def _checks() -> dict:
+    import sys
+
+    mod = sys.modules.get("tic.patches.vllm.fixed_order_gemm")  # never imported: no GEMM ran, nothing chosen
+    return mod.checks() if mod is not None else {}
+
+
 PATCH = Patch(
     name=NAME, target="vllm", versions=">=0.26.0,<0.27", gate="C3",
     symptom="C3 (or C4) fails in an MLP or attention projection (e.g. mlp.down_proj), first operator aten.linear "
@@ -39,12 +46,5 @@ PATCH = Patch(
          "docs/results/rollout-throughput.md",
     excludes=("gemm-fixed-m",),
     **dispatch_swap(NAME, "tic::linear_fixed_order", linear_fixed_order),
-    _choices=lambda: _checks(),
+    _choices=_checks,
 )
-
-
-def _checks() -> dict:
-    import sys
-
-    mod = sys.modules.get("tic.patches.vllm.fixed_order_gemm")  # never imported: no GEMM ran, nothing chosen
-    return mod.checks() if mod is not None else {}

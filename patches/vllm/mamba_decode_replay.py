@@ -15,10 +15,10 @@ Exact if the chunked scan gives a token's row from its chunk's start state and t
 (benchmarks/gpu/mamba_replay_probe.py measures that on vLLM's kernels). The decode step keeps its state (buffers,
 counts, lengths) on the device and pads each request's chunk to chunk_size tokens, so its shapes follow the batch
 alone and nothing is read back to the host: a CUDA graph can hold it (measured eager and with full CUDA graphs of
-the decode steps without torch.compile, the two modes C0 accepts). Prefill runs eagerly and reads the counts once per step. Prefix caching (mamba_cache_mode all) and
-speculative decoding stop the mixer with the reason. Cost: a decode step scans chunk_size tokens per request twice
-(without and with the start state); the buffers take chunk_size x (H x P + H + G x N) elements per state slot and
-mixer.
+the decode steps without torch.compile, the two modes C0 accepts). Prefill runs eagerly and reads the counts once
+per step. Prefix caching (mamba_cache_mode all) and speculative decoding stop the mixer with the reason. Cost: a
+decode step scans chunk_size tokens per request twice (without and with the start state); the buffers take
+chunk_size x (H x P + H + G x N) elements per state slot and mixer.
 """
 
 from __future__ import annotations
