@@ -47,6 +47,15 @@ def test_plan_writes_valid_configs_for_every_mode_and_variant(tmp_path, monkeypa
         assert cfg.rollout.options["max_model_len"] >= cfg.prompts.max_len + cfg.sampling.max_tokens
 
 
+def test_gates_option_keeps_only_the_named_gates_of_each_run(tmp_path):
+    args = argparse.Namespace(work=str(tmp_path), shapes="Qwen3-8B", modes="eager,graph", variants="megatron",
+                              requests=64, max_prompt=4096, tokens=512, gates="C7,C8")
+    runs, _ = shape_sweep.plan(args)
+    assert {r.mode: r.gates for r in runs} == {"eager": "C0,C7,C8", "graph": "C0"}
+    with pytest.raises(SystemExit, match="unknown gates C9"):
+        shape_sweep.only_gates("C0,C3", "C9")
+
+
 def _record(gate, verdict, **metrics):
     return {"gate": gate, "verdict": verdict, "reason": "why", "key_figure": "kf", "metrics": metrics,
             "details": {}}

@@ -135,9 +135,21 @@ def plan(args) -> tuple[list[Run], dict[str, dict]]:
         cfg = work / f"{s.slug}-{mode}-{variant}.yaml"
         cfg.write_text(yaml.safe_dump(run_config(s, mode, variant, w, model_dir), sort_keys=False))
         gates = ROLLOUT_GATES if mode != "eager" else MEGATRON_GATES if variant == "megatron" else ALL_GATES
+        gates = only_gates(gates, getattr(args, "gates", ""))
         runs.append(Run(s, mode, variant, cfg, gates,
                         estimate_gib(s, mode, w)))
     return runs, loads
+
+
+def only_gates(gates: str, wanted: str) -> str:
+    """The run's own gates that `wanted` names, C0 always first: it refuses a mode before any engine starts."""
+    if not wanted:
+        return gates
+    names = {g.strip() for g in wanted.split(",") if g.strip()}
+    unknown = names - set(GATE_COLUMNS)
+    if unknown:
+        raise SystemExit(f"unknown gates {', '.join(sorted(unknown))} (known: {', '.join(GATE_COLUMNS)})")
+    return ",".join(g for g in gates.split(",") if g == "C0" or g in names)
 
 
 class Weights:
@@ -330,6 +342,7 @@ def main() -> None:
     r.add_argument("--timeout", type=float, default=3000.0)
     r.add_argument("--stagger", type=float, default=60.0, help="seconds between run starts (memory settles)")
     r.add_argument("--previous-pythonpath", default="")
+    r.add_argument("--gates", default="", help="only these of each run's gates, e.g. C7,C8 (C0 always runs)")
     t = sub.add_parser("table")
     t.add_argument("out")
     a = ap.parse_args()
