@@ -363,13 +363,14 @@ class _FusedModel(torch.nn.Module):
         return loaded
 
 
-def _vllm_standin(model):
+def _vllm_standin(model, quantization=None):
     from types import SimpleNamespace
 
     from tic.harness.engines.vllm import VLLMEngine
 
     eng = object.__new__(VLLMEngine)
-    eng.llm = SimpleNamespace(apply_model=lambda fn: [fn(model)], reset_prefix_cache=lambda: True)
+    eng.llm = SimpleNamespace(apply_model=lambda fn: [fn(model)], reset_prefix_cache=lambda: True,
+                              model_config=SimpleNamespace(quantization=quantization, dtype=torch.bfloat16))
     return eng
 
 
@@ -392,6 +393,69 @@ def test_vllm_weight_sync_copies_through_the_models_loaders_in_place_and_checks_
     # planted: the trainer's weights do not reach a parameter
     partial = {k: v for k, v in w.items() if k != "norm.weight"}
     assert eng.unequal_weights(partial) == ["norm (not reached by the trainer's weights)", "qkv"]
+
+
+class _QuantizedModel(torch.nn.Module):
+    """Like a vLLM block-FP8 model after loading: its parameters were replaced by processed ones (here the codes
+    as stored times a per-tensor scale, and a buffer of the scale), so its loaders no longer work in place; a
+    stand-in of vLLM's layerwise reload rebuilds them from checkpoint tensors, processes, and copies into the same
+    storage."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(2, 4), requires_grad=False)
+        self.register_buffer("scale", torch.zeros(1))
+        self.reloading = False
+
+    def load_weights(self, weights):
+        if not self.reloading:
+            raise AttributeError("'Parameter' object has no attribute 'load_row_parallel_weight'")
+        self.pending = dict(weights)
+        return {"w"}
+
+
+def _fake_reload_module(calls):
+    from types import ModuleType
+
+    mod = ModuleType("vllm.model_executor.model_loader.reload")
+
+    def initialize_layerwise_reload(model):
+        calls.append("initialize")
+        model.reloading = True
+
+    def finalize_layerwise_reload(model, model_config):
+        calls.append(("finalize", model_config.dtype))
+        w = model.pending
+        if "w.weight" in w:  # processing: codes times their scale, written into the existing storage
+            model.w.data.copy_(w["w.weight"] * w["w.weight_scale_inv"])
+            model.scale.data.copy_(w["w.weight_scale_inv"])
+        model.reloading = False
+
+    mod.initialize_layerwise_reload = initialize_layerwise_reload
+    mod.finalize_layerwise_reload = finalize_layerwise_reload
+    return mod
+
+
+def test_vllm_weight_sync_of_a_quantized_model_goes_through_vllms_layerwise_reload(monkeypatch):
+    import sys
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload", _fake_reload_module(calls))
+    model = _QuantizedModel()
+    eng = _vllm_standin(model, quantization="fp8")
+    w = {"w.weight": torch.arange(8.0).reshape(2, 4), "w.weight_scale_inv": torch.tensor([0.5])}
+    before, scale_before = eng.weight_storage(), model.scale.clone()
+    assert eng.unequal_weights(w) == ["w"]  # nothing synced yet
+    assert torch.equal(model.scale, scale_before)  # the check's reprocessing wrote into scratch buffers only
+    eng.load_weights_inplace(w, 1)
+    assert calls[-2:] == ["initialize", ("finalize", torch.bfloat16)]
+    assert eng.weight_storage() == before and torch.equal(model.w, torch.arange(8.0).reshape(2, 4) * 0.5)
+    assert eng.unequal_weights(w) == []
+    model.w.data[1, 3] += 1  # planted: one processed element differs from what the trainer's tensors give
+    assert eng.unequal_weights(w) == ["w"]
+    # the unquantized path keeps the model's own loaders (a quantized model's loaders are gone)
+    with pytest.raises(AttributeError, match="load_row_parallel_weight"):
+        _vllm_standin(model).load_weights_inplace(w, 2)
 
 
 def test_checkpoint_weights_are_the_saved_checkpoints_names_and_values(example):

@@ -553,9 +553,10 @@ class VLLMEngine(Engine):
         each one into its slice of the existing (fused) parameter, so the addresses CUDA graphs captured keep
         serving. The prefix cache is reset: its KV blocks were computed under the old weights."""
         items = _pairs(weights)
+        load_into = self._loader()
 
         def load(model):
-            loaded = model.load_weights(iter(items))
+            loaded = load_into(model, items)
             return sorted(loaded) if loaded is not None else []
 
         loaded = self._on_model(load)
@@ -565,25 +566,54 @@ class VLLMEngine(Engine):
         return {"copied": len(items), "loaded_parameters": len(loaded), "refreshed": [], "version": version,
                 "prefix_cache": "reset"}
 
+    def _loader(self):
+        """How the trainer's tensors reach the live parameters. An unquantized model's own loaders copy each
+        tensor into its slice of the existing parameter. A quantized model's layers replaced their parameters
+        after loading (FP8 codes requantized, scales converted, layouts changed; the loaders are gone), so its
+        weights go through vLLM's layerwise reload, the path of its own weight-transfer engines: each layer is
+        rebuilt from the checkpoint tensors, processed again, and copied into the same storage."""
+        if getattr(self.llm.model_config, "quantization", None) is None:
+            return lambda model, items: model.load_weights(iter(items))
+        model_config = self.llm.model_config
+
+        def reload(model, items):
+            from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                                  initialize_layerwise_reload)
+
+            initialize_layerwise_reload(model)
+            loaded = model.load_weights(iter(items))
+            finalize_layerwise_reload(model, model_config)
+            return loaded
+
+        return reload
+
     def unequal_weights(self, weights) -> list[str]:
         """vLLM parameters that are not bitwise what `weights` load into. The trainer's tensors go through the
         model's own loaders into scratch copies of every parameter (NaN-filled), which are then compared with
         the live ones; a parameter the trainer's weights do not reach counts as unequal. vLLM's fusions and
         layouts are thereby handled by vLLM itself, for any architecture."""
         items = _pairs(weights)
+        load_into = self._loader()
 
         def check(model):
             params = dict(model.named_parameters())
             live = {n: p.data for n, p in params.items()}
             scratch = {n: (torch.full_like(t, float("nan")) if t.is_floating_point() else t.clone())
                        for n, t in live.items()}
+            # buffers too: a quantized layer's reprocessing writes its buffers (scales) in place
+            buffers = dict(model.named_buffers())
+            live_buffers = {n: b.data for n, b in buffers.items()}
             try:
                 for n, p in params.items():
                     p.data = scratch[n]
-                model.load_weights(iter(items))
+                for n, b in buffers.items():
+                    b.data = b.data.clone()
+                load_into(model, items)
             finally:
                 for n, p in params.items():
                     p.data = live[n]
+                for n, b in buffers.items():
+                    b.data = live_buffers[n]
             bad = []
             for n, t in live.items():
                 got = scratch[n]
