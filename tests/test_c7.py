@@ -638,3 +638,29 @@ def test_an_attention_module_without_an_eager_function_to_run_keeps_the_model_as
     home = sys.modules[type(model.model.layers[0].self_attn).__module__]
     monkeypatch.delattr(home, "eager_attention_forward")
     assert use_lean_attention(model) == 0 and model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-nemotron-h"])
+def test_the_references_head_runs_on_the_response_rows_alone(tmp_path, name):
+    """C7's reference computes the logits of the rows that predict response tokens only: the head's input has
+    R + 1 rows, not the whole sequence, and the response logits are those of the full forward."""
+    from transformers import AutoModelForCausalLM
+
+    from tic.harness.measure.gradcheck import response_logits, takes_logits_to_keep
+    from tic.harness.model.generate import resolve_model_dir
+
+    ex = tmp_path / name
+    shutil.copytree(EXAMPLES / name, ex, ignore=shutil.ignore_patterns("weights", ".tic", ".tic-*"))
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(load_config(next(ex.glob("tic*.yaml")))),
+                                                 dtype=torch.float32, attn_implementation="eager")
+    P, R = 17, 5
+    ids = torch.randint(0, 64, (1, P + R), generator=torch.Generator().manual_seed(0))
+    rows = []
+    head = model.get_output_embeddings()
+    head.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[-2]))
+    assert takes_logits_to_keep(model)
+    with torch.no_grad():
+        kept = response_logits(model, ids, P, R, keep_only=True)
+        full = response_logits(model, ids, P, R, keep_only=False)
+    assert rows == [R + 1, P + R] and kept.shape == full.shape == (R, model.config.vocab_size)
+    torch.testing.assert_close(kept, full, rtol=1e-5, atol=1e-5)

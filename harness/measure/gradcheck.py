@@ -14,6 +14,7 @@ which is not a fault of the backward; the count of such tokens is reported.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from pathlib import Path
 from typing import Callable
 
@@ -89,6 +90,19 @@ class RoutingPin:
         return forward
 
 
+def takes_logits_to_keep(model) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def response_logits(model, ids: torch.Tensor, P: int, R: int, keep_only: bool) -> torch.Tensor:
+    """The logits that predict the R response tokens of one row (P prompt tokens). Where the model can, its head
+    runs on those rows alone: a long prompt's logits and their gradient are vocabulary-wide rows for every prompt
+    position (GiBs at 4k tokens and 150k words) that the loss never reads."""
+    if keep_only:
+        return model(input_ids=ids, use_cache=False, logits_to_keep=R + 1).logits[0, :R]
+    return model(input_ids=ids, use_cache=False).logits[0, P - 1:P - 1 + R]
+
+
 def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampling, adv: list[float],
                         device: str = "cpu", routes: list[dict] | None = None,
                         report: dict | None = None, kv_cache_dtype: str = "auto",
@@ -119,6 +133,7 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
     recomputed = use_lean_attention(model)  # long rows: one layer's attention scores at a time, not every layer's
     model.requires_grad_(True)
     pin = RoutingPin(model)
+    keep_only = takes_logits_to_keep(model)
     n_tokens = sum(int(s.mask.sum()) if s.mask is not None else len(s.response_ids) for s in samples)
     # Mamba-2 mixers: transformers' torch scan, as einsums (some releases hold a positions^2 x state product)
     with ssd_reference.lean_scans(model) as switched:
@@ -129,7 +144,7 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
             if taken is not None:
                 taken.current = quantizer_inputs(i)
             with ctx:
-                logits = model(input_ids=ids, use_cache=False).logits[0, P - 1:P - 1 + R].float()
+                logits = response_logits(model, ids, P, R, keep_only=keep_only).float()
             if sampling.temperature not in (0, 1):
                 logits = logits / sampling.temperature
             picked = torch.tensor(s.response_ids, device=device)
