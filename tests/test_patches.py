@@ -617,6 +617,27 @@ def test_rmsnorm_fixed_block_removes_the_block_shape_dependence(fake_vllm):
         assert torch.equal(large[0], stock_large[0])  # same values as the kernel's large-batch launch
 
 
+def test_rmsnorm_fixed_block_padding_rows_never_reach_the_real_ones(fake_vllm, monkeypatch):
+    """The padded launch leaves its padding rows unwritten (no fill per launch): whatever they hold, NaN included,
+    the real rows get the large launch's bits."""
+    _define_block_dependent_rmsnorm()
+    import vllm._custom_ops as ops
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 2048, generator=g).to(torch.bfloat16)
+    r = torch.randn(300, 2048, generator=g).to(torch.bfloat16)
+    w = torch.randn(2048, generator=g).to(torch.bfloat16)
+    patches.apply(["rmsnorm-fixed-block"])
+    large_x, large_r = x.clone(), r.clone()
+    ops.fused_add_rms_norm(large_x, large_r, w, 1e-6)
+    real_empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda t, *a, **k: real_empty(t, *a, **k).fill_(float("nan")))
+    monkeypatch.setattr(torch.Tensor, "new_zeros", lambda *a, **k: pytest.fail("a padded launch filled its buffer"))
+    small_x, small_r = x[:8].clone(), r[:8].clone()
+    ops.fused_add_rms_norm(small_x, small_r, w, 1e-6)
+    assert torch.equal(small_x, large_x[:8]) and torch.equal(small_r, large_r[:8])
+
+
 def _run(args, env_extra, fake_root):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake_root), os.environ.get("PYTHONPATH", "")]),
            **env_extra}

@@ -11,8 +11,10 @@ H200 (docs/results/shape-sweep.md): 48-row launches against one 4096-row launch 
 for both kernels at hidden 2560-8192, none at 2048.
 
 This patch keeps the CUDA kernels and always launches them the way a large batch does: at least 256 rows (a
-small batch is copied into a zero-padded buffer) in aligned, contiguous buffers, so every row sees 256 threads
-and the same path. Launches of 256 rows or more already have that shape and go to the kernel unchanged.
+small batch is copied into a padded buffer) in aligned, contiguous buffers, so every row sees 256 threads and the
+same path. Launches of 256 rows or more already have that shape and go to the kernel unchanged. Each row is its own
+thread block and nothing crosses rows, so the padding rows are left unwritten: a fill per launch cost about 2 % of
+a decode step (docs/results/rollout-throughput.md).
 
 Where vLLM's CUDA kernel refuses the arguments (a weight of another dtype than the rows: Gemma's float32 (1 + w)),
 vLLM runs its IR op's native PyTorch code, whose reduction also splits rows by the tensor's shape. On CUDA the
@@ -46,7 +48,7 @@ def rms_norm_fixed_block(out, x, weight, epsilon: float) -> None:
     if n >= MIN_ROWS:
         torch.ops._C.rms_norm(out, x, weight, epsilon)
         return
-    bx = x.new_zeros((MIN_ROWS, h))
+    bx = x.new_empty((MIN_ROWS, h))
     bx[:n].copy_(x.reshape(n, h))
     bo = torch.empty_like(bx)
     torch.ops._C.rms_norm(bo, bx, _aligned_weight(weight), epsilon)
@@ -65,8 +67,8 @@ def fused_add_rms_norm_fixed_block(x, residual, weight, epsilon: float) -> None:
         torch.ops._C.fused_add_rms_norm(x, residual, weight, epsilon)
         return
     rows = max(n, MIN_ROWS)
-    bx = x.new_zeros((rows, h))
-    br = residual.new_zeros((rows, h))
+    bx = x.new_empty((rows, h))
+    br = residual.new_empty((rows, h))
     bx[:n].copy_(x.reshape(n, h))
     br[:n].copy_(residual.reshape(n, h))
     torch.ops._C.fused_add_rms_norm(bx, br, _aligned_weight(weight), epsilon)
