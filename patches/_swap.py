@@ -60,8 +60,15 @@ def _owner(home: str, cls: str):
 
 def swap_method(home: str, cls: str, attr: str, make: Callable[[Callable], Callable], name: str) -> None:
     """Replace the method `home.cls.attr` by `make(original)`; instances made afterwards (vLLM binds a CustomOp's
-    forward at construction) and calls through the class see it."""
+    forward at construction) and calls through the class see it. A classmethod's function is wrapped (make gets
+    and returns a function of (cls, ...)) and stays a classmethod."""
     owner = _owner(home, cls)
+    raw = owner.__dict__.get(attr)
+    if isinstance(raw, classmethod):
+        wrapped = _wrapped(raw.__func__, make, name)
+        if wrapped is not None:
+            setattr(owner, attr, classmethod(wrapped))
+        return
     wrapped = _wrapped(getattr(owner, attr), make, name)
     if wrapped is not None:
         setattr(owner, attr, wrapped)
@@ -69,6 +76,11 @@ def swap_method(home: str, cls: str, attr: str, make: Callable[[Callable], Calla
 
 def restore_method(home: str, cls: str, attr: str, name: str) -> None:
     owner = _owner(home, cls)
+    raw = owner.__dict__.get(attr)
+    if isinstance(raw, classmethod):
+        if getattr(raw.__func__, _MARK, None) == name:
+            setattr(owner, attr, classmethod(raw.__func__.__wrapped__))
+        return
     wrapped = getattr(owner, attr)
     if getattr(wrapped, _MARK, None) == name:
         setattr(owner, attr, wrapped.__wrapped__)

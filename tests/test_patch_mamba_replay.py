@@ -7,6 +7,7 @@ it, decoded tokens differ. The GPU run validates vLLM's kernels."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import torch
@@ -27,10 +28,29 @@ def _mixer(seed=0):
     m.conv_weights, m.bias = 0.5 * torch.randn(DIM, K, generator=g), 0.1 * torch.randn(DIM, generator=g)
     m.A = -torch.exp(torch.rand(H, generator=g))
     m.D, m.dt_bias = torch.randn(H, generator=g), 0.5 * torch.randn(H, generator=g)
-    m.kv_cache = (torch.zeros(SLOTS, K - 1, DIM), torch.zeros(SLOTS, H, P, N))
-    m.cache_config = SimpleNamespace(mamba_cache_mode="none")
-    m.model_config = SimpleNamespace(get_mamba_chunk_size=lambda: Q)
+    m.K = K
+    m.cache_config = SimpleNamespace(mamba_cache_mode="none", mamba_ssm_cache_dtype="auto")
+    m.model_config = SimpleNamespace(get_mamba_chunk_size=lambda: Q, dtype=torch.float32)
+    m.kv_cache = _cache(m)
     return m
+
+
+def _cache(m, slots=SLOTS):
+    """The mixer's states as vLLM 0.26 lays them out (gpu_model_runner, MambaSpec): one page per slot holding each
+    state the mixer's get_state_shape/get_state_dtype name, one after another, as strided views of one buffer. A
+    third state (the patch's chunk buffers) starts as NaN: its content before a request writes it must not matter."""
+    shapes, dtypes = m.get_state_shape(), m.get_state_dtype()
+    page = sum(math.prod(shape) * d.itemsize for shape, d in zip(shapes, dtypes))
+    raw = torch.zeros(slots * page, dtype=torch.uint8)
+    views, offset = [], 0
+    for shape, dtype in zip(shapes, dtypes):
+        stride = torch.empty((slots, *shape)).stride()
+        views.append(torch.as_strided(raw.view(dtype), (slots, *shape), (page // dtype.itemsize, *stride[1:]),
+                                      offset // dtype.itemsize))
+        offset += math.prod(shape) * dtype.itemsize
+    for extra in views[2:]:
+        extra.fill_(float("nan"))
+    return views
 
 
 def _step(m, decodes, prefills):
@@ -139,7 +159,7 @@ def test_a_decode_step_reads_nothing_back_to_the_host(monkeypatch):
 
     n = 3
     store = mdr._Chunks(torch.zeros(SLOTS, Q, H, P), torch.zeros(SLOTS, Q, H), torch.zeros(SLOTS, Q, G, N),
-                        torch.tensor([0, 2, 0, 3], dtype=torch.int32), torch.tensor([0, 6, 1, 3]))
+                        torch.tensor([0, 2, 0, 3], dtype=torch.int32), torch.tensor([0, 6, 1, 3]), None)
     state = torch.randn(SLOTS, H, P, N)
     args = (store, state, torch.tensor([1, -1, 3]), torch.randn(n, H, P), torch.randn(n, H), -torch.rand(H),
             torch.randn(n, G, N), torch.randn(n, G, N), torch.randn(H), torch.randn(H), torch.zeros(n, H, P), Q)
@@ -151,3 +171,51 @@ def test_a_decode_step_reads_nothing_back_to_the_host(monkeypatch):
     planted = lambda *a: (int(a[3][0]), mdr._decode_step(*a))  # reads a slot on the host  # noqa: E731
     with _NoHostReads(), pytest.raises(AssertionError, match="host read"):
         planted(scan, *args)
+
+
+def test_the_chunk_buffers_are_a_third_state_that_vllms_sizing_counts(fake_vllm):
+    """With the patch, a MambaMixer2's states include the chunk buffers (chunk_size x (H x P + H + G x N) in the
+    model's dtype), and vLLM's block-size alignment, which sizes the Mamba page from the model class, counts them
+    alike: the page the attention blocks are aligned to is the page the layers allocate. Elsewhere the calculators
+    are vLLM's own; the revert restores them."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+    from vllm.platforms.interface import Platform
+
+    class Model:  # a model class's sizing, as NemotronH's (its own config's sizes, through the calculators)
+        @classmethod
+        def get_mamba_state_shape_from_config(cls, vllm_config):
+            return MambaStateShapeCalculator.mamba2_state_shape(1, I, G, H, P, N, K)
+
+        @classmethod
+        def get_mamba_state_dtype_from_config(cls, vllm_config):
+            from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
+            return MambaStateDtypeCalculator.mamba2_state_dtype(torch.bfloat16, "auto", "float32")
+
+    def page(shapes, dtypes):
+        return sum(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes))
+
+    cfg = SimpleNamespace(model_cls=Model, model_config=SimpleNamespace(get_mamba_chunk_size=lambda: Q))
+    m = _mixer()
+    m.model_config.dtype, m.cache_config.mamba_ssm_cache_dtype = torch.bfloat16, "float32"
+    stock = (m.get_state_shape(), m.get_state_dtype())
+    Platform.update_block_size_for_backend(cfg)
+    assert len(stock[0]) == 2 and cfg.mamba_page_bytes == page(*stock)
+    patches.apply(["mamba-decode-replay"])
+    shapes, dtypes = m.get_state_shape(), m.get_state_dtype()
+    assert shapes == (*stock[0], (Q, H * P + H + G * N)) and dtypes == (*stock[1], torch.bfloat16)
+    Platform.update_block_size_for_backend(cfg)
+    assert cfg.mamba_page_bytes == page(shapes, dtypes) > page(*stock)
+    assert len(MambaStateShapeCalculator.mamba2_state_shape(1, I, G, H, P, N, K)) == 2  # outside a sizing: vLLM's
+    patches.apply([])
+    assert (m.get_state_shape(), m.get_state_dtype()) == stock
+    Platform.update_block_size_for_backend(cfg)
+    assert cfg.mamba_page_bytes == page(*stock)
+
+
+def test_a_cache_sized_without_the_patch_stops_the_replay_with_the_reason(fake_vllm):
+    import pytest
+
+    m = _mixer()  # its cache sized by vLLM's own calculators: two states
+    patches.apply(["mamba-decode-replay"])
+    with pytest.raises(RuntimeError, match="no chunk buffer; the patch must be active before vLLM sizes its cache"):
+        _step(m, [], [(1, 0, torch.randn(3, WIDTH))])

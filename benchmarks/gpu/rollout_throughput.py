@@ -195,26 +195,16 @@ def weights_gib(s: Shape, layers: int, fp8: bool = False) -> float:
     return (s.params(layers) + s.params(0)) / GiB  # every weight's byte, and the embeddings' second one
 
 
-def replay_share(shape: Shape) -> float:
-    """A hybrid's decode-replay buffers per byte of its cache: per state slot and mixer, chunk_size tokens of x (H x
-    P), dt (H) and B (G x N) in bf16 beside the float32 state (H x P x N) the slot holds; 0 for other models."""
-    if not isinstance(shape, HybridShape):
-        return 0.0
-    e = shape.extra
-    H, P, N, G = e["mamba_num_heads"], e["mamba_head_dim"], e["ssm_state_size"], e["n_groups"]
-    return e["chunk_size"] * (H * P + H + G * N) * 2 / (H * P * N * 4)
-
-
 def side_gib(shape: Shape, layers: int, kv_bytes: int, fp8: bool = False) -> float:
-    """What one side holds on the GPU: weights, KV cache (a hybrid's with its replay buffers), and room for
-    activations, graphs and the allocator."""
-    return weights_gib(shape, layers, fp8) + kv_bytes / GiB * (1 + replay_share(shape)) + 6
+    """What one side holds on the GPU: weights, KV cache (a hybrid's decode-replay buffers are a state of its cache,
+    so vLLM counts them in kv_bytes), and room for activations, graphs and the allocator."""
+    return weights_gib(shape, layers, fp8) + kv_bytes / GiB + 6
 
 
 def shared_kv_gib(shape: Shape, layers: int, sides: int, memory_gb: float, fp8: bool = False) -> float:
     """The largest whole-GiB KV cache with which `sides` engines fit in memory_gb together (side_gib), at least
     4 GiB; else 22 GiB (the sides then run in turn)."""
-    kv = int((memory_gb / sides - side_gib(shape, layers, 0, fp8)) / (1 + replay_share(shape)))
+    kv = int(memory_gb / sides - side_gib(shape, layers, 0, fp8))
     return float(kv) if kv >= 4 else 22.0
 
 

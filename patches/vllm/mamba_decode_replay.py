@@ -4,7 +4,7 @@ vLLM 0.26 decodes a MambaMixer2 by the single-step update (`selective_state_upda
 y = C S + D x), a different rounding order from the chunked scan (`mamba_chunk_scan_combined_varlen`) that
 prefills the same tokens, so a decoded token's logprob differs from the same token prefilled (C4) and from the
 training forward (C5). This patch keeps, per request and mixer, the start state of the current chunk (in vLLM's
-own `ssm_state` slot) and the chunk's tokens so far (x, raw dt, B: a side buffer per state slot), and computes each
+own `ssm_state` slot) and the chunk's tokens so far (x, raw dt, B: a third state of the slot), and computes each
 decoded token with the chunked scan over those tokens plus the new one, from that start state; a full chunk's end
 state replaces the start state. A prefill stores the same (the start state of the chunk each sequence ends in,
 and its partial chunk), and a chunked-prefill continuation prepends the buffered tokens, so chunk boundaries sit
@@ -18,12 +18,15 @@ alone and nothing is read back to the host: a CUDA graph can hold it (measured e
 the decode steps without torch.compile, the two modes C0 accepts). Prefill runs eagerly and reads the counts once
 per step. Prefix caching (mamba_cache_mode all) and speculative decoding stop the mixer with the reason. Cost: a
 decode step scans chunk_size tokens per request twice (without and with the start state); the buffers take
-chunk_size x (H x P + H + G x N) elements per state slot and mixer.
+chunk_size x (H x P + H + G x N) elements of the model's dtype per state slot and mixer. They are a third state in
+the mixer's cache spec (the state calculators add it while a MambaMixer2 or vLLM's block-size alignment sizes the
+states), so vLLM's memory sizing counts them and the attention blocks are aligned to the larger page.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 
 from tic.patches._swap import swap_hooks
@@ -31,6 +34,8 @@ from tic.patches.base import Patch
 
 NAME = "mamba-decode-replay"
 _MIXER = "vllm.model_executor.layers.mamba.mamba_mixer2"
+_UTILS = "vllm.model_executor.layers.mamba.mamba_utils"
+_PLATFORM = "vllm.platforms.interface"
 _LAYER: list = []  # the mixer whose conv_ssm_forward runs now (the kernels' wrappers read its state)
 
 
@@ -43,19 +48,88 @@ class _Chunks:
     B: object
     count: object   # int32 [slots]
     length: object  # int64 [slots]
+    buffer: object  # the cache's chunk-buffer state the three views above share
 
 
 def _chunks(layer, x, dt, B) -> _Chunks:
+    """The mixer's chunk buffers: views of the third state vLLM allocated in its cache for this patch (per slot
+    [chunk_size, H x P + H + G x N], counted in vLLM's memory like the conv and SSM states), and per slot the count
+    and length (small tensors of the mixer's own)."""
     import torch
 
-    slots, Q = layer.kv_cache[1].shape[0], int(layer._tic_chunk_size)
+    cache = layer.kv_cache
+    if len(cache) < 3:
+        raise RuntimeError(f"patch {NAME}: the mixer's cache has no chunk buffer; the patch must be active before "
+                           "vLLM sizes its cache (its plugin entry point, or tic.patches.apply before LLM(...))")
+    buffer, slots = cache[2], cache[1].shape[0]
     store = getattr(layer, "_tic_chunks", None)
-    if store is None or store.x.shape[0] != slots:
-        new = lambda t: torch.zeros(slots, Q, *t.shape[1:], dtype=t.dtype, device=t.device)  # noqa: E731
-        store = layer._tic_chunks = _Chunks(new(x), new(dt), new(B),
-                                            torch.zeros(slots, dtype=torch.int32, device=x.device),
-                                            torch.zeros(slots, dtype=torch.int64, device=x.device))
+    if store is None or store.buffer.data_ptr() != buffer.data_ptr() or store.x.shape[0] != slots:
+        hp, h = x.shape[1] * x.shape[2], dt.shape[1]
+        store = layer._tic_chunks = _Chunks(
+            buffer[..., :hp].unflatten(-1, tuple(x.shape[1:])), buffer[..., hp:hp + h],
+            buffer[..., hp + h:].unflatten(-1, tuple(B.shape[1:])),
+            torch.zeros(slots, dtype=torch.int32, device=x.device),
+            torch.zeros(slots, dtype=torch.int64, device=x.device), buffer)
     return store
+
+
+def chunk_buffer_shape(chunk_size: int, heads: int, head_dim: int, groups: int, state_size: int) -> tuple[int, int]:
+    """Per state slot: chunk_size tokens of x (heads x head_dim), raw dt (heads) and B (groups x state_size)."""
+    return chunk_size, heads * head_dim + heads + groups * state_size
+
+
+_CHUNK: list = []  # the chunk size while vLLM sizes a MambaMixer2's states (the calculators then add the buffer)
+
+
+def _sizing(chunk_of):
+    """make(original) for a method that sizes Mamba states: the calculators it reaches add the chunk buffer for
+    chunk_of(self or cls, *args) (None: they do not)."""
+    def make(original):
+        @functools.wraps(original)
+        def sized(owner, *args, **kw):
+            q = chunk_of(owner, *args, **kw)
+            if not q:
+                return original(owner, *args, **kw)
+            _CHUNK.append(int(q))
+            try:
+                return original(owner, *args, **kw)
+            finally:
+                _CHUNK.pop()
+        return sized
+    return make
+
+
+def _layer_chunk(layer, *args, **kw):
+    return layer.model_config.get_mamba_chunk_size()
+
+
+def _config_chunk(cls, vllm_config, *args, **kw):
+    model_config = getattr(vllm_config, "model_config", None)
+    return model_config.get_mamba_chunk_size() if model_config is not None else None
+
+
+def _shape_with_buffer(original):
+    @functools.wraps(original)
+    def mamba2_state_shape(cls, *args, **kw):
+        shapes = original(cls, *args, **kw)
+        if not _CHUNK:
+            return shapes
+        a = inspect.signature(original).bind(cls, *args, **kw).arguments
+        tp, groups = a["tp_world_size"], a["n_groups"]
+        groups += cls.extra_groups_for_head_shards(groups, tp)
+        return (*shapes, chunk_buffer_shape(_CHUNK[-1], a["num_heads"] // tp, a["head_dim"], groups // tp,
+                                            a["state_size"]))
+    return mamba2_state_shape
+
+
+def _dtype_with_buffer(original):
+    @functools.wraps(original)
+    def mamba2_state_dtype(cls, model_dtype, mamba_cache_dtype, mamba_ssm_cache_dtype):
+        dtypes = original(cls, model_dtype, mamba_cache_dtype, mamba_ssm_cache_dtype)
+        if not _CHUNK:
+            return dtypes
+        return (*dtypes, original(cls, model_dtype, "auto", "auto")[0])  # the activations' dtype: the model's
+    return mamba2_state_dtype
 
 
 def _streams(lengths: list[int], Q: int):
@@ -133,8 +207,10 @@ def _replay_prefill(original):
             m = counts[slot] if cont[i] else 0
             a, b = qsl[i], qsl[i + 1]
             C0 = C.new_zeros(m, *C.shape[1:])  # a buffered token's C reaches its own row alone
-            pieces.append((torch.cat([store.x[slot, :m], x[a:b]]), torch.cat([store.dt[slot, :m], dt[a:b]]),
-                           torch.cat([store.B[slot, :m], B[a:b]]), torch.cat([C0, C[a:b]]), m))
+            held_x, held_dt, held_B = (t[slot, :m].to(v.dtype) for t, v in ((store.x, x), (store.dt, dt),
+                                                                              (store.B, B)))
+            pieces.append((torch.cat([held_x, x[a:b]]), torch.cat([held_dt, dt[a:b]]),
+                           torch.cat([held_B, B[a:b]]), torch.cat([C0, C[a:b]]), m))
             lengths.append(m + b - a)
             chunk_start = held[slot] - m if cont[i] else 0
             starts.append(ssm_state[slot].clone() if cont[i] and chunk_start > 0 else None)
@@ -191,7 +267,8 @@ def _decode_step(scan, store, state, slots, x, raw_dt, A, B, C, D, dt_bias, out,
 
     def stream(buffer, token):
         shape = (n, Q) + (1,) * (token.dim() - 1)
-        own = torch.where(held.view(shape), buffer[s], torch.zeros((), dtype=buffer.dtype, device=dev))
+        zero = torch.zeros((), dtype=token.dtype, device=dev)
+        own = torch.where(held.view(shape), buffer[s].to(token.dtype), zero)
         return torch.where(new_at.view(shape), token[:, None], own).flatten(0, 1)
 
     xs, dts, Bs = stream(store.x, x), stream(store.dt, raw_dt), stream(store.B, B)
@@ -297,10 +374,18 @@ PATCH = Patch(
     symptom="C4 (and C5) fails in a Mamba-2 mixer (mixer): a decoded token differs from the same token prefilled; "
             "vLLM's decode runs selective_state_update, its prefill the chunked scan",
     fix="a Mamba-2 decode step replays its current chunk through the prefill's chunked scan from the chunk's start "
-        "state (kept in vLLM's ssm_state slot) with the chunk's earlier tokens (a buffer per slot); prefill and "
-        "chunked-prefill continuations keep the same state; the decode conv runs the prefill's conv kernel",
+        "state (kept in vLLM's ssm_state slot) with the chunk's earlier tokens (a third state per slot, counted by "
+        "vLLM's cache sizing); prefill and chunked-prefill continuations keep the same state; the decode conv runs "
+        "the prefill's conv kernel",
     guide="guides/ops/recurrent-layers.md",
     cost="not measured: each decode step scans chunk_size tokens per request twice",
     **swap_hooks(NAME, *((_MIXER, attr, make, _MIXER) for attr, make in _FUNCS),  # the mixer's calls alone
-                 methods=((_MIXER, "MambaMixer2", "conv_ssm_forward", _tracking),)),
+                 methods=((_MIXER, "MambaMixer2", "conv_ssm_forward", _tracking),
+                          # the chunk buffers as a third Mamba state: in the layers' cache specs and in the page
+                          # size vLLM aligns the attention blocks to, so vLLM's memory sizing counts them
+                          (_MIXER, "MambaMixer2", "get_state_shape", _sizing(_layer_chunk)),
+                          (_MIXER, "MambaMixer2", "get_state_dtype", _sizing(_layer_chunk)),
+                          (_PLATFORM, "Platform", "update_block_size_for_backend", _sizing(_config_chunk)),
+                          (_UTILS, "MambaStateShapeCalculator", "mamba2_state_shape", _shape_with_buffer),
+                          (_UTILS, "MambaStateDtypeCalculator", "mamba2_state_dtype", _dtype_with_buffer))),
 )

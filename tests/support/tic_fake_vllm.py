@@ -207,7 +207,19 @@ FAKE = {
 
         class MambaMixer2:
             # conv_ssm_forward as vLLM 0.26's, without prefix caching and speculative decoding (I, H, P, G, N:
-            # intermediate size, heads, head dim, groups, state size; kv_cache = (conv [slots, K-1, dim], ssm))
+            # intermediate size, heads, head dim, groups, state size; kv_cache = (conv [slots, K-1, dim], ssm)),
+            # and its state sizing (K: conv kernel)
+            def get_state_dtype(self):
+                from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
+                return MambaStateDtypeCalculator.mamba2_state_dtype(self.model_config.dtype, "auto",
+                                                                    self.cache_config.mamba_ssm_cache_dtype)
+
+            def get_state_shape(self):
+                from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+                return MambaStateShapeCalculator.mamba2_state_shape(
+                    intermediate_size=self.I, tp_world_size=1, n_groups=self.G, num_heads=self.H, head_dim=self.P,
+                    state_size=self.N, conv_kernel=self.K, num_spec=0)
+
             def conv_ssm_forward(self, projected_states, output):
                 I, H, P, G, N = self.I, self.H, self.P, self.G, self.N
                 xBC, dt = torch.split(projected_states[..., I:], [I + 2 * G * N, H], dim=-1)
@@ -325,6 +337,48 @@ FAKE = {
 
             def forward(self, hidden_states, residuals=None):
                 return layer_norm_func(hidden_states, self.weight, self.variance_epsilon), residuals
+        """,
+    "vllm/model_executor/layers/mamba/mamba_utils.py": """
+        import torch
+
+        class MambaStateDtypeCalculator:  # vLLM 0.26's, for Mamba-2
+            @classmethod
+            def mamba2_state_dtype(cls, model_dtype, mamba_cache_dtype, mamba_ssm_cache_dtype):
+                conv = model_dtype if mamba_cache_dtype == "auto" else getattr(torch, mamba_cache_dtype)
+                ssm = conv if mamba_ssm_cache_dtype == "auto" else getattr(torch, mamba_ssm_cache_dtype)
+                return (conv, ssm)
+
+        class MambaStateShapeCalculator:
+            @classmethod
+            def extra_groups_for_head_shards(cls, ngroups, tp_size):
+                return 0 if ngroups % tp_size == 0 else tp_size - ngroups
+
+            @classmethod
+            def mamba2_state_shape(cls, tp_world_size, intermediate_size, n_groups, num_heads, head_dim,
+                                   state_size, conv_kernel, num_spec=0):
+                n_groups = n_groups + cls.extra_groups_for_head_shards(n_groups, tp_world_size)
+                conv_dim = intermediate_size + 2 * n_groups * state_size
+                return ((conv_kernel - 1 + num_spec, conv_dim // tp_world_size),
+                        (num_heads // tp_world_size, head_dim, state_size))
+        """,
+    "vllm/platforms/__init__.py": "",
+    "vllm/platforms/interface.py": """
+        class Platform:
+            @classmethod
+            def update_block_size_for_backend(cls, vllm_config):
+                # as vLLM 0.26 aligns a hybrid's blocks: the Mamba page from the model class's state sizes
+                from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
+                model_cls = vllm_config.model_cls
+                shapes = model_cls.get_mamba_state_shape_from_config(vllm_config)
+                dtypes = model_cls.get_mamba_state_dtype_from_config(vllm_config)
+                vllm_config.mamba_page_bytes = sum(
+                    torch_numel(s) * d.itemsize for s, d in zip(shapes, dtypes))
+
+        def torch_numel(shape):
+            n = 1
+            for d in shape:
+                n *= d
+            return n
         """,
     "vllm/distributed/__init__.py": "",
     "vllm/distributed/parallel_state.py": "_EP = None  # vLLM's expert-parallel GroupCoordinator once initialised\n",
