@@ -236,7 +236,7 @@ PATCH = Patch(
             "operator _C.rms_norm or _C.fused_add_rms_norm (or aten.mean under vLLM's native norm, e.g. Gemma's): "
             "the same row differs between a launch of few rows "
             "(decode) and one of many (prefill, the training forward)",
-    fix="every RMSNorm and fused add+RMSNorm launch gets >= 256 rows (small batches zero-padded) and 16-byte-"
+    fix="every RMSNorm and fused add+RMSNorm launch gets >= 256 rows (small batches padded) and 16-byte-"
         "aligned contiguous buffers: one block shape (256 threads) and one code path for every token count; the "
         "native norm vLLM runs for other weight dtypes (Gemma's 1 + w) runs a row kernel of fixed order",
     guide="guides/C4.md",
