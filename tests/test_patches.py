@@ -20,7 +20,8 @@ from tic.core.errors import TicInputError
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 from tic_fake_vllm import make_fake_vllm  # noqa: E402
-ALL = sorted(n for n in patches.registry() if n != "gemm-fixed-m")  # gemm-fixed-order excludes it
+# gemm-fixed-order excludes gemm-fixed-m, rmsnorm-rows rmsnorm-fixed-block
+ALL = sorted(n for n in patches.registry() if n not in ("gemm-fixed-m", "rmsnorm-rows"))
 
 def _define_block_dependent_rmsnorm():
     """A CPU stand-in for vLLM's `_C.fused_add_rms_norm` with the launcher's flaw made loud: below 256 rows the
@@ -96,7 +97,7 @@ def test_registry_metadata_is_complete():
     assert set(reg) == {"fa3-fixed-tile", "fp8-gemm-one-kernel", "gemm-fixed-m", "gemm-fixed-order",
                         "layernorm-float32-rows", "mamba-decode-replay", "mamba-gated-norm-triton",
                         "mamba-ssd-fixed-config", "moe-fixed-config",
-                        "moe-slot-order-sum", "rmsnorm-fixed-block"}
+                        "moe-slot-order-sum", "rmsnorm-fixed-block", "rmsnorm-rows"}
     for name, p in reg.items():
         assert p.target == "vllm" and p.gate in {f"C{i}" for i in range(11)}
         assert p.symptom and p.fix and p.cost
@@ -725,6 +726,65 @@ def test_rmsnorm_fixed_block_routes_vllms_native_norm_to_the_row_kernel_on_cuda_
     finally:
         patches.apply([])
     assert all(ir.ops.__dict__[op].impls["native"].impl_fn is native[op] for op in native)
+
+
+def test_rmsnorm_rows_sends_every_norm_entry_to_the_row_kernel_unpadded(fake_vllm, monkeypatch):
+    """rmsnorm-rows: vLLM's CUDA entries (_custom_ops and the IR's vllm_c), in place or functional, and its native
+    code all reach the row kernel with the call's own rows (no padded launch), so a row gets the same bits in a
+    small launch as in a large one; the stock kernels (stand-ins whose reduction follows the row count) do not.
+    Exclusive with rmsnorm-fixed-block; off the row kernel's device, and reverted, vLLM's code runs."""
+    _define_block_dependent_rmsnorm()
+    _define_row_count_dependent_rms_norm()
+    import vllm._custom_ops as ops
+    from vllm import ir
+    import vllm.kernels.vllm_c  # noqa: F401
+
+    from tic.patches.vllm import rmsnorm_rows, rowwise_rmsnorm
+
+    rows_seen = []
+
+    def row_kernel(x, weight, epsilon, residual=None):  # a stand-in of the Triton kernel: float64 per row
+        z = x.double() + (residual.double() if residual is not None else 0)
+        rows_seen.append(z.numel() // z.shape[-1])
+        y = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + epsilon)
+        y = (y.to(weight.dtype) * weight).to(x.dtype)
+        return y if residual is None else (y, z.to(x.dtype))
+
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(300, 2048, generator=g) * torch.logspace(-3, 3, 2048)).to(torch.bfloat16)
+    r = torch.randn(300, 2048, generator=g).to(torch.bfloat16)
+    w = torch.randn(2048, generator=g).to(torch.bfloat16)
+
+    def in_place(rows):
+        a, b, out = x[:rows].clone(), r[:rows].clone(), torch.empty(rows, 2048, dtype=torch.bfloat16)
+        ops.fused_add_rms_norm(a, b, w, 1e-6)
+        ops.rms_norm(out, x[:rows].clone(), w, 1e-6)
+        return a[:8], b[:8], out[:8]
+
+    def functional(provider, rows):
+        impls = ir.ops.rms_norm.impls[provider], ir.ops.fused_add_rms_norm.impls[provider]
+        y, res = impls[1].impl_fn(x[:rows].clone(), r[:rows].clone(), w, 1e-6)
+        return y[:8], res[:8], impls[0].impl_fn(x[:rows].clone(), w, 1e-6)[:8]
+
+    stock = in_place(8), in_place(300)
+    assert not all(torch.equal(a, b) for a, b in zip(*stock))  # the planted row-count dependence shows
+    assert patches.conflict(["rmsnorm-rows", "rmsnorm-fixed-block"]) is not None
+    monkeypatch.setattr(rowwise_rmsnorm, "rms_norm_rows", row_kernel)
+    patches.apply(["rmsnorm-rows"])
+    try:
+        assert patches.registry()["rmsnorm-rows"].is_applied()
+        assert all(torch.equal(a, b) for a, b in zip(in_place(8), stock[0]))  # CPU tensors: vLLM's own code
+        monkeypatch.setattr(rmsnorm_rows, "on_row_kernel", lambda t: True)
+        want = row_kernel(x[:8], w, 1e-6, r[:8]) + (row_kernel(x[:8], w, 1e-6),)
+        for run in (in_place, lambda n: functional("vllm_c", n), lambda n: functional("native", n)):
+            rows_seen.clear()
+            small, large = run(8), run(300)
+            assert rows_seen == [8, 8, 300, 300]  # each call's own rows, never a padded launch
+            assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(small, large, want))
+    finally:
+        patches.apply([])
+    assert not patches.registry()["rmsnorm-rows"].is_applied()
+    assert all(torch.equal(a, b) for a, b in zip(in_place(8), stock[0]))
 
 
 def test_fp8_gemm_one_kernel_takes_deepgemm_for_every_row_count(fake_vllm):

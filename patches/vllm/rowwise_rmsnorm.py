@@ -42,10 +42,16 @@ def _kernel():
 
 
 def rows_2d(t):
-    """t as [rows, last dimension] with unit stride along a row (a view where it can be)."""
+    """t as [rows, last dimension] with unit stride along a row and 16-byte-aligned rows (a view where it can be).
+    Triton specializes a kernel on its pointers' and strides' 16-byte divisibility, and the vector width it then
+    gives each thread changes a row's reduction order: one alignment for every call keeps one order."""
+    import torch
+
     h = t.shape[-1]
     t2 = t.reshape(-1, h)
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+    if t2.stride(-1) != 1 or t2.data_ptr() % 16 or (t2.stride(0) * t2.element_size()) % 16:
+        t2 = t2.clone(memory_format=torch.contiguous_format) if t2.stride(-1) == 1 else t2.contiguous()
+    return t2
 
 
 def row_launch(h: int) -> tuple[int, int]:
@@ -64,7 +70,7 @@ def rms_norm_rows(x, weight, epsilon: float, residual=None):
     h = x.shape[-1]
     x2 = rows_2d(x)
     r2 = rows_2d(residual) if residual is not None else None
-    weight = weight.contiguous() if weight is not None else None
+    weight = rows_2d(weight).view(weight.shape) if weight is not None else None
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     ro = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if residual is not None else y
     if x2.shape[0]:

@@ -1,0 +1,105 @@
+"""vLLM's RMSNorm and fused add+RMSNorm as one Triton program per row, for every row count (no padded launches).
+
+The same flaw as rmsnorm-fixed-block's (vLLM 0.26's CUDA launchers pick a row's block shape from the number of
+rows in the launch, so decode and prefill round a row differently), fixed the other way: instead of padding small
+launches to the large launch's 256 rows (two copies in and two out per fused call, plus a kernel over 256 rows),
+every call goes to `rowwise_rmsnorm.rms_norm_rows`, whose reduction depends on the row length alone. On CUDA both
+vLLM's CUDA entries (`vllm_c`) and its native PyTorch code go there; elsewhere vLLM's own code runs.
+
+The values are the norm's (x in float32, plus the residual rounded to the input dtype, x * rsqrt(mean(x^2) + eps)
+rounded to the weight's dtype and times the weight), but not the CUDA kernel's bits: its block reduction sums in
+another order. So the training forward must run the same kernel, and it does (the `kernels: vllm` provider calls
+these implementations). Exclusive with rmsnorm-fixed-block, which changes the same entries.
+"""
+
+# no `from __future__ import annotations`: torch.library reads the custom ops' annotations as types
+from tic.patches._swap import is_swapped, restore_everywhere, swap_everywhere
+from tic.patches.base import Patch
+from tic.patches.vllm.rmsnorm_fixed_block import _OPS, _all_ir_impls, _ir_impls, _register_ops
+
+NAME = "rmsnorm-rows"
+
+
+def on_row_kernel(x) -> bool:
+    """Where the Triton row kernel runs (CUDA tensors); elsewhere vLLM's own code."""
+    return x.is_cuda
+
+
+def _apply() -> None:
+    _, _, rows_op, fused_rows_op = _register_ops()
+
+    def rms_entry(original):  # vllm._custom_ops.rms_norm(out, input, weight, epsilon)
+        def entry(out, input, weight, epsilon):
+            if not on_row_kernel(input):
+                return original(out, input, weight, epsilon)
+            out.copy_(rows_op(input, weight, epsilon).view(out.shape))
+        return entry
+
+    def fused_entry(original):  # vllm._custom_ops.fused_add_rms_norm(input, residual, weight, epsilon), in place
+        def entry(input, residual, weight, epsilon):
+            if not on_row_kernel(input):
+                return original(input, residual, weight, epsilon)
+            y, r = fused_rows_op(input, residual, weight, epsilon)
+            input.copy_(y)
+            residual.copy_(r)
+        return entry
+
+    swap_everywhere(_OPS, "rms_norm", rms_entry, NAME, _OPS)
+    swap_everywhere(_OPS, "fused_add_rms_norm", fused_entry, NAME, _OPS)
+
+    # vLLM's model code reaches the norm through its IR ops (also while its compiler traces them: the call is the
+    # opaque custom op); their callers take the returned tensors, as from the native implementation
+    def rms_ir(original):
+        def ir_entry(x, weight, epsilon, variance_size=None):
+            if variance_size is not None or not on_row_kernel(x):
+                return original(x, weight, epsilon, variance_size)
+            return rows_op(x, weight, epsilon)
+        return ir_entry
+
+    def fused_ir(original):
+        def ir_entry(x, x_residual, weight, epsilon, variance_size=None):
+            if variance_size is not None or not on_row_kernel(x):
+                return original(x, x_residual, weight, epsilon, variance_size)
+            return fused_rows_op(x, x_residual, weight, epsilon)
+        return ir_entry
+
+    for provider in ("vllm_c", "native"):
+        rms_impl, fused_impl = _ir_impls(provider)
+        for impl, make in ((rms_impl, rms_ir), (fused_impl, fused_ir)):
+            if getattr(impl.impl_fn, "__tic_patch__", None) != NAME:
+                entry = make(impl.impl_fn)
+                entry.__tic_patch__ = NAME
+                entry.__wrapped__ = impl.impl_fn
+                impl.impl_fn = entry
+
+
+def _revert() -> None:
+    for attr in ("rms_norm", "fused_add_rms_norm"):
+        restore_everywhere(_OPS, attr, NAME, _OPS)
+    for impl in _all_ir_impls():
+        if getattr(impl.impl_fn, "__tic_patch__", None) == NAME:
+            impl.impl_fn = impl.impl_fn.__wrapped__
+
+
+def _is_applied() -> bool:
+    try:
+        impls = _all_ir_impls()
+    except (ImportError, KeyError, AttributeError):
+        return False
+    return (all(is_swapped(_OPS, attr, NAME) for attr in ("rms_norm", "fused_add_rms_norm"))
+            and all(getattr(impl.impl_fn, "__tic_patch__", None) == NAME for impl in impls))
+
+
+PATCH = Patch(
+    name=NAME, target="vllm", versions=">=0.26.0,<0.27", gate="C4",
+    symptom="C4 (or C3, C5) fails in a layer's input_layernorm / post_attention_layernorm (or the final norm), "
+            "operator _C.rms_norm or _C.fused_add_rms_norm (or aten.mean under vLLM's native norm): the same row "
+            "differs between a launch of few rows (decode) and one of many (prefill, the training forward)",
+    fix="every RMSNorm and fused add+RMSNorm on CUDA runs a Triton kernel of one program per row, whose reduction "
+        "order follows the row length alone: no padded launches; the training forward runs the same kernel",
+    guide="guides/ops/norm-block-shape.md",
+    cost="not measured; it removes the padded launches' copies of rmsnorm-fixed-block (161 ms of a 2.8 s profiled "
+         "decode pass on Qwen3-8B at 64 rows, docs/results/rollout-throughput.md)",
+    excludes=("rmsnorm-fixed-block",),
+    _apply=_apply, _revert=_revert, _is_applied=_is_applied,
+)
