@@ -47,6 +47,15 @@ def test_plan_writes_valid_configs_for_every_mode_and_variant(tmp_path, monkeypa
         assert cfg.rollout.options["max_model_len"] >= cfg.prompts.max_len + cfg.sampling.max_tokens
 
 
+def test_rows_variant_swaps_the_norm_patch_alone(tmp_path):
+    args = argparse.Namespace(work=str(tmp_path), shapes="Qwen3-8B", modes="compiled", variants="patched,rows",
+                              requests=64, max_prompt=4096, tokens=512)
+    runs, _ = shape_sweep.plan(args)
+    got = {r.variant: load_config(r.config).rollout.patches for r in runs}
+    assert got["rows"] == [("rmsnorm-rows" if p == "rmsnorm-fixed-block" else p) for p in got["patched"]]
+    assert "rmsnorm-fixed-block" in got["patched"]
+
+
 def test_gates_option_keeps_only_the_named_gates_of_each_run(tmp_path):
     args = argparse.Namespace(work=str(tmp_path), shapes="Qwen3-8B", modes="eager,graph", variants="megatron",
                               requests=64, max_prompt=4096, tokens=512, gates="C7,C8")
