@@ -14,11 +14,12 @@ Each (shape, rollout mode, variant) is one tic.yaml under WORK, run by run_gates
 - modes: eager (enforce_eager), graph (CUDA graphs of the decode steps, compilation mode 0 / FULL_DECODE_ONLY),
   compiled (vLLM's default mode 3 / FULL_AND_PIECEWISE with its CUDA kernels kept: custom_ops [all], vllm_c norms);
 - variants: patched (rollout.patches: tic's three vLLM patches), stock (none), no-gemm (the patches less the dense
-  GEMM one: its with/without run), rows (the patches with rmsnorm-rows for rmsnorm-fixed-block), previous (the patched config run on another tic tree, --previous-pythonpath,
-  e.g. the release before a patch change: its with/without run), fp8 (block-FP8 weights 128 x 128 quantized from
-  the seeded ones, an FP8 KV cache on both sides, the patches plus the FP8 ones), fp8-no-moecfg (fp8 less
-  moe-fixed-config: its with/without run), megatron (the patched rollout against tic's Megatron-core trainer,
-  train: {engine: megatron}; eager also runs C8; needs megatron-core, device_env.sh's megatron_install).
+  GEMM one: its with/without run), rows (the patches with rmsnorm-rows for rmsnorm-fixed-block), previous (the
+  patched config run on another tic tree, --previous-pythonpath, e.g. the release before a patch change: its
+  with/without run), fp8 (block-FP8 weights 128 x 128 quantized from the seeded ones, an FP8 KV cache on both sides,
+  the patches plus the FP8 ones), fp8-no-moecfg (fp8 less moe-fixed-config: its with/without run), megatron (the
+  patched rollout against tic's Megatron-core trainer, train: {engine: megatron}; eager also runs C8; needs
+  megatron-core, device_env.sh's megatron_install).
 Eager runs C0, C3-C7 (megatron C0, C3-C8); the CUDA-graph modes run C0, C3-C5 (C6 and C7 compare the training
 side with itself and are the eager run's). Runs share the GPU: a run starts when its estimated memory fits beside
 the running ones.
