@@ -213,6 +213,13 @@ def test_nemotron_h_moe_blocks_are_named_as_not_covered():
     ("tiny-mamba", "{engine: vllm}", "Mamba-1 (selective scan) mixer(s)"),
     ("tiny-mamba", "{engine: vllm, patches: [mamba-decode-replay]}", "Mamba-1 (selective scan) mixer(s)"),
     ("tiny-jamba", "{engine: vllm}", "Mamba-1 (selective scan) mixer(s)"),
+    ("tiny-mamba", "{engine: vllm, patches: [mamba1-prefill-steps]}", "set mamba_ssm_cache_dtype: float32"),
+    ("tiny-mamba", "{engine: vllm, patches: [mamba1-prefill-steps], options: {mamba_ssm_cache_dtype: float32, "
+     "enforce_eager: false}}", "mamba1-prefill-steps is held to the modes"),
+    ("tiny-mamba", "{engine: vllm, patches: [mamba1-prefill-steps], options: {mamba_ssm_cache_dtype: float32}}",
+     None),
+    ("tiny-jamba", "{engine: vllm, patches: [mamba1-prefill-steps], options: {mamba_ssm_cache_dtype: float32, "
+     "enforce_eager: false, compilation_config: {mode: 0, cudagraph_mode: FULL_DECODE_ONLY}}}", None),
     ("tiny-qwen3", "{engine: vllm}", None)])
 def test_c0_refuses_a_vllm_rollout_of_a_mamba_model_without_the_replay_patch_in_a_measured_mode(
         example, workdir, tic, name, rollout, why):

@@ -97,7 +97,7 @@ def test_registry_metadata_is_complete():
     assert set(reg) == {"fa3-fixed-tile", "fp8-gemm-one-kernel", "gemm-fixed-m", "gemm-fixed-order",
                         "layernorm-float32-rows", "mamba-decode-replay", "mamba-gated-norm-triton",
                         "mamba-ssd-fixed-config", "moe-fixed-config",
-                        "moe-slot-order-sum", "rmsnorm-fixed-block", "rmsnorm-rows"}
+                        "moe-slot-order-sum", "rmsnorm-fixed-block", "rmsnorm-rows", "mamba1-prefill-steps"}
     for name, p in reg.items():
         assert p.target == "vllm" and p.gate in {f"C{i}" for i in range(11)}
         assert p.symptom and p.fix and p.cost

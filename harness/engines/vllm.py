@@ -138,32 +138,36 @@ def mode_refusals(options: dict, train_kernels: str) -> list[str]:
 
 
 def recurrent_refusals(model_config: dict, options: dict, patch_names) -> list[str]:
-    """Why a vLLM rollout of this model is outside what tic makes consistent: Mamba-1 mixers (no decode patch),
-    Mamba-2 mixers without the mamba-decode-replay patch, or with it in a mode not measured (eager and decode-only
-    full CUDA graphs are; one line each, for C0)."""
+    """Why a vLLM rollout of this model is outside what tic makes consistent: Mamba-1 mixers without the
+    mamba1-prefill-steps patch or without a float32 state cache, Mamba-2 mixers without the mamba-decode-replay
+    patch, or either in a mode not measured (eager and decode-only full CUDA graphs are; one line, for C0)."""
     from tic.harness.kernels.mamba_modules import is_mixer, is_mixer1
     from tic.harness.model.layer_structure import build_meta
 
     modules = list(build_meta(model_config).modules())
     selective = sum(1 for m in modules if is_mixer1(m))
-    if selective:
+    mixers = sum(1 for m in modules if is_mixer(m))
+    if selective and "mamba1-prefill-steps" not in patch_names:
         return [f"rollout.engine: vllm on a model with {selective} Mamba-1 (selective scan) mixer(s): vLLM 0.26 "
                 "prefills them with selective_scan_fn and decodes them with selective_state_update, two rounding "
-                "orders, and tic has no decode patch for them; roll out with engine: hf, kernels: consistent "
-                "(guides/ops/recurrent-layers.md)"]
-    mixers = sum(1 for m in modules if is_mixer(m))
-    if not mixers:
-        return []
-    if "mamba-decode-replay" not in patch_names:
+                "orders; list the patch mamba1-prefill-steps in rollout.patches, or roll out with engine: hf, "
+                "kernels: consistent (guides/ops/recurrent-layers.md)"]
+    if selective and str({**OPTIONS, **options}["mamba_ssm_cache_dtype"]) != "float32":
+        return ["rollout.options.mamba_ssm_cache_dtype: mamba1-prefill-steps stores the Mamba-1 state between "
+                "tokens in the cache's dtype and the training forward keeps it in float32; set "
+                "mamba_ssm_cache_dtype: float32"]
+    if mixers and "mamba-decode-replay" not in patch_names:
         return [f"rollout.engine: vllm on a model with {mixers} Mamba-2 mixer(s): vLLM 0.26 decodes a mixer by the "
                 "single-step state update (selective_state_update), which rounds differently from the chunked "
                 "scan that prefilled the sequence and that the training forward runs; list the patch "
                 "mamba-decode-replay in rollout.patches, or roll out with engine: hf, kernels: consistent "
                 "(guides/ops/recurrent-layers.md)"]
-    if not ({**OPTIONS, **options}["enforce_eager"] or decode_graphs_only(options)):
-        return ["rollout.patches: mamba-decode-replay has been measured eager and with full CUDA graphs of the "
-                "decode steps without torch.compile; set rollout.options.enforce_eager: true, or enforce_eager: "
-                "false with compilation_config: {mode: 0} and cudagraph_mode: FULL_DECODE_ONLY"]
+    if (selective or mixers) and not ({**OPTIONS, **options}["enforce_eager"] or decode_graphs_only(options)):
+        what = ("mamba-decode-replay has been measured" if mixers else
+                "mamba1-prefill-steps is held to the modes mamba-decode-replay was measured in:")
+        return [f"rollout.patches: {what} eager and with full CUDA graphs of the decode steps without torch.compile; "
+                "set rollout.options.enforce_eager: true, or enforce_eager: false with compilation_config: "
+                "{mode: 0} and cudagraph_mode: FULL_DECODE_ONLY"]
     return []
 
 

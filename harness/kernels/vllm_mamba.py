@@ -45,7 +45,8 @@ def _i32(values, device) -> torch.Tensor:
 
 
 class VLLMMambaKernels:
-    """The Mamba-2 calls of the vLLM provider (spec.py lists their shapes); vLLM is imported on first use."""
+    """The Mamba-2 and Mamba-1 calls of the vLLM provider (spec.py lists their shapes); vLLM is imported on first
+    use."""
 
     def mamba_conv(self, u, window, w, bias):
         from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
@@ -95,6 +96,31 @@ class VLLMMambaKernels:
         else:
             ends_in = states[-2] if states.shape[0] > 1 else state
         return out[m:].float(), ends_in.float()
+
+    def mamba1_scan(self, u, dt_raw, B, C, z, A_log, D, dt_bias, state):
+        """A Mamba-1 sequence through vLLM's decode kernel (`selective_state_update`, Triton) one token at a time,
+        as the rollout's mamba1-prefill-steps patch prefills and vLLM decodes: vLLM's batch-free default launch
+        config, each token's rows fresh and token-major as the patch gathers them (Triton specializes on their
+        alignment), the state in a cache line of its own (line NULL_BLOCK_ID is padding) in float32, the
+        rollout's mamba_ssm_cache_dtype. Returns (y [n, I] in u's dtype, the state after the last token)."""
+        from vllm.model_executor.layers.mamba.ops import mamba_ssm
+
+        n = u.shape[0]
+        A = -torch.exp(A_log.float())
+        line = mamba_ssm.NULL_BLOCK_ID + 1
+        lines = torch.zeros(line + 1, *state.shape, dtype=torch.float32, device=u.device)
+        lines[line] = state
+        index = _i32([line], u.device)
+        y = torch.empty_like(u)
+        with mamba_ssm.override_ssm_config(mamba_ssm._get_default_ssm_launch_config(A.shape[-1], False)):
+            for t in range(n):
+                out = torch.empty_like(u[t:t + 1])
+                mamba_ssm.selective_state_update(
+                    lines, u[t:t + 1].clone(), dt_raw[t:t + 1].clone(), A, B[t:t + 1].clone(), C[t:t + 1].clone(),
+                    D, dt_bias, z=z[t:t + 1].clone(), dt_softplus=True, state_batch_indices=index,
+                    dst_state_batch_indices=index, out=out)
+                y[t] = out[0]
+        return y, lines[line].clone()
 
     def gated_rms_norm(self, y, gate, w, group_size, eps, out_dtype):
         shape = y.shape

@@ -154,6 +154,11 @@ FAKE = {
         def selective_state_update(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplus=False,
                                    state_batch_indices=None, dst_state_batch_indices=None, out=None, **kw):
             # vLLM's decode: one step of the recurrence S <- exp(A dt) S + dt B x, y = C S + D x
+            if x.dim() == 2:  # a Mamba-1 mixer's call: x [batch, dim], B/C [batch, N], no heads
+                from vllm.model_executor.layers.mamba.ops.mamba_ssm import selective_state_update as ssu
+                return ssu(state, x, dt, A, B, C, D, dt_bias, z=z, dt_softplus=dt_softplus,
+                           state_batch_indices=state_batch_indices, dst_state_batch_indices=dst_state_batch_indices,
+                           out=out, **kw)
             H = x.shape[1]
             for r in range(x.shape[0]):
                 s = int(state_batch_indices.reshape(x.shape[0], -1)[r, 0])
@@ -337,6 +342,132 @@ FAKE = {
 
             def forward(self, hidden_states, residuals=None):
                 return layer_norm_func(hidden_states, self.weight, self.variance_epsilon), residuals
+        """,
+    # Mamba-1 (the mamba1-prefill-steps patch, the vLLM provider's mamba1_scan): vLLM 0.26's MambaMixer prefills
+    # with selective_scan_fn (a block-parallel scan: here the state of every token from cumulative decays, another
+    # rounding order) and decodes with the Triton selective_state_update, whose launch config comes from a table
+    # keyed by the batch (here: the order of the sum over the state dimension follows it)
+    "vllm/model_executor/layers/mamba/ops/mamba_ssm.py": """
+        import contextlib
+
+        import torch
+        import torch.nn.functional as F
+
+        NULL_BLOCK_ID = 0
+        _ssm_config_override = None
+        CONFIGS = []
+
+        def _get_default_ssm_launch_config(dstate, is_blackwell):
+            return (32, 4) if dstate <= 16 else (16, 4)
+
+        def try_get_optimal_ssm_config(headdim, dstate, batch, nheads, cache_dtype, is_blackwell):
+            if _ssm_config_override is not None:
+                return _ssm_config_override
+            return (16, 8) if batch * nheads <= 4 else (32, 4)  # a tuned table's closest entry
+
+        @contextlib.contextmanager
+        def override_ssm_config(config):
+            global _ssm_config_override
+            prev, _ssm_config_override = _ssm_config_override, config
+            try:
+                yield
+            finally:
+                _ssm_config_override = prev
+
+        def selective_state_update(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplus=False,
+                                   state_batch_indices=None, dst_state_batch_indices=None,
+                                   null_block_id=NULL_BLOCK_ID, out=None, is_blackwell=False, **kw):
+            # Mamba-1 layouts: state [lines, dim, N], x/dt/z/out [batch, dim], A [dim, N], B/C [batch, N]
+            cfg = try_get_optimal_ssm_config(x.shape[-1], A.shape[-1], x.shape[0], 1, str(state.dtype), is_blackwell)
+            CONFIGS.append(cfg)
+            for r in range(x.shape[0]):
+                s = r if state_batch_indices is None else int(state_batch_indices.reshape(-1)[r])
+                if state_batch_indices is not None and s == null_block_id:
+                    continue
+                d = dt[r].float() + dt_bias.float()
+                d = torch.where(d <= 20.0, torch.log(torch.exp(d) + 1), d) if dt_softplus else d
+                S = state[s].float() * torch.exp(A * d[:, None]) + (d * x[r].float())[:, None] * B[r].float()[None]
+                state[s] = S.to(state.dtype)
+                terms = S * C[r].float()[None]
+                y = terms.sum(-1) if cfg == (32, 4) else terms.flip(-1).cumsum(-1)[:, -1]
+                y = y + D.float() * x[r].float()
+                if z is not None:
+                    y = y * F.silu(z[r].float())
+                out[r] = y.to(out.dtype)
+
+        def selective_scan_fn(u, ssm_states, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                              query_start_loc=None, cache_indices=None, has_initial_state=None,
+                              null_block_id=NULL_BLOCK_ID, block_size=1024, block_idx_first_scheduled_token=None,
+                              block_idx_last_scheduled_token=None, initial_state_idx=None, cu_chunk_seqlen=None,
+                              last_chunk_indices=None):
+            # varlen: u/delta/z [dim, tokens], B/C [N, tokens]; the output written into z
+            qsl = query_start_loc.tolist()
+            for i, (a, b) in enumerate(zip(qsl[:-1], qsl[1:])):
+                line = int(cache_indices[i])
+                if line == null_block_id:
+                    continue
+                d = delta[:, a:b].float().t() + delta_bias.float()
+                d = torch.where(d <= 20.0, torch.log(torch.exp(d) + 1), d) if delta_softplus else d  # [n, dim]
+                S0 = ssm_states[line].float() if bool(has_initial_state[i]) else u.new_zeros(A.shape).float()
+                decay = torch.cumsum(A[None] * d[:, :, None], dim=0)  # [n, dim, N]: the scan's parallel form
+                inputs = (d * u[:, a:b].float().t())[:, :, None] * B[:, a:b].float().t()[:, None, :]
+                S = torch.exp(decay) * (S0[None] + torch.cumsum(inputs * torch.exp(-decay), dim=0))
+                y = (S * C[:, a:b].float().t()[:, None, :]).sum(-1) + D.float() * u[:, a:b].float().t()
+                y = y * F.silu(z[:, a:b].float().t())
+                z[:, a:b] = y.t().to(z.dtype)
+                ssm_states[line] = S[-1].to(ssm_states.dtype)
+            return z
+        """,
+    "vllm/model_executor/layers/mamba/mamba_mixer.py": """
+        import torch
+
+        from vllm.forward_context import get_forward_context
+        from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+        from vllm.model_executor.layers.mamba.ops.mamba_ssm import selective_scan_fn
+        from vllm.model_executor.layers.mamba.ops.ssu_dispatch import selective_state_update
+
+        class MambaMixer:
+            # vLLM 0.26's MambaMixer.forward_impl after in_proj, without prefix caching: hidden_states_BC and gate
+            # [dim, tokens] (decode tokens first), x_proj [R + 2N, dim] and dt_proj [dim, R] weights, dt_bias,
+            # A [dim, N] float32, D; kv_cache = (conv [lines, K-1, dim], ssm [lines, dim, N]). Returns [dim, tokens]
+            def ssm_forward(self, hidden_states_BC, gate):
+                m = get_forward_context().attn_metadata[self.prefix]
+                conv_state, ssm_state = self.kv_cache[0].transpose(-1, -2), self.kv_cache[1]
+                nd, npt = m.num_decode_tokens, m.num_prefill_tokens
+                hs_d, hs_p = torch.split(hidden_states_BC, [nd, npt], dim=-1)
+                gate_d, gate_p = torch.split(gate, [nd, npt], dim=-1)
+                R, N = self.R, self.N
+
+                def transform(conv_tm):  # [tokens, dim] -> dt [dim, tokens], B/C [tokens, N]
+                    # row by row: the GEMMs' batch dependence is other patches' concern (CPU matmul has one)
+                    rows = lambda t, w: torch.stack([r @ w.t() for r in t])  # noqa: E731
+                    dt, B, C = rows(conv_tm, self.x_proj).split([R, N, N], dim=-1)
+                    return rows(dt, self.dt_proj).t(), B, C
+
+                outs = []
+                if npt:
+                    conv_p = causal_conv1d_fn(hs_p, self.conv_weights, self.bias, activation="silu",
+                                              conv_states=conv_state, has_initial_state=m.has_initial_states_p,
+                                              cache_indices=m.state_indices_tensor_p,
+                                              query_start_loc=m.query_start_loc_p)
+                    dt_p, B_p, C_p = transform(conv_p.t())
+                    outs.append(selective_scan_fn(conv_p, ssm_state, dt_p, self.A, B_p.t(), C_p.t(), self.D.float(),
+                                                  gate_p, self.dt_bias, delta_softplus=True,
+                                                  cache_indices=m.state_indices_tensor_p,
+                                                  has_initial_state=m.has_initial_states_p,
+                                                  query_start_loc=m.query_start_loc_p))
+                if nd:
+                    conv_d = causal_conv1d_update(hs_d.t(), conv_state, self.conv_weights, self.bias, "silu",
+                                                  conv_state_indices=m.state_indices_tensor_d,
+                                                  block_idx_last_scheduled_token=None, initial_state_idx=None).t()
+                    dt_d, B_d, C_d = transform(conv_d.t())
+                    out_d = torch.empty_like(hs_d.t())
+                    selective_state_update(ssm_state, conv_d.t(), dt_d.t(), self.A, B_d, C_d, self.D, self.dt_bias,
+                                           z=gate_d.t(), dt_softplus=True,
+                                           state_batch_indices=m.state_indices_tensor_d,
+                                           dst_state_batch_indices=m.state_indices_tensor_d, out=out_d)
+                    outs.insert(0, out_d.t())
+                return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         """,
     "vllm/model_executor/layers/mamba/mamba_utils.py": """
         import torch
