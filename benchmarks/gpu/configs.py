@@ -179,6 +179,14 @@ def _variants() -> dict[str, Variant]:
     v["t-nemotron-h-long"] = Variant("nemotron-h, patched eager rollout, 16 prompts of 256-4096 tokens, 512 sampled, "
                                      "training on vLLM's kernels", "nemotron-h", patches=replay, tokens=512,
                                      workload="long", options=mamba_options)
+    # Mamba-1 (issue 31's Jamba-style hybrid): the prefill runs vLLM's decode kernel token by token
+    # (mamba1-prefill-steps), the state in float32 on both sides; `-nodecode` drops the patch (C0 refuses it: C4/C5
+    # from C3 record the flip)
+    jamba_options = (("mamba_ssm_cache_dtype", "float32"), ("kv_cache_memory_bytes", 4 << 30),
+                     ("gpu_memory_utilization", 0.15))
+    for label, patches in (("eager", (*PATCHES, "mamba1-prefill-steps")), ("nodecode", PATCHES)):
+        v[f"t-jamba-{label}"] = Variant(f"jamba (Mamba-1, attention, MoE), {label} rollout, training on vLLM's "
+                                        "kernels", "jamba", patches=patches, options=jamba_options)
     v["t-dense-bi"] = Variant("dense, batch-invariant rollout without patches, training on vLLM's kernels",
                               "dense", patches=(), batch_invariant=True, locate=False)
     v["t-dense-bi-locate"] = Variant("t-dense-bi with the locator on (C5 fails: FA3 decode vs prefill)", "dense",
