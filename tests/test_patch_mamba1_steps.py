@@ -2,18 +2,23 @@
 MambaMixer and its kernels (tests/support/tic_fake_vllm.py: a selective-scan prefill that composes the states in
 another order, a decode kernel whose launch config, and with it the order of its sum over the state, follows a
 table keyed by the batch, and a decode conv that sums its taps in another order). Requests go through vLLM-style
-steps: with the patch every token's output equals its request's whole sequence prefilled alone; without it,
-decoded tokens differ. The training side's scan is the rollout's prefill bit for bit. The GPU run validates vLLM's
-kernels."""
+steps (tests/support/tic_mixer_serving.py): with the patch every token's output equals its request's whole
+sequence prefilled alone; without it, decoded tokens differ. The training side's scan is the rollout's prefill bit
+for bit. The GPU run validates vLLM's kernels."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tic import patches
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+from tic_mixer_serving import serve  # noqa: E402
 
 DIM, N, R, K, LINES = 6, 3, 2, 4, 5
 
@@ -51,31 +56,13 @@ def _step(m, decodes, prefills):
     return m.ssm_forward(hidden_states_BC, gate.clone()).t()
 
 
-def _serve(m, a, b, c):
-    """Request a (line 1): prompt 9, prefilled 5 + 4 (the second piece beside b's and c's decodes); b (line 2):
-    prompt 6; c (line 3): prompt 2; then all decode. Returns each request's rows per token."""
-    outs = {1: [], 2: [], 3: []}
-    o = _step(m, [], [(1, 0, a[:5]), (2, 0, b[:6]), (3, 0, c[:2])])
-    outs[1].append(o[:5]), outs[2].append(o[5:11]), outs[3].append(o[11:])
-    o = _step(m, [(2, b[6]), (3, c[2])], [(1, 5, a[5:9])])
-    outs[2].append(o[:1]), outs[3].append(o[1:2]), outs[1].append(o[2:])
-    seqs, pos = {1: a, 2: b, 3: c}, {1: 9, 2: 7, 3: 3}
-    while any(pos[s] < t.shape[0] for s, t in seqs.items()):
-        live = [s for s, t in seqs.items() if pos[s] < t.shape[0]]
-        o = _step(m, [(s, seqs[s][pos[s]]) for s in live], [])
-        for r, s in enumerate(live):
-            outs[s].append(o[r:r + 1])
-            pos[s] += 1
-    return tuple(torch.cat(outs[s]) for s in (1, 2, 3))
-
-
 def test_decode_and_a_continued_prefill_equal_the_whole_sequence_prefilled(fake_vllm):
     from vllm.model_executor.layers.mamba.ops import mamba_ssm
 
     g = torch.Generator().manual_seed(1)
     seqs = tuple(torch.randn(n, 2 * DIM, generator=g) for n in (14, 12, 8))
     stock_whole = [_step(_mixer(), [], [(2, 0, t)]) for t in seqs]
-    stock = _serve(_mixer(), *seqs)
+    stock = serve(_step, _mixer(), *seqs)
     for mine, ref, prefilled in zip(stock, stock_whole, (5, 6, 2)):
         assert torch.equal(mine[:prefilled], ref[:prefilled])  # the first prefills
         assert not torch.equal(mine[prefilled:], ref[prefilled:])  # the control: vLLM's own steps differ
@@ -84,7 +71,7 @@ def test_decode_and_a_continued_prefill_equal_the_whole_sequence_prefilled(fake_
         assert patches.active() == ["mamba1-prefill-steps"]
         whole = [_step(_mixer(), [], [(2, 0, t)]) for t in seqs]  # each request prefilled alone
         mamba_ssm.CONFIGS.clear()
-        got = _serve(_mixer(), *seqs)
+        got = serve(_step, _mixer(), *seqs)
         for mine, ref in zip(got, whole):
             assert mine.shape == ref.shape and torch.equal(mine, ref), (mine - ref).abs().amax(-1)
         assert set(mamba_ssm.CONFIGS) == {(32, 4)}  # the batch-free default launch, 1 to 3 rows alike

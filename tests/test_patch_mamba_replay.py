@@ -8,11 +8,16 @@ it, decoded tokens differ. The GPU run validates vLLM's kernels."""
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 from tic import patches
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+from tic_mixer_serving import serve  # noqa: E402
 
 H, P, G, N, Q, K, SLOTS = 4, 3, 2, 5, 4, 4, 4
 I, DIM = H * P, H * P + 2 * G * N
@@ -83,38 +88,18 @@ def _step(m, decodes, prefills):
     return out
 
 
-def _serve(m, a, b, c):
-    """Request a (slot 1): prompt 11, prefilled 5 + 6 (the second piece beside b's first decode); request b
-    (slot 2): prompt 6; request c (slot 3): a prompt of 2, shorter than a chunk, so that a decode step ends its
-    first chunk; then all decode. Returns each request's mixer outputs per token. (Slot 0 is vLLM's null block:
-    padding, which the kernels skip.)"""
-    outs = {1: [], 2: [], 3: []}
-    o = _step(m, [], [(1, 0, a[:5]), (2, 0, b[:6]), (3, 0, c[:2])])
-    outs[1].append(o[:5]), outs[2].append(o[5:11]), outs[3].append(o[11:])
-    o = _step(m, [(2, b[6]), (3, c[2])], [(1, 5, a[5:11])])
-    outs[2].append(o[:1]), outs[3].append(o[1:2]), outs[1].append(o[2:])
-    seqs, pos = {1: a, 2: b, 3: c}, {1: 11, 2: 7, 3: 3}
-    while any(pos[s] < t.shape[0] for s, t in seqs.items()):
-        live = [s for s, t in seqs.items() if pos[s] < t.shape[0]]
-        o = _step(m, [(s, seqs[s][pos[s]]) for s in live], [])
-        for r, s in enumerate(live):
-            outs[s].append(o[r:r + 1])
-            pos[s] += 1
-    return tuple(torch.cat(outs[s]) for s in (1, 2, 3))
-
-
 def test_decode_and_a_continued_prefill_replay_the_chunk_as_one_prefill(fake_vllm):
     g = torch.Generator().manual_seed(1)
     seqs = torch.randn(17, WIDTH, generator=g), torch.randn(14, WIDTH, generator=g), torch.randn(11, WIDTH, generator=g)
     whole = [_step(_mixer(), [], [(2, 0, t)]) for t in seqs]  # each request prefilled alone, by vLLM's own prefill
     patches.apply(["mamba-decode-replay"])
     assert patches.active() == ["mamba-decode-replay"]
-    got = _serve(_mixer(), *seqs)
+    got = serve(_step, _mixer(), *seqs)
     for mine, ref in zip(got, whole):
         assert mine.shape == ref.shape and torch.equal(mine, ref), (mine - ref).abs().amax(-1)
     patches.apply([])  # the control: vLLM's own steps
     assert patches.active() == []
-    stock = _serve(_mixer(), *seqs)
+    stock = serve(_step, _mixer(), *seqs)
     for mine, ref, prefilled in zip(stock, whole, (5, 6, 2)):
         assert torch.equal(mine[:prefilled], ref[:prefilled])  # first prefills
         assert not torch.equal(mine[prefilled:], ref[prefilled:])

@@ -23,6 +23,8 @@ reduction order fixed by the row length.
 """
 
 # no `from __future__ import annotations`: torch.library reads the custom ops' annotations as types
+import functools
+
 from tic.patches._swap import is_swapped, restore_everywhere, swap_everywhere
 from tic.patches.base import Patch
 
@@ -204,30 +206,37 @@ def _apply() -> None:
         return native_entry
 
     rms_native_impl, fused_native_impl = _ir_impls("native")
-    for impl, make in ((rms_impl, rms_ir), (fused_impl, fused_ir), (rms_native_impl, rms_native),
-                       (fused_native_impl, fused_native)):
-        if getattr(impl.impl_fn, "__tic_patch__", None) != NAME:
+    wrap_ir_impls(((rms_impl, rms_ir), (fused_impl, fused_ir), (rms_native_impl, rms_native),
+                   (fused_native_impl, fused_native)), NAME)
+
+
+def wrap_ir_impls(pairs, name: str) -> None:
+    """Each (IR implementation, make(original) -> entry): its impl_fn replaced by the entry, marked as patch
+    `name`'s and holding the original (once)."""
+    for impl, make in pairs:
+        if getattr(impl.impl_fn, "__tic_patch__", None) != name:
             entry = make(impl.impl_fn)
-            entry.__tic_patch__ = NAME
+            entry.__tic_patch__ = name
             entry.__wrapped__ = impl.impl_fn
             impl.impl_fn = entry
 
 
-def _revert() -> None:
+def revert_norm_entries(name: str) -> None:
+    """Patch `name`'s norm entries back to vLLM's: vllm._custom_ops and both IR implementations of both norms."""
     for attr in ("rms_norm", "fused_add_rms_norm"):
-        restore_everywhere(_OPS, attr, NAME, _OPS)
+        restore_everywhere(_OPS, attr, name, _OPS)
     for impl in _all_ir_impls():
-        if getattr(impl.impl_fn, "__tic_patch__", None) == NAME:
+        if getattr(impl.impl_fn, "__tic_patch__", None) == name:
             impl.impl_fn = impl.impl_fn.__wrapped__
 
 
-def _is_applied() -> bool:
+def norm_entries_applied(name: str) -> bool:
     try:
         impls = _all_ir_impls()
     except (ImportError, KeyError, AttributeError):
         return False
-    return (all(is_swapped(_OPS, attr, NAME) for attr in ("rms_norm", "fused_add_rms_norm"))
-            and all(getattr(impl.impl_fn, "__tic_patch__", None) == NAME for impl in impls))
+    return (all(is_swapped(_OPS, attr, name) for attr in ("rms_norm", "fused_add_rms_norm"))
+            and all(getattr(impl.impl_fn, "__tic_patch__", None) == name for impl in impls))
 
 
 PATCH = Patch(
@@ -243,5 +252,6 @@ PATCH = Patch(
     cost="steps below 256 tokens copy their rows into a padded buffer (small copies per norm); larger steps "
          "unchanged; the three patches together ran at 118-119 % of default before the plain-RMSNorm half was "
          "added (docs/results/vllm-patches.md); not yet measured with it",
-    _apply=_apply, _revert=_revert, _is_applied=_is_applied,
+    _apply=_apply, _revert=functools.partial(revert_norm_entries, NAME),
+    _is_applied=functools.partial(norm_entries_applied, NAME),
 )

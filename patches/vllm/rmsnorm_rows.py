@@ -13,9 +13,13 @@ these implementations). Exclusive with rmsnorm-fixed-block, which changes the sa
 """
 
 # no `from __future__ import annotations`: torch.library reads the custom ops' annotations as types
-from tic.patches._swap import is_swapped, restore_everywhere, swap_everywhere
+import functools
+
+from tic.patches._swap import swap_everywhere
 from tic.patches.base import Patch
-from tic.patches.vllm.rmsnorm_fixed_block import _OPS, _all_ir_impls, _ir_impls, _register_ops
+from tic.patches.vllm.rmsnorm_fixed_block import PATCH as FIXED_BLOCK
+from tic.patches.vllm.rmsnorm_fixed_block import (_OPS, _ir_impls, _register_ops, norm_entries_applied,
+                                                  revert_norm_entries, wrap_ir_impls)
 
 NAME = "rmsnorm-rows"
 
@@ -63,43 +67,19 @@ def _apply() -> None:
             return fused_rows_op(x, x_residual, weight, epsilon)
         return ir_entry
 
-    for provider in ("vllm_c", "native"):
-        rms_impl, fused_impl = _ir_impls(provider)
-        for impl, make in ((rms_impl, rms_ir), (fused_impl, fused_ir)):
-            if getattr(impl.impl_fn, "__tic_patch__", None) != NAME:
-                entry = make(impl.impl_fn)
-                entry.__tic_patch__ = NAME
-                entry.__wrapped__ = impl.impl_fn
-                impl.impl_fn = entry
-
-
-def _revert() -> None:
-    for attr in ("rms_norm", "fused_add_rms_norm"):
-        restore_everywhere(_OPS, attr, NAME, _OPS)
-    for impl in _all_ir_impls():
-        if getattr(impl.impl_fn, "__tic_patch__", None) == NAME:
-            impl.impl_fn = impl.impl_fn.__wrapped__
-
-
-def _is_applied() -> bool:
-    try:
-        impls = _all_ir_impls()
-    except (ImportError, KeyError, AttributeError):
-        return False
-    return (all(is_swapped(_OPS, attr, NAME) for attr in ("rms_norm", "fused_add_rms_norm"))
-            and all(getattr(impl.impl_fn, "__tic_patch__", None) == NAME for impl in impls))
+    wrap_ir_impls([(impl, make) for provider in ("vllm_c", "native")
+                   for impl, make in zip(_ir_impls(provider), (rms_ir, fused_ir))], NAME)
 
 
 PATCH = Patch(
     name=NAME, target="vllm", versions=">=0.26.0,<0.27", gate="C4",
-    symptom="C4 (or C3, C5) fails in a layer's input_layernorm / post_attention_layernorm (or the final norm), "
-            "operator _C.rms_norm or _C.fused_add_rms_norm (or aten.mean under vLLM's native norm): the same row "
-            "differs between a launch of few rows (decode) and one of many (prefill, the training forward)",
+    symptom=FIXED_BLOCK.symptom,
     fix="every RMSNorm and fused add+RMSNorm on CUDA runs a Triton kernel of one program per row, whose reduction "
         "order follows the row length alone: no padded launches; the training forward runs the same kernel",
     guide="guides/ops/norm-block-shape.md",
     cost="not measured; it removes the padded launches' copies of rmsnorm-fixed-block (161 ms of a 2.8 s profiled "
          "decode pass on Qwen3-8B at 64 rows, docs/results/rollout-throughput.md)",
     excludes=("rmsnorm-fixed-block",),
-    _apply=_apply, _revert=_revert, _is_applied=_is_applied,
+    _apply=_apply, _revert=functools.partial(revert_norm_entries, NAME),
+    _is_applied=functools.partial(norm_entries_applied, NAME),
 )
