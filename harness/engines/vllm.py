@@ -592,10 +592,11 @@ class VLLMEngine(Engine):
         return reload
 
     def unequal_weights(self, weights) -> list[str]:
-        """vLLM parameters that are not bitwise what `weights` load into. The trainer's tensors go through the
-        model's own loaders into scratch copies of every parameter (NaN-filled), which are then compared with
-        the live ones; a parameter the trainer's weights do not reach counts as unequal. vLLM's fusions and
-        layouts are thereby handled by vLLM itself, for any architecture."""
+        """vLLM parameters that are not bitwise what `weights` load into. The trainer's tensors go the sync's
+        way (the model's loaders, or vLLM's layerwise reload for a quantized model) into scratch copies of every
+        parameter (NaN-filled) and buffer, which are then compared with the live ones; a parameter the trainer's
+        weights do not reach counts as unequal. vLLM's fusions, layouts and quantization are thereby handled by
+        vLLM itself, for any architecture."""
         items = _pairs(weights)
         load_into = self._loader()
 
