@@ -140,3 +140,16 @@ def test_the_conv_state_never_sits_in_vllms_null_block(fake_vllm):
         out = MambaOnVLLM().mamba_conv(u, window, w, b)
         assert torch.isfinite(out).all()
         assert torch.allclose(out, mamba_conv_ref(u, window, w, b), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["tiny-mamba", "tiny-jamba"])
+def test_mamba1_runs_vllms_decode_kernel_token_by_token(fake_vllm, example, name):
+    """A Mamba-1 model on the provider's mamba1_scan (vLLM's selective_state_update, stood in): prefill then
+    decode equals the whole sequence, every launch in vLLM's batch-free default config."""
+    from vllm.model_executor.layers.mamba.ops import mamba_ssm
+
+    model = _model(example, name, MambaOnVLLM())
+    mamba_ssm.CONFIGS.clear()
+    whole, stepped = _prefill_then_decode(model, IDS, prefix=6)
+    assert torch.equal(stepped, whole)
+    assert mamba_ssm.CONFIGS and set(mamba_ssm.CONFIGS) == {(32, 4)}

@@ -108,7 +108,7 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("mixer:mamba2", "Mamba-2 mixer: causal conv, chunked scan whose decode replays prefill's "
                                   "chunks, gated grouped RMSNorm"),
     OperatorClass("mixer:mamba1", "Mamba-1 mixer: causal conv, selective scan token by token (decode continues "
-                                  "prefill's recurrence), gated by silu(z)", frozenset({"consistent"})),
+                                  "prefill's recurrence), gated by silu(z)"),
     # relu2 runs as HF's relu then square: the float product of two model-dtype values is exact, rounded once,
     # as vLLM's _C.relu_squared rounds it
     OperatorClass("mlp:relu2", "up, relu(x)^2, down (NemotronH)"),
