@@ -103,7 +103,7 @@ GATE = Gate(
                    "with Mamba-2 mixers unless the mamba-decode-replay patch runs eager or with full decode CUDA "
                    "graphs without torch.compile, nor of a model with Mamba-1 mixers unless the "
                    "mamba1-prefill-steps patch runs in those modes with mamba_ssm_cache_dtype float32, nor of a "
-                   "model whose sliding "
+                   "model with Mamba mixers with prefix caching on, nor of a model whose sliding "
                    "window is shorter than the rollout's context without fa3-fixed-tile, nor of a config whose "
                    "fields vLLM's model code overrides or ignores (GLM's partial_rotary_factor, StableLM's use_parallel_residual), nor, "
                    "against a kernels: vllm training forward, of an architecture vLLM runs through its Transformers "

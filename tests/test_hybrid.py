@@ -220,6 +220,11 @@ def test_nemotron_h_moe_blocks_are_named_as_not_covered():
      None),
     ("tiny-jamba", "{engine: vllm, patches: [mamba1-prefill-steps], options: {mamba_ssm_cache_dtype: float32, "
      "enforce_eager: false, compilation_config: {mode: 0, cudagraph_mode: FULL_DECODE_ONLY}}}", None),
+    ("tiny-nemotron-h", "{engine: vllm, patches: [mamba-decode-replay], options: {enable_prefix_caching: true}}",
+     "prefix caching of Mamba states"),
+    ("tiny-jamba", "{engine: vllm, patches: [mamba1-prefill-steps], options: {mamba_ssm_cache_dtype: float32, "
+     "enable_prefix_caching: true}}", "set enable_prefix_caching: false"),
+    ("tiny-qwen3", "{engine: vllm, options: {enable_prefix_caching: true}}", None),
     ("tiny-qwen3", "{engine: vllm}", None)])
 def test_c0_refuses_a_vllm_rollout_of_a_mamba_model_without_the_replay_patch_in_a_measured_mode(
         example, workdir, tic, name, rollout, why):

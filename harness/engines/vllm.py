@@ -138,15 +138,20 @@ def mode_refusals(options: dict, train_kernels: str) -> list[str]:
 
 
 def recurrent_refusals(model_config: dict, options: dict, patch_names) -> list[str]:
-    """Why a vLLM rollout of this model is outside what tic makes consistent: Mamba-1 mixers without the
-    mamba1-prefill-steps patch or without a float32 state cache, Mamba-2 mixers without the mamba-decode-replay
-    patch, or either in a mode not measured (eager and decode-only full CUDA graphs are; one line, for C0)."""
+    """Why a vLLM rollout of this model is outside what tic makes consistent: Mamba mixers with prefix caching,
+    Mamba-1 mixers without the mamba1-prefill-steps patch or without a float32 state cache, Mamba-2 mixers without
+    the mamba-decode-replay patch, or either in a mode not measured (eager and decode-only full CUDA graphs are;
+    one line, for C0)."""
     from tic.harness.kernels.mamba_modules import is_mixer, is_mixer1
     from tic.harness.model.layer_structure import build_meta
 
     modules = list(build_meta(model_config).modules())
     selective = sum(1 for m in modules if is_mixer1(m))
     mixers = sum(1 for m in modules if is_mixer(m))
+    if (selective or mixers) and {**OPTIONS, **options}["enable_prefix_caching"]:
+        return ["rollout.options.enable_prefix_caching: prefix caching of Mamba states (vLLM's mamba_cache_mode "
+                "align or all) moves a sequence's state between cache blocks, which tic's Mamba patches do not "
+                "follow; set enable_prefix_caching: false"]
     if selective and "mamba1-prefill-steps" not in patch_names:
         return [f"rollout.engine: vllm on a model with {selective} Mamba-1 (selective scan) mixer(s): vLLM 0.26 "
                 "prefills them with selective_scan_fn and decodes them with selective_state_update, two rounding "

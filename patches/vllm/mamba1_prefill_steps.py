@@ -16,9 +16,9 @@ mamba-decode-replay does for Mamba-2), and the decode kernel's launch config is 
 (vLLM picks it from a table keyed by the batch, and the config sets the order of the sum over the state).
 
 The state between tokens is stored in the cache's dtype: the rollout must run with mamba_ssm_cache_dtype float32,
-the training side's (C0 says so). Prefix caching of Mamba states (mamba_cache_mode all) stops the mixer with the
-reason. Cost: one kernel launch per prompt position per mixer (plus four gathers), which makes long prefills slow;
-decode is vLLM's own.
+the training side's (C0 says so). Prefix caching of Mamba states is refused by C0, and its mamba_cache_mode all
+stops the mixer with the reason. Cost: one kernel launch per prompt position per mixer (plus four gathers), which
+makes long prefills slow; decode is vLLM's own.
 """
 
 from __future__ import annotations

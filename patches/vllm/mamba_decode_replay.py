@@ -16,7 +16,8 @@ Exact if the chunked scan gives a token's row from its chunk's start state and t
 counts, lengths) on the device and pads each request's chunk to chunk_size tokens, so its shapes follow the batch
 alone and nothing is read back to the host: a CUDA graph can hold it (measured eager and with full CUDA graphs of
 the decode steps without torch.compile, the two modes C0 accepts). Prefill runs eagerly and reads the counts once
-per step. Prefix caching (mamba_cache_mode all) and speculative decoding stop the mixer with the reason. Cost: a
+per step. Prefix caching (mamba_cache_mode align or all; C0 refuses it) and speculative decoding stop the mixer
+with the reason. Cost: a
 decode step scans chunk_size tokens per request twice (without and with the start state); the buffers take
 chunk_size x (H x P + H + G x N) elements of the model's dtype per state slot and mixer. They are a third state in
 the mixer's cache spec (the state calculators add it while a MambaMixer2 or vLLM's block-size alignment sizes the
@@ -354,8 +355,8 @@ def _metadata():
 def _tracking(original):
     @functools.wraps(original)
     def conv_ssm_forward(self, projected_states, output):
-        if self.cache_config.mamba_cache_mode == "all" or getattr(self, "num_spec", 0) > 0:
-            raise RuntimeError(f"patch {NAME}: prefix caching of Mamba states (mamba_cache_mode all) and "
+        if self.cache_config.mamba_cache_mode != "none" or getattr(self, "num_spec", 0) > 0:
+            raise RuntimeError(f"patch {NAME}: prefix caching of Mamba states (mamba_cache_mode align or all) and "
                                "speculative decoding are not covered; turn them off or drop the patch")
         _LAYER.append(self)
         try:
