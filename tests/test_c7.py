@@ -31,6 +31,15 @@ def _ctx(tmp, name):
     return GateContext(cfg)
 
 
+def _example_model_dir(tmp, name):
+    """An example's generated model directory (its weights written under a copy of the example)."""
+    from tic.harness.model.generate import resolve_model_dir
+
+    ex = tmp / name
+    shutil.copytree(EXAMPLES / name, ex, ignore=shutil.ignore_patterns("weights", ".tic", ".tic-*"))
+    return resolve_model_dir(load_config(next(ex.glob("tic*.yaml"))))
+
+
 def _rolled_out(tmp_path_factory, name):
     """A context whose rollout the module's tests share (the model cache is cleared around it)."""
     hf._MODELS.clear()
@@ -579,11 +588,8 @@ def test_the_references_attention_keeps_no_scores_for_backward_and_gives_eager_g
     from transformers import AutoModelForCausalLM
 
     from tic.harness.measure.lean_attention import use_lean_attention
-    from tic.harness.model.generate import resolve_model_dir
 
-    ex = tmp_path / name
-    shutil.copytree(EXAMPLES / name, ex, ignore=shutil.ignore_patterns("weights", ".tic", ".tic-*"))
-    model_dir = resolve_model_dir(load_config(next(ex.glob("tic*.yaml"))))
+    model_dir = _example_model_dir(tmp_path, name)
     T = 24
     ids = torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(0))
 
@@ -612,12 +618,8 @@ def test_a_model_without_attention_keeps_its_own_forward(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from tic.harness.measure.lean_attention import use_lean_attention
-    from tic.harness.model.generate import resolve_model_dir
 
-    ex = tmp_path / "m"
-    shutil.copytree(EXAMPLES / "tiny-mamba2", ex, ignore=shutil.ignore_patterns("weights", ".tic", ".tic-*"))
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(load_config(ex / "tic-consistent.yaml")),
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(_example_model_dir(tmp_path, "tiny-mamba2"), dtype=torch.float32)
     assert use_lean_attention(model) == 0 and model.config._attn_implementation != "tic_lean_eager"
 
 
@@ -629,12 +631,9 @@ def test_an_attention_module_without_an_eager_function_to_run_keeps_the_model_as
     from transformers import AutoModelForCausalLM
 
     from tic.harness.measure.lean_attention import use_lean_attention
-    from tic.harness.model.generate import resolve_model_dir
 
-    ex = tmp_path / "q"
-    shutil.copytree(EXAMPLES / "tiny-qwen3", ex, ignore=shutil.ignore_patterns("weights", ".tic", ".tic-*"))
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(load_config(ex / "tic-consistent.yaml")),
-                                                 dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(_example_model_dir(tmp_path, "tiny-qwen3"), dtype=torch.float32,
+                                                 attn_implementation="eager")
     home = sys.modules[type(model.model.layers[0].self_attn).__module__]
     monkeypatch.delattr(home, "eager_attention_forward")
     assert use_lean_attention(model) == 0 and model.config._attn_implementation == "eager"
@@ -647,12 +646,9 @@ def test_the_references_head_runs_on_the_response_rows_alone(tmp_path, name):
     from transformers import AutoModelForCausalLM
 
     from tic.harness.measure.gradcheck import response_logits, takes_logits_to_keep
-    from tic.harness.model.generate import resolve_model_dir
 
-    ex = tmp_path / name
-    shutil.copytree(EXAMPLES / name, ex, ignore=shutil.ignore_patterns("weights", ".tic", ".tic-*"))
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(load_config(next(ex.glob("tic*.yaml")))),
-                                                 dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(_example_model_dir(tmp_path, name), dtype=torch.float32,
+                                                 attn_implementation="eager")
     P, R = 17, 5
     ids = torch.randint(0, 64, (1, P + R), generator=torch.Generator().manual_seed(0))
     rows = []

@@ -102,11 +102,10 @@ def run_config(s: Shape, mode: str, variant: str, w: dict, model_dir: Path) -> d
     options = {"max_model_len": w["model_len"], "kv_cache_memory_bytes": int(1.2 * kv) + (256 << 20),
                "gpu_memory_utilization": round(min(0.9, (2 * s.params() + 1.2 * kv + 3 * GiB) / (140 * GiB)), 3)}
     patches = {"stock": (), "fp8": FP8_PATCHES,
-               "fp8-no-moecfg": tuple(p for p in FP8_PATCHES if p != "moe-fixed-config")}.get(variant, PATCHES)
-    if variant == "no-gemm":
-        patches = tuple(p for p in PATCHES if not p.startswith("gemm-"))
-    if variant == "rows":
-        patches = tuple("rmsnorm-rows" if p == "rmsnorm-fixed-block" else p for p in PATCHES)
+               "fp8-no-moecfg": tuple(p for p in FP8_PATCHES if p != "moe-fixed-config"),
+               "no-gemm": tuple(p for p in PATCHES if not p.startswith("gemm-")),
+               "rows": tuple("rmsnorm-rows" if p == "rmsnorm-fixed-block" else p for p in PATCHES)
+               }.get(variant, PATCHES)
     cfg = tic_yaml(f"{s.slug}-{mode}-{variant}", model_dir, MODES[mode], patches,
                    requests=w["requests"], min_len=w["min_len"], max_len=w["max_len"], tokens=w["tokens"],
                    options=options, train="megatron" if variant == "megatron" else "vllm")

@@ -148,7 +148,8 @@ def recurrent_refusals(model_config: dict, options: dict, patch_names) -> list[s
     modules = list(build_meta(model_config).modules())
     selective = sum(1 for m in modules if is_mixer1(m))
     mixers = sum(1 for m in modules if is_mixer(m))
-    if (selective or mixers) and {**OPTIONS, **options}["enable_prefix_caching"]:
+    o = {**OPTIONS, **options}
+    if (selective or mixers) and o["enable_prefix_caching"]:
         return ["rollout.options.enable_prefix_caching: prefix caching of Mamba states (vLLM's mamba_cache_mode "
                 "align or all) moves a sequence's state between cache blocks, which tic's Mamba patches do not "
                 "follow; set enable_prefix_caching: false"]
@@ -157,7 +158,7 @@ def recurrent_refusals(model_config: dict, options: dict, patch_names) -> list[s
                 "prefills them with selective_scan_fn and decodes them with selective_state_update, two rounding "
                 "orders; list the patch mamba1-prefill-steps in rollout.patches, or roll out with engine: hf, "
                 "kernels: consistent (guides/ops/recurrent-layers.md)"]
-    if selective and str({**OPTIONS, **options}["mamba_ssm_cache_dtype"]) != "float32":
+    if selective and str(o["mamba_ssm_cache_dtype"]) != "float32":
         return ["rollout.options.mamba_ssm_cache_dtype: mamba1-prefill-steps stores the Mamba-1 state between "
                 "tokens in the cache's dtype and the training forward keeps it in float32; set "
                 "mamba_ssm_cache_dtype: float32"]
@@ -167,7 +168,7 @@ def recurrent_refusals(model_config: dict, options: dict, patch_names) -> list[s
                 "scan that prefilled the sequence and that the training forward runs; list the patch "
                 "mamba-decode-replay in rollout.patches, or roll out with engine: hf, kernels: consistent "
                 "(guides/ops/recurrent-layers.md)"]
-    if (selective or mixers) and not ({**OPTIONS, **options}["enforce_eager"] or decode_graphs_only(options)):
+    if (selective or mixers) and not (o["enforce_eager"] or decode_graphs_only(options)):
         what = ("mamba-decode-replay has been measured" if mixers else
                 "mamba1-prefill-steps is held to the modes mamba-decode-replay was measured in:")
         return [f"rollout.patches: {what} eager and with full CUDA graphs of the decode steps without torch.compile; "

@@ -27,7 +27,7 @@ import functools
 
 from tic.patches._swap import swap_hooks
 from tic.patches.base import Patch
-from tic.patches.vllm.mamba_decode_replay import _conv_as_prefill
+from tic.patches.vllm.mamba_decode_replay import conv_as_prefill
 
 NAME = "mamba1-prefill-steps"
 _MIXER = "vllm.model_executor.layers.mamba.mamba_mixer"
@@ -37,11 +37,12 @@ _SSM = "vllm.model_executor.layers.mamba.ops.mamba_ssm"
 def pinned_ssm_config(original):
     """vLLM's batch-free default launch config of selective_state_update, for every batch (an override set by
     vLLM's own tuning context still wins)."""
+    import sys
+
+    ssm = sys.modules[original.__module__]  # the kernel's module: its override and default, read per call
+
     @functools.wraps(original)
     def config(headdim, dstate, batch, nheads, cache_dtype, is_blackwell):
-        import importlib
-
-        ssm = importlib.import_module(_SSM)
         if getattr(ssm, "_ssm_config_override", None) is not None:
             return ssm._ssm_config_override
         return ssm._get_default_ssm_launch_config(dstate, is_blackwell)
@@ -108,6 +109,6 @@ PATCH = Patch(
     guide="guides/ops/recurrent-layers.md",
     cost="not measured: one decode-kernel launch per prompt position per mixer (long prefills are slow)",
     **swap_hooks(NAME, (_MIXER, "selective_scan_fn", _steps, _MIXER),
-                 (_MIXER, "causal_conv1d_update", _conv_as_prefill, _MIXER),
+                 (_MIXER, "causal_conv1d_update", conv_as_prefill, _MIXER),
                  (_SSM, "try_get_optimal_ssm_config", pinned_ssm_config, _SSM)),
 )

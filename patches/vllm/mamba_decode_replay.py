@@ -299,7 +299,7 @@ def _decode_step(scan, store, state, slots, x, raw_dt, A, B, C, D, dt_bias, out,
     store.length[s] = torch.where(real, length + 1, length)
 
 
-def _conv_as_prefill(original):
+def conv_as_prefill(original):
     @functools.wraps(original)
     def conv_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None, **kw):
         import torch
@@ -367,7 +367,7 @@ def _tracking(original):
 
 
 _FUNCS = (("mamba_chunk_scan_combined_varlen", _replay_prefill), ("selective_state_update", _replay_decode),
-          ("causal_conv1d_update", _conv_as_prefill))
+          ("causal_conv1d_update", conv_as_prefill))
 
 
 PATCH = Patch(

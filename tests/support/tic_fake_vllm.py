@@ -357,6 +357,9 @@ FAKE = {
         _ssm_config_override = None
         CONFIGS = []
 
+        def _softplus(d):  # as the kernels' softplus: linear above 20
+            return torch.where(d <= 20.0, torch.log(torch.exp(d) + 1), d)
+
         def _get_default_ssm_launch_config(dstate, is_blackwell):
             return (32, 4) if dstate <= 16 else (16, 4)
 
@@ -385,7 +388,7 @@ FAKE = {
                 if state_batch_indices is not None and s == null_block_id:
                     continue
                 d = dt[r].float() + dt_bias.float()
-                d = torch.where(d <= 20.0, torch.log(torch.exp(d) + 1), d) if dt_softplus else d
+                d = _softplus(d) if dt_softplus else d
                 S = state[s].float() * torch.exp(A * d[:, None]) + (d * x[r].float())[:, None] * B[r].float()[None]
                 state[s] = S.to(state.dtype)
                 terms = S * C[r].float()[None]
@@ -407,7 +410,7 @@ FAKE = {
                 if line == null_block_id:
                     continue
                 d = delta[:, a:b].float().t() + delta_bias.float()
-                d = torch.where(d <= 20.0, torch.log(torch.exp(d) + 1), d) if delta_softplus else d  # [n, dim]
+                d = _softplus(d) if delta_softplus else d  # [n, dim]
                 S0 = ssm_states[line].float() if bool(has_initial_state[i]) else u.new_zeros(A.shape).float()
                 decay = torch.cumsum(A[None] * d[:, :, None], dim=0)  # [n, dim, N]: the scan's parallel form
                 inputs = (d * u[:, a:b].float().t())[:, :, None] * B[:, a:b].float().t()[:, None, :]
