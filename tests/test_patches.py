@@ -174,8 +174,35 @@ def test_fa3_fixed_tile_pins_every_launch(fake_vllm):
     patches.apply(["fa3-fixed-tile"])
     for q in (1, 5, 127, 128, 400):
         kw = fa.flash_attn_varlen_func(max_seqlen_q=q, scheduler_metadata="plan", num_splits=0)
-        assert kw == {"max_seqlen_q": max(q, 128), "scheduler_metadata": None, "num_splits": 1}
+        # the step's plan goes with a launch only where the pin left it as the builder planned it
+        assert kw == {"max_seqlen_q": max(q, 128), "scheduler_metadata": "plan" if q >= 128 else None,
+                      "num_splits": 1}
     assert fa.use_cascade_attention(10, None) is False
+
+
+def test_fa3_fixed_tile_plans_one_split_and_keeps_the_plan_for_a_natural_launch(fake_vllm, monkeypatch):
+    import vllm.v1.attention.backends.flash_attn as fa
+    from tic.patches.vllm import fa3_fixed_tile
+
+    assert fa.get_scheduler_metadata(batch_size=4, num_splits=0)["num_splits"] == 0
+    patches.apply(["fa3-fixed-tile"])
+    assert fa.get_scheduler_metadata(batch_size=4, num_splits=0) == {"batch_size": 4, "num_splits": 1}
+    natural = {"agrees": True}
+    monkeypatch.setattr(fa3_fixed_tile, "natural_launch_agrees", lambda fn, kw: natural["agrees"])
+    assert fa.flash_attn_varlen_func(max_seqlen_q=1, scheduler_metadata="plan", num_splits=0) == \
+        {"max_seqlen_q": 1, "scheduler_metadata": "plan", "num_splits": 1}
+    natural["agrees"] = False
+    assert fa.flash_attn_varlen_func(max_seqlen_q=1, scheduler_metadata="plan", num_splits=0) == \
+        {"max_seqlen_q": 128, "scheduler_metadata": None, "num_splits": 1}
+    # a windowed call split into rows of their own is another launch than the one planned
+    natural["agrees"] = True
+    kw = fa.flash_attn_varlen_func(q=torch.zeros(3, 1, 4), cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32),
+                                   seqused_k=torch.tensor([5], dtype=torch.int32),
+                                   block_table=torch.zeros(1, 2, dtype=torch.int32), window_size=[2, 0],
+                                   max_seqlen_q=3, scheduler_metadata="plan", num_splits=0)
+    assert kw["scheduler_metadata"] is None and kw["cu_seqlens_q"].tolist() == [0, 1, 2, 3]
+    patches.apply([])
+    assert fa.get_scheduler_metadata(batch_size=4, num_splits=0)["num_splits"] == 0
 
 
 def _paged_rows(q, k, v, cu_seqlens_q, seqused_k, block_table, window_size=None):

@@ -5,8 +5,9 @@ query/key tile from it: a decode step (one query row per sequence) runs another 
 order over the keys, than the prefill that scores the same rows. Measured on the H200 with vLLM 0.26.0
 (head_dim 64, paged KV, 400 tokens): 272 of 400 decode rows differed from prefill; with `max_seqlen_q` raised
 to at least 128 for every call, 0 of 400 (also a decode row inside a mixed batch). The kernel itself is kept;
-only its launch is pinned. The ahead-of-time scheduler metadata was planned for the unpinned launch and the
-split count grows with the batch under CUDA graphs, so both are fixed too (no metadata, one split). Cascade
+only its launch is pinned. The split count grows with the batch under CUDA graphs, so it is fixed to one, in the
+launch and in the backend's ahead-of-time plan; a launch whose max_seqlen_q was raised runs without the plan (it
+was made for the unraised one). Cascade
 attention (a shared-prefix fast path with another reduction) is switched off for the same reason.
 
 A sliding-window launch needs more: there a row's bits follow which other query rows share its tile (measured on
@@ -133,16 +134,29 @@ def _pin(fn):
     @functools.wraps(fn)
     def pinned(*args, **kwargs):
         if "max_seqlen_q" in kwargs:
-            several = int(kwargs["max_seqlen_q"]) > 1
+            natural = int(kwargs["max_seqlen_q"])
+            plan = kwargs.get("scheduler_metadata")
             kwargs["scheduler_metadata"] = None
             kwargs["num_splits"] = 1
             if not natural_launch_agrees(fn, kwargs):
-                kwargs["max_seqlen_q"] = max(int(kwargs["max_seqlen_q"]), MIN_TILE_Q)
-            if several and _sliding(kwargs.get("window_size")) and kwargs.get("block_table") is not None \
+                kwargs["max_seqlen_q"] = max(natural, MIN_TILE_Q)
+            if natural > 1 and _sliding(kwargs.get("window_size")) and kwargs.get("block_table") is not None \
                     and kwargs.get("seqused_k") is not None and "q" in kwargs:
                 kwargs = rows_apart(kwargs)
+            elif kwargs["max_seqlen_q"] == natural:
+                # the step's plan (one split, see _one_split) fits a launch left as the builder saw it; it only
+                # orders the tiles, so the kernel need not plan again in every layer
+                kwargs["scheduler_metadata"] = plan
         return fn(*args, **kwargs)
     return pinned
+
+
+def _one_split(fn):
+    """The backend's ahead-of-time plan, made for the one split every launch here runs."""
+    @functools.wraps(fn)
+    def planned(*args, **kwargs):
+        return fn(*args, **{**kwargs, "num_splits": 1})
+    return planned
 
 
 def _never(fn):
@@ -166,6 +180,7 @@ PATCH = Patch(
          "graphs (H200, vLLM 0.26.0, docs/results/vllm-patches.md); this wrapper alone measured 96.6 % earlier; "
          "on windowed layers prefill runs one partly filled tile per row (not measured)",
     **swap_hooks(NAME, (_BACKEND, "flash_attn_varlen_func", _pin, _BACKEND),
+                 (_BACKEND, "get_scheduler_metadata", _one_split, _BACKEND),
                  (_BACKEND, "use_cascade_attention", _never, _BACKEND)),
     _choices=checks,
 )

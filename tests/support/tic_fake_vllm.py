@@ -13,6 +13,9 @@ FAKE = {
         def flash_attn_varlen_func(**kwargs):
             return kwargs
 
+        def get_scheduler_metadata(**kwargs):
+            return kwargs
+
         def use_cascade_attention(*args, **kwargs):
             return True
         """,
