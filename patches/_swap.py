@@ -71,6 +71,7 @@ def swap_method(home: str, cls: str, attr: str, make: Callable[[Callable], Calla
         return
     wrapped = _wrapped(getattr(owner, attr), make, name)
     if wrapped is not None:
+        wrapped.__tic_inherited__ = raw is None  # a base class's method: revert removes the override
         setattr(owner, attr, wrapped)
 
 
@@ -83,7 +84,10 @@ def restore_method(home: str, cls: str, attr: str, name: str) -> None:
         return
     wrapped = getattr(owner, attr)
     if getattr(wrapped, _MARK, None) == name:
-        setattr(owner, attr, wrapped.__wrapped__)
+        if getattr(wrapped, "__tic_inherited__", False):
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, wrapped.__wrapped__)
 
 
 def method_swapped(home: str, cls: str, attr: str, name: str) -> bool:

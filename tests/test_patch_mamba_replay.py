@@ -44,7 +44,8 @@ def _cache(m, slots=SLOTS):
     """The mixer's states as vLLM 0.26 lays them out (gpu_model_runner, MambaSpec): one page per slot holding each
     state the mixer's get_state_shape/get_state_dtype name, one after another, as strided views of one buffer. A
     third state (the patch's chunk buffers) starts as NaN: its content before a request writes it must not matter."""
-    shapes, dtypes = m.get_state_shape(), m.get_state_dtype()
+    spec = m.get_kv_cache_spec(None)
+    shapes, dtypes = spec.shapes, spec.dtypes
     page = sum(math.prod(shape) * d.itemsize for shape, d in zip(shapes, dtypes))
     raw = torch.zeros(slots * page, dtype=torch.uint8)
     views, offset = [], 0
@@ -182,17 +183,23 @@ def test_the_chunk_buffers_are_a_third_state_that_vllms_sizing_counts(fake_vllm)
     cfg = SimpleNamespace(model_cls=Model, model_config=SimpleNamespace(get_mamba_chunk_size=lambda: Q))
     m = _mixer()
     m.model_config.dtype, m.cache_config.mamba_ssm_cache_dtype = torch.bfloat16, "float32"
-    stock = (m.get_state_shape(), m.get_state_dtype())
+    def spec():
+        s = m.get_kv_cache_spec(None)
+        return s.shapes, s.dtypes
+
+    stock = spec()
     Platform.update_block_size_for_backend(cfg)
     assert len(stock[0]) == 2 and cfg.mamba_page_bytes == page(*stock)
     patches.apply(["mamba-decode-replay"])
-    shapes, dtypes = m.get_state_shape(), m.get_state_dtype()
+    shapes, dtypes = spec()
     assert shapes == (*stock[0], (Q, H * P + H + G * N)) and dtypes == (*stock[1], torch.bfloat16)
     Platform.update_block_size_for_backend(cfg)
     assert cfg.mamba_page_bytes == page(shapes, dtypes) > page(*stock)
     assert len(MambaStateShapeCalculator.mamba2_state_shape(1, I, G, H, P, N, K)) == 2  # outside a sizing: vLLM's
+    # the layer's own sizing keeps two states: vLLM's kernel warmup unpacks its dtypes as (conv, ssm)
+    assert (tuple(m.get_state_shape()), m.get_state_dtype()) == stock
     patches.apply([])
-    assert (m.get_state_shape(), m.get_state_dtype()) == stock
+    assert spec() == stock and "get_kv_cache_spec" not in type(m).__dict__
     Platform.update_block_size_for_backend(cfg)
     assert cfg.mamba_page_bytes == page(*stock)
 

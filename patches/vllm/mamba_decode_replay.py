@@ -20,8 +20,8 @@ per step. Prefix caching (mamba_cache_mode align or all; C0 refuses it) and spec
 with the reason. Cost: a
 decode step scans chunk_size tokens per request twice (without and with the start state); the buffers take
 chunk_size x (H x P + H + G x N) elements of the model's dtype per state slot and mixer. They are a third state in
-the mixer's cache spec (the state calculators add it while a MambaMixer2 or vLLM's block-size alignment sizes the
-states), so vLLM's memory sizing counts them and the attention blocks are aligned to the larger page.
+the mixer's cache spec (the state calculators add it while a MambaMixer2 builds its spec or vLLM's block-size
+alignment sizes the states; the mixer's get_state_shape/get_state_dtype alone keep two), so vLLM's memory sizing counts them and the attention blocks are aligned to the larger page.
 """
 
 from __future__ import annotations
@@ -383,9 +383,10 @@ PATCH = Patch(
     **swap_hooks(NAME, *((_MIXER, attr, make, _MIXER) for attr, make in _FUNCS),  # the mixer's calls alone
                  methods=((_MIXER, "MambaMixer2", "conv_ssm_forward", _tracking),
                           # the chunk buffers as a third Mamba state: in the layers' cache specs and in the page
-                          # size vLLM aligns the attention blocks to, so vLLM's memory sizing counts them
-                          (_MIXER, "MambaMixer2", "get_state_shape", _sizing(_layer_chunk)),
-                          (_MIXER, "MambaMixer2", "get_state_dtype", _sizing(_layer_chunk)),
+                          # size vLLM aligns the attention blocks to, so vLLM's memory sizing counts them; the
+                          # layer's own get_state_shape/get_state_dtype keep their two states (vLLM's kernel
+                          # warmup unpacks two)
+                          (_MIXER, "MambaMixer2", "get_kv_cache_spec", _sizing(_layer_chunk)),
                           (_PLATFORM, "Platform", "update_block_size_for_backend", _sizing(_config_chunk)),
                           (_UTILS, "MambaStateShapeCalculator", "mamba2_state_shape", _shape_with_buffer),
                           (_UTILS, "MambaStateDtypeCalculator", "mamba2_state_dtype", _dtype_with_buffer))),

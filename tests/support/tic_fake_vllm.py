@@ -188,6 +188,14 @@ FAKE = {
             global _forward_context
             _forward_context = ctx
         """,
+    "vllm/model_executor/layers/mamba/abstract.py": """
+        from types import SimpleNamespace
+
+        class MambaBase:
+            def get_kv_cache_spec(self, vllm_config):
+                # vLLM 0.26's MambaSpec holds the states the layer's two sizing methods name
+                return SimpleNamespace(shapes=tuple(self.get_state_shape()), dtypes=self.get_state_dtype())
+        """,
     "vllm/model_executor/layers/mamba/mamba_mixer2.py": """
         import torch
 
@@ -196,6 +204,7 @@ FAKE = {
         from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
         from vllm.model_executor.layers.mamba.ops.layernorm_gated import rms_norm_gated
         from vllm.model_executor.layers.mamba.ops.ssu_dispatch import selective_state_update
+        from vllm.model_executor.layers.mamba.abstract import MambaBase
 
         class Mixer2RMSNormGated:
             # vLLM 0.26's gated norm at TP 1: Triton for one group, torch's forward_native for several
@@ -213,7 +222,7 @@ FAKE = {
                 return rms_norm_gated(x, self.weight.data, bias=None, z=gate, eps=self.variance_epsilon,
                                       norm_before_gate=False)
 
-        class MambaMixer2:
+        class MambaMixer2(MambaBase):
             # conv_ssm_forward as vLLM 0.26's, without prefix caching and speculative decoding (I, H, P, G, N:
             # intermediate size, heads, head dim, groups, state size; kv_cache = (conv [slots, K-1, dim], ssm)),
             # and its state sizing (K: conv kernel)
@@ -229,6 +238,7 @@ FAKE = {
                     state_size=self.N, conv_kernel=self.K, num_spec=0)
 
             def conv_ssm_forward(self, projected_states, output):
+                _, ssm_state_dtype = self.get_state_dtype()  # as vLLM's SSD kernel warmup reads it
                 I, H, P, G, N = self.I, self.H, self.P, self.G, self.N
                 xBC, dt = torch.split(projected_states[..., I:], [I + 2 * G * N, H], dim=-1)
                 m = get_forward_context().attn_metadata[self.prefix]
