@@ -47,12 +47,13 @@ def test_plan_writes_valid_configs_for_every_mode_and_variant(tmp_path, monkeypa
         assert cfg.rollout.options["max_model_len"] >= cfg.prompts.max_len + cfg.sampling.max_tokens
 
 
-def test_rows_variant_swaps_the_norm_patch_alone(tmp_path):
-    args = argparse.Namespace(work=str(tmp_path), shapes="Qwen3-8B", modes="compiled", variants="patched,rows",
-                              requests=64, max_prompt=4096, tokens=512)
+def test_norm_variants_swap_or_drop_the_norm_patch_alone(tmp_path):
+    args = argparse.Namespace(work=str(tmp_path), shapes="Qwen3-8B", modes="compiled",
+                              variants="patched,rows,no-norm", requests=64, max_prompt=4096, tokens=512)
     runs, _ = shape_sweep.plan(args)
     got = {r.variant: load_config(r.config).rollout.patches for r in runs}
     assert got["rows"] == [("rmsnorm-rows" if p == "rmsnorm-fixed-block" else p) for p in got["patched"]]
+    assert got["no-norm"] == [p for p in got["patched"] if p != "rmsnorm-fixed-block"]
     assert "rmsnorm-fixed-block" in got["patched"]
 
 
