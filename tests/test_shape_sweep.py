@@ -210,6 +210,11 @@ def test_a_hybrid_shape_is_nemotron_h_at_full_depth_and_its_consistent_side_is_w
     assert "cudagraph_mode" not in options  # LLM(...) takes it inside compilation_config only
     assert rt.side_spec("default", hybrid=True) == rt.SIDES["default"]
     assert rt.side_spec("only:mamba-decode-replay", hybrid=True)[0] == rt.HYBRID_CONSISTENT
+    # the rows side: the consistent side of any kind with the row-kernel norm for the padded one, nothing else
+    for kind in ({}, {"hybrid": True}, {"fp8": True}):
+        consistent, rows = rt.side_spec("consistent", **kind), rt.side_spec("rows", **kind)
+        assert rows[0] == consistent[0] and "rmsnorm-fixed-block" in consistent[1]["TIC_PATCHES"]
+        assert rows[1]["TIC_PATCHES"] == consistent[1]["TIC_PATCHES"].replace("rmsnorm-fixed-block", "rmsnorm-rows")
     assert rt.side_gib(s, 52, 10 * rt.GiB) == rt.side_gib(s, 52, 0) + 10  # the buffers are in the cache's bytes
     kv = rt.shared_kv_gib(s, 52, 2, 100)
     assert 2 * rt.side_gib(s, 52, kv * rt.GiB) <= 100 < 2 * rt.side_gib(s, 52, (kv + 1) * rt.GiB)

@@ -14,6 +14,7 @@ Sides (each a vLLM engine in a process of its own; `default` is every ratio's de
 - batch_invariant: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1), default compilation;
 - keep_kernels: the consistent side's compilation settings without any patch (what keeping the CUDA ops costs);
 - only:P1+P2: the consistent side's compilation with only the named patches (one patch's cost, A/B);
+- rows: the consistent side (FP8 or hybrid alike) with rmsnorm-rows in place of rmsnorm-fixed-block;
 - previous: the consistent side run on another tic tree (--previous-pythonpath, device_env.sh's previous_tree:
   a patch change's with/without in one run).
 Models: each shape at its full depth (shapes.py), `load_format: dummy`, every side with the same KV cache size;
@@ -73,9 +74,9 @@ def side_spec(name: str, fp8: bool = False, previous: str = "", hybrid: bool = F
     HYBRID_CONSISTENT with the Mamba patches (configs.MAMBA_PATCHES)."""
     if name.startswith("only:"):
         options, env = KEEP_KERNELS, {"TIC_PATCHES": name[5:].replace("+", ","), "VLLM_BATCH_INVARIANT": "0"}
-    elif name == "previous":
+    elif name in ("previous", "rows"):
         options, env = SIDES["consistent"]
-        env = {**env, "PYTHONPATH": previous}
+        env = {**env, "PYTHONPATH": previous} if name == "previous" else env
     else:
         options, env = SIDES[name]
     if fp8 and env["TIC_PATCHES"] == PATCHES:
@@ -84,6 +85,9 @@ def side_spec(name: str, fp8: bool = False, previous: str = "", hybrid: bool = F
         options = HYBRID_CONSISTENT
         if env["TIC_PATCHES"] == PATCHES:
             env = {**env, "TIC_PATCHES": ",".join(MAMBA_PATCHES)}
+    if name == "rows":
+        env = {**env, "TIC_PATCHES": ",".join("rmsnorm-rows" if p == "rmsnorm-fixed-block" else p
+                                              for p in env["TIC_PATCHES"].split(","))}
     return options, env
 
 
@@ -346,7 +350,7 @@ def main() -> int:
                          "at most this many output tokens: GPU time per kernel, printed side by side (0: none)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
-    known = [*SIDES, "previous"]
+    known = [*SIDES, "previous", "rows"]
     unknown = [s for s in a.sides.split(",") if (s not in known and not s.startswith("only:")) or s == "default"]
     if unknown:
         raise SystemExit(f"unknown side {unknown[0]!r}; sides: {', '.join(n for n in known if n != 'default')}")
