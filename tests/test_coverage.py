@@ -578,6 +578,24 @@ def test_an_ungated_mlp_with_the_wrong_activation_fails_c2_and_gelu_new_is_refus
     assert coverage_problems(meta_of("tiny-starcoder2", hidden_act="relu"), "vllm") == []
 
 
+def test_a_relu_squared_ungated_mlp_is_covered_with_its_derivative():
+    """relu2 (Arcee, Nemotron): covered on both providers, since vLLM's _C.relu_squared gives torch's
+    relu().square() bits; the surrogate backward is its derivative, 2 relu(x)."""
+    from tic.harness.kernels.autograd import PLAIN_ACTS, _activation_input_grad
+
+    for kernels in ("consistent", "vllm"):
+        assert coverage_problems(meta_of("tiny-starcoder2", hidden_act="relu2"), kernels) == []
+    row = coverage_table(meta_of("tiny-starcoder2", hidden_act="relu2"))[0]
+    assert "mlp:plain" in row["operator_classes"] and "mlp:plain_vllm_kernel" not in row["operator_classes"]
+    x = torch.linspace(-3, 3, 61, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(61, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    (want,) = torch.autograd.grad(PLAIN_ACTS["relu2"](x), x, g)
+    assert torch.allclose(_activation_input_grad(x.detach(), g, "relu2").double(), want)
+    y = torch.randn(256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    # one rounding of the exact float square, as the CUDA kernel: the bf16 op equals the float32 square rounded
+    assert torch.equal(PLAIN_ACTS["relu2"](y), torch.relu(y.float()).square().to(torch.bfloat16))
+
+
 def test_phi_parallel_layer_run_in_sequence_fails_c2(example, workdir):
     """Phi's attention and MLP read one norm's output side by side; a wrapper that feeds the MLP the post-attention
     sum instead agrees with itself bitwise, and C2 refuses it inside layer 0."""

@@ -94,7 +94,10 @@ def softcap_ref(x, cap):
     return torch.tanh(_wide(x) / cap) * cap
 
 
-PLAIN_ACTS = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu}
+# relu2: relu then square, the product rounded once from the exact float square of a model-dtype value, as vLLM's
+# _C.relu_squared computes it (widen, clamp at 0, square in float32, one rounding)
+PLAIN_ACTS = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu,
+              "relu2": lambda x: F.relu(x).square()}
 
 
 def activation_ref(x, kind):
@@ -103,7 +106,8 @@ def activation_ref(x, kind):
 
 def _activation_input_grad(x, g, kind: str):
     """d/dx of gelu = Phi(x) + x phi(x); of gelu_tanh = 0.5 (1 + t) + 0.5 x (1 - t^2) u', t = tanh(u),
-    u = c (x + 0.044715 x^3), u' = c (1 + 3 * 0.044715 x^2); of relu = [x > 0]; of silu = s (1 + x (1 - s))."""
+    u = c (x + 0.044715 x^3), u' = c (1 + 3 * 0.044715 x^2); of relu = [x > 0]; of relu2 = 2 relu(x); of
+    silu = s (1 + x (1 - s))."""
     x = _wide(x)
     if kind == "gelu":
         d = 0.5 * (1 + torch.erf(x * 0.7071067811865476)) + x * torch.exp(-0.5 * x * x) * 0.3989422804014327
@@ -113,6 +117,8 @@ def _activation_input_grad(x, g, kind: str):
         d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
     elif kind == "relu":
         d = (x > 0).to(x.dtype)
+    elif kind == "relu2":
+        d = 2 * F.relu(x)
     else:
         sg = torch.sigmoid(x)
         d = sg * (1 + x * (1 - sg))

@@ -83,7 +83,8 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("mlp:silu_and_mul", "gated MLP, silu(gate) * up rounded once"),
     OperatorClass("mlp:gelu_tanh_and_mul", "gated MLP, gelu_tanh(gate) * up rounded once (Gemma)"),
     OperatorClass("mlp:plain", "an ungated MLP: up projection, one elementwise activation (GELU, GELU-tanh, ReLU "
-                               "or SiLU, torch's), down projection (StarCoder2, GPT-2-style)"),
+                               "or SiLU, torch's, or ReLU squared), down projection (StarCoder2, GPT-2-style, "
+                               "Arcee)"),
     OperatorClass("mlp:plain_vllm_kernel", "an ungated MLP whose activation name (gelu_new, gelu_fast, ...) vLLM "
                                            "runs through a kernel of its own, not torch's function",
                   frozenset({"consistent"})),
@@ -352,7 +353,8 @@ ACTIVATIONS = {"mlp:silu_and_mul": F.silu, "mlp:gelu_tanh_and_mul": lambda x: F.
 
 
 # the activation names vLLM 0.26's get_act_fn answers with torch's own function on CUDA (the others: its own kernels)
-TORCH_ACTIVATION_NAMES = {"gelu", "gelu_pytorch_tanh", "relu", "silu", "swish"}
+# config names vLLM runs as torch's function, or (relu2) through a kernel of its own that gives torch's bits
+TORCH_ACTIVATION_NAMES = {"gelu", "gelu_pytorch_tanh", "relu", "silu", "swish", "relu2"}
 
 
 def plain_mlp_parts(m) -> tuple[str, str, str] | None:

@@ -348,7 +348,8 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
 
     def activation(self, x, kind):
         """An ungated MLP's activation: the torch function vLLM's get_act_fn gives for gelu, gelu_pytorch_tanh,
-        relu and silu on CUDA (elementwise: a row's bits do not follow the batch)."""
+        relu and silu on CUDA; for relu2 torch's relu then square, the bits of vLLM's _C.relu_squared (float32
+        square of the clamped value, rounded once). Elementwise: a row's bits do not follow the batch."""
         return PLAIN_ACTS[kind](x)
 
     def layer_norm(self, x, w, b, eps):
