@@ -904,6 +904,30 @@ def test_routers_are_read_from_their_own_forward():
     assert not any("Qwen3MoeSparseMoeBlock" in p for p in coverage_problems(qwen))
 
 
+def test_a_router_whose_selection_bias_starts_at_zero_is_not_read_as_a_softmax_top_k():
+    """Ernie-4.5-MoE picks its experts by softmax + a correction bias that a generated model holds at zero, where
+    the selection equals the softmax's; a trained checkpoint's bias moves it. The router is read with every
+    parameter seeded, so it is refused on a real (not meta) model too, and a Qwen3-MoE router still reads."""
+    from transformers import AutoModelForCausalLM, Ernie4_5_MoeConfig, Qwen3MoeConfig
+
+    from tic.harness.kernels.coverage import moe_router, router_renormalizes
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    ernie = AutoModelForCausalLM.from_config(Ernie4_5_MoeConfig(**small, moe_num_experts=4, moe_k=2,
+                                                                moe_intermediate_size=16, moe_layer_start_index=0))
+    qwen = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**small, num_experts=4, num_experts_per_tok=2,
+                                                           moe_intermediate_size=16, norm_topk_prob=True))
+    router = moe_router(ernie.model.layers[0].mlp)
+    bias = router.moe_statics.e_score_correction_bias
+    assert not bias.any()  # as generated
+    before = {k: v.clone() for k, v in router.state_dict().items()}
+    assert router_renormalizes(router) is None
+    assert all(torch.equal(v, router.state_dict()[k]) for k, v in before.items())  # read on a copy
+    assert router_renormalizes(moe_router(qwen.model.layers[0].mlp)) is True
+
+
 def test_c2_fidelity_keeps_a_routers_own_weights_where_it_chose_the_same_experts(tmp_path, workdir, monkeypatch):
     """C2's routing pin gives the stock router the wrapped model's experts only where they differ by a near tie;
     where they are the experts it chose itself it keeps its own weights. So a router of another rule than the

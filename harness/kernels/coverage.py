@@ -187,16 +187,21 @@ def moe_router(m) -> nn.Module | None:
 
 def router_renormalizes(router: nn.Module) -> bool | None:
     """Whether the router's top-k weights are its softmax probabilities scaled to sum to one (True) or left as they
-    are (False, Jamba's), read from its own forward on seeded rows (a copy with seeded weights where its own are on
-    the meta device); None where they are neither, or its top-k ids are not the softmax's (PhiMoE's sparsemixer),
-    or the forward does not run that way: a router the MoE wrapper does not compute."""
-    probe = router
-    if any(t.is_meta for t in router.parameters()):
-        probe = copy.deepcopy(router).to_empty(device="cpu")
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for t in [*probe.parameters(), *probe.buffers()]:
-                t.copy_(torch.randn(t.shape, generator=g) if t.is_floating_point() else torch.zeros_like(t))
+    are (False, Jamba's), read from its own forward on seeded rows; None where they are neither, or its top-k ids
+    are not the softmax's (PhiMoE's sparsemixer; a selection bias such as Ernie-4.5's), or the forward does not run
+    that way: a router the MoE wrapper does not compute. The forward runs on a copy whose every floating parameter
+    and buffer is seeded: a term that starts at zero (a selection bias before training) must show."""
+    meta = any(t.is_meta for t in [*router.parameters(), *router.buffers()])
+    probe = copy.deepcopy(router)
+    if meta:
+        probe = probe.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in [*probe.parameters(), *probe.buffers()]:
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+            elif meta:
+                t.zero_()  # to_empty left it unset
     w = probe.weight
     x = torch.randn(8, w.shape[1], generator=torch.Generator().manual_seed(1)).to(device=w.device, dtype=w.dtype)
     try:
