@@ -23,7 +23,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2", "tiny-phi3",
             "tiny-granite", "tiny-qwen2-moe", "tiny-stablelm", "tiny-starcoder2", "tiny-phi2", "tiny-gpt-neox",
             "tiny-glm", "tiny-cohere", "tiny-helium", "tiny-smollm3", "tiny-exaone4", "tiny-olmo3", "tiny-glm4",
-            "tiny-vaultgemma")
+            "tiny-vaultgemma", "tiny-nemotron")
 
 
 def meta_of(name: str, **changes) -> nn.Module:
@@ -64,6 +64,8 @@ def meta_of(name: str, **changes) -> nn.Module:
      {"embedding", "embedding:tied", "rope:one_table", "rope:interleaved", "norm:layer_float32"}),
     ("tiny-helium", {"decoder:two_norm", "norm:rms", "attention:full", "mlp:silu_and_mul"},
      {"embedding", "rope:one_table", "rope:interleaved", "norm:rms"}),
+    ("tiny-nemotron", {"decoder:two_norm", "norm:layer_1p", "attention:full", "mlp:plain"},
+     {"embedding", "rope:one_table", "norm:layer_1p"}),
 ])
 def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
     rows = coverage_table(meta_of(name))
@@ -313,6 +315,19 @@ def test_fidelity_passes_the_wrappers(example, workdir, name):
     fid = res.details["fidelity"]
     assert res.verdict == "pass", res.reason
     assert fid["first_parting"] is None and fid["modules_checked"] > 20 and fid["logits_max_abs"] < 1e-4
+    hf._MODELS.clear()
+
+
+def test_fidelity_fails_a_layer_norm_wrapper_without_the_plus_one(example, workdir):
+    """Nemotron's LayerNorm1P wrapped as a plain LayerNorm agrees with itself bitwise; C2 refuses it at the first
+    norm."""
+    ctx = small_ctx(example, "tiny-nemotron")
+    for m in ctx.train_engine().model.modules():
+        if getattr(m, "_tic_weight_plus_one", False):
+            m._tic_weight_plus_one = False
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"] == \
+        "model.layers.0.input_layernorm"
     hf._MODELS.clear()
 
 

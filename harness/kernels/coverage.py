@@ -71,6 +71,8 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
                                         "layer_norm_func), read by computation"),
     OperatorClass("norm:layer", "torch's LayerNorm (w * (x - mean) / std + b); where it joins the residual, a plain "
                                 "add then the norm of the sum, as vLLM's models run nn.LayerNorm (StableLM)"),
+    OperatorClass("norm:layer_1p", "torch's LayerNorm with weight w + 1 (added in the weight's dtype): Nemotron's "
+                                   "LayerNorm1P, as HF and vLLM compute it, read by computation"),
     OperatorClass("attention:full", "causal attention over each sequence's keys"),
     OperatorClass("attention:sliding", "causal attention over the last `sliding_window` keys (Gemma, Mistral)"),
     OperatorClass("attention:softcap", "attention scores cap * tanh(s / cap) (Gemma-2 attn_logit_softcapping)"),
@@ -336,6 +338,24 @@ def layer_norm_float32_variant(m) -> str | None:
     return "norm:layer_float32" if y.shape == x.shape and torch.allclose(y, want, rtol=1e-5, atol=1e-6) else None
 
 
+def layer_norm_1p_variant(m) -> str | None:
+    """'norm:layer_1p' when a norm that is not torch's LayerNorm computes torch's LayerNorm with weight + 1 on a CPU
+    probe (Nemotron's LayerNorm1P: a 1-D weight and bias), else None."""
+    w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 1 or not isinstance(b, torch.Tensor):
+        return None
+    d = int(w.shape[-1])
+    params = {"weight": torch.linspace(-0.25, 0.25, d, dtype=torch.float32),
+              "bias": torch.linspace(-0.1, 0.1, d, dtype=torch.float32)}
+    ran = _norm_on_probe(m, params)
+    if ran is None:
+        return None
+    x, y = ran
+    y = (y[0] if isinstance(y, tuple) else y).float()
+    want = torch.nn.functional.layer_norm(x.float(), (d,), params["weight"] + 1, params["bias"], norm_eps(m))
+    return "norm:layer_1p" if y.shape == x.shape and torch.allclose(y, want, rtol=1e-5, atol=1e-6) else None
+
+
 def norm_variant(m) -> str | None:
     """'norm:rms' or 'norm:rms_1p', from the module's own forward on a CPU probe (weight 0.25 + a ramp): which
     of w * x_hat and (1 + w) * x_hat it computes; None for neither."""
@@ -509,11 +529,11 @@ def attention_clip(m, cfg) -> float | None:
 # -- reading a model's coverage --------------------------------------------------------------------------------
 def _read_norm(cov: LayerCoverage, name: str, norm) -> None:
     variant = "norm:layer" if is_layernorm(norm) else norm_variant(norm) if is_rmsnorm(norm) \
-        else layer_norm_float32_variant(norm)
+        else layer_norm_float32_variant(norm) or layer_norm_1p_variant(norm)
     if variant is None:
         cov.refusals.append(Refusal(name, type(norm).__name__, "a norm computing neither w * x_hat nor "
-                                    "(1 + w) * x_hat (RMSNorm), torch's LayerNorm nor a LayerNorm written out in "
-                                    "float32, the norms the wrappers implement"))
+                                    "(1 + w) * x_hat (RMSNorm), torch's LayerNorm (with w or w + 1) nor a LayerNorm "
+                                    "written out in float32, the norms the wrappers implement"))
     else:
         cov.classes[variant] = (None, None)
         cov.variants[name] = variant

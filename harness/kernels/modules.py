@@ -147,10 +147,13 @@ def _rmsnorm_forward(self, x, residual=None):
 
 def _layernorm_forward(self, x, residual=None):
     """A LayerNorm as vLLM's models run it: torch's nn.LayerNorm (op layer_norm) or one written out in float32
-    (Cohere; op layer_norm_float32), `_tic_layer_norm_op`; where the layer joins the residual, a plain add
+    (Cohere; op layer_norm_float32), `_tic_layer_norm_op`; with weight + 1 in the weight's dtype for Nemotron's
+    LayerNorm1P (`_tic_weight_plus_one`, as HF and vLLM add it); where the layer joins the residual, a plain add
     (residual + x) and the norm of the sum, no fused add+norm."""
     norm = getattr(self._tic_ops, self._tic_layer_norm_op)
     w, b, eps = self.weight, getattr(self, "bias", None), norm_eps(self)
+    if getattr(self, "_tic_weight_plus_one", False):
+        w = w + 1
     if residual is not None:
         total = residual + x
         return norm(total, w, b, eps), total
@@ -535,8 +538,9 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m.forward = types.MethodType(LAYER_FORWARDS[variant], m)
     elif isinstance(m, nn.Linear):
         m.forward = types.MethodType(_linear_forward, m)
-    elif is_layernorm(m) or variant == "norm:layer_float32":
-        m._tic_layer_norm_op = "layer_norm" if is_layernorm(m) else "layer_norm_float32"
+    elif is_layernorm(m) or variant in ("norm:layer_float32", "norm:layer_1p"):
+        m._tic_layer_norm_op = "layer_norm_float32" if variant == "norm:layer_float32" else "layer_norm"
+        m._tic_weight_plus_one = variant == "norm:layer_1p"
         m.forward = types.MethodType(_layernorm_forward, m)
     elif is_rmsnorm(m):
         m._tic_norm_offset = 1.0 if variant == "norm:rms_1p" else 0.0
