@@ -23,7 +23,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2", "tiny-phi3",
             "tiny-granite", "tiny-qwen2-moe", "tiny-stablelm", "tiny-starcoder2", "tiny-phi2", "tiny-gpt-neox",
             "tiny-glm", "tiny-cohere", "tiny-helium", "tiny-smollm3", "tiny-exaone4", "tiny-olmo3", "tiny-glm4",
-            "tiny-vaultgemma", "tiny-nemotron")
+            "tiny-vaultgemma", "tiny-nemotron", "tiny-hunyuan")
 
 
 def meta_of(name: str, **changes) -> nn.Module:
@@ -66,6 +66,8 @@ def meta_of(name: str, **changes) -> nn.Module:
      {"embedding", "rope:one_table", "rope:interleaved", "norm:rms"}),
     ("tiny-nemotron", {"decoder:two_norm", "norm:layer_1p", "attention:full", "mlp:plain"},
      {"embedding", "rope:one_table", "norm:layer_1p"}),
+    ("tiny-hunyuan", {"decoder:two_norm", "norm:rms", "attention:full", "attention:qk_norm",
+                      "attention:qk_norm_after_rotary", "mlp:silu_and_mul"}, {"embedding", "rope:one_table"}),
 ])
 def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
     rows = coverage_table(meta_of(name))
@@ -167,7 +169,7 @@ def test_a_norm_computing_another_function_is_refused_with_its_module():
     model.model.layers[1].post_attention_layernorm = OffsetRMSNorm(64)
     problems = coverage_problems(model)
     assert problems == ["model.layers.1.post_attention_layernorm (OffsetRMSNorm): a norm computing neither "
-                        "w * x_hat nor (1 + w) * x_hat (RMSNorm), torch's LayerNorm nor a LayerNorm written out "
+                        "w * x_hat nor (1 + w) * x_hat (RMSNorm), torch's LayerNorm (with w or w + 1) nor a LayerNorm written out "
                         "in float32, the norms the wrappers implement"]
 
 
@@ -315,6 +317,47 @@ def test_fidelity_passes_the_wrappers(example, workdir, name):
     fid = res.details["fidelity"]
     assert res.verdict == "pass", res.reason
     assert fid["first_parting"] is None and fid["modules_checked"] > 20 and fid["logits_max_abs"] < 1e-4
+    hf._MODELS.clear()
+
+
+def _uneven_qk_norm_weights(model) -> None:
+    """Seeded per-feature weights in every q/k norm: a generated model's are all ones, under which a per-head norm
+    commutes with the rotary (a rotation keeps the norm), so its place would not show."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "query_layernorm" in name or "key_layernorm" in name:
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g).to(p.dtype))
+
+
+def test_qk_norms_are_placed_beside_the_rotary_by_the_attentions_own_forward(example, workdir, monkeypatch):
+    """Qwen3 norms q and k before the rotary, HunYuan after it (read on the meta device too); HunYuan's wrapper with
+    the norms moved before the rotary agrees with itself bitwise, and C2 refuses it in layer 0's attention once the
+    norms' weights are uneven (the stock model gets the same ones)."""
+    from tic.gates import c2
+    from tic.harness.kernels.coverage import qk_norm_after_rotary
+
+    assert "attention:qk_norm_after_rotary" not in coverage_table(meta_of("tiny-qwen3"))[0]["operator_classes"]
+    assert qk_norm_after_rotary(meta_of("tiny-qwen3").model.layers[0].self_attn, "q_norm") is False
+    assert qk_norm_after_rotary(meta_of("tiny-hunyuan").model.layers[0].self_attn, "query_layernorm") is True
+    loaded = c2.load_model
+
+    def stock_with_uneven_norms(*args, **kw):
+        model = loaded(*args, **kw)
+        _uneven_qk_norm_weights(model)
+        return model
+
+    monkeypatch.setattr(c2, "load_model", stock_with_uneven_norms)
+    ctx = small_ctx(example, "tiny-hunyuan")
+    _uneven_qk_norm_weights(ctx.train_engine().model)
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "pass", res.reason  # the control: the wrappers' placement, read from the forward
+    for m in ctx.train_engine().model.modules():
+        if getattr(m, "_tic_qk_after_rope", False):
+            m._tic_qk_after_rope = False
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"].startswith(
+        "model.layers.0.self_attn"), res.details["fidelity"]
     hf._MODELS.clear()
 
 

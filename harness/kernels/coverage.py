@@ -77,6 +77,8 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("attention:sliding", "causal attention over the last `sliding_window` keys (Gemma, Mistral)"),
     OperatorClass("attention:softcap", "attention scores cap * tanh(s / cap) (Gemma-2 attn_logit_softcapping)"),
     OperatorClass("attention:qk_norm", "RMSNorm of each q and k head (Qwen3, Gemma-3)"),
+    OperatorClass("attention:qk_norm_after_rotary", "the per-head q/k RMSNorms applied to the rotated heads "
+                                                   "(HunYuan), read from the attention's forward"),
     OperatorClass("attention:qk_norm_projection", "RMSNorm of the whole q and k projections before the heads "
                                                   "split (OLMoE, OLMo-2)"),
     OperatorClass("attention:clip_qkv", "q, k and v clamped to +-clip_qkv after the q/k norms (OLMoE clip_qkv; "
@@ -676,15 +678,66 @@ def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
     _read_qk_norms(cov, name, m)
 
 
+QK_NORM_NAMES = (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm"))  # (Qwen3 and most), (HunYuan)
+
+
+def qk_norm_names(m) -> tuple[str, str] | None:
+    """The attribute names of an attention's q and k norms, or None where it has neither."""
+    return next((pair for pair in QK_NORM_NAMES if any(getattr(m, n, None) is not None for n in pair)), None)
+
+
+def qk_norm_after_rotary(attn: nn.Module, q_norm: str) -> bool | None:
+    """Whether the attention's own forward hands its q norm the rotated heads (HunYuan: norm after rotary) rather
+    than the projection's output (Qwen3: before), read on a CPU copy with seeded weights: a random rotary, and the
+    norm's input compared, as a multiset of values, with the projection's output. None where the forward does not
+    run on the probe."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(QKV_PROBE, _raise_split)
+    meta = any(t.is_meta for t in attn.parameters())
+    probe = copy.deepcopy(attn)
+    if meta:
+        probe = probe.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in probe.parameters():
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    p = next(probe.parameters())
+    d, width = head_dim_of(probe), probe.q_proj.in_features
+    h = torch.randn(1, 2, width, generator=g).to(p.device, p.dtype)
+    cos, sin = (torch.randn(1, 2, d, generator=g).to(p.device, p.dtype) for _ in range(2))
+    seen = {}
+    hooks = [probe.q_proj.register_forward_hook(lambda mod, args, out: seen.setdefault("proj", out)),
+             getattr(probe, q_norm).register_forward_pre_hook(lambda mod, args: seen.setdefault("norm", args[0]))]
+    try:
+        with torch.no_grad(), _attention_function(probe, QKV_PROBE):
+            probe(hidden_states=h, position_embeddings=(cos, sin), attention_mask=None)
+    except _Split:
+        pass
+    except Exception:  # noqa: BLE001 - a forward this probe cannot drive
+        return None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if "proj" not in seen or "norm" not in seen:
+        return None
+    proj, normed = (seen[k].detach().float().reshape(-1).sort().values for k in ("proj", "norm"))
+    return not (proj.shape == normed.shape and torch.equal(proj, normed))
+
+
 def _read_qk_norms(cov: LayerCoverage, name: str, m) -> None:
-    """q_norm/k_norm: per head (each norm over head_dim features) or over the whole projection (each over its
-    projection's width, heads * head_dim); anything else, or one of each, is refused."""
-    if getattr(m, "q_norm", None) is None and getattr(m, "k_norm", None) is None:
+    """q/k norms (q_norm/k_norm, or HunYuan's query_layernorm/key_layernorm): per head (each norm over head_dim
+    features) or over the whole projection (each over its projection's width, heads * head_dim), before the rotary;
+    per head after it too, read from the forward (qk_norm_after_rotary). Anything else, or one of each kind, is
+    refused."""
+    names = qk_norm_names(m)
+    if names is None:
         return
     if not hasattr(m, "q_proj"):
         cov.refusals.append(Refusal(name, type(m).__name__, "q/k norms beside a fused qkv projection"))
         return
-    norms = [(n, getattr(m, n, None), proj) for n, proj in (("q_norm", m.q_proj), ("k_norm", m.k_proj))]
+    cov.readings.setdefault(name, {})["qk_norms"] = names
+    norms = [(n, getattr(m, n, None), proj) for n, proj in zip(names, (m.q_proj, m.k_proj))]
     norms = [(n, norm, proj) for n, norm, proj in norms if norm is not None]
     kinds = set()
     for norm_name, norm, proj in norms:
@@ -707,6 +760,16 @@ def _read_qk_norms(cov: LayerCoverage, name: str, m) -> None:
         cov.classes[kind] = (None, None)
     if kinds == {"attention:qk_norm_projection"}:
         cov.variants[name] = "attention:qk_norm_projection"  # the wrapper norms before the heads split
+    after = qk_norm_after_rotary(m, norms[0][0]) if norms and not is_no_rope(m) else False
+    if after is None:
+        cov.refusals.append(Refusal(name, type(m).__name__, "q/k norms whose place beside the rotary (before or "
+                                    "after it) the probe could not read from the attention's forward"))
+    elif after:
+        if kinds != {"attention:qk_norm"}:
+            cov.refusals.append(Refusal(name, type(m).__name__, "q/k norms over the whole projection after the "
+                                        "rotary"))
+        cov.classes["attention:qk_norm_after_rotary"] = (None, None)
+        cov.readings[name]["qk_norm_after_rotary"] = True
 
 
 def _read_shared_expert(cov: LayerCoverage, name: str, m, cfg) -> None:
@@ -904,7 +967,8 @@ def norm_roles(layer: nn.Module) -> tuple[str, dict[str, str]] | None:
 
 # an attention's submodules that the wrappers' attention forward runs (others: refused)
 ATTENTION_PARTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "dense", "qkv_proj", "query_key_value",
-                             "q_norm", "k_norm", "q_layernorm", "k_layernorm"})
+                             "q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm",
+                             "key_layernorm"})
 
 
 def _read_unused_parts(cov: LayerCoverage, name: str, m: nn.Module, what: str, parts: frozenset | None) -> None:

@@ -366,11 +366,12 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         q, k, v = qkv.split([p.weight.shape[0] for p in projs], dim=-1)
     else:
         q, k, v = (p(hidden_states) for p in (self.q_proj, self.k_proj, self.v_proj))
+    qk_norms = self._tic_qk_norms  # names (q, k) or None; after the rotary where the forward puts them there
     if self._tic_norm_projection:  # OLMoE, OLMo-2: [B, T, heads * D] views of the fused output, as vLLM's passes
-        q, k = self.q_norm(q), self.k_norm(k)
+        q, k = getattr(self, qk_norms[0])(q), getattr(self, qk_norms[1])(k)
     q, k, v = q.reshape(B, T, -1, D), k.reshape(B, T, -1, D), v.reshape(B, T, -1, D)
-    if getattr(self, "q_norm", None) is not None and not self._tic_norm_projection:
-        q, k = self.q_norm(q), self.k_norm(k)
+    if qk_norms is not None and not self._tic_norm_projection and not self._tic_qk_after_rope:
+        q, k = getattr(self, qk_norms[0])(q), getattr(self, qk_norms[1])(k)
     if self._tic_clip is not None:  # elementwise, after the norms (transformers' OLMoE order)
         q, k, v = (t.clamp(-self._tic_clip, self._tic_clip) for t in (q, k, v))
     if position_ids is None:
@@ -380,6 +381,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     if self._tic_rope is not None:  # tic: attention without rotary (NemotronH), issue 31
         table = self._tic_rope.for_positions(position_ids, q.device)
         q, k = getattr(ops, self._tic_rope.op)(q.reshape(B * T, -1, D), k.reshape(B * T, -1, D), positions, table)
+    if qk_norms is not None and self._tic_qk_after_rope:  # HunYuan: contiguous [tokens, heads, D], as vLLM's passes
+        q, k = (getattr(self, n)(t.reshape(B * T, -1, D).contiguous()) for n, t in zip(qk_norms, (q, k)))
     q, k, v = q.reshape(B, T, -1, D).transpose(1, 2), k.reshape(B, T, -1, D).transpose(1, 2), v.transpose(1, 2)
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx)
@@ -528,6 +531,8 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m._tic_qkv_index = reading.get("qkv_index")  # coverage refuses a fused qkv whose layout it cannot read
         m._tic_window, m._tic_softcap = attention_window(m, cfg), attention_softcap(m, cfg)
         m._tic_norm_projection, m._tic_clip = variant == "attention:qk_norm_projection", attention_clip(m, cfg)
+        m._tic_qk_norms = reading.get("qk_norms")
+        m._tic_qk_after_rope = bool(reading.get("qk_norm_after_rotary"))
         m.forward = types.MethodType(_attention_forward, m)
     elif is_decoder_layer(m):
         m._tic_stream = stream
