@@ -12,7 +12,7 @@ import json
 from tic.gates.base import Gate, Judgement, Measurement, Verdict
 from tic.harness.model.cut import CUT_RECORD
 from tic.harness.engines.hf import WRAPPED_KERNELS, load_model
-from tic.harness.measure.fidelity import compare_forward, fidelity_inputs
+from tic.harness.measure.fidelity import compare_forward, fidelity_inputs, uneven_constants
 from tic.harness.measure import fp8_reference
 from tic.harness.model.cut_check import CutRequest, check_cut, cut_dir_for
 from tic.core.fsio import atomic_write_text
@@ -47,9 +47,19 @@ def wrapper_fidelity(ctx) -> dict | None:
     if train.engine == "megatron":  # the GPTModel's modules under the checkpoint's names, hidden states [T, B, H]
         view.update(wrapped_modules=engine.model.hf_named_modules(),
                     sequence_first=engine.model.sequence_first_modules())
+    found = compare_forward(stock, engine.model, ids, mask, **view)
+    if found["first_parting"] is None and train.engine == "hf" and not rules:
+        # weights a generated model holds constant can hide a wrong wrapper: once more with them uneven
+        with uneven_constants(stock, engine.model) as names:
+            if names:
+                again = compare_forward(stock, engine.model, ids, mask, **view)
+                found["uneven_constants"] = {"parameters": len(names), "first_parting": again["first_parting"]}
+                if again["first_parting"]:
+                    found.update(first_parting=f"{again['first_parting']}, once the model's constant weights "
+                                               f"(norm weights at one, biases at zero) were made uneven",
+                                 first_parting_module=again["first_parting_module"])
     return {"kernels": train.kernels, "engine": train.engine,
-            **({"fp8_rules": fp8_reference.describe_rules(rules)} if rules else {}),
-            **compare_forward(stock, engine.model, ids, mask, **view)}
+            **({"fp8_rules": fp8_reference.describe_rules(rules)} if rules else {}), **found}
 
 
 def measure(ctx) -> Measurement:

@@ -320,44 +320,31 @@ def test_fidelity_passes_the_wrappers(example, workdir, name):
     hf._MODELS.clear()
 
 
-def _uneven_qk_norm_weights(model) -> None:
-    """Seeded per-feature weights in every q/k norm: a generated model's are all ones, under which a per-head norm
-    commutes with the rotary (a rotation keeps the norm), so its place would not show."""
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "query_layernorm" in name or "key_layernorm" in name:
-                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g).to(p.dtype))
-
-
-def test_qk_norms_are_placed_beside_the_rotary_by_the_attentions_own_forward(example, workdir, monkeypatch):
-    """Qwen3 norms q and k before the rotary, HunYuan after it (read on the meta device too); HunYuan's wrapper with
-    the norms moved before the rotary agrees with itself bitwise, and C2 refuses it in layer 0's attention once the
-    norms' weights are uneven (the stock model gets the same ones)."""
-    from tic.gates import c2
+def test_qk_norms_are_placed_beside_the_rotary_by_the_attentions_own_forward(example, workdir):
+    """Qwen3 norms q and k before the rotary, HunYuan after it (read on the meta device too). A generated model's
+    norm weights are all ones, under which a per-head norm commutes with the rotary: C2 passes the read placement
+    and refuses a wrapper that norms before the rotary in layer 0's attention, on its second pass with the
+    constant weights made uneven."""
     from tic.harness.kernels.coverage import qk_norm_after_rotary
 
     assert "attention:qk_norm_after_rotary" not in coverage_table(meta_of("tiny-qwen3"))[0]["operator_classes"]
     assert qk_norm_after_rotary(meta_of("tiny-qwen3").model.layers[0].self_attn, "q_norm") is False
     assert qk_norm_after_rotary(meta_of("tiny-hunyuan").model.layers[0].self_attn, "query_layernorm") is True
-    loaded = c2.load_model
-
-    def stock_with_uneven_norms(*args, **kw):
-        model = loaded(*args, **kw)
-        _uneven_qk_norm_weights(model)
-        return model
-
-    monkeypatch.setattr(c2, "load_model", stock_with_uneven_norms)
     ctx = small_ctx(example, "tiny-hunyuan")
-    _uneven_qk_norm_weights(ctx.train_engine().model)
+    model = ctx.train_engine().model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     res = run_gate(get("C2"), ctx)
     assert res.verdict == "pass", res.reason  # the control: the wrappers' placement, read from the forward
-    for m in ctx.train_engine().model.modules():
+    uneven = res.details["fidelity"]["uneven_constants"]
+    assert uneven["parameters"] > 0 and uneven["first_parting"] is None
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the weights put back
+    for m in model.modules():
         if getattr(m, "_tic_qk_after_rope", False):
             m._tic_qk_after_rope = False
     res = run_gate(get("C2"), ctx)
     assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"].startswith(
         "model.layers.0.self_attn"), res.details["fidelity"]
+    assert "made uneven" in res.reason
     hf._MODELS.clear()
 
 

@@ -12,6 +12,11 @@ float32 differences are reordering noise (measured ~1e-6 relative on tiny Qwen3/
 grow with depth by a rounding step per operator (2^-8 relative), hence its wider bound. A wrong operator
 differs by O(1) relative and is caught at its first module.
 
+A model generated from config.json holds some weights constant (norm weights at one, biases at zero), and under
+them some wrong wrappers compute the right function (a per-head norm commutes with the rotary while its weight is
+uniform). So once the forward agrees, it runs again with those constant tensors made uneven (seeded, the same in
+both models; uneven_constants), and the wrapped model's own values are put back afterwards.
+
 MoE routers are the one discrete decision on the path: where the wrapped model's experts for a token are within
 a rounding step (the dtype's eps) of the stock router's own top-k, the stock router takes them (gradcheck's
 RoutingPin); a router that picks other experts outright still parts at its block.
@@ -135,3 +140,31 @@ def compare_forward(stock: nn.Module, wrapped: nn.Module, input_ids, attention_m
             "first_parting_module": None if first is None else first.module, "logits_max_abs": logit_diff,
             "routing_flips": pin.flips,
             **({} if rounding is None else quantizer_inputs.counts("wrapped"))}
+
+
+@contextlib.contextmanager
+def uneven_constants(stock: nn.Module, wrapped: nn.Module, seed: int = 0):
+    """Within the block, every floating parameter of the stock model whose elements are all equal (a norm's ones, a
+    bias's zeros) takes seeded uneven values, and the wrapped model's parameter of the same name the same ones;
+    yields their names. The wrapped model's values are restored on exit (the stock model is the check's own)."""
+    theirs = dict(wrapped.named_parameters())
+    g = torch.Generator().manual_seed(seed)
+    changed: dict[str, torch.Tensor] = {}
+    try:
+        with torch.no_grad():
+            for name, p in stock.named_parameters():
+                q = theirs.get(name)
+                if not p.is_floating_point() or p.numel() < 2 or q is None or q.shape != p.shape \
+                        or not bool((p == p.reshape(-1)[0]).all()):
+                    continue
+                c = float(p.reshape(-1)[0])
+                spread = 0.25 * (abs(c) if c else 0.4)  # ones -> 1 +- 0.25, zeros -> +- 0.1
+                value = (c + spread * torch.randn(p.shape, generator=g)).to(p.dtype)
+                changed[name] = q.detach().clone()
+                p.copy_(value.to(p.device))
+                q.copy_(value.to(q.device))
+        yield list(changed)
+    finally:
+        with torch.no_grad():
+            for name, kept in changed.items():
+                theirs[name].copy_(kept)
