@@ -686,11 +686,22 @@ def qk_norm_names(m) -> tuple[str, str] | None:
     return next((pair for pair in QK_NORM_NAMES if any(getattr(m, n, None) is not None for n in pair)), None)
 
 
+_QK_PLACEMENT: dict = {}  # (attention class, q norm name) -> qk_norm_after_rotary's answer
+
+
 def qk_norm_after_rotary(attn: nn.Module, q_norm: str) -> bool | None:
     """Whether the attention's own forward hands its q norm the rotated heads (HunYuan: norm after rotary) rather
-    than the projection's output (Qwen3: before), read on a CPU copy with seeded weights: a random rotary, and the
+    than the projection's output (Qwen3: before), read on a copy with seeded weights: a random rotary, and the
     norm's input compared, as a multiset of values, with the projection's output. None where the forward does not
-    run on the probe."""
+    run on the probe. The place is the class's forward's: read once per class in a process (a copy of a real-size
+    attention costs its weights)."""
+    key = (type(attn), q_norm)
+    if key not in _QK_PLACEMENT:
+        _QK_PLACEMENT[key] = _read_qk_placement(attn, q_norm)
+    return _QK_PLACEMENT[key]
+
+
+def _read_qk_placement(attn: nn.Module, q_norm: str) -> bool | None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(QKV_PROBE, _raise_split)
