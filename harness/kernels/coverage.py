@@ -691,10 +691,10 @@ _QK_PLACEMENT: dict = {}  # (attention class, q norm name) -> qk_norm_after_rota
 
 def qk_norm_after_rotary(attn: nn.Module, q_norm: str) -> bool | None:
     """Whether the attention's own forward hands its q norm the rotated heads (HunYuan: norm after rotary) rather
-    than the projection's output (Qwen3: before), read on a copy with seeded weights: a random rotary, and the
-    norm's input compared, as a multiset of values, with the projection's output. None where the forward does not
-    run on the probe. The place is the class's forward's: read once per class in a process (a copy of a real-size
-    attention costs its weights)."""
+    than heads the rotary has not touched (Qwen3: before): the norm's input under an identity rotary (cos 1, sin 0)
+    and under a random one, on a copy with seeded weights; it moves with the rotary only where the rotary ran first.
+    None where the forward does not run on the probe. The place is the class's forward's: read once per class in a
+    process (a copy of a real-size attention costs its weights)."""
     key = (type(attn), q_norm)
     if key not in _QK_PLACEMENT:
         _QK_PLACEMENT[key] = _read_qk_placement(attn, q_norm)
@@ -714,26 +714,27 @@ def _read_qk_placement(attn: nn.Module, q_norm: str) -> bool | None:
         for t in probe.parameters():
             t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
     p = next(probe.parameters())
-    d, width = head_dim_of(probe), probe.q_proj.in_features
-    h = torch.randn(1, 2, width, generator=g).to(p.device, p.dtype)
-    cos, sin = (torch.randn(1, 2, d, generator=g).to(p.device, p.dtype) for _ in range(2))
-    seen = {}
-    hooks = [probe.q_proj.register_forward_hook(lambda mod, args, out: seen.setdefault("proj", out)),
-             getattr(probe, q_norm).register_forward_pre_hook(lambda mod, args: seen.setdefault("norm", args[0]))]
+    d = head_dim_of(probe)
+    h = torch.randn(1, 2, probe.q_proj.in_features, generator=g).to(p.device, p.dtype)
+    rotaries = [(torch.ones(1, 2, d), torch.zeros(1, 2, d)),
+                (torch.randn(1, 2, d, generator=g), torch.randn(1, 2, d, generator=g))]
+    seen: list[torch.Tensor] = []
+    hook = getattr(probe, q_norm).register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach().clone()))
     try:
-        with torch.no_grad(), _attention_function(probe, QKV_PROBE):
-            probe(hidden_states=h, position_embeddings=(cos, sin), attention_mask=None)
-    except _Split:
-        pass
+        for cos, sin in rotaries:
+            with torch.no_grad(), _attention_function(probe, QKV_PROBE):
+                try:
+                    probe(hidden_states=h, position_embeddings=(cos.to(p.device, p.dtype), sin.to(p.device, p.dtype)),
+                          attention_mask=None)
+                except _Split:
+                    pass
     except Exception:  # noqa: BLE001 - a forward this probe cannot drive
         return None
     finally:
-        for hook in hooks:
-            hook.remove()
-    if "proj" not in seen or "norm" not in seen:
+        hook.remove()
+    if len(seen) != 2 or seen[0].shape != seen[1].shape:
         return None
-    proj, normed = (seen[k].detach().float().reshape(-1).sort().values for k in ("proj", "norm"))
-    return not (proj.shape == normed.shape and torch.equal(proj, normed))
+    return not torch.equal(seen[0], seen[1])
 
 
 def _read_qk_norms(cov: LayerCoverage, name: str, m) -> None:
