@@ -330,6 +330,12 @@ def test_qk_norms_are_placed_beside_the_rotary_by_the_attentions_own_forward(exa
     assert "attention:qk_norm_after_rotary" not in coverage_table(meta_of("tiny-qwen3"))[0]["operator_classes"]
     assert qk_norm_after_rotary(meta_of("tiny-qwen3").model.layers[0].self_attn, "q_norm") is False
     assert qk_norm_after_rotary(meta_of("tiny-hunyuan").model.layers[0].self_attn, "query_layernorm") is True
+    # Qwen3-Next's q projection carries an output gate beside the queries: its norm's input is not the projection's
+    # output, and still comes before the rotary
+    nxt = build_meta({**json.loads((EXAMPLES / "tiny-qwen3" / "config.json").read_text()), "model_type": "qwen3_next",
+                      "architectures": ["Qwen3NextForCausalLM"], "layer_types": ["full_attention"] * 4,
+                      "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32})
+    assert qk_norm_after_rotary(nxt.model.layers[0].self_attn, "q_norm") is False
     ctx = small_ctx(example, "tiny-hunyuan")
     model = ctx.train_engine().model
     before = {k: v.clone() for k, v in model.state_dict().items()}
