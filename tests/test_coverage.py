@@ -23,7 +23,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2", "tiny-phi3",
             "tiny-granite", "tiny-qwen2-moe", "tiny-stablelm", "tiny-starcoder2", "tiny-phi2", "tiny-gpt-neox",
             "tiny-glm", "tiny-cohere", "tiny-helium", "tiny-smollm3", "tiny-exaone4", "tiny-olmo3", "tiny-glm4",
-            "tiny-vaultgemma", "tiny-nemotron", "tiny-hunyuan")
+            "tiny-vaultgemma", "tiny-nemotron", "tiny-hunyuan", "tiny-granitemoe")
 
 
 def meta_of(name: str, **changes) -> nn.Module:
@@ -68,6 +68,8 @@ def meta_of(name: str, **changes) -> nn.Module:
      {"embedding", "rope:one_table", "norm:layer_1p"}),
     ("tiny-hunyuan", {"decoder:two_norm", "norm:rms", "attention:full", "attention:qk_norm",
                       "attention:qk_norm_after_rotary", "mlp:silu_and_mul"}, {"embedding", "rope:one_table"}),
+    ("tiny-granitemoe", {"decoder:scaled_residual", "norm:rms", "attention:full", "moe:topk_silu"},
+     {"embedding", "logits:scaled", "rope:one_table"}),
 ])
 def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
     rows = coverage_table(meta_of(name))

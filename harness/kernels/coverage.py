@@ -269,8 +269,9 @@ def attention_name(layer) -> str | None:
 
 
 def mlp_name(layer) -> str | None:
-    """A decoder layer's MLP (or MoE) child: mlp, or feed_forward (Jamba)."""
-    return next((n for n in ("mlp", "feed_forward") if isinstance(getattr(layer, n, None), nn.Module)), None)
+    """A decoder layer's MLP (or MoE) child: mlp, feed_forward (Jamba) or block_sparse_moe (Granite-MoE)."""
+    return next((n for n in ("mlp", "feed_forward", "block_sparse_moe") if isinstance(getattr(layer, n, None),
+                                                                                    nn.Module)), None)
 
 
 def is_attention(m) -> bool:
