@@ -23,7 +23,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FAMILIES = ("tiny-gemma3", "tiny-gemma2", "tiny-mistral-sliding", "tiny-olmoe", "tiny-olmo2", "tiny-phi3",
             "tiny-granite", "tiny-qwen2-moe", "tiny-stablelm", "tiny-starcoder2", "tiny-phi2", "tiny-gpt-neox",
             "tiny-glm", "tiny-cohere", "tiny-helium", "tiny-smollm3", "tiny-exaone4", "tiny-olmo3", "tiny-glm4",
-            "tiny-vaultgemma", "tiny-nemotron", "tiny-hunyuan", "tiny-granitemoe")
+            "tiny-vaultgemma", "tiny-nemotron", "tiny-hunyuan", "tiny-granitemoe", "tiny-hunyuan-moe")
 
 
 def meta_of(name: str, **changes) -> nn.Module:
@@ -70,6 +70,8 @@ def meta_of(name: str, **changes) -> nn.Module:
                       "attention:qk_norm_after_rotary", "mlp:silu_and_mul"}, {"embedding", "rope:one_table"}),
     ("tiny-granitemoe", {"decoder:scaled_residual", "norm:rms", "attention:full", "moe:topk_silu"},
      {"embedding", "logits:scaled", "rope:one_table"}),
+    ("tiny-hunyuan-moe", {"attention:qk_norm_after_rotary", "moe:topk_silu", "moe:shared_expert"},
+     {"embedding", "rope:one_table"}),
 ])
 def test_reader_finds_each_layers_operator_classes(name, layer0, model_level):
     rows = coverage_table(meta_of(name))
@@ -354,6 +356,23 @@ def test_qk_norms_are_placed_beside_the_rotary_by_the_attentions_own_forward(exa
         "model.layers.0.self_attn"), res.details["fidelity"]
     assert "made uneven" in res.reason
     hf._MODELS.clear()
+
+
+def test_an_ungated_shared_expert_is_added_and_routed_scaling_is_refused(example, workdir):
+    """HunYuan's shared_mlp joins the routed experts' output as it is: a wrapper that drops it agrees with itself
+    bitwise, and C2 refuses it at the MoE block. A block whose routed output is scaled (DeepSeek-style
+    routed_scaling_factor) is refused at C0."""
+    ctx = small_ctx(example, "tiny-hunyuan-moe")
+    for m in ctx.train_engine().model.modules():
+        if getattr(m, "_tic_shared", None):
+            m._tic_shared = None
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"] == "model.layers.0.mlp", \
+        res.details["fidelity"]
+    hf._MODELS.clear()
+    meta = meta_of("tiny-hunyuan-moe")
+    meta.model.layers[0].mlp.routed_scaling_factor = 2.5
+    assert any("routed_scaling_factor" in p for p in coverage_problems(meta))
 
 
 def test_fidelity_fails_a_layer_norm_wrapper_without_the_plus_one(example, workdir):

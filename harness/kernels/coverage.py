@@ -93,8 +93,9 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
                                            "runs through a kernel of its own, not torch's function",
                   frozenset({"consistent"})),
     OperatorClass("moe:topk_silu", "softmax top-k router, SiLU experts combined in float32 in slot order"),
-    OperatorClass("moe:shared_expert", "a gated MLP on every token, times sigmoid of a one-feature linear, added "
-                                       "to the routed experts' output (Qwen2-MoE)"),
+    OperatorClass("moe:shared_expert", "a gated MLP on every token, times sigmoid of a one-feature linear where "
+                                       "the block has one (Qwen2-MoE) or as it is (HunYuan's shared_mlp), added "
+                                       "to the routed experts' output"),
     OperatorClass("rope:one_table", "neox rotary, one cos|sin table for all layers"),
     OperatorClass("attention:no_rope", "attention on a layer that applies no position embeddings though the model "
                                        "has a rotary table (NoPE: SmolLM3's no_rope_layers, EXAONE-4's full layers)"),
@@ -180,13 +181,30 @@ def is_layernorm(m) -> bool:
 
 
 def moe_router(m) -> nn.Module | None:
-    """A MoE block's top-k router: its `gate` (Qwen, Mixtral) or `router` (Jamba), a module with a weight and
-    top_k; None for any other module."""
+    """A MoE block's top-k router: its `gate` (Qwen, Mixtral, HunYuan) or `router` (Jamba, Granite-MoE), a module
+    with top_k and a weight of its own or in a linear child `wg` (HunYuan); None for any other module."""
     for n in ("gate", "router"):
         r = getattr(m, n, None)
-        if isinstance(r, nn.Module) and hasattr(r, "weight") and hasattr(r, "top_k"):
+        if isinstance(r, nn.Module) and hasattr(r, "top_k") and router_weight(r) is not None:
             return r
     return None
+
+
+def router_weight(router: nn.Module) -> torch.Tensor | None:
+    """The router's [experts, hidden] weight: its own, or its `wg` linear's (HunYuan)."""
+    w = getattr(router, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        wg = getattr(router, "wg", None)
+        w = wg.weight if isinstance(wg, nn.Linear) and wg.bias is None else None
+    return w
+
+
+SHARED_EXPERT_NAMES = ("shared_expert", "shared_experts", "shared_mlp")  # Qwen2-MoE, DeepSeek-style, HunYuan
+
+
+def shared_expert_name(m) -> str | None:
+    """The MoE block's child that runs on every token beside the routed experts, or None."""
+    return next((n for n in SHARED_EXPERT_NAMES if isinstance(getattr(m, n, None), nn.Module)), None)
 
 
 def router_renormalizes(router: nn.Module) -> bool | None:
@@ -206,7 +224,7 @@ def router_renormalizes(router: nn.Module) -> bool | None:
                 t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
             elif meta:
                 t.zero_()  # to_empty left it unset
-    w = probe.weight
+    w = router_weight(probe)
     x = torch.randn(8, w.shape[1], generator=torch.Generator().manual_seed(1)).to(device=w.device, dtype=w.dtype)
     try:
         with torch.no_grad():
@@ -785,14 +803,15 @@ def _read_qk_norms(cov: LayerCoverage, name: str, m) -> None:
         cov.readings[name]["qk_norm_after_rotary"] = True
 
 
-def _read_shared_expert(cov: LayerCoverage, name: str, m, cfg) -> None:
-    """Qwen2-MoE's shared expert: a gated MLP on every token, times sigmoid(shared_expert_gate(x)) (a linear to one
-    feature) when the block has that gate, added to the routed experts' output."""
-    shared, gate = m.shared_expert, getattr(m, "shared_expert_gate", None)
+def _read_shared_expert(cov: LayerCoverage, name: str, m, cfg, child: str) -> None:
+    """A shared expert (child: shared_expert, shared_experts or shared_mlp): a gated MLP on every token, times
+    sigmoid(shared_expert_gate(x)) (a linear to one feature) where the block has that gate (Qwen2-MoE), added to
+    the routed experts' output."""
+    shared, gate = getattr(m, child), getattr(m, "shared_expert_gate", None)
     field = ("shared_expert_intermediate_size", getattr(cfg, "shared_expert_intermediate_size", None))
     variant = activation_variant(mlp_activation(shared)) if is_gated_mlp(shared) else None
     if variant is None:
-        cov.refusals.append(Refusal(f"{name}.shared_expert", type(shared).__name__, "a shared expert that is not a "
+        cov.refusals.append(Refusal(f"{name}.{child}", type(shared).__name__, "a shared expert that is not a "
                                     "gated MLP with SiLU or GELU-tanh", *field))
         return
     if gate is not None and not (isinstance(gate, nn.Linear) and gate.out_features == 1):
@@ -800,19 +819,21 @@ def _read_shared_expert(cov: LayerCoverage, name: str, m, cfg) -> None:
                                     "is not a linear to one feature"))
         return
     cov.classes[variant] = _act_field(cfg)
-    cov.variants[f"{name}.shared_expert"] = variant
+    cov.variants[f"{name}.{child}"] = variant
     cov.classes["moe:shared_expert"] = field
+    cov.readings.setdefault(name, {})["shared_expert"] = child
 
 
 def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
     kind = type(m).__name__
     _read_unused_parts(cov, name, m, "an MLP", None)
     if is_moe_block(m):
-        if hasattr(m, "shared_experts"):  # DeepSeek-style: ungated, with routed scaling
-            cov.refusals.append(Refusal(name, kind, "shared experts without a sigmoid gate (shared_experts)",
-                                        "n_shared_experts", getattr(cfg, "n_shared_experts", None)))
-        if hasattr(m, "shared_expert"):
-            _read_shared_expert(cov, name, m, cfg)
+        scale = getattr(m, "routed_scaling_factor", getattr(cfg, "routed_scaling_factor", None))
+        if scale not in (None, 1, 1.0):  # DeepSeek-style: the routed output scaled before the shared one joins
+            cov.refusals.append(Refusal(name, kind, "routed experts scaled by a routed_scaling_factor",
+                                        "routed_scaling_factor", scale))
+        if shared_expert_name(m) is not None:
+            _read_shared_expert(cov, name, m, cfg, shared_expert_name(m))
         if activation_variant(getattr(m.experts, "act_fn", None)) != "mlp:silu_and_mul":
             cov.refusals.append(Refusal(name, kind, "MoE experts with an activation other than SiLU",
                                         *_act_field(cfg)))

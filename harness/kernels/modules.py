@@ -42,7 +42,8 @@ from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, 
                                           attention_window, final_norm, head_dim_of, is_attention, is_decoder_layer,
                                           is_gated_mlp, is_hybrid_block, is_layernorm, is_moe_block, is_rmsnorm,
                                           mlp_name, moe_router, norm_eps, output_projection_name, problem_lines,
-                                          read_coverage, rotary_modules, rotary_per_layer_type, router_renormalizes)
+                                          read_coverage, rotary_modules, rotary_per_layer_type, router_renormalizes,
+                                          router_weight)
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.stand_ins import stands_for
@@ -416,14 +417,14 @@ def _moe_forward(self, hidden_states):
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
     router, experts = moe_router(self), self.experts
-    logits = ops.linear(x, [router.weight])
+    logits = ops.linear(x, [router_weight(router)])
     weights, ids = ops.moe_route(logits, router.top_k, self._tic_renormalize)
     calls = self._tic_routes.calls
     if calls is not None:
         calls.setdefault(self._tic_name, []).append(ids.detach().to("cpu"))
     out = ops.moe_experts(x, weights, ids, experts.gate_up_proj, experts.down_proj)
-    shared = getattr(self, "shared_expert", None)  # Qwen2-MoE: a gated MLP on every token, sigmoid-gated
-    if shared is not None:
+    shared = getattr(self, self._tic_shared, None) if self._tic_shared else None  # a gated MLP on every token
+    if shared is not None:  # sigmoid-gated where the block has the gate (Qwen2-MoE)
         y = shared(x)
         gate = getattr(self, "shared_expert_gate", None)
         out = (ops.sigmoid_gate(gate(x), y) if gate is not None else y) + out  # vLLM: shared_output + fused_output
@@ -516,6 +517,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
     elif is_moe_block(m):
         m._tic_name, m._tic_routes = name, routes
         m._tic_renormalize = router_renormalizes(moe_router(m))
+        m._tic_shared = reading.get("shared_expert")  # a name: a module attribute would register it twice
         m.forward = types.MethodType(_moe_forward, m)
     elif is_gated_mlp(m):
         m._tic_act = variant
