@@ -39,6 +39,17 @@ def test_a_covered_architecture_reads_without_problems(model_type):
         assert coverage_problems(model, kernels) == [], (model_type, kernels)
 
 
+def test_a_second_mlp_beside_the_moe_is_refused_as_a_sublayer_not_read_as_a_norm():
+    """Granite-MoE-Shared with a shared MLP: a child of the decoder layer beside its MoE that the layer forward
+    would drop; C0 names it as such."""
+    if "granitemoeshared" not in CONFIG_MAPPING:
+        pytest.skip("no granitemoeshared in this transformers")
+    model = build_meta(CONFIG_MAPPING["granitemoeshared"](**SMALL, shared_intermediate_size=32).to_dict())
+    problems = coverage_problems(model, "consistent")
+    assert any("shared_mlp" in p and "a sublayer beside the attention and the MLP" in p for p in problems), problems
+    assert not any("shared_mlp" in p and "a norm computing" in p for p in problems), problems
+
+
 @pytest.mark.parametrize("model_type, what", sorted(REFUSED.items()))
 def test_a_refused_architecture_names_what_the_wrappers_lack(model_type, what):
     try:

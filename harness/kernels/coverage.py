@@ -1062,6 +1062,10 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
             else ("use_parallel_residual", True) if structure == "decoder:parallel_two_norm" else (None, None)
         cov.variants[name] = structure
     for n in norms:
+        if any(isinstance(c, nn.Linear) for c in children[n].modules()):  # a sublayer (a second MLP), not a norm
+            cov.refusals.append(Refusal(f"{name}.{n}", type(children[n]).__name__, "a sublayer beside the "
+                                        "attention and the MLP that the wrappers' layer forward does not run"))
+            continue
         _read_norm(cov, f"{name}.{n}", children[n])
     attn = getattr(layer, attn_name)
     if is_attention(attn):
