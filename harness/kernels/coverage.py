@@ -207,23 +207,31 @@ def shared_expert_name(m) -> str | None:
     return next((n for n in SHARED_EXPERT_NAMES if isinstance(getattr(m, n, None), nn.Module)), None)
 
 
+def seeded_copy(module: nn.Module, seed: int = 0) -> nn.Module:
+    """A copy of the module (on the CPU where it is on the meta device) whose every floating parameter and buffer
+    holds seeded values, its other buffers zero where the meta device left them unset: a probe reads what the
+    module's forward computes, not what its weights happen to be (a generated model's zero bias, ones norm)."""
+    meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+    probe = copy.deepcopy(module)
+    if meta:
+        probe = probe.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in [*probe.parameters(), *probe.buffers()]:
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+            elif meta:
+                t.zero_()
+    return probe
+
+
 def router_renormalizes(router: nn.Module) -> bool | None:
     """Whether the router's top-k weights are its softmax probabilities scaled to sum to one (True) or left as they
     are (False, Jamba's), read from its own forward on seeded rows; None where they are neither, or its top-k ids
     are not the softmax's (PhiMoE's sparsemixer; a selection bias such as Ernie-4.5's), or the forward does not run
     that way: a router the MoE wrapper does not compute. The forward runs on a copy whose every floating parameter
     and buffer is seeded: a term that starts at zero (a selection bias before training) must show."""
-    meta = any(t.is_meta for t in [*router.parameters(), *router.buffers()])
-    probe = copy.deepcopy(router)
-    if meta:
-        probe = probe.to_empty(device="cpu")
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for t in [*probe.parameters(), *probe.buffers()]:
-            if t.is_floating_point():
-                t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
-            elif meta:
-                t.zero_()  # to_empty left it unset
+    probe = seeded_copy(router)
     w = router_weight(probe)
     x = torch.randn(8, w.shape[1], generator=torch.Generator().manual_seed(1)).to(device=w.device, dtype=w.dtype)
     try:
@@ -350,13 +358,20 @@ def layer_norm_float32_variant(m) -> str | None:
     params = {"weight": torch.linspace(0.25, 0.75, d, dtype=torch.float32)}
     if b is not None:
         params["bias"] = torch.linspace(-0.1, 0.1, d, dtype=torch.float32)
+    computes = _norm_computes(m, params, lambda x: layer_norm_float32_written_out(x, params["weight"],
+                                                                                   params.get("bias"), norm_eps(m)))
+    return "norm:layer_float32" if computes else None
+
+
+def _norm_computes(m, params: dict, reference) -> bool:
+    """Whether the norm's own forward on a CPU probe with `params` gives reference(x) (float32, within float32's
+    reordering noise)."""
     ran = _norm_on_probe(m, params)
     if ran is None:
-        return None
+        return False
     x, y = ran
     y = (y[0] if isinstance(y, tuple) else y).float()
-    want = layer_norm_float32_written_out(x, params["weight"], params.get("bias"), norm_eps(m))
-    return "norm:layer_float32" if y.shape == x.shape and torch.allclose(y, want, rtol=1e-5, atol=1e-6) else None
+    return y.shape == x.shape and torch.allclose(y, reference(x), rtol=1e-5, atol=1e-6)
 
 
 def layer_norm_1p_variant(m) -> str | None:
@@ -368,13 +383,9 @@ def layer_norm_1p_variant(m) -> str | None:
     d = int(w.shape[-1])
     params = {"weight": torch.linspace(-0.25, 0.25, d, dtype=torch.float32),
               "bias": torch.linspace(-0.1, 0.1, d, dtype=torch.float32)}
-    ran = _norm_on_probe(m, params)
-    if ran is None:
-        return None
-    x, y = ran
-    y = (y[0] if isinstance(y, tuple) else y).float()
-    want = torch.nn.functional.layer_norm(x.float(), (d,), params["weight"] + 1, params["bias"], norm_eps(m))
-    return "norm:layer_1p" if y.shape == x.shape and torch.allclose(y, want, rtol=1e-5, atol=1e-6) else None
+    computes = _norm_computes(m, params, lambda x: F.layer_norm(x.float(), (d,), params["weight"] + 1,
+                                                                 params["bias"], norm_eps(m)))
+    return "norm:layer_1p" if computes else None
 
 
 def norm_variant(m) -> str | None:
@@ -724,14 +735,8 @@ def _read_qk_placement(attn: nn.Module, q_norm: str) -> bool | None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(QKV_PROBE, _raise_split)
-    meta = any(t.is_meta for t in attn.parameters())
-    probe = copy.deepcopy(attn)
-    if meta:
-        probe = probe.to_empty(device="cpu")
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for t in probe.parameters():
-            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    probe = seeded_copy(attn)
+    g = torch.Generator().manual_seed(1)
     p = next(probe.parameters())
     d = head_dim_of(probe)
     h = torch.randn(1, 2, probe.q_proj.in_features, generator=g).to(p.device, p.dtype)
