@@ -31,6 +31,12 @@ FP8_PATCHES = (*PATCHES, "fp8-gemm-one-kernel", "moe-fixed-config")
 # Mamba-2 hybrids: decode replays the current chunk, the SSD kernels on one config, the gated norm in one kernel
 MAMBA_PATCHES = (*PATCHES, "mamba-decode-replay", "mamba-ssd-fixed-config", "mamba-gated-norm-triton")
 
+def with_row_norm(patches) -> tuple[str, ...]:
+    """The patch list with rmsnorm-rows (tic's Triton row kernel for every RMSNorm) in place of rmsnorm-fixed-block:
+    the two norm fixes' A/B."""
+    return tuple("rmsnorm-rows" if p == "rmsnorm-fixed-block" else p for p in patches)
+
+
 # Rollout modes: vLLM options on top of the workload's.
 MODES = {
     "eager": {"enforce_eager": True},

@@ -46,7 +46,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from configs import FP8_PATCHES, MAMBA_PATCHES, MODES, PATCHES as TIC_PATCHES  # noqa: E402
+from configs import FP8_PATCHES, MAMBA_PATCHES, MODES, PATCHES as TIC_PATCHES, with_row_norm  # noqa: E402
 from shapes import HybridShape, Shape, by_name  # noqa: E402
 
 from tic.harness.model.quantize import block_fp8_config, unquantized_linears  # noqa: E402
@@ -86,8 +86,7 @@ def side_spec(name: str, fp8: bool = False, previous: str = "", hybrid: bool = F
         if env["TIC_PATCHES"] == PATCHES:
             env = {**env, "TIC_PATCHES": ",".join(MAMBA_PATCHES)}
     if name == "rows":
-        env = {**env, "TIC_PATCHES": ",".join("rmsnorm-rows" if p == "rmsnorm-fixed-block" else p
-                                              for p in env["TIC_PATCHES"].split(","))}
+        env = {**env, "TIC_PATCHES": ",".join(with_row_norm(env["TIC_PATCHES"].split(",")))}
     return options, env
 
 
