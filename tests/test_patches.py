@@ -814,6 +814,41 @@ def test_rmsnorm_rows_sends_every_norm_entry_to_the_row_kernel_unpadded(fake_vll
     assert all(torch.equal(a, b) for a, b in zip(in_place(8), stock[0]))
 
 
+def _rows_by_formula(rows) -> torch.Tensor:
+    """Every row as the row kernel reads it: row r starts (r // groups) * outer + (r % groups) * inner elements
+    after the tensor's first element."""
+    t, h = rows.tensor, rows.tensor.shape[-1]
+    n = t.numel() // h
+    r = torch.arange(n)
+    starts = (r // rows.groups) * rows.outer + (r % rows.groups) * rows.inner
+    flat = torch.as_strided(t, (t.untyped_storage().nbytes() // t.element_size() - t.storage_offset(),), (1,))
+    return flat[starts[:, None] + torch.arange(h)[None, :]]
+
+
+def test_row_kernel_reads_strided_rows_in_place_and_copies_only_what_it_cannot_address():
+    """The per-head q/k norms of a fused qkv projection are read where they lie (no copy), and so are plain
+    row-strided views; a layout the kernel's (rows, groups) addressing cannot reach, or a row start off the
+    alignment its launch assumes, is copied. The launch (block, rows per program, warps, alignment) follows the
+    row length alone."""
+    from tic.patches.vllm.rowwise_rmsnorm import grouped_rows, rms_launch
+
+    launch = rms_launch(128)
+    assert rms_launch(128) == launch and launch.align == 16 and launch.rows * launch.block <= 4096
+    assert rms_launch(4096).rows == 1 and rms_launch(72).align == 8 and rms_launch(72).block == 128
+    qkv = torch.randn(37, 6 * 128 + 2 * 2 * 128).to(torch.bfloat16)
+    for t, groups in ((qkv[:, :768].view(37, 6, 128), 6), (qkv[:, 768:1024].view(37, 2, 128), 2),
+                      (qkv[:, :128], 1), (qkv[:, 8:8 + 128], 1), (torch.randn(2, 5, 4, 128).to(torch.bfloat16), 1)):
+        rows = grouped_rows(t, launch.align)
+        assert rows.tensor.data_ptr() == t.data_ptr() and rows.groups == groups  # no copy
+        assert torch.equal(_rows_by_formula(rows), t.reshape(-1, 128))
+    for t in (torch.randn(128, 9).t(),  # columns as rows
+              qkv.view(-1)[1:1 + 37 * 128].view(37, 128),  # a row start off 16 bytes
+              torch.randn(37, 1288).to(torch.bfloat16)[:, :128]):  # a row stride off the launch's 16 elements
+        rows = grouped_rows(t, launch.align)
+        assert rows.tensor.data_ptr() != t.data_ptr() and rows.tensor.is_contiguous() and rows.groups == 1
+        assert torch.equal(_rows_by_formula(rows), t.reshape(-1, 128))
+
+
 def test_fp8_gemm_one_kernel_takes_deepgemm_for_every_row_count(fake_vllm):
     """The dynamic block-FP8 dispatch reads vllm.envs once, for its batch-invariant switch: patched, every row
     count takes the DeepGEMM branch while the other settings stay vLLM's; reverted, small batches go back to
