@@ -155,7 +155,8 @@ def test_throughput_rounds_keep_each_sides_patch_choices_beside_its_passes():
 
 def test_throughput_profile_pass_is_untimed_shorter_and_compared_kernel_by_kernel():
     """--profile-tokens: after the timed rounds each side runs one pass under the profiler with the output capped;
-    its kernel table is kept beside the ratio and printed against the default's, largest kernels first."""
+    its kernel table is kept beside the ratio and printed against the default's, largest kernels first, then each
+    side's GEMM problems by shape."""
     import rollout_throughput as rt
 
     asked = []
@@ -168,7 +169,8 @@ def test_throughput_profile_pass_is_untimed_shorter_and_compared_kernel_by_kerne
             asked.append(work)
             if work.get("profile"):
                 return {"tok_s": 1.0, "kernels": {"total_ms": sum(self.ms.values()), "kernels": [
-                    {"name": k, "calls": 1, "ms": v} for k, v in self.ms.items()]}}
+                    {"name": k, "calls": 1, "ms": v} for k, v in self.ms.items()], "gemm_problems": [
+                    {"op": "aten::mm", "shapes": "[[64, 32], [32, 16]]", "calls": 3, "ms": self.ms.get("gemm", 0)}]}}
             return {"tok_s": 1.0}
 
     works = [rt.parse_workload("8:512:2", 2)]
@@ -180,8 +182,9 @@ def test_throughput_profile_pass_is_untimed_shorter_and_compared_kernel_by_kerne
     row = {"shape": "S", "workload": "8:512 x 2", "side": "consistent",
            "kernels": {n: notes["8:512 x 2"][n]["kernels"] for n in ("default", "consistent")}}
     table = rt.kernel_comparison(row)
-    lines = [ln for ln in table.splitlines() if ln.startswith("| ") and "kernel" not in ln]
-    assert lines == ["| tic_gemm | - | 6.0 |", "| gemm | 5.0 | - |", "| attn | 2.0 | 3.0 |"]
+    lines = [ln for ln in table.splitlines() if ln.startswith("| ") and "kernel" not in ln and "op" not in ln]
+    assert lines == ["| tic_gemm | - | 6.0 |", "| gemm | 5.0 | - |", "| attn | 2.0 | 3.0 |",
+                     "| aten::mm | [[64, 32], [32, 16]] | 3 | 5.0 |", "| aten::mm | [[64, 32], [32, 16]] | 3 | 0.0 |"]
 
 
 def test_a_hybrid_shape_is_nemotron_h_at_full_depth_and_its_consistent_side_is_what_c0_accepts():

@@ -140,23 +140,35 @@ def child(model_dir: str, options: str, kv_bytes: int, max_len: int) -> None:
                           "patch_choices": patches.choices()}), flush=True)
 
 
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::_scaled_mm", "tic::linear_fixed_order")
+
+
 def kernel_table(run, top: int = 40) -> dict:
     """GPU time per kernel name (CUDA graph replays included) over one call of run(), the largest first, and the
-    call's wall time (GPU time well below it: the side waits on its host)."""
+    call's wall time (GPU time well below it: the side waits on its host). Also the GEMM problems launched outside
+    CUDA graphs (prefill and mixed steps) by op and input shapes, with the GPU time of everything each launched:
+    which problems run cuBLAS (aten::mm) and which tic's kernel (tic::linear_fixed_order without an aten::mm
+    of the same shapes)."""
     import time
 
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         t0 = time.perf_counter()
         run()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     rows = sorted(((e.key, e.count, e.self_device_time_total) for e in prof.key_averages()
-                   if e.self_device_time_total > 0), key=lambda r: -r[2])
+                   if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0), key=lambda r: -r[2])
+    gemms = sorted(((e.key, str(e.input_shapes), e.count, e.device_time_total)
+                    for e in prof.key_averages(group_by_input_shape=True)
+                    if e.key in GEMM_OPS and e.device_time_total > 0), key=lambda r: -r[3])
     return {"total_ms": sum(r[2] for r in rows) / 1e3, "wall_ms": wall * 1e3,
-            "kernels": [{"name": k[:160], "calls": c, "ms": t / 1e3} for k, c, t in rows[:top]]}
+            "kernels": [{"name": k[:160], "calls": c, "ms": t / 1e3} for k, c, t in rows[:top]],
+            "gemm_problems": [{"op": k, "shapes": sh[:160], "calls": c, "ms": t / 1e3}
+                              for k, sh, c, t in gemms[:top]]}
 
 
 class Side:
@@ -302,6 +314,11 @@ def kernel_comparison(r: dict, top: int = 15) -> str:
     for x in names[:top]:
         cell = lambda n: f"{ms[n][x]:.1f}" if x in ms[n] else "-"  # noqa: E731
         lines.append(f"| {x[:90]} | {cell('default')} | {cell(side)} |")
+    for n in [n for n in ("default", side) if k[n].get("gemm_problems")]:
+        lines += [f"\n{n}: GEMM problems outside CUDA graphs (op, input shapes, calls, GPU ms)",
+                  "| op | shapes | calls | ms |", "|---|---|---|---|"]
+        lines += [f"| {g['op']} | {g['shapes']} | {g['calls']} | {g['ms']:.1f} |"
+                  for g in k[n].get("gemm_problems", [])[:top]]
     return "\n".join(lines)
 
 
