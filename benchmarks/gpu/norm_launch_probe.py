@@ -2,9 +2,11 @@
 on the GPU, each row computed in launches of few rows (a decode step) and inside one launch of many (a prefill or a
 training forward), compared bit for bit.
 
-  python benchmarks/gpu/norm_launch_probe.py [--patched] [--rows 4096] [--small 48]
+  python benchmarks/gpu/norm_launch_probe.py [--patched | --row-kernel] [--rows 4096] [--small 48]
 
-Without --patched the kernels are called as vLLM calls them; with it through tic's rmsnorm-fixed-block patch.
+Without a flag the kernels are called as vLLM calls them; --patched goes through tic's rmsnorm-fixed-block patch,
+--row-kernel through rmsnorm-rows' Triton kernel, which also gets per-head rows (head sizes 64, 128, 256) read
+in place from a fused qkv projection's slices, compared with the same rows copied out.
 Rows are drawn as residual-stream activations are (normal, per-feature scales spread over three decades), in
 bf16 and float32. Prints one line per (kernel, hidden, dtype): rows that differ out of those compared. Exits 1
 when any row differs, 0 when none does: the repro of the launch-shape dependence, fresh process each way.
@@ -21,6 +23,7 @@ HIDDEN = (2048, 2560, 3584, 4096, 5120, 8192)
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--patched", action="store_true")
+    ap.add_argument("--row-kernel", action="store_true")
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--small", type=int, default=48)
     a = ap.parse_args()
@@ -29,7 +32,17 @@ def main() -> int:
 
     from tic.patches.vllm import rmsnorm_fixed_block as fixed
 
-    if a.patched:
+    if a.row_kernel:
+        from tic.patches.vllm.rowwise_rmsnorm import rms_norm_rows
+
+        def rms(out, x, w, eps):
+            out.copy_(rms_norm_rows(x, w, eps))
+
+        def fused(x, r, w, eps):
+            y, res = rms_norm_rows(x, w, eps, r)
+            x.copy_(y)
+            r.copy_(res)
+    elif a.patched:
         rms = fixed.rms_norm_fixed_block
         fused = fixed.fused_add_rms_norm_fixed_block
     else:
@@ -62,8 +75,30 @@ def main() -> int:
                 bad = int((whole != parts).any(dim=1).sum())
                 differ += bad
                 print(f"{kernel:<20} {h:>6} {str(dtype).removeprefix('torch.'):<9} {bad} of {a.rows}")
-    print(f"{'patched' if a.patched else 'stock'}: {differ} rows differ in all")
+    if a.row_kernel:
+        differ += strided_heads(rms_norm_rows, a.rows, a.small, g)
+    side = "row kernel" if a.row_kernel else "patched" if a.patched else "stock"
+    print(f"{side}: {differ} rows differ in all")
     return 1 if differ else 0
+
+
+def strided_heads(norm, rows: int, small: int, g) -> int:
+    """Per-head rows as a q/k norm reads them (a view of 8 query heads of a fused qkv output, row stride 12 heads)
+    against the same rows copied out, in one launch and in launches of `small` tokens: rows that differ."""
+    import torch
+
+    differ = 0
+    for h in (64, 128, 256):
+        qkv = torch.randn(rows, 12 * h, device="cuda", generator=g).to(torch.bfloat16)
+        w = (1 + 0.1 * torch.randn(h, device="cuda", generator=g)).to(torch.bfloat16)
+        q = qkv[:, 4 * h:].view(rows, 8, h)
+        copied = norm(q.contiguous(), w, 1e-6)
+        whole = norm(q, w, 1e-6)
+        parts = torch.cat([norm(q[s:s + small], w, 1e-6) for s in range(0, rows, small)])
+        bad = int(((whole != copied) | (parts != copied)).any(dim=-1).sum())
+        differ += bad
+        print(f"{'per-head, strided':<20} {h:>6} {'bfloat16':<9} {bad} of {rows * 8}")
+    return differ
 
 
 if __name__ == "__main__":
