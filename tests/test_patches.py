@@ -849,6 +849,45 @@ def test_row_kernel_reads_strided_rows_in_place_and_copies_only_what_it_cannot_a
         assert torch.equal(_rows_by_formula(rows), t.reshape(-1, 128))
 
 
+ROW_KERNEL_UNDER_INTERPRETER = """
+import torch
+from tic.patches.vllm.rowwise_rmsnorm import rms_norm_rows
+
+g = torch.Generator().manual_seed(0)
+qkv = torch.randn(37, 12 * 128, generator=g).to(torch.bfloat16)
+w = torch.randn(128, generator=g).to(torch.bfloat16)
+q = qkv[:, 4 * 128:].view(37, 8, 128)  # a q/k norm's per-head view of a fused projection
+whole = rms_norm_rows(q, w, 1e-6)
+assert torch.equal(whole, rms_norm_rows(q.contiguous(), w, 1e-6)), "strided rows differ from copied ones"
+assert torch.equal(whole, torch.cat([rms_norm_rows(q[s:s + 5], w, 1e-6) for s in range(0, 37, 5)]))
+w72 = torch.randn(72, generator=g).to(torch.bfloat16)
+k72 = torch.randn(37, 12 * 72, generator=g).to(torch.bfloat16)[:, 8 * 72:].view(37, 4, 72)  # 72 of a block of 128
+odd = rms_norm_rows(k72, w72, 1e-6)
+assert torch.equal(odd, rms_norm_rows(k72.contiguous(), w72, 1e-6))
+x, r = (torch.randn(3, 7, 4096, generator=g) * 4).to(torch.bfloat16), torch.randn(3, 7, 4096, generator=g)
+r, w2 = r.to(torch.bfloat16), torch.randn(4096, generator=g).to(torch.bfloat16)
+y, res = rms_norm_rows(x, w2, 1e-6, r)
+for got, inp, wt in ((whole, q, w), (odd, k72, w72), (y, x.float() + r.float(), w2)):
+    z = inp.double()
+    want = (z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-6)).to(wt.dtype).double() * wt.double()
+    # the interpreter rounds float32 to bfloat16 toward zero: a few units in the last place, never more
+    assert ((got.double() - want).abs() <= 4 * 2.0 ** (want.abs().log2().floor() - 7)).all(), "values off"
+assert ((res.double() - (x.double() + r.double())).abs() <= 2.0 ** ((x.double() + r.double()).abs().log2().floor() - 7)).all()
+print("ok")
+"""
+
+
+def test_row_kernel_under_triton_interpreter_addresses_strided_rows_as_copied_ones():
+    """The Triton row kernel itself, run by Triton's CPU interpreter in a fresh process (it must be chosen before
+    Triton is imported): per-head rows read in place from a fused projection give the same results as the same
+    rows copied out and as small launches, and the values (and the fused residual) are the norm's. The interpreter
+    checks addressing and masks, not the GPU's bits: norm_launch_probe.py --row-kernel does that on the device."""
+    pytest.importorskip("triton")
+    run = subprocess.run([sys.executable, "-c", ROW_KERNEL_UNDER_INTERPRETER], capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
 def test_fp8_gemm_one_kernel_takes_deepgemm_for_every_row_count(fake_vllm):
     """The dynamic block-FP8 dispatch reads vllm.envs once, for its batch-invariant switch: patched, every row
     count takes the DeepGEMM branch while the other settings stay vLLM's; reverted, small batches go back to
