@@ -18,8 +18,8 @@ a decode step (docs/results/rollout-throughput.md).
 
 Where vLLM's CUDA kernel refuses the arguments (a weight of another dtype than the rows: Gemma's float32 (1 + w)),
 vLLM runs its IR op's native PyTorch code, whose reduction also splits rows by the tensor's shape. On CUDA the
-patch gives those calls a Triton kernel of one program per row (rowwise_rmsnorm.py), the same arithmetic in a
-reduction order fixed by the row length.
+patch gives those calls tic's Triton row kernel (rowwise_rmsnorm.py), the same arithmetic in a reduction order
+fixed by the row length.
 """
 
 # no `from __future__ import annotations`: torch.library reads the custom ops' annotations as types

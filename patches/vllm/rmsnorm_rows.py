@@ -1,4 +1,4 @@
-"""vLLM's RMSNorm and fused add+RMSNorm as one Triton program per row, for every row count (no padded launches).
+"""vLLM's RMSNorm and fused add+RMSNorm through tic's Triton row kernel, for every row count (no padded launches).
 
 The same flaw as rmsnorm-fixed-block's (vLLM 0.26's CUDA launchers pick a row's block shape from the number of
 rows in the launch, so decode and prefill round a row differently), fixed the other way: instead of padding small
@@ -74,8 +74,9 @@ def _apply() -> None:
 PATCH = Patch(
     name=NAME, target="vllm", versions=">=0.26.0,<0.27", gate="C4",
     symptom=FIXED_BLOCK.symptom,
-    fix="every RMSNorm and fused add+RMSNorm on CUDA runs a Triton kernel of one program per row, whose reduction "
-        "order follows the row length alone: no padded launches; the training forward runs the same kernel",
+    fix="every RMSNorm and fused add+RMSNorm on CUDA runs a Triton kernel whose launch and reduction order follow "
+        "the row length alone (strided rows read in place, no padded launches); the training forward runs the same "
+        "kernel",
     guide="guides/ops/norm-block-shape.md",
     cost="faster than rmsnorm-fixed-block: with it the consistent rollout in vLLM's default compilation mode ran at "
          "0.952 of default vLLM on Qwen3-8B's long decode (0.911 with rmsnorm-fixed-block) and 0.956-0.964 on "
