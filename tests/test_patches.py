@@ -521,6 +521,38 @@ def test_fixed_order_gemm_runs_cublas_only_where_it_gave_the_reference_bits(monk
     assert not fog.cublas_agrees(x[:7], w, None) and len(checks) == 5
 
 
+def test_fixed_order_gemm_checks_cublas_on_every_row_with_the_reference_in_pieces(monkeypatch):
+    """The cuBLAS check computes the reference tile's rows a piece at a time (one full-size output held, so a
+    prefill step's widest projection fits under the check's cap) and still compares every row: a planted cuBLAS
+    off in the last row only is refused, an exact one taken. Past the cap no check runs."""
+    from tic.patches.vllm import fixed_order_gemm as fog
+
+    pieces = []
+    rowwise = lambda x2, w: torch.stack([row @ w.t() for row in x2])  # noqa: E731  (CPU GEMMs block by rows)
+
+    def reference(x2, w, b, tile):
+        pieces.append(x2.shape[0])
+        return rowwise(x2, w)
+
+    monkeypatch.setattr(fog, "run", reference)
+    monkeypatch.setattr(fog, "CHECK_ROWS", 4)
+    w = torch.randn(8, 32)
+    exact = lambda x2, w, b: rowwise(x2, w)  # noqa: E731
+    last_row_off = lambda x2, w, b: torch.cat([rowwise(x2[:-1], w), rowwise(x2[-1:], w) + 1e-3])  # noqa: E731
+    monkeypatch.setattr(fog, "_cublas", exact)
+    assert fog._cublas_check(10, w, torch.float32, False, 256) and pieces == [4, 4, 2]
+    monkeypatch.setattr(fog, "_cublas", last_row_off)
+    assert not fog._cublas_check(10, w, torch.float32, False, 256)
+    assert 16384 * 24576 <= fog.CUBLAS_CHECK_ELEMENTS < 16384 * 151936  # gate_up checked, a training lm_head not
+    monkeypatch.setattr(fog, "_cublas", exact)  # a check would now say yes
+    monkeypatch.setattr(fog, "_cublas_ok", {})
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert fog.cublas_agrees(torch.randn(9, 32), w, None)
+    monkeypatch.setattr(fog, "CUBLAS_CHECK_ELEMENTS", 9 * 8 - 1)
+    assert not fog.cublas_agrees(torch.randn(9, 32), w, None)
+
+
 def test_gemm_fixed_m_custom_op_runs_where_the_dispatcher_never_ran(fake_vllm):
     """A graph vLLM compiled in an earlier process and loaded from its compile cache calls the custom op without
     tracing the dispatcher (under vLLM's default compile mode this was a KeyError during memory profiling)."""
