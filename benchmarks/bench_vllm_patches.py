@@ -6,7 +6,10 @@ bundled patches (enabled the way an RL job enables them: TIC_PATCHES, loaded by 
 Workload (issue 9): a Qwen3-1.7B-like model with random weights (28 layers, hidden 2048, head_dim 128,
 bf16), 256 requests x 128 prompt tokens -> 256 generated tokens each, CUDA graphs on, in-process engines,
 each variant in a fresh process. Prints tokens/s per variant (best of the timed rounds) and the ratio to
-default. Needs one GPU and vLLM 0.26 (tic installed so that vLLM finds its plugin).
+default. Needs one GPU and vLLM 0.26 (tic installed so that vLLM finds its plugin). The default and batch-invariant
+variants run vLLM's own defaults (torch.compile, FULL_AND_PIECEWISE graphs); the patched one runs the consistent
+rollout as benchmarks/gpu/rollout_throughput.py does: its patch list and the compiled mode C0 accepts
+(benchmarks/gpu/configs.py). For full-depth shapes, both workloads and profiles, use that script.
 """
 
 from __future__ import annotations
@@ -16,11 +19,16 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-PATCHES = "fa3-fixed-tile,rmsnorm-fixed-block,gemm-fixed-m"
-VARIANTS = [("default", {"VLLM_BATCH_INVARIANT": "0", "TIC_PATCHES": ""}),
-            ("batch_invariant", {"VLLM_BATCH_INVARIANT": "1", "TIC_PATCHES": ""}),
-            ("tic_patches", {"VLLM_BATCH_INVARIANT": "0", "TIC_PATCHES": PATCHES})]
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from configs import MODES, PATCHES as TIC_PATCHES  # noqa: E402
+
+PATCHES = ",".join(TIC_PATCHES)
+# (label, environment, LLM options)
+VARIANTS = [("default", {"VLLM_BATCH_INVARIANT": "0", "TIC_PATCHES": ""}, {}),
+            ("batch_invariant", {"VLLM_BATCH_INVARIANT": "1", "TIC_PATCHES": ""}, {}),
+            ("tic_patches", {"VLLM_BATCH_INVARIANT": "0", "TIC_PATCHES": PATCHES}, MODES["compiled"])]
 MODEL_DIR = "/tmp/tic-bench-qwen3-1p7b"
 
 
@@ -39,7 +47,7 @@ def make_model(d: str) -> None:
     m.save_pretrained(d)
 
 
-def child(out: str, rounds: int) -> None:
+def child(out: str, rounds: int, options: dict) -> None:
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -48,7 +56,7 @@ def child(out: str, rounds: int) -> None:
 
     t0 = time.time()
     llm = LLM(model=MODEL_DIR, skip_tokenizer_init=True, dtype="bfloat16", gpu_memory_utilization=0.5,
-              max_model_len=1024, seed=0)
+              max_model_len=1024, seed=0, **options)
     load_s = time.time() - t0
     wanted = patches.parse_names(os.environ.get("TIC_PATCHES"))
     active = patches.active()
@@ -73,7 +81,7 @@ def child(out: str, rounds: int) -> None:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "child":
-        child(sys.argv[2], int(sys.argv[3]))
+        child(sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]))
         return 0
     out_path = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None
     rounds = int(os.environ.get("BENCH_ROUNDS", "2"))
@@ -81,11 +89,11 @@ def main() -> int:
     res = {}
     order = os.environ.get("BENCH_ORDER")  # e.g. the reverse order, to see what running first or last costs
     variants = [next(v for v in VARIANTS if v[0] == n) for n in order.split(",")] if order else VARIANTS
-    for label, env in variants:
+    for label, env, options in variants:
         out = f"/tmp/bench-{label}.json"
         e = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **env)
-        p = subprocess.run([sys.executable, __file__, "child", out, str(rounds)], env=e, capture_output=True,
-                           text=True, timeout=int(os.environ.get("BENCH_CHILD_TIMEOUT", "240")))
+        p = subprocess.run([sys.executable, __file__, "child", out, str(rounds), json.dumps(options)], env=e,
+                           capture_output=True, text=True, timeout=int(os.environ.get("BENCH_CHILD_TIMEOUT", "240")))
         if p.returncode:
             print(f"{label}: FAILED\n{p.stderr[-1500:]}", flush=True)
             continue

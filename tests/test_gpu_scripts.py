@@ -279,3 +279,19 @@ def test_the_queue_runs_phases_in_order_and_collect_reports_each_job(tmp_path):
         assert {"./p1-job1/out/one.txt", "./p2-job1.log", "./done"} <= set(t.getnames())
     r = subprocess.run([bash, script, "start"], capture_output=True, text=True, env=env, cwd=REPO)
     assert r.returncode == 2 and r.stderr.strip() == "start needs at least one phase"
+
+
+def test_patch_benchmark_runs_vllm_defaults_against_the_consistent_rollout_c0_accepts():
+    """bench_vllm_patches.py: the default and batch-invariant variants are vLLM as users run it (no options); the
+    patched one is the consistent rollout of the GPU configs (their patch list, every one a bundled patch, in the
+    compiled mode C0 accepts for a training side on vLLM's kernels)."""
+    spec = importlib.util.spec_from_file_location("bench_vllm_patches", REPO / "benchmarks" / "bench_vllm_patches.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    variants = {label: (env, options) for label, env, options in bench.VARIANTS}
+    assert variants["default"] == ({"VLLM_BATCH_INVARIANT": "0", "TIC_PATCHES": ""}, {})
+    assert variants["batch_invariant"][1] == {}
+    env, options = variants["tic_patches"]
+    assert env["TIC_PATCHES"].split(",") == list(configs.PATCHES)
+    assert set(configs.PATCHES) <= set(patches.registry())
+    assert mode_refusals(options, "vllm") == []
