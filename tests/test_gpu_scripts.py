@@ -294,4 +294,7 @@ def test_patch_benchmark_runs_vllm_defaults_against_the_consistent_rollout_c0_ac
     env, options = variants["tic_patches"]
     assert env["TIC_PATCHES"].split(",") == list(configs.PATCHES)
     assert set(configs.PATCHES) <= set(patches.registry())
-    assert mode_refusals(options, "vllm") == []
+    from tic.harness.engines.vllm import compiles_with_inductor
+
+    assert compiles_with_inductor(options) and mode_refusals(options, "vllm") == []  # compiled, and accepted
+    assert mode_refusals({"enforce_eager": False}, "vllm")  # vLLM's default compilation alone is refused
