@@ -174,8 +174,10 @@ def test_throughput_profile_pass_is_untimed_shorter_and_compared_kernel_by_kerne
             return {"tok_s": 1.0}
 
     works = [rt.parse_workload("8:512:2", 2)]
-    got, notes = rt.timed_rounds({"default": FakeSide({"gemm": 5.0, "attn": 2.0}),
-                                  "consistent": FakeSide({"tic_gemm": 6.0, "attn": 3.0})}, works, 1, 64)
+    fa3 = "flash::FlashAttnFwdSm90<" + "cute::C<128>, " * 20
+    got, notes = rt.timed_rounds({"default": FakeSide({"gemm": 5.0, "attn": 2.0, fa3 + "true>": 1.0}),
+                                  "consistent": FakeSide({"tic_gemm": 6.0, "attn": 3.0, fa3 + "false>": 1.5})},
+                                 works, 1, 64)
     profiled = [w for w in asked if w.get("profile")]
     assert len(profiled) == 2 and all(w["output"] == 64 for w in profiled)
     assert got["8:512 x 2"] == {"default": [1.0], "consistent": [1.0]}  # the profiled pass is not a timed one
@@ -183,8 +185,12 @@ def test_throughput_profile_pass_is_untimed_shorter_and_compared_kernel_by_kerne
            "kernels": {n: notes["8:512 x 2"][n]["kernels"] for n in ("default", "consistent")}}
     table = rt.kernel_comparison(row)
     lines = [ln for ln in table.splitlines() if ln.startswith("| ") and "kernel" not in ln and "op" not in ln]
-    assert lines == ["| tic_gemm | - | 6.0 |", "| gemm | 5.0 | - |", "| attn | 2.0 | 3.0 |",
-                     "| aten::mm | [[64, 32], [32, 16]] | 3 | 5.0 |", "| aten::mm | [[64, 32], [32, 16]] | 3 | 0.0 |"]
+    assert lines[:3] == ["| tic_gemm | - | 6.0 |", "| gemm | 5.0 | - |", "| attn | 2.0 | 3.0 |"]
+    # two instantiations of one template: apart in the table, by their names' ends
+    assert lines[3:5] == [f"| {rt.short(fa3 + 'false>')} | - | 1.5 |", f"| {rt.short(fa3 + 'true>')} | 1.0 | - |"]
+    assert lines[3].endswith("C<128>, false> | - | 1.5 |") and len(lines[3]) < 130
+    assert lines[5:] == [
+        "| aten::mm | [[64, 32], [32, 16]] | 3 | 5.0 |", "| aten::mm | [[64, 32], [32, 16]] | 3 | 0.0 |"]
 
 
 def test_a_hybrid_shape_is_nemotron_h_at_full_depth_and_its_consistent_side_is_what_c0_accepts():

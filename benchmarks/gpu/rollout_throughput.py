@@ -166,7 +166,8 @@ def kernel_table(run, top: int = 40) -> dict:
                     for e in prof.key_averages(group_by_input_shape=True)
                     if e.key in GEMM_OPS and e.device_time_total > 0), key=lambda r: -r[3])
     return {"total_ms": sum(r[2] for r in rows) / 1e3, "wall_ms": wall * 1e3,
-            "kernels": [{"name": k[:160], "calls": c, "ms": t / 1e3} for k, c, t in rows[:top]],
+            # whole names: a template kernel's instantiations (FA3's split and pack-GQA variants) differ at the end
+            "kernels": [{"name": k[:4000], "calls": c, "ms": t / 1e3} for k, c, t in rows[:top]],
             "gemm_problems": [{"op": k, "shapes": sh[:160], "calls": c, "ms": t / 1e3}
                               for k, sh, c, t in gemms[:top]]}
 
@@ -302,6 +303,11 @@ def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict]
     return out
 
 
+def short(name: str, width: int = 100) -> str:
+    """A kernel name for a table cell: its start and its end (where template instantiations differ)."""
+    return name if len(name) <= width else f"{name[:width - 45]}...{name[-42:]}"
+
+
 def kernel_comparison(r: dict, top: int = 15) -> str:
     """A result's kernel tables side by side: the kernels that take most GPU time on either side, in ms."""
     side, k = r["side"], r["kernels"]
@@ -313,7 +319,7 @@ def kernel_comparison(r: dict, top: int = 15) -> str:
              f"| kernel | default | {side} |", "|---|---|---|"]
     for x in names[:top]:
         cell = lambda n: f"{ms[n][x]:.1f}" if x in ms[n] else "-"  # noqa: E731
-        lines.append(f"| {x[:90]} | {cell('default')} | {cell(side)} |")
+        lines.append(f"| {short(x)} | {cell('default')} | {cell(side)} |")
     for n in [n for n in ("default", side) if k[n].get("gemm_problems")]:
         lines += [f"\n{n}: GEMM problems outside CUDA graphs (op, input shapes, calls, GPU ms)",
                   "| op | shapes | calls | ms |", "|---|---|---|---|"]
