@@ -881,6 +881,36 @@ def test_row_kernel_reads_strided_rows_in_place_and_copies_only_what_it_cannot_a
         assert torch.equal(_rows_by_formula(rows), t.reshape(-1, 128))
 
 
+def test_row_kernel_launches_one_specialisation_for_every_layout_and_row_count(monkeypatch):
+    """What fixes a row's bits on the GPU is the compiled kernel: its compile-time constants, warps and which
+    pointers are 16-byte aligned (integers are not specialised). A q/k norm's strided per-head rows (the rollout),
+    the same rows contiguous (the training forward), few rows and many, a misaligned copy's source: every launch of
+    one row length gets the same specialisation."""
+    from tic.patches.vllm import rowwise_rmsnorm as rr
+
+    launches = []
+
+    class Launcher:
+        def __getitem__(self, grid):
+            def launch(*args, **constants):
+                pointers = [a for a in args if isinstance(a, torch.Tensor)]
+                launches.append((tuple(sorted(constants.items())), tuple(t.data_ptr() % 16 == 0 for t in pointers),
+                                 tuple(t.dtype for t in pointers)))
+            return launch
+
+    monkeypatch.setattr(rr, "_kernel", lambda: Launcher())
+    qkv = torch.randn(300, 12 * 128).to(torch.bfloat16)
+    w = torch.randn(128).to(torch.bfloat16)
+    q = qkv[:, 4 * 128:].view(300, 8, 128)
+    for x in (q, q[:3], q.contiguous(), q.contiguous().view(2, 150, 8, 128), qkv.view(-1)[1:1 + 9 * 128].view(9, 128)):
+        rr.rms_norm_rows(x, w, 1e-6)
+    assert len(launches) == 5 and len(set(launches)) == 1, launches
+    assert all(launches[0][1])  # every pointer aligned
+    hidden = torch.randn(64, 4096).to(torch.bfloat16)
+    rr.rms_norm_rows(hidden, torch.randn(4096).to(torch.bfloat16), 1e-6, hidden.clone())
+    assert launches[-1] != launches[0]  # another row length, another launch
+
+
 ROW_KERNEL_UNDER_INTERPRETER = """
 import torch
 from tic.patches.vllm.rowwise_rmsnorm import rms_norm_rows
