@@ -934,7 +934,8 @@ for got, inp, wt in ((whole, q, w), (odd, k72, w72), (y, x.float() + r.float(), 
     want = (z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-6)).to(wt.dtype).double() * wt.double()
     # the interpreter rounds float32 to bfloat16 toward zero: a few units in the last place, never more
     assert ((got.double() - want).abs() <= 4 * 2.0 ** (want.abs().log2().floor() - 7)).all(), "values off"
-assert ((res.double() - (x.double() + r.double())).abs() <= 2.0 ** ((x.double() + r.double()).abs().log2().floor() - 7)).all()
+total = x.double() + r.double()
+assert ((res.double() - total).abs() <= 2.0 ** (total.abs().log2().floor() - 7)).all()
 print("ok")
 """
 

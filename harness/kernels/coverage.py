@@ -837,8 +837,9 @@ def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
         if scale not in (None, 1, 1.0):  # DeepSeek-style: the routed output scaled before the shared one joins
             cov.refusals.append(Refusal(name, kind, "routed experts scaled by a routed_scaling_factor",
                                         "routed_scaling_factor", scale))
-        if shared_expert_name(m) is not None:
-            _read_shared_expert(cov, name, m, cfg, shared_expert_name(m))
+        child = shared_expert_name(m)
+        if child is not None:
+            _read_shared_expert(cov, name, m, cfg, child)
         if activation_variant(getattr(m.experts, "act_fn", None)) != "mlp:silu_and_mul":
             cov.refusals.append(Refusal(name, kind, "MoE experts with an activation other than SiLU",
                                         *_act_field(cfg)))

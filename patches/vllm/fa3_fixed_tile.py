@@ -172,9 +172,10 @@ PATCH = Patch(
             "sequence's prefill rows differ (often 1 ulp) once the context passes ~128 keys; on a sliding-window "
             "layer (window_size_left set) once the window's left edge passes key 0",
     fix="every FA3 varlen call is launched with one split (the backend's AOT scheduler plan too), and with "
-        "max_seqlen_q >= 128 (then without the plan) unless a check in the process showed its attention shape gives "
-        "those bits at its own max_seqlen_q, so decode, prefill and mixed batches run one key order; a windowed call with several query rows per "
-        "sequence runs each row as a sequence of its own, as decode does; cascade attention is off",
+        "max_seqlen_q >= 128 (then without the plan) unless a check in the process showed its attention shape "
+        "gives those bits at its own max_seqlen_q, so decode, prefill and mixed batches run one key order; a "
+        "windowed call with several query rows per sequence runs each row as a sequence of its own, as decode "
+        "does; cascade attention is off",
     guide="guides/C4.md",
     cost="the three patches together: 118-119 % of default vLLM's tokens/s on a Qwen3-1.7B-like model with CUDA "
          "graphs (H200, vLLM 0.26.0, docs/results/vllm-patches.md); this wrapper alone measured 96.6 % earlier; "

@@ -21,7 +21,8 @@ with the reason. Cost: a
 decode step scans chunk_size tokens per request twice (without and with the start state); the buffers take
 chunk_size x (H x P + H + G x N) elements of the model's dtype per state slot and mixer. They are a third state in
 the mixer's cache spec (the state calculators add it while a MambaMixer2 builds its spec or vLLM's block-size
-alignment sizes the states; the mixer's get_state_shape/get_state_dtype alone keep two), so vLLM's memory sizing counts them and the attention blocks are aligned to the larger page.
+alignment sizes the states; the mixer's get_state_shape/get_state_dtype alone keep two), so vLLM's memory sizing
+counts them and the attention blocks are aligned to the larger page.
 """
 
 from __future__ import annotations
