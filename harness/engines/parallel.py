@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tic.core.errors import TicInputError
+from tic.harness.kernels.coverage import expert_weights
 
 COMBINES = ("slot_order", "slot_order_allgather", "rank_partials")
 
@@ -99,10 +100,11 @@ def route(router, x: torch.Tensor, rowwise: bool) -> tuple[torch.Tensor, torch.T
 
 def expert_output(experts, e: int, x: torch.Tensor, rowwise: bool) -> torch.Tensor:
     """One expert's SwiGLU MLP on [n, D] rows (unweighted), in x's dtype."""
+    gate_up, down = expert_weights(experts)
 
     def one(r):
-        gate, up = F.linear(r, experts.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(experts.act_fn(gate) * up, experts.down_proj[e])
+        gate, up = F.linear(r, gate_up[e]).chunk(2, dim=-1)
+        return F.linear(experts.act_fn(gate) * up, down[e])
 
     if not rowwise or x.shape[0] <= 1:
         return one(x)
@@ -155,7 +157,7 @@ class ExpertParallelMoE:
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         ex = self.block.experts
         if self.provider is not None:
-            return self.provider.moe_expert_rows(x, e, ex.gate_up_proj, ex.down_proj)
+            return self.provider.moe_expert_rows(x, e, *expert_weights(ex))
         return expert_output(ex, e, x, self.rowwise)
 
     def _compute_local(self, x: torch.Tensor, experts_of_rows: torch.Tensor) -> torch.Tensor:

@@ -254,6 +254,86 @@ def router_renormalizes(router: nn.Module) -> bool | None:
     return None
 
 
+def expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed experts' weights as the MoE wrappers take them: [gate; up] as [E, 2I, H] and down as [E, H, I].
+    transformers stores some as (in, out) instead (its experts flag `is_transposed`, e.g. Aria's); those come back
+    as transposed views of the parameters. Otherwise the parameters themselves."""
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if getattr(experts, "is_transposed", False):
+        return gate_up.transpose(1, 2), down.transpose(1, 2)
+    return gate_up, down
+
+
+EXPERT_COUNT_NAMES = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def few_experts(experts: nn.Module, n: int, seed: int = 0) -> nn.Module:
+    """A float32 copy of the experts module that holds only its first n experts, every floating parameter and buffer
+    seeded: one expert's computation does not depend on how many there are, and a real model's experts take
+    gigabytes. Counts the module keeps under EXPERT_COUNT_NAMES follow."""
+    total = experts.gate_up_proj.shape[0]
+    probe = copy.copy(experts)
+    probe._parameters, probe._buffers = {}, {}
+    probe._modules = {k: copy.deepcopy(v) for k, v in experts._modules.items()}
+    g = torch.Generator().manual_seed(seed)
+
+    def fresh(t):
+        shape = (n, *t.shape[1:]) if t.dim() and t.shape[0] == total else t.shape
+        return torch.randn(shape, generator=g) if t.is_floating_point() else torch.zeros(shape, dtype=t.dtype)
+
+    for k, v in experts._parameters.items():
+        probe._parameters[k] = None if v is None else nn.Parameter(fresh(v), requires_grad=False)
+    for k, v in experts._buffers.items():
+        probe._buffers[k] = None if v is None else fresh(v)
+    for k in EXPERT_COUNT_NAMES:
+        if getattr(experts, k, None) == total:
+            setattr(probe, k, n)
+    return probe.float()
+
+
+_SWIGLU_READINGS: dict[tuple, bool | None] = {}
+
+
+def experts_compute_swiglu(experts: nn.Module) -> bool | None:
+    """Whether the experts' own forward computes what the MoE wrappers compute from expert_weights: per token, the
+    sum over its top-k slots of weight x down(silu(gate x) * up x). Read on a seeded float32 copy of a few experts,
+    so a layout the wrappers would misread (interleaved gate and up columns, a bias, a norm after each expert) shows
+    in the values whatever flags the class declares; None where the forward does not run on (rows, ids, weights).
+    One reading per experts class and parameter shapes: a model's MoE layers share it."""
+    key = (type(experts), tuple((k, tuple(v.shape), v.dtype) for k, v in experts.named_parameters()),
+           tuple(sorted((k, v) for k, v in vars(experts).items() if isinstance(v, (bool, int, float, str)))))
+    if key not in _SWIGLU_READINGS:
+        _SWIGLU_READINGS[key] = _read_swiglu(experts)
+    return _SWIGLU_READINGS[key]
+
+
+def _read_swiglu(experts: nn.Module) -> bool | None:
+    n = min(3, experts.gate_up_proj.shape[0])
+    probe = few_experts(experts, n)
+    gate_up, down = expert_weights(probe)
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] != 2 * down.shape[2] \
+            or down.shape[1] != gate_up.shape[2]:
+        return False
+    rows, hidden, k = 6, gate_up.shape[2], min(2, n)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(rows, hidden, generator=g)
+    ids = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(rows)])
+    weights = torch.rand(rows, k, generator=g)
+    try:
+        with torch.no_grad():
+            got = probe(x, ids, weights)
+    except Exception:  # noqa: BLE001 - experts whose forward does not take (rows, ids, weights) are not read
+        return None
+    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+        return None
+    want = torch.zeros(rows, hidden, dtype=torch.float64)
+    for t in range(rows):
+        for s in range(k):
+            gate, up = (gate_up[ids[t, s]].double() @ x[t].double()).chunk(2)
+            want[t] += weights[t, s].double() * (down[ids[t, s]].double() @ (F.silu(gate) * up))
+    return bool(torch.allclose(got.double(), want, rtol=1e-3, atol=1e-4 * float(want.abs().max())))
+
+
 def is_moe_block(m) -> bool:
     return moe_router(m) is not None and hasattr(m, "experts") and hasattr(m.experts, "gate_up_proj")
 
@@ -843,6 +923,11 @@ def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
         if activation_variant(getattr(m.experts, "act_fn", None)) != "mlp:silu_and_mul":
             cov.refusals.append(Refusal(name, kind, "MoE experts with an activation other than SiLU",
                                         *_act_field(cfg)))
+        elif not experts_compute_swiglu(m.experts):
+            cov.refusals.append(Refusal(f"{name}.experts", type(m.experts).__name__, "routed experts whose own "
+                                        "forward is not weight x down(silu(gate x) * up x) summed over the top-k "
+                                        "slots on their [gate; up] and down weights (read from their forward; e.g. "
+                                        "interleaved gate and up, a bias, a norm after each expert)"))
         if router_renormalizes(moe_router(m)) is None:
             cov.refusals.append(Refusal(name, kind, "a router whose top-k weights are not its softmax probabilities "
                                         "(renormalised or not) at the softmax's top-k experts, read from its own "

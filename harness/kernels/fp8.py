@@ -223,5 +223,9 @@ def _attach_experts(quant: QuantizedCopies, name: str, w: nn.Parameter, parts: d
         raise ValueError(f"{len(parts)} quantized expert weights for a tensor of {E} experts")
     codes = torch.stack([torch.cat([parts[(e, h)][0] for h in halves]) for e in range(E)])
     scales = torch.stack([torch.cat([parts[(e, h)][1] for h in halves]) for e in range(E)])
+    if tuple(codes.shape) != tuple(w.shape):  # e.g. experts stored as (in, out): the quantized copy would not fit
+        raise ValueError(f"{name}: the model stores these experts as {tuple(w.shape)}, the checkpoint's quantized "
+                         f"experts stack to {tuple(codes.shape)} ([experts, out, in]); block-FP8 experts are read "
+                         "in that layout only")
     w.copy_(dequantize_weight_blocks(codes, scales, block, w.dtype))
     quant.register(name, w, codes, scales)

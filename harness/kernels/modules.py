@@ -39,11 +39,11 @@ from tic.config.schema import BackwardConfig
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 mixers (hybrids), issue 31
 from tic.harness.kernels.autograd import OPS, Backward, Ops
 from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, attention_name, attention_softcap,
-                                          attention_window, final_norm, head_dim_of, is_attention, is_decoder_layer,
-                                          is_gated_mlp, is_hybrid_block, is_layernorm, is_moe_block, is_rmsnorm,
-                                          mlp_name, moe_router, norm_eps, output_projection_name, problem_lines,
-                                          read_coverage, rotary_modules, rotary_per_layer_type, router_renormalizes,
-                                          router_weight)
+                                          attention_window, expert_weights, final_norm, head_dim_of, is_attention,
+                                          is_decoder_layer, is_gated_mlp, is_hybrid_block, is_layernorm,
+                                          is_moe_block, is_rmsnorm, mlp_name, moe_router, norm_eps,
+                                          output_projection_name, problem_lines, read_coverage, rotary_modules,
+                                          rotary_per_layer_type, router_renormalizes, router_weight)
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.stand_ins import stands_for
@@ -422,7 +422,7 @@ def _moe_forward(self, hidden_states):
     calls = self._tic_routes.calls
     if calls is not None:
         calls.setdefault(self._tic_name, []).append(ids.detach().to("cpu"))
-    out = ops.moe_experts(x, weights, ids, experts.gate_up_proj, experts.down_proj)
+    out = ops.moe_experts(x, weights, ids, *expert_weights(experts))
     shared = getattr(self, self._tic_shared, None) if self._tic_shared else None  # a gated MLP on every token
     if shared is not None:  # sigmoid-gated where the block has the gate (Qwen2-MoE)
         y = shared(x)

@@ -413,6 +413,9 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
     def moe_experts(self, x, weights, ids, gate_up, down):
         from vllm.model_executor.layers.fused_moe import fused_experts
 
+        # experts stored as (in, out) arrive as transposed views: vLLM's kernel reads [E, 2I, H] rows, as vLLM's
+        # loader lays them out on the rollout side
+        gate_up, down = gate_up.contiguous(), down.contiguous()
         return fused_experts(x.contiguous(), gate_up, down, weights, ids.to(torch.int32))  # 0.26: out of place
 
     def log_softmax(self, logits):
