@@ -58,3 +58,118 @@ def test_a_refused_architecture_names_what_the_wrappers_lack(model_type, what):
         pytest.skip(str(e))
     problems = coverage_problems(model, "consistent")
     assert problems and any(what in p for p in problems), (model_type, problems)
+
+
+# ---- routed experts: their stored layout read from their own forward ------------------------------------------
+def moe_experts(model):
+    return next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
+
+
+def test_experts_stored_as_in_out_are_read_as_transposed_views_and_climb_c2_to_c7(tmp_path, monkeypatch, one_thread):
+    """Aria stores each routed expert as (in, out) (transformers' `is_transposed`), so [E, H, 2I], not [E, 2I, H]:
+    the wrappers take transposed views of those parameters, and a generated Aria-text model passes C2-C7 on the
+    consistent kernels (before, C2-C7 ended in a shape error inside the MoE wrapper)."""
+    import json
+
+    from tic.config.schema import load_config
+    from tic.gates import get
+    from tic.harness.engines import hf
+    from tic.skill.context import GateContext
+    from tic.skill.runner import run_gate
+
+    if "aria_text" not in CONFIG_MAPPING:
+        pytest.skip("no aria_text in this transformers")
+    model_dir = tmp_path / "aria"
+    model_dir.mkdir()
+    cfg = CONFIG_MAPPING["aria_text"](**{**SMALL, "vocab_size": 256}, pad_token_id=0, bos_token_id=1,
+                                      eos_token_id=2).to_dict()
+    (model_dir / "config.json").write_text(json.dumps({**cfg, "dtype": "float32"}, default=str))
+    (model_dir / "tic.yaml").write_text(
+        "model: {path: ., dtype: float32, generate: {seed: 0}}\n"
+        "rollout: {engine: hf, kernels: consistent, batch_size: 3}\n"
+        "train: {engine: hf, kernels: consistent, micro_batch_size: 2}\n"
+        "prompts: {source: random, count: 3, seed: 0, min_len: 4, max_len: 12}\n"
+        "sampling: {temperature: 1.0, max_tokens: 6, seed: 0}\n"
+        "layouts: {batch_sizes: [3], positions: [first, last], probes: 1}\n"
+        "locate: {enabled: false}\n")
+    experts = moe_experts(build_meta(cfg))
+    assert experts.is_transposed and experts.gate_up_proj.shape[1] == SMALL["hidden_size"]
+    monkeypatch.chdir(model_dir)
+    hf._MODELS.clear()
+    ctx = GateContext(load_config(model_dir / "tic.yaml"))
+    for gate in ("C0", "C2", "C3", "C4", "C5", "C6", "C7"):
+        res = run_gate(get(gate), ctx)
+        assert res.verdict == "pass", (gate, res.reason)
+    hf._MODELS.clear()
+
+
+def test_experts_read_without_their_layout_are_refused(monkeypatch):
+    """Planted: the wrappers' reading ignores `is_transposed`; Aria's experts then compute something else than
+    what the wrappers would, and C0 names them."""
+    from tic.harness.kernels import coverage
+
+    if "aria_text" not in CONFIG_MAPPING:
+        pytest.skip("no aria_text in this transformers")
+    model = small("aria_text")
+    assert coverage.experts_compute_swiglu(moe_experts(model)) is True
+    monkeypatch.setattr(coverage, "expert_weights", lambda ex: (ex.gate_up_proj, ex.down_proj))
+    monkeypatch.setattr(coverage, "_SWIGLU_READINGS", {})
+    problems = coverage_problems(model, "consistent")
+    assert any("AriaExperts" in p and "routed experts whose own forward" in p for p in problems), problems
+
+
+def test_experts_with_interleaved_gate_and_up_are_refused_whatever_they_declare():
+    """Planted: experts that declare the standard layout but take gate and up from alternate columns (GPT-OSS's
+    storage) and square shapes, so only the values can tell: refused at C0. The same experts computing
+    [gate | up] halves are read as covered (the control)."""
+    import torch.nn.functional as F
+
+    from tic.harness.kernels import coverage
+
+    model = small("qwen3_moe")
+    experts = moe_experts(model)
+    base = type(experts)
+
+    class Interleaved(base):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            out = hidden_states.new_zeros(hidden_states.shape)
+            for t in range(hidden_states.shape[0]):
+                for s in range(top_k_index.shape[1]):
+                    e = int(top_k_index[t, s])
+                    gu = self.gate_up_proj[e] @ hidden_states[t]
+                    out[t] += top_k_weights[t, s] * (self.down_proj[e] @ (F.silu(gu[0::2]) * gu[1::2]))
+            return out
+
+    class Halves(base):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            out = hidden_states.new_zeros(hidden_states.shape)
+            for t in range(hidden_states.shape[0]):
+                for s in range(top_k_index.shape[1]):
+                    e = int(top_k_index[t, s])
+                    gate, up = (self.gate_up_proj[e] @ hidden_states[t]).chunk(2)
+                    out[t] += top_k_weights[t, s] * (self.down_proj[e] @ (F.silu(gate) * up))
+            return out
+
+    for cls, covered in ((Interleaved, False), (Halves, True)):
+        for m in model.modules():
+            if type(m) in (base, Interleaved, Halves):
+                m.__class__ = cls
+        coverage._SWIGLU_READINGS.clear()
+        problems = coverage_problems(model, "consistent")
+        assert any("routed experts whose own forward" in p for p in problems) != covered, (cls, problems)
+
+
+def test_the_experts_reading_copies_a_few_experts_of_a_real_shape():
+    """Qwen3-30B-A3B's experts (128 of them, hidden 2048, 768 wide) on the meta device: the reading copies three
+    experts, not the layer's 400 M parameters, and reads them as covered."""
+    from tic.harness.kernels import coverage
+
+    cfg = CONFIG_MAPPING["qwen3_moe"](hidden_size=2048, moe_intermediate_size=768, num_experts=128,
+                                      num_experts_per_tok=8, num_hidden_layers=1, num_attention_heads=32,
+                                      num_key_value_heads=4, head_dim=128, vocab_size=256).to_dict()
+    experts = moe_experts(build_meta(cfg))
+    assert experts.gate_up_proj.is_meta and experts.gate_up_proj.shape == (128, 1536, 2048)
+    probe = coverage.few_experts(experts, 3)
+    assert probe.gate_up_proj.shape == (3, 1536, 2048) and probe.num_experts == 3 and experts.num_experts == 128
+    coverage._SWIGLU_READINGS.clear()
+    assert coverage.experts_compute_swiglu(experts) is True
