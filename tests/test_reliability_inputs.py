@@ -279,6 +279,19 @@ def test_model_config_refused_in_preflight(tic, workdir, model, change, message)
     assert not (workdir / ".tic").exists()
 
 
+@pytest.mark.parametrize("limit", ["[0.0, Infinity]", '[0.0, {"__float__": "Infinity"}]'])
+def test_an_infinite_time_step_limit_as_transformers_writes_it_is_read(tic, workdir, example, one_thread, limit):
+    """A Mamba-2 config's time_step_limit (0, inf): bare Infinity as transformers 4 saved it (checkpoints on the
+    hub carry it), or transformers 5's tagged float. Both are read, and the model climbs C0-C4 as without it; the
+    old reader refused the first as invalid JSON (exit 2). NaN stays refused (above)."""
+    ex = example("tiny-mamba2")
+    text = (ex / "config.json").read_text().rstrip().rstrip("}").rstrip()
+    (ex / "config.json").write_text(f'{text},\n  "time_step_limit": {limit}\n}}\n')
+    code, out, err = tic("ladder", "-c", str(ex / "tic-consistent.yaml"), "--from", "C0", "--to", "C4", "--json")
+    verdicts = {r["gate"]: r["verdict"] for r in json.loads(out)["results"]}
+    assert verdicts == {"C0": "pass", "C1": "waiting", "C2": "pass", "C3": "pass", "C4": "pass"}, (code, err)
+
+
 # ---- the state directory as the run resolves it -------------------------------------------------------------------
 def test_state_dir_is_checked_relative_to_tic_yaml(tic, workdir):
     """The run puts state_dir beside tic.yaml; the old check looked in the working directory (exit 3 later)."""

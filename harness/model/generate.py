@@ -59,6 +59,15 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not a number JSON allows")
 
 
+def _infinity_only(name: str) -> float:
+    """Infinity where a config holds it: transformers 4 wrote a Mamba-2 config's time_step_limit (0, inf) as a bare
+    Infinity, so checkpoints saved then carry it (transformers 5 writes {"__float__": "Infinity"}). NaN is no
+    setting a model can mean."""
+    if name == "NaN":
+        _reject_constant(name)
+    return float(name)
+
+
 def _check_activations(cfg: dict, path: Path, where: str = "") -> None:
     """Activation names (hidden_act, hidden_activation, ...) must be ones transformers implements: an unknown one
     fails only when the model is built, after records were written."""
@@ -80,12 +89,12 @@ def read_model_config(model_dir: Path) -> dict:
     if not path.is_file():
         raise TicInputError(f"model directory has no config.json: {model_dir}")
     try:
-        cfg = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_reject_constant)
+        cfg = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_infinity_only)
     except UnicodeDecodeError as e:
         raise TicInputError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except OSError as e:
         raise TicInputError(f"{path}: cannot read ({e.strerror or e})") from None
-    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError, as is NaN / Infinity
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError, as is NaN
         raise TicInputError(f"{path}: not valid JSON ({getattr(e, 'msg', e)})") from None
     if not isinstance(cfg, dict) or "model_type" not in cfg:
         raise TicInputError(f"{path}: no model_type")
