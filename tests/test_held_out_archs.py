@@ -173,3 +173,18 @@ def test_the_experts_reading_copies_a_few_experts_of_a_real_shape():
     assert probe.gate_up_proj.shape == (3, 1536, 2048) and probe.num_experts == 3 and experts.num_experts == 128
     coverage._SWIGLU_READINGS.clear()
     assert coverage.experts_compute_swiglu(experts) is True
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_a_routers_rule_is_read_where_its_top_k_holds_nearly_all_the_probability(renormalize):
+    """Five of seven experts (FlexOlmo's defaults): on seeded weights the softmax is so peaked that the top five
+    sum to about one, and both rules give the same weights. The reading spreads the softmax until one rule alone
+    fits (the old one answered "renormalised" first, so a FlexOlmo model, which keeps its top-k probabilities as
+    they are, ran renormalised MoE weights and C2 parted at layer 0's MoE block)."""
+    from tic.harness.kernels.coverage import moe_router, router_renormalizes
+
+    model = build_meta(CONFIG_MAPPING["qwen3_moe"](**{**SMALL, "num_experts": 7, "num_local_experts": 7,
+                                                      "num_experts_per_tok": 5},
+                                                   norm_topk_prob=renormalize).to_dict())
+    block = next(m for m in model.modules() if moe_router(m) is not None)
+    assert router_renormalizes(moe_router(block)) is renormalize
