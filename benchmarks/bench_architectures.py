@@ -1,8 +1,8 @@
 """Architectures tic was not written for: the ladder on tiny random models of transformers' own model types.
 
-    .venv/bin/python benchmarks/bench_architectures.py [MODEL_TYPE ...] [--gates C0,C2,C3,C4,C5,C6,C7]
+    .venv/bin/python benchmarks/bench_architectures.py [MODEL_TYPE ... | --all] [--gates C0,C2,C3,C4,C5,C6,C7]
 
-For each model type (default: ARCHITECTURES), a config.json from transformers' config class with small sizes
+For each model type (default: ARCHITECTURES; --all: every type transformers maps to a causal LM), a config.json from transformers' config class with small sizes
 (SIZES; the type's own defaults for everything else), weights generated from seed 0, and the ladder from C0 with
 `kernels: consistent` on both sides, each in a fresh process and folder. Prints one row per model type: each
 gate's verdict, then the first non-passing gate's reason, or C0's refusal. What a row should read: C0 refuses
@@ -50,8 +50,12 @@ def config_for(model_type: str) -> dict:
 
 
 def run(model_type: str, gates: list[str]) -> dict:
+    try:
+        cfg = config_for(model_type)
+    except Exception as e:  # noqa: BLE001 - a type whose config class refuses these sizes is a row, not a stop
+        return {"exit": "-", "results": {}, "reason": f"transformers' config: {type(e).__name__}: {e}".replace("\n", " ")}
     with tempfile.TemporaryDirectory(prefix=f"tic-arch-{model_type}-") as d:
-        (Path(d) / "config.json").write_text(json.dumps(config_for(model_type)))
+        (Path(d) / "config.json").write_text(json.dumps(cfg))
         (Path(d) / "tic.yaml").write_text(TIC_YAML)
         p = subprocess.run([sys.executable, "-m", "tic.skill.cli", "ladder", "-c", "tic.yaml", "--from", gates[0],
                             "--to", gates[-1], "--keep-going", "--json"], cwd=d, capture_output=True, text=True,
@@ -68,15 +72,20 @@ def run(model_type: str, gates: list[str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model_types", nargs="*", default=list(ARCHITECTURES))
+    ap.add_argument("--all", action="store_true", help="every model type transformers maps to a causal LM")
     ap.add_argument("--gates", default="C0,C2,C3,C4,C5,C6,C7")
     ap.add_argument("--width", type=int, default=150, help="characters of the reason column")
     args = ap.parse_args()
     gates = args.gates.split(",")
-    print(f"{'model_type':<14} {'exit':>4} " + " ".join(f"{g:>5}" for g in gates) + "  first reason")
+    if args.all:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        args.model_types = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    print(f"{'model_type':<24} {'exit':>4} " + " ".join(f"{g:>5}" for g in gates) + "  first reason")
     for mt in args.model_types:
         r = run(mt, gates)
         cells = " ".join(f"{r['results'].get(g, {}).get('verdict', '-')[:5]:>5}" for g in gates)
-        print(f"{mt:<14} {r['exit']:>4} {cells}  {r['reason'][:args.width]}", flush=True)
+        print(f"{mt:<24} {r['exit']:>4} {cells}  {r['reason'][:args.width]}", flush=True)
 
 
 if __name__ == "__main__":
