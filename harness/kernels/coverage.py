@@ -279,6 +279,9 @@ def few_experts(experts: nn.Module, n: int, seed: int = 0) -> nn.Module:
     probe = copy.copy(experts)
     probe._parameters, probe._buffers = {}, {}
     probe._modules = {k: copy.deepcopy(v) for k, v in experts._modules.items()}
+    for k, v in vars(experts).items():  # the copy runs none of the hooks a caller put on the model's module
+        if k.endswith("hooks") and isinstance(v, dict):
+            setattr(probe, k, type(v)())
     g = torch.Generator().manual_seed(seed)
 
     def fresh(t):
