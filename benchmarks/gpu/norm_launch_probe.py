@@ -6,7 +6,7 @@ training forward), compared bit for bit.
 
 Without a flag the kernels are called as vLLM calls them; --patched goes through tic's rmsnorm-fixed-block patch,
 --row-kernel through rmsnorm-rows' Triton kernel, which also gets per-head rows (head sizes 64, 128, 256) read
-in place from a fused qkv projection's slices, compared with the same rows copied out.
+in place from a fused qkv projection's slices, compared with the same rows copied out (that probe needs no vLLM).
 Rows are drawn as residual-stream activations are (normal, per-feature scales spread over three decades), in
 bf16 and float32. Prints one line per (kernel, hidden, dtype): rows that differ out of those compared. Exits 1
 when any row differs, 0 when none does: the repro of the launch-shape dependence, fresh process each way.
@@ -28,10 +28,11 @@ def main() -> int:
     ap.add_argument("--small", type=int, default=48)
     a = ap.parse_args()
     import torch
-    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
 
-    from tic.patches.vllm import rmsnorm_fixed_block as fixed
+    if not a.row_kernel:  # the row kernel is tic's Triton code alone: that probe runs without vLLM
+        import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
 
+        from tic.patches.vllm import rmsnorm_fixed_block as fixed
     if a.row_kernel:
         from tic.patches.vllm.rowwise_rmsnorm import rms_norm_rows
 
