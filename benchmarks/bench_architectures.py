@@ -2,13 +2,13 @@
 
     .venv/bin/python benchmarks/bench_architectures.py [MODEL_TYPE ... | --all] [--gates C0,C2,C3,C4,C5,C6,C7]
 
-For each model type (default: ARCHITECTURES; --all: every type transformers maps to a causal LM), a config.json from transformers' config class with small sizes
-(SIZES; the type's own defaults for everything else), weights generated from seed 0, and the ladder from C0 with
-`kernels: consistent` on both sides, each in a fresh process and folder. Prints one row per model type: each
-gate's verdict, then the first non-passing gate's reason, or C0's refusal. What a row should read: C0 refuses
-what the wrappers do not implement, naming the module and what is missing; anything C0 lets through passes
-C2-C7, or C2's fidelity check names the first module where the wrapped model parts from the stock one. An
-`error` verdict or exit 3 is a defect.
+For each model type (default: ARCHITECTURES; --all: every type transformers maps to a causal LM), a config.json
+from transformers' config class with small sizes (SIZES; the type's own defaults for everything else), weights
+generated from seed 0, and the ladder from C0 with `kernels: consistent` on both sides, each in a fresh process
+and folder. Prints one row per model type: each gate's verdict, then the first non-passing gate's reason, or C0's
+refusal. What a row should read: C0 refuses what the wrappers do not implement, naming the module and what is
+missing; anything C0 lets through passes C2-C7, or C2's fidelity check names the first module where the wrapped
+model parts from the stock one. An `error` verdict or exit 3 is a defect.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def run(model_type: str, gates: list[str]) -> dict:
     try:
         cfg = config_for(model_type)
     except Exception as e:  # noqa: BLE001 - a type whose config class refuses these sizes is a row, not a stop
-        return {"exit": "-", "results": {}, "reason": f"transformers' config: {type(e).__name__}: {e}".replace("\n", " ")}
+        reason = f"transformers' config: {type(e).__name__}: {e}".replace("\n", " ")
+        return {"exit": "-", "results": {}, "reason": reason}
     with tempfile.TemporaryDirectory(prefix=f"tic-arch-{model_type}-") as d:
         (Path(d) / "config.json").write_text(json.dumps(cfg))
         (Path(d) / "tic.yaml").write_text(TIC_YAML)
