@@ -130,29 +130,26 @@ def test_experts_with_interleaved_gate_and_up_are_refused_whatever_they_declare(
     experts = moe_experts(model)
     base = type(experts)
 
-    class Interleaved(base):
-        def forward(self, hidden_states, top_k_index, top_k_weights):
-            out = hidden_states.new_zeros(hidden_states.shape)
-            for t in range(hidden_states.shape[0]):
-                for s in range(top_k_index.shape[1]):
-                    e = int(top_k_index[t, s])
-                    gu = self.gate_up_proj[e] @ hidden_states[t]
-                    out[t] += top_k_weights[t, s] * (self.down_proj[e] @ (F.silu(gu[0::2]) * gu[1::2]))
-            return out
+    def experts_splitting(split):
+        """The experts class computing SwiGLU with gate and up taken from [gate; up]'s output by `split`."""
 
-    class Halves(base):
-        def forward(self, hidden_states, top_k_index, top_k_weights):
-            out = hidden_states.new_zeros(hidden_states.shape)
-            for t in range(hidden_states.shape[0]):
-                for s in range(top_k_index.shape[1]):
-                    e = int(top_k_index[t, s])
-                    gate, up = (self.gate_up_proj[e] @ hidden_states[t]).chunk(2)
-                    out[t] += top_k_weights[t, s] * (self.down_proj[e] @ (F.silu(gate) * up))
-            return out
+        class Split(base):
+            def forward(self, hidden_states, top_k_index, top_k_weights):
+                out = hidden_states.new_zeros(hidden_states.shape)
+                for t in range(hidden_states.shape[0]):
+                    for s in range(top_k_index.shape[1]):
+                        e = int(top_k_index[t, s])
+                        gate, up = split(self.gate_up_proj[e] @ hidden_states[t])
+                        out[t] += top_k_weights[t, s] * (self.down_proj[e] @ (F.silu(gate) * up))
+                return out
 
-    for cls, covered in ((Interleaved, False), (Halves, True)):
+        return Split
+
+    interleaved = experts_splitting(lambda gu: (gu[0::2], gu[1::2]))
+    halves = experts_splitting(lambda gu: gu.chunk(2))
+    for cls, covered in ((interleaved, False), (halves, True)):
         for m in model.modules():
-            if type(m) in (base, Interleaved, Halves):
+            if type(m) in (base, interleaved, halves):
                 m.__class__ = cls
         coverage._SWIGLU_READINGS.clear()
         problems = coverage_problems(model, "consistent")
