@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 hybrids, issue 31
-from tic.harness.kernels.autograd import PLAIN_ACTS, layer_norm_float32_written_out
+from tic.harness.kernels.autograd import PLAIN_ACTS, layer_norm_float32_written_out, moe_experts_ref
 from tic.harness.kernels.rope import rotary_output_layout, rotate_interleaved, rotate_neox
 from tic.harness.model.inventory import LAYER_LISTS
 
@@ -333,11 +333,7 @@ def _read_swiglu(experts: nn.Module) -> bool | None:
         return None
     if not isinstance(got, torch.Tensor) or got.shape != x.shape:
         return None
-    want = torch.zeros(rows, hidden, dtype=torch.float64)
-    for t in range(rows):
-        for s in range(k):
-            gate, up = (gate_up[ids[t, s]].double() @ x[t].double()).chunk(2)
-            want[t] += weights[t, s].double() * (down[ids[t, s]].double() @ (F.silu(gate) * up))
+    want = moe_experts_ref(x.double(), weights.double(), ids, gate_up.double(), down.double())
     return bool(torch.allclose(got.double(), want, rtol=1e-3, atol=1e-4 * float(want.abs().max())))
 
 
