@@ -951,6 +951,47 @@ def test_row_kernel_under_triton_interpreter_addresses_strided_rows_as_copied_on
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
 
 
+def _row_kernel_ptx(h: int, aligned_pointers: bool = True) -> str:
+    """The row kernel compiled for an H100 (sm_90) by Triton on this machine, as rms_norm_rows launches it for rows
+    of h elements (a residual and a weight), to PTX: no GPU needed."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tic.patches.vllm.rowwise_rmsnorm import _kernel, rms_launch
+
+    kernel, launch = _kernel(), rms_launch(h)
+    params = list(inspect.signature(kernel.fn).parameters)
+    constant = {p.name for p in kernel.params if p.is_constexpr}  # as the kernel declares them
+    values = {p: v for p, v in (("H", h), ("HAS_RESIDUAL", True), ("HAS_WEIGHT", True), ("BLOCK", launch.block),
+                                ("ROWS", launch.rows), ("ALIGN", launch.align)) if p in constant}
+    signature = {p: "constexpr" if p in values else "*bf16" if p.endswith("_ptr") else "fp32" if p == "eps"
+                 else "i32" for p in params}
+    # the host hands the kernel 16-byte-aligned pointers only, which Triton sees as their divisibility
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p.endswith("_ptr") and aligned_pointers}
+    source = ASTSource(fn=kernel, signature=signature, attrs=attrs,
+                       constexprs={(params.index(p),): v for p, v in values.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": launch.warps}).asm["ptx"]
+
+
+def test_row_kernel_moves_its_rows_in_16_byte_vectors():
+    """On the GPU the row kernel is bound by memory: a load or store of one bfloat16 at a time made it several
+    times slower than Inductor's fused norm. Compiled for sm_90 here, every global load and store of the kernel is
+    a 16-byte vector, for hidden sizes and per-head lengths alike, 72 (a block of 128) included. The control:
+    the same kernel without the pointers' alignment is compiled to narrower accesses, so the check sees them."""
+    pytest.importorskip("triton.backends.nvidia")
+    import re
+
+    def accesses(ptx: str) -> set[str]:
+        return set(re.findall(r"(?:ld|st)\.global(?:\.\w+)*", ptx))
+
+    for h in (4096, 5120, 128, 72):
+        assert accesses(_row_kernel_ptx(h)) == {"ld.global.v4.b32", "st.global.v4.b32"}, h
+    assert accesses(_row_kernel_ptx(4096, aligned_pointers=False)) - {"ld.global.v4.b32", "st.global.v4.b32"}
+
+
 def test_fp8_gemm_one_kernel_takes_deepgemm_for_every_row_count(fake_vllm):
     """The dynamic block-FP8 dispatch reads vllm.envs once, for its batch-invariant switch: patched, every row
     count takes the DeepGEMM branch while the other settings stay vLLM's; reverted, small batches go back to

@@ -27,11 +27,13 @@ def _kernel():
 
     # Integer arguments are not specialised: Triton would otherwise compile another variant where a stride happens
     # to be a multiple of 16 or equal to 1, and a variant's vector width sets a row's reduction order. The only
-    # alignment the kernel knows is ALIGN, which the row length fixes and the host guarantees.
-    @triton.jit(do_not_specialize=["n_rows", "H", "gx", "sxo", "sxi", "gr", "sro", "sri"])
-    def _rms_rows(x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, n_rows, H, gx, sxo, sxi, gr, sro, sri, eps,
-                  HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                  ALIGN: tl.constexpr):
+    # alignment the kernel knows is ALIGN, which the row length fixes and the host guarantees. The row length H is
+    # a compile-time constant like the launch it fixes: a runtime H would leave the column mask's extent unknown,
+    # and Triton then loads and stores one element at a time.
+    @triton.jit(do_not_specialize=["n_rows", "gx", "sxo", "sxi", "gr", "sro", "sri"])
+    def _rms_rows(x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, n_rows, gx, sxo, sxi, gr, sro, sri, eps,
+                  H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+                  ROWS: tl.constexpr, ALIGN: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
         mask = (rows < n_rows)[:, None] & (cols < H)[None, :]
@@ -153,8 +155,8 @@ def rms_norm_rows(x, weight, epsilon: float, residual=None):
     ro = torch.empty((n, h), dtype=x.dtype, device=x.device) if residual is not None else y
     if n:
         _kernel()[(-(-n // launch.rows),)](
-            xr.tensor, rr.tensor, weight if weight is not None else y, y, ro, n, h, xr.groups, xr.outer, xr.inner,
-            rr.groups, rr.outer, rr.inner, epsilon, HAS_RESIDUAL=residual is not None,
+            xr.tensor, rr.tensor, weight if weight is not None else y, y, ro, n, xr.groups, xr.outer, xr.inner,
+            rr.groups, rr.outer, rr.inner, epsilon, H=h, HAS_RESIDUAL=residual is not None,
             HAS_WEIGHT=weight is not None, BLOCK=launch.block, ROWS=launch.rows, ALIGN=launch.align,
             num_warps=launch.warps)
     if residual is None:
