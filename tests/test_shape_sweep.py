@@ -49,12 +49,12 @@ def test_plan_writes_valid_configs_for_every_mode_and_variant(tmp_path, monkeypa
 
 def test_norm_variants_swap_or_drop_the_norm_patch_alone(tmp_path):
     args = argparse.Namespace(work=str(tmp_path), shapes="Qwen3-8B", modes="compiled",
-                              variants="patched,rows,no-norm", requests=64, max_prompt=4096, tokens=512)
+                              variants="patched,fixed-block,no-norm", requests=64, max_prompt=4096, tokens=512)
     runs, _ = shape_sweep.plan(args)
     got = {r.variant: load_config(r.config).rollout.patches for r in runs}
-    assert got["rows"] == [("rmsnorm-rows" if p == "rmsnorm-fixed-block" else p) for p in got["patched"]]
-    assert got["no-norm"] == [p for p in got["patched"] if p != "rmsnorm-fixed-block"]
-    assert "rmsnorm-fixed-block" in got["patched"]
+    assert got["fixed-block"] == [("rmsnorm-fixed-block" if p == "rmsnorm-rows" else p) for p in got["patched"]]
+    assert got["no-norm"] == [p for p in got["patched"] if p != "rmsnorm-rows"]
+    assert "rmsnorm-rows" in got["patched"]
 
 
 def test_gates_option_keeps_only_the_named_gates_of_each_run(tmp_path):
@@ -219,11 +219,11 @@ def test_a_hybrid_shape_is_nemotron_h_at_full_depth_and_its_consistent_side_is_w
     assert "cudagraph_mode" not in options  # LLM(...) takes it inside compilation_config only
     assert rt.side_spec("default", hybrid=True) == rt.SIDES["default"]
     assert rt.side_spec("only:mamba-decode-replay", hybrid=True)[0] == rt.HYBRID_CONSISTENT
-    # the rows side: the consistent side of any kind with the row-kernel norm for the padded one, nothing else
+    # the fixed-block side: the consistent side of any kind with the padded norm for the row kernel, nothing else
     for kind in ({}, {"hybrid": True}, {"fp8": True}):
-        consistent, rows = rt.side_spec("consistent", **kind), rt.side_spec("rows", **kind)
-        assert rows[0] == consistent[0] and "rmsnorm-fixed-block" in consistent[1]["TIC_PATCHES"]
-        assert rows[1]["TIC_PATCHES"] == consistent[1]["TIC_PATCHES"].replace("rmsnorm-fixed-block", "rmsnorm-rows")
+        consistent, padded = rt.side_spec("consistent", **kind), rt.side_spec("fixed-block", **kind)
+        assert padded[0] == consistent[0] and "rmsnorm-rows" in consistent[1]["TIC_PATCHES"]
+        assert padded[1]["TIC_PATCHES"] == consistent[1]["TIC_PATCHES"].replace("rmsnorm-rows", "rmsnorm-fixed-block")
     assert rt.side_gib(s, 52, 10 * rt.GiB) == rt.side_gib(s, 52, 0) + 10  # the buffers are in the cache's bytes
     kv = rt.shared_kv_gib(s, 52, 2, 100)
     assert 2 * rt.side_gib(s, 52, kv * rt.GiB) <= 100 < 2 * rt.side_gib(s, 52, (kv + 1) * rt.GiB)

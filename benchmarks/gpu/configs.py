@@ -24,17 +24,18 @@ import yaml
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 
-PATCHES = ("fa3-fixed-tile", "rmsnorm-fixed-block", "gemm-fixed-order")  # the C3/C4 patches, rollout side
+PATCHES = ("fa3-fixed-tile", "rmsnorm-rows", "gemm-fixed-order")  # the C3/C4 patches, rollout side
+NORM_PATCHES = ("rmsnorm-rows", "rmsnorm-fixed-block")  # the two RMSNorm fixes; a list holds one of them
 SLOT_ORDER = "moe-slot-order-sum"  # the EP merge patch (parallel layouts)
 # block-FP8 models: one FP8 GEMM kernel and one fused-MoE tile config for every batch size
 FP8_PATCHES = (*PATCHES, "fp8-gemm-one-kernel", "moe-fixed-config")
 # Mamba-2 hybrids: decode replays the current chunk, the SSD kernels on one config, the gated norm in one kernel
 MAMBA_PATCHES = (*PATCHES, "mamba-decode-replay", "mamba-ssd-fixed-config", "mamba-gated-norm-triton")
 
-def with_row_norm(patches) -> tuple[str, ...]:
-    """The patch list with rmsnorm-rows (tic's Triton row kernel for every RMSNorm) in place of rmsnorm-fixed-block:
-    the two norm fixes' A/B."""
-    return tuple("rmsnorm-rows" if p == "rmsnorm-fixed-block" else p for p in patches)
+def with_norm(patches, norm: str) -> tuple[str, ...]:
+    """The patch list with `norm` (one of NORM_PATCHES) in place of the norm fix it holds: the two fixes' A/B."""
+    assert norm in NORM_PATCHES, norm
+    return tuple(norm if p in NORM_PATCHES else p for p in patches)
 
 
 # Rollout modes: vLLM options on top of the workload's.
@@ -148,8 +149,8 @@ def _variants() -> dict[str, Variant]:
     # the final logits): FlashAttention's window and softcap, GemmaRMSNorm, gelu_tanh_and_mul on the training side
     for m in ("gemma3", "gemma2"):
         v[f"t-{m}-eager"] = Variant(f"{m}, patched eager rollout, training on vLLM's kernels", m)
-        v[f"t-{m}-eager-no-rms"] = Variant(f"t-{m}-eager without rmsnorm-fixed-block (its with/without run)", m,
-                                           patches=tuple(p for p in PATCHES if p != "rmsnorm-fixed-block"),
+        v[f"t-{m}-eager-no-rms"] = Variant(f"t-{m}-eager without its norm patch (its with/without run)", m,
+                                           patches=tuple(p for p in PATCHES if p not in NORM_PATCHES),
                                            locate=False)
     # Gemma-3-4B's layer shapes (head_dim 256, window 1024, linear rope scaling on the full layer; vocabulary cut to
     # 32,768 so a training batch's logits fit beside other runs) on prompts to 4,096 tokens: windows slide far

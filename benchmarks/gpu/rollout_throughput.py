@@ -14,7 +14,8 @@ Sides (each a vLLM engine in a process of its own; `default` is every ratio's de
 - batch_invariant: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1), default compilation;
 - keep_kernels: the consistent side's compilation settings without any patch (what keeping the CUDA ops costs);
 - only:P1+P2: the consistent side's compilation with only the named patches (one patch's cost, A/B);
-- rows: the consistent side (FP8 or hybrid alike) with rmsnorm-rows in place of rmsnorm-fixed-block;
+- fixed-block: the consistent side (FP8 or hybrid alike) with rmsnorm-fixed-block in place of rmsnorm-rows (the
+  two norm fixes' A/B);
 - previous: the consistent side run on another tic tree (--previous-pythonpath, device_env.sh's previous_tree:
   a patch change's with/without in one run).
 Models: each shape at its full depth (shapes.py), `load_format: dummy`, every side with the same KV cache size;
@@ -46,7 +47,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from configs import FP8_PATCHES, MAMBA_PATCHES, MODES, PATCHES as TIC_PATCHES, with_row_norm  # noqa: E402
+from configs import FP8_PATCHES, MAMBA_PATCHES, MODES, PATCHES as TIC_PATCHES, with_norm  # noqa: E402
 from shapes import HybridShape, Shape, by_name  # noqa: E402
 
 from tic.harness.model.quantize import block_fp8_config, unquantized_linears  # noqa: E402
@@ -74,7 +75,7 @@ def side_spec(name: str, fp8: bool = False, previous: str = "", hybrid: bool = F
     HYBRID_CONSISTENT with the Mamba patches (configs.MAMBA_PATCHES)."""
     if name.startswith("only:"):
         options, env = KEEP_KERNELS, {"TIC_PATCHES": name[5:].replace("+", ","), "VLLM_BATCH_INVARIANT": "0"}
-    elif name in ("previous", "rows"):
+    elif name in ("previous", "fixed-block"):
         options, env = SIDES["consistent"]
         env = {**env, "PYTHONPATH": previous} if name == "previous" else env
     else:
@@ -85,8 +86,8 @@ def side_spec(name: str, fp8: bool = False, previous: str = "", hybrid: bool = F
         options = HYBRID_CONSISTENT
         if env["TIC_PATCHES"] == PATCHES:
             env = {**env, "TIC_PATCHES": ",".join(MAMBA_PATCHES)}
-    if name == "rows":
-        env = {**env, "TIC_PATCHES": ",".join(with_row_norm(env["TIC_PATCHES"].split(",")))}
+    if name == "fixed-block":
+        env = {**env, "TIC_PATCHES": ",".join(with_norm(env["TIC_PATCHES"].split(","), "rmsnorm-fixed-block"))}
     return options, env
 
 
@@ -372,7 +373,7 @@ def main() -> int:
                          "at most this many output tokens: GPU time per kernel, printed side by side (0: none)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
-    known = [*SIDES, "previous", "rows"]
+    known = [*SIDES, "previous", "fixed-block"]
     unknown = [s for s in a.sides.split(",") if (s not in known and not s.startswith("only:")) or s == "default"]
     if unknown:
         raise SystemExit(f"unknown side {unknown[0]!r}; sides: {', '.join(n for n in known if n != 'default')}")

@@ -14,7 +14,7 @@ versions "$OUT/versions.txt"
 if [ -z "${SKIP_REPROS:-}" ]; then
   python3 "$GPU/patch_repros.py" --json "$W/res/repros-stock.json" 2>&1 | grep -v Warning | tee "$W/res/repros.txt"; echo "rc=${PIPESTATUS[0]} stock" | tee -a "$W/res/repros.txt"
   python3 "$GPU/patch_repros.py" --patched --json "$W/res/repros-patched.json" 2>&1 | grep -v Warning | tee -a "$W/res/repros.txt"; echo "rc=${PIPESTATUS[0]} patched" | tee -a "$W/res/repros.txt"
-  TIC_PATCHES=fa3-fixed-tile,rmsnorm-fixed-block,gemm-fixed-order python3 -m tic.skill.cli patch status 2>&1 | tail -4 | tee "$W/res/patch-status.txt"; echo "rc=${PIPESTATUS[0]} patch status" | tee -a "$W/res/patch-status.txt"
+  TIC_PATCHES=fa3-fixed-tile,rmsnorm-rows,gemm-fixed-order python3 -m tic.skill.cli patch status 2>&1 | tail -4 | tee "$W/res/patch-status.txt"; echo "rc=${PIPESTATUS[0]} patch status" | tee -a "$W/res/patch-status.txt"
 fi
 names=""
 [ $# -gt 0 ] && names=$(python3 "$GPU/configs.py" --list "$@" | cut -d' ' -f1)

@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu/run_step_verify.sh      (outputs in $OUT)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-PP=fa3-fixed-tile,gemm-fixed-order,rmsnorm-fixed-block
+PP=fa3-fixed-tile,gemm-fixed-order,rmsnorm-rows
 TIC_PATCHES=$PP timeout 170 python3 "$GPU/train_step_bench.py" --hidden 2048 --seq 1024 --repeats 5 \
   > "$OUT/step-h2048-patched.txt" 2>&1
 TIC_RUN_TIMEOUT=${TIC_RUN_TIMEOUT:-380} bash "$GPU/run_train.sh" t-dense-eager t-moe-eager t-big-eager t-llama-eager t-dense-bi t-dense-bi-fa3 \

@@ -14,8 +14,8 @@ Each (shape, rollout mode, variant) is one tic.yaml under WORK, run by run_gates
 - modes: eager (enforce_eager), graph (CUDA graphs of the decode steps, compilation mode 0 / FULL_DECODE_ONLY),
   compiled (vLLM's default mode 3 / FULL_AND_PIECEWISE with its CUDA kernels kept: custom_ops [all], vllm_c norms);
 - variants: patched (rollout.patches: tic's three vLLM patches), stock (none), no-gemm (the patches less the dense
-  GEMM one: its with/without run), rows (the patches with rmsnorm-rows for rmsnorm-fixed-block), no-norm (the
-  patches less the norm one: the with/without run of either norm patch), previous (the patched config run on another
+  GEMM one: its with/without run), fixed-block (the patches with rmsnorm-fixed-block for rmsnorm-rows: the two
+  norm fixes' A/B), no-norm (the patches less the norm one: the with/without run of either norm patch), previous (the patched config run on another
   tic tree, --previous-pythonpath, e.g. the release before a patch change: its
   with/without run), fp8 (block-FP8 weights 128 x 128 quantized from the seeded ones, an FP8 KV cache on both sides,
   the patches plus the FP8 ones), fp8-no-moecfg (fp8 less moe-fixed-config: its with/without run), megatron (the
@@ -45,14 +45,14 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from configs import FP8_PATCHES, PATCHES as TIC_PATCHES, tic_yaml, use_block_fp8, with_row_norm  # noqa: E402
+from configs import FP8_PATCHES, NORM_PATCHES, PATCHES as TIC_PATCHES, tic_yaml, use_block_fp8, with_norm  # noqa: E402
 from shapes import Shape, by_name  # noqa: E402
 
 PATCHES = list(TIC_PATCHES)
 # the sweep's modes: graph = CUDA graphs of the decode steps without torch.compile; compiled = vLLM's default
 # compilation with its CUDA kernels kept
 MODES = {"eager": "eager", "graph": "decode-graphs", "compiled": "compiled"}
-VARIANTS = ("patched", "stock", "no-gemm", "rows", "no-norm", "previous", "fp8", "fp8-no-moecfg", "megatron")
+VARIANTS = ("patched", "stock", "no-gemm", "fixed-block", "no-norm", "previous", "fp8", "fp8-no-moecfg", "megatron")
 ROLLOUT_GATES = "C0,C3,C4,C5"
 ALL_GATES = "C0,C3,C4,C5,C6,C7"
 # the Megatron trainer also runs C8: its weight sync into vLLM is part of what it adds
@@ -105,8 +105,8 @@ def run_config(s: Shape, mode: str, variant: str, w: dict, model_dir: Path) -> d
     patches = {"stock": (), "fp8": FP8_PATCHES,
                "fp8-no-moecfg": tuple(p for p in FP8_PATCHES if p != "moe-fixed-config"),
                "no-gemm": tuple(p for p in PATCHES if not p.startswith("gemm-")),
-               "rows": with_row_norm(PATCHES),
-               "no-norm": tuple(p for p in PATCHES if not p.startswith("rmsnorm-"))
+               "fixed-block": with_norm(PATCHES, "rmsnorm-fixed-block"),
+               "no-norm": tuple(p for p in PATCHES if p not in NORM_PATCHES)
                }.get(variant, PATCHES)
     cfg = tic_yaml(f"{s.slug}-{mode}-{variant}", model_dir, MODES[mode], patches,
                    requests=w["requests"], min_len=w["min_len"], max_len=w["max_len"], tokens=w["tokens"],

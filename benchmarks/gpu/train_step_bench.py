@@ -2,7 +2,7 @@
 HF training step on the same bf16 model and batch.
 
   source benchmarks/gpu/device_env.sh    # tic and the vLLM 0.26 bundle ($TIC_VLLM_SITE) on the path
-  [TIC_PATCHES=fa3-fixed-tile,gemm-fixed-order,rmsnorm-fixed-block] [VLLM_BATCH_INVARIANT=1] \
+  [TIC_PATCHES=fa3-fixed-tile,gemm-fixed-order,rmsnorm-rows] [VLLM_BATCH_INVARIANT=1] \
     python3 benchmarks/gpu/train_step_bench.py [--moe] [--batch 8 --seq 512] [--eager-backward] [--no-grouped-mm]
 
 Checks, each printed with its verdict; any failure exits 1:

@@ -85,7 +85,7 @@ def check_options(options: dict) -> dict:
 _PROVIDER_IR_OPS = ("rms_norm", "fused_add_rms_norm")
 # options that choose vLLM's execution mode; the consistent rollout may set them, its baseline runs vLLM's defaults
 MODE_OPTIONS = ("enforce_eager", "compilation_config", "cudagraph_mode", "ir_op_priority")
-REPLACES_BATCH_INVARIANT = ("fa3-fixed-tile", "rmsnorm-fixed-block", "gemm-fixed-order")
+REPLACES_BATCH_INVARIANT = ("fa3-fixed-tile", "rmsnorm-rows", "gemm-fixed-order")
 
 
 def _priority_list(value) -> list[str]:
