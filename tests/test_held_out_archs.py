@@ -5,6 +5,7 @@ covered ones below also climb C0-C7 in tests/test_coverage.py's families where a
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import CONFIG_MAPPING
 
 from tic.core.errors import TicInputError
@@ -185,3 +186,22 @@ def test_a_routers_rule_is_read_where_its_top_k_holds_nearly_all_the_probability
                                                    norm_topk_prob=renormalize).to_dict())
     block = next(m for m in model.modules() if moe_router(m) is not None)
     assert router_renormalizes(moe_router(block)) is renormalize
+
+
+def test_an_output_projection_the_query_heads_do_not_fit_is_refused_at_c0():
+    """transformers' Helium (5.25) sizes o_proj hidden -> hidden, so at head_dim * heads != hidden its own forward
+    fails, and C2-C7 ended in a shape error after C0 had passed. C0 now compares what the query heads give with
+    what the output projection takes. Planted: a Qwen3 attention given such an o_proj. Control: Qwen3 itself at
+    head_dim * heads != hidden (o_proj sized from the heads) is covered."""
+    import torch.nn as nn
+
+    cfg = dict(SMALL, head_dim=32)  # 4 heads of 32: 128 query features, hidden 64
+    control = build_meta(CONFIG_MAPPING["qwen3"](**cfg).to_dict())
+    assert coverage_problems(control, "consistent") == []
+    planted = build_meta(CONFIG_MAPPING["qwen3"](**cfg).to_dict())
+    with torch.device("meta"):
+        planted.model.layers[1].self_attn.o_proj = nn.Linear(64, 64, bias=False)
+    problems = coverage_problems(planted, "consistent")
+    assert problems == ["model.layers.1.self_attn.o_proj (Linear): takes 64 features, where the query heads give 128 "
+                        "(head_dim 32): the attention's output does not fit its output projection (config "
+                        "head_dim=32)"], problems

@@ -753,9 +753,33 @@ def is_no_rope(attn: nn.Module) -> bool:
     return _takes_rope(attn) and applies_rotary(attn) is False
 
 
+def query_width(attn: nn.Module, cfg, qkv_index=None) -> int | None:
+    """How many features the attention's query heads give (heads * head_dim), as the wrappers split them: q_proj's
+    outputs, a fused [q | k | v]'s first num_attention_heads heads, or the q part of a fused query_key_value's
+    layout (fused_qkv_layout); None where that is unknown."""
+    if _linears(attn, "q_proj"):
+        return attn.q_proj.out_features
+    if _linears(attn, "qkv_proj") and isinstance(getattr(cfg, "num_attention_heads", None), int):
+        return cfg.num_attention_heads * head_dim_of(attn)
+    return None if qkv_index is None else len(qkv_index[0])
+
+
+def _read_head_geometry(cov: LayerCoverage, name: str, m, cfg, qkv_index) -> None:
+    """The query heads' features must be what the output projection takes: neither the model's own forward nor
+    the wrappers can join them otherwise (e.g. a config whose head_dim * num_attention_heads is not hidden_size,
+    for a class that sizes its output projection from hidden_size)."""
+    d, out_name = head_dim_of(m), output_projection_name(m) or "o_proj"
+    width, out = query_width(m, cfg, qkv_index), getattr(m, out_name)
+    if width is not None and (width % d or width != out.in_features):
+        cov.refusals.append(Refusal(f"{name}.{out_name}", type(out).__name__, f"takes {out.in_features} features, "
+                                    f"where the query heads give {width} (head_dim {d}): the attention's output "
+                                    "does not fit its output projection", "head_dim", d))
+
+
 def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
     kind = type(m).__name__
     _read_unused_parts(cov, name, m, "an attention", ATTENTION_PARTS)
+    layout = None
     if _linears(m, "query_key_value"):
         layout = fused_qkv_layout(m)
         if layout is None:
@@ -765,6 +789,7 @@ def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
         else:
             cov.classes["attention:qkv_fused"] = (None, None)
             cov.readings.setdefault(name, {})["qkv_index"] = layout
+    _read_head_geometry(cov, name, m, cfg, layout)
     if getattr(cfg, "alibi", False):
         cov.refusals.append(Refusal(name, kind, "ALiBi position biases (the wrappers' attention has none)", "alibi",
                                     True))
