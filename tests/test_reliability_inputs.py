@@ -233,6 +233,45 @@ def test_a_config_its_model_class_cannot_build_is_bad_input(tic, workdir):
     assert not (workdir / ".tic").exists()
 
 
+def test_a_config_whose_checkpoint_transformers_cannot_write_is_bad_input(tic, workdir, monkeypatch):
+    """save_pretrained reverts transformers' load-time weight conversions of the model type; where one cannot take
+    the tensors a config builds (transformers 5.25's inkling2 pads the embedding to a smaller text vocabulary: a
+    negative dimension), generating the weights failed as an internal error. It is found on the meta-device model
+    before any weight is drawn: one line, exit 2, nothing under .tic/ and no generated weights. Planted here by a
+    conversion that fails as that one does; the control is every other test that generates a model."""
+    import transformers.core_model_loading as loading
+
+    drawn = []
+    monkeypatch.setattr(loading, "revert_weight_conversion", lambda model, state: (_ for _ in ()).throw(
+        RuntimeError("Trying to create tensor with negative dimension -7: [-7, 64]")))
+    monkeypatch.setattr("torch.manual_seed", lambda seed: drawn.append(seed))
+    d = workdir / "m"
+    d.mkdir()
+    (d / "config.json").write_text((REPO / "examples" / "tiny-qwen3" / "config.json").read_text())
+    cfg = workdir / "tic.yaml"
+    cfg.write_text("model: {path: m, generate: {seed: 0}}\n")
+    _one_line_exit_2(*tic("gate", "C0", "-c", str(cfg)), "transformers cannot write a checkpoint of the "
+                     "Qwen3ForCausalLM it builds from it (its weight conversion fails: RuntimeError: Trying to create "
+                     "tensor with negative dimension -7")
+    assert not (workdir / ".tic").exists() and drawn == []
+
+
+def test_the_checkpoint_check_reverts_real_conversions_on_the_meta_device():
+    """The control on a model type whose checkpoint transformers converts (fused experts saved per expert): the
+    check passes on the meta device, where no weight exists."""
+    from transformers import CONFIG_MAPPING
+
+    from tic.harness.model.generate import _check_checkpoint_writable
+    from tic.harness.model.layer_structure import build_meta
+
+    model = build_meta(CONFIG_MAPPING["qwen3_moe"](vocab_size=128, hidden_size=64, intermediate_size=128,
+                                                   moe_intermediate_size=32, num_hidden_layers=2, num_experts=4,
+                                                   num_experts_per_tok=2, num_attention_heads=4,
+                                                   num_key_value_heads=2, head_dim=16).to_dict())
+    assert next(model.parameters()).is_meta
+    _check_checkpoint_writable(model, Path("m"))
+
+
 def _rewrite_header(shard: Path, change) -> None:
     data = shard.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])

@@ -172,7 +172,9 @@ def _build_model(config_dir: Path, seed: int, init_std: float | None):
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     with torch.device("meta"):  # sizes left to transformers' defaults can mean billions of parameters
-        need = sum(p.numel() for p in model_from_config(config, dtype=torch.float32).parameters()) * 4
+        shape_only = model_from_config(config, dtype=torch.float32)
+    need = sum(p.numel() for p in shape_only.parameters()) * 4
+    _check_checkpoint_writable(shape_only, config_dir)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > memory // 2:
         raise TicInputError(f"{config_dir / 'config.json'}: generating its weights takes {need / 2**30:.1f} GiB "
@@ -180,6 +182,23 @@ def _build_model(config_dir: Path, seed: int, init_std: float | None):
                             "sizes (hidden_size, num_hidden_layers, vocab_size, ...) in config.json")
     torch.manual_seed(seed)
     return model_from_config(config, dtype=torch.float32).to(dtype)
+
+
+def _check_checkpoint_writable(model, config_dir: Path) -> None:
+    """save_pretrained writes the checkpoint through transformers' weight conversions for the model type, reverted.
+    One that cannot take the tensors this config builds (e.g. an embedding padded to a vocabulary smaller than
+    itself) fails there; here it is found on the meta-device model, before any weight is drawn."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers without load-time conversions: nothing to revert
+        return
+    try:
+        revert_weight_conversion(model, model.state_dict())
+    except Exception as e:  # noqa: BLE001 - whatever the conversion refuses, this config is what it was given
+        msg = " ".join(str(e).split())
+        raise TicInputError(f"{config_dir / 'config.json'}: transformers cannot write a checkpoint of the "
+                            f"{type(model).__name__} it builds from it (its weight conversion fails: "
+                            f"{type(e).__name__}: {msg[:200]})") from None
 
 
 def _publish(out_dir: Path, write) -> Path:
