@@ -24,7 +24,8 @@ COVERED = ("ernie4_5", "seed_oss", "cwm", "ministral", "mixtral", "arcee", "nemo
 REFUSED = {"ernie4_5_moe": "router", "dots1": "router", "glm4_moe": "router", "minimax_m2": "router",
            "gpt_oss": "sinks", "diffllama": "lambda_q1", "doge": "input_residual", "apertus": "XIELU",
            "bitnet": "attn_sub_norm", "nanochat": "NanoChatRMSNorm", "olmo": "OlmoLayerNorm",
-           "persimmon": "q_layernorm", "jetmoe": "layer structure", "llama4_text": "qk_norm"}
+           "persimmon": "q_layernorm", "jetmoe": "layer structure", "llama4_text": "qk_norm",
+           "qwen3_next": "a gate or heads the wrappers do not split"}
 
 
 def small(model_type: str):

@@ -765,11 +765,21 @@ def query_width(attn: nn.Module, cfg, qkv_index=None) -> int | None:
 
 
 def _read_head_geometry(cov: LayerCoverage, name: str, m, cfg, qkv_index) -> None:
-    """The query heads' features must be what the output projection takes: neither the model's own forward nor
-    the wrappers can join them otherwise (e.g. a config whose head_dim * num_attention_heads is not hidden_size,
-    for a class that sizes its output projection from hidden_size)."""
+    """The wrappers split the query into num_attention_heads heads of head_dim and hand their features to the
+    output projection. A q_proj giving more (an output gate, as in Qwen3-Next) computes something else; an output
+    projection taking another width cannot be joined to the heads at all: neither the model's own forward nor
+    the wrappers run (e.g. a config whose head_dim * num_attention_heads is not hidden_size, for a class that
+    sizes its output projection from hidden_size)."""
     d, out_name = head_dim_of(m), output_projection_name(m) or "o_proj"
+    heads = getattr(cfg, "num_attention_heads", None)
+    expected = heads * d if isinstance(heads, int) and not isinstance(heads, bool) else None
     width, out = query_width(m, cfg, qkv_index), getattr(m, out_name)
+    if expected is not None and _linears(m, "q_proj") and width != expected:
+        cov.refusals.append(Refusal(f"{name}.q_proj", type(m.q_proj).__name__, f"gives {width} features, not "
+                                    f"num_attention_heads x head_dim = {expected} (a gate or heads the wrappers do "
+                                    "not split)", "num_attention_heads", heads))
+        return
+    width = expected if expected is not None else width
     if width is not None and (width % d or width != out.in_features):
         cov.refusals.append(Refusal(f"{name}.{out_name}", type(out).__name__, f"takes {out.in_features} features, "
                                     f"where the query heads give {width} (head_dim {d}): the attention's output "
