@@ -245,6 +245,7 @@ def test_a_config_whose_checkpoint_transformers_cannot_write_is_bad_input(tic, w
     monkeypatch.setattr(loading, "revert_weight_conversion", lambda model, state: (_ for _ in ()).throw(
         RuntimeError("Trying to create tensor with negative dimension -7: [-7, 64]")))
     monkeypatch.setattr("torch.manual_seed", lambda seed: drawn.append(seed))
+    monkeypatch.setenv("TIC_CACHE", str(workdir / "cache"))  # weights other tests generated are not found here
     d = workdir / "m"
     d.mkdir()
     (d / "config.json").write_text((REPO / "examples" / "tiny-qwen3" / "config.json").read_text())
