@@ -951,7 +951,7 @@ def test_row_kernel_under_triton_interpreter_addresses_strided_rows_as_copied_on
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
 
 
-def _row_kernel_ptx(h: int, aligned_pointers: bool = True) -> str:
+def _row_kernel_ptx(h: int, aligned_pointers: bool = True, **options) -> str:
     """The row kernel compiled for an H100 (sm_90) by Triton on this machine, as rms_norm_rows launches it for rows
     of h elements (a residual and a weight), to PTX: no GPU needed."""
     import inspect
@@ -973,7 +973,8 @@ def _row_kernel_ptx(h: int, aligned_pointers: bool = True) -> str:
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p.endswith("_ptr") and aligned_pointers}
     source = ASTSource(fn=kernel, signature=signature, attrs=attrs,
                        constexprs={(params.index(p),): v for p, v in values.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": launch.warps}).asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": launch.warps, **options}).asm["ptx"]
 
 
 def test_row_kernel_moves_its_rows_in_16_byte_vectors():
@@ -990,6 +991,26 @@ def test_row_kernel_moves_its_rows_in_16_byte_vectors():
     for h in (4096, 5120, 128, 72):
         assert accesses(_row_kernel_ptx(h)) == {"ld.global.v4.b32", "st.global.v4.b32"}, h
     assert accesses(_row_kernel_ptx(4096, aligned_pointers=False)) - {"ld.global.v4.b32", "st.global.v4.b32"}
+
+
+def test_tic_triton_kernels_pin_fma_contraction_instead_of_taking_tritons_default(monkeypatch):
+    """Whether Triton contracts a multiply and an add into one FMA changes a kernel's rounding, and its default
+    changes between releases (3.10 turns it off). Compiled for sm_90 here, the row kernel has FMAs with contraction
+    on and none with it off, so the option decides its bits; every launch of tic's Triton kernels passes it."""
+    pytest.importorskip("triton.backends.nvidia")
+    import inspect
+    import re
+
+    from tic.patches.vllm import fixed_order_gemm, layernorm_float32_rows, rowwise_rmsnorm
+    from tic.patches.vllm._triton_options import PINNED
+
+    fma = {on: len(re.findall(r"\bfma\.rn", _row_kernel_ptx(4096, enable_fp_fusion=on))) for on in (True, False)}
+    assert fma[True] > 0 == fma[False], fma
+    assert PINNED == {"enable_fp_fusion": True}
+    for module in (rowwise_rmsnorm, layernorm_float32_rows, fixed_order_gemm):  # each launch site passes it
+        source = inspect.getsource(module)
+        sites = len(re.findall(r"_kernel\(\)\[\(", source))
+        assert sites > 0 and source.count(", **PINNED)") == sites, module.__name__
 
 
 def test_fp8_gemm_one_kernel_takes_deepgemm_for_every_row_count(fake_vllm):

@@ -24,6 +24,7 @@ import functools
 from typing import NamedTuple
 
 from tic.patches.vllm._decided import counts, decided
+from tic.patches.vllm._triton_options import PINNED
 
 
 class Tile(NamedTuple):
@@ -154,12 +155,12 @@ def run(x2, weight, bias, tile: Tile):
             desc(x2, [tile.bm, tile.bk]), desc(weight, [tile.bn, tile.bk]), desc(y, [tile.bm, tile.bn]),
             bias if bias is not None else y, m, n, k, progs,
             HAS_BIAS=bias is not None, BLOCK_M=tile.bm, BLOCK_N=tile.bn, BLOCK_K=tile.bk, GROUP_M=8,
-            OUT_BF16=x2.dtype == torch.bfloat16, num_warps=tile.warps, num_stages=tile.stages)
+            OUT_BF16=x2.dtype == torch.bfloat16, num_warps=tile.warps, num_stages=tile.stages, **PINNED)
     else:
         _kernel()[(tiles,)](
             x2, weight, bias if bias is not None else y, y, m, n, k, x2.stride(0), x2.stride(1), weight.stride(0),
             weight.stride(1), y.stride(0), y.stride(1), HAS_BIAS=bias is not None, BLOCK_M=tile.bm,
-            BLOCK_N=tile.bn, BLOCK_K=tile.bk, GROUP_M=8, num_warps=tile.warps, num_stages=tile.stages)
+            BLOCK_N=tile.bn, BLOCK_K=tile.bk, GROUP_M=8, num_warps=tile.warps, num_stages=tile.stages, **PINNED)
     return y
 
 

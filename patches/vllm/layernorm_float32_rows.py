@@ -15,6 +15,7 @@ import functools
 
 from tic.patches._swap import swap_hooks
 from tic.patches.base import Patch
+from tic.patches.vllm._triton_options import PINNED
 
 NAME = "layernorm-float32-rows"
 HOME = "vllm.model_executor.models.commandr"
@@ -54,7 +55,7 @@ def layer_norm_float32_rows(x, weight, epsilon: float):
     if x2.shape[0]:
         block, warps = row_launch(h)
         _kernel()[(x2.shape[0],)](x2, weight.contiguous(), y, h, x2.stride(0), y.stride(0), epsilon, BLOCK=block,
-                                  num_warps=warps)
+                                  num_warps=warps, **PINNED)
     return y.view(x.shape)
 
 

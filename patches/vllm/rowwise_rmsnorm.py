@@ -18,6 +18,8 @@ import functools
 import math
 from typing import NamedTuple
 
+from tic.patches.vllm._triton_options import PINNED
+
 
 @functools.cache
 def _kernel():
@@ -158,7 +160,7 @@ def rms_norm_rows(x, weight, epsilon: float, residual=None):
             xr.tensor, rr.tensor, weight if weight is not None else y, y, ro, n, xr.groups, xr.outer, xr.inner,
             rr.groups, rr.outer, rr.inner, epsilon, H=h, HAS_RESIDUAL=residual is not None,
             HAS_WEIGHT=weight is not None, BLOCK=launch.block, ROWS=launch.rows, ALIGN=launch.align,
-            num_warps=launch.warps)
+            num_warps=launch.warps, **PINNED)
     if residual is None:
         return y.view(x.shape)
     return y.view(x.shape), ro.view(x.shape)
