@@ -298,3 +298,32 @@ def test_patch_benchmark_runs_vllm_defaults_against_the_consistent_rollout_c0_ac
 
     assert compiles_with_inductor(options) and mode_refusals(options, "vllm") == []  # compiled, and accepted
     assert mode_refusals({"enforce_eager": False}, "vllm")  # vLLM's default compilation alone is refused
+
+
+def test_split_bundle_fits_each_chunk_beside_the_tree_and_keeps_the_bytes(tmp_path):
+    """split_bundle.sh: as few chunks as fit a device call beside this working tree, sizes even, the bundle's
+    bytes unchanged in order; a folder without chunks is one line and exit 2."""
+    bash = shutil.which("bash")
+    if bash is None or shutil.which("git") is None:
+        pytest.skip("no bash or git")
+    data = os.urandom(20 << 20)
+    for i, part in enumerate((data[:7 << 20], data[7 << 20:])):  # vllm-bundle's layout: c<i>/part.<i>
+        (tmp_path / f"c{i}").mkdir()
+        (tmp_path / f"c{i}" / f"part.{i}").write_bytes(part)
+    def split(reserve_mib: int):
+        run = subprocess.run([bash, str(GPU / "split_bundle.sh"), str(tmp_path), str(reserve_mib)],
+                             capture_output=True, text=True, cwd=GPU.parent.parent)
+        assert run.returncode == 0, run.stderr
+        chunks = sorted(tmp_path.glob("c*/part.*"), key=lambda p: int(p.suffix[1:]))
+        assert b"".join(p.read_bytes() for p in chunks) == data and run.stdout.count("run carry=") == len(chunks)
+        return int(re.search(r"tree (\d+) MiB", run.stderr).group(1)), [p.stat().st_size for p in chunks]
+
+    tree_mib, sizes = split(0)
+    assert len(sizes) == 1  # 20 MiB fit one call beside the tree
+    tree_mib, sizes = split(64 - tree_mib - 1 - 8)  # room for 8 MiB a call: three even chunks
+    assert len(sizes) == 3 and max(sizes) <= 8 << 20 and max(sizes) - min(sizes) <= 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bad = subprocess.run([bash, str(GPU / "split_bundle.sh"), str(empty)], capture_output=True, text=True,
+                         cwd=GPU.parent.parent)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
