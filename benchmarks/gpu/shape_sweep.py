@@ -15,8 +15,8 @@ Each (shape, rollout mode, variant) is one tic.yaml under WORK, run by run_gates
   compiled (vLLM's default mode 3 / FULL_AND_PIECEWISE with its CUDA kernels kept: custom_ops [all], vllm_c norms);
 - variants: patched (rollout.patches: tic's three vLLM patches), stock (none), no-gemm (the patches less the dense
   GEMM one: its with/without run), fixed-block (the patches with rmsnorm-fixed-block for rmsnorm-rows: the two
-  norm fixes' A/B), no-norm (the patches less the norm one: the with/without run of either norm patch), previous (the patched config run on another
-  tic tree, --previous-pythonpath, e.g. the release before a patch change: its
+  norm fixes' A/B), no-norm (the patches less the norm one: the with/without run of either norm patch), previous
+  (the patched config run on another tic tree, --previous-pythonpath, e.g. the release before a patch change: its
   with/without run), fp8 (block-FP8 weights 128 x 128 quantized from the seeded ones, an FP8 KV cache on both sides,
   the patches plus the FP8 ones), fp8-no-moecfg (fp8 less moe-fixed-config: its with/without run), megatron (the
   patched rollout against tic's Megatron-core trainer, train: {engine: megatron}; eager also runs C8; needs
@@ -45,7 +45,8 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from configs import FP8_PATCHES, NORM_PATCHES, PATCHES as TIC_PATCHES, tic_yaml, use_block_fp8, with_norm  # noqa: E402
+from configs import (FP8_PATCHES, NORM_PATCHES, PATCHES as TIC_PATCHES, TRAIN, tic_yaml,  # noqa: E402
+                     use_block_fp8, with_norm)
 from shapes import Shape, by_name  # noqa: E402
 
 PATCHES = list(TIC_PATCHES)
@@ -87,14 +88,19 @@ def workload(s: Shape, requests: int, max_prompt: int, tokens: int) -> dict:
 
 
 def estimate_gib(s: Shape, mode: str, w: dict) -> float:
-    """Peak GPU memory of one run: vLLM's weights and KV cache, the training model, and for the eager run C7's
-    float32 reference with its gradients and eager attention over the longest sequence."""
+    """Peak GPU memory of one run: vLLM's weights and KV cache, the training model, then the larger of what later
+    gates add (the caching allocator reuses one gate's blocks for the next): C5's float32 log-softmax over one
+    micro-batch at the longest sequence (three compiled Qwen3 runs at once ran out of memory on an 80 GB card
+    without it, two did not), or the eager run's C7 float32 reference with its gradients and eager attention over
+    the longest sequence."""
     p = s.params()
     kv = w["requests"] * w["model_len"] * kv_bytes_per_token(s)
-    est = 2 * p + 1.2 * kv + 4 * p + 6 * GiB
+    logits = TRAIN["vllm"]["micro_batch_size"] * w["model_len"] * s.vocab * 4
+    extra = logits
     if mode == "eager":
         attn = 2 * s.heads * w["model_len"] ** 2 * 4 * 4  # probs and scores per layer, 4 layers, float32
-        est += 8 * p + attn
+        extra = max(extra, 8 * p + attn)
+    est = 2 * p + 1.2 * kv + 4 * p + extra + 6 * GiB
     return est / GiB
 
 
