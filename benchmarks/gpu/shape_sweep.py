@@ -90,9 +90,8 @@ def workload(s: Shape, requests: int, max_prompt: int, tokens: int) -> dict:
 def estimate_gib(s: Shape, mode: str, w: dict) -> float:
     """Peak GPU memory of one run: vLLM's weights and KV cache, the training model, then the larger of what later
     gates add (the caching allocator reuses one gate's blocks for the next): C5's float32 log-softmax over one
-    micro-batch at the longest sequence (three compiled Qwen3 runs at once ran out of memory on an 80 GB card
-    without it, two did not), or the eager run's C7 float32 reference with its gradients and eager attention over
-    the longest sequence."""
+    micro-batch at the longest sequence (about 10 GiB at a 150k vocabulary), or the eager run's C7 float32
+    reference with its gradients and eager attention over the longest sequence."""
     p = s.params()
     kv = w["requests"] * w["model_len"] * kv_bytes_per_token(s)
     logits = TRAIN["vllm"]["micro_batch_size"] * w["model_len"] * s.vocab * 4
