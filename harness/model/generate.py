@@ -125,9 +125,8 @@ def check_loadable_config(model_dir: Path) -> None:
     try:
         AutoConfig.from_pretrained(model_dir)
     except Exception as e:  # noqa: BLE001 - whatever transformers refuses, the config is the cause
-        msg = " ".join(str(e).split())
-        raise TicInputError(f"{Path(model_dir) / 'config.json'}: transformers refuses it: {type(e).__name__}: "
-                            f"{msg[:300]}") from None
+        raise TicInputError(f"{Path(model_dir) / 'config.json'}: transformers refuses it: {_one_line(e, 300)}") \
+            from None
 
 
 def generated_dir(config_dir: Path, seed: int, init_std: float | None = None, quantization=None) -> Path:
@@ -195,10 +194,14 @@ def _check_checkpoint_writable(model, config_dir: Path) -> None:
     try:
         revert_weight_conversion(model, model.state_dict())
     except Exception as e:  # noqa: BLE001 - whatever the conversion refuses, this config is what it was given
-        msg = " ".join(str(e).split())
         raise TicInputError(f"{config_dir / 'config.json'}: transformers cannot write a checkpoint of the "
                             f"{type(model).__name__} it builds from it (its weight conversion fails: "
-                            f"{type(e).__name__}: {msg[:200]})") from None
+                            f"{_one_line(e, 200)})") from None
+
+
+def _one_line(e: Exception, limit: int) -> str:
+    """transformers' exception as one line of a refusal: its type, then its message with the whitespace folded."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:limit]}"
 
 
 def _publish(out_dir: Path, write) -> Path:
