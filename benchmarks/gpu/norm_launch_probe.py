@@ -29,11 +29,7 @@ def main() -> int:
     a = ap.parse_args()
     import torch
 
-    if not a.row_kernel:  # the row kernel is tic's Triton code alone: that probe runs without vLLM
-        import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
-
-        from tic.patches.vllm import rmsnorm_fixed_block as fixed
-    if a.row_kernel:
+    if a.row_kernel:  # tic's Triton code alone: this probe runs without vLLM
         from tic.patches.vllm.rowwise_rmsnorm import rms_norm_rows
 
         def rms(out, x, w, eps):
@@ -43,12 +39,13 @@ def main() -> int:
             y, res = rms_norm_rows(x, w, eps, r)
             x.copy_(y)
             r.copy_(res)
-    elif a.patched:
-        rms = fixed.rms_norm_fixed_block
-        fused = fixed.fused_add_rms_norm_fixed_block
     else:
-        rms = torch.ops._C.rms_norm
-        fused = torch.ops._C.fused_add_rms_norm
+        import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+
+        from tic.patches.vllm import rmsnorm_fixed_block as fixed
+
+        rms = fixed.rms_norm_fixed_block if a.patched else torch.ops._C.rms_norm
+        fused = fixed.fused_add_rms_norm_fixed_block if a.patched else torch.ops._C.fused_add_rms_norm
 
     def norm_rows(x, w, r):
         out = torch.empty_like(x)
