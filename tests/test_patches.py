@@ -993,7 +993,7 @@ def test_row_kernel_moves_its_rows_in_16_byte_vectors():
     assert accesses(_row_kernel_ptx(4096, aligned_pointers=False)) - {"ld.global.v4.b32", "st.global.v4.b32"}
 
 
-def test_tic_triton_kernels_pin_fma_contraction_instead_of_taking_tritons_default(monkeypatch):
+def test_tic_triton_kernels_pin_fma_contraction_instead_of_taking_tritons_default():
     """Whether Triton contracts a multiply and an add into one FMA changes a kernel's rounding, and its default
     changes between releases (3.10 turns it off). Compiled for sm_90 here, the row kernel has FMAs with contraction
     on and none with it off, so the option decides its bits; every launch of tic's Triton kernels passes it."""
