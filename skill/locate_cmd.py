@@ -24,7 +24,10 @@ Exit codes:
               help="tic.yaml to use [default: ./tic.yaml]")
 @click.option("--gate", "gate_id", default="C5", show_default=True, help="which comparison to localise: C3, C4, C5 or C6")
 @click.option("--json", "as_json", is_flag=True, help="print the findings as JSON on stdout")
-def command(config_path, gate_id, as_json):
+@click.option("--eager", is_flag=True,
+              help="measure and localise with the rollout run eagerly (vLLM: no torch.compile, no CUDA graphs, the "
+                   "same patches), where module hooks see every forward; for a rollout in a compiled mode")
+def command(config_path, gate_id, as_json, eager):
     """Find the first divergent layer and operator of a failing C3/C4/C5/C6 and write a minimal repro."""
     from tic.gates import get
     from tic.harness.locate.search import locate_for_gate
@@ -38,15 +41,21 @@ def command(config_path, gate_id, as_json):
     gate = get(gate_id)
     from tic.skill.preflight import validate_run
 
-    ctx = GateContext(load_config(config_path))
-    validate_run(ctx, [gate])  # every input checked before the locator writes anything
+    cfg = load_config(config_path)
     con = report.console()
+    if eager:
+        cfg, note = eager_rollout(cfg)
+        con.print(note)
+    ctx = GateContext(cfg)
+    validate_run(ctx, [gate])  # every input checked before the locator writes anything
     with report.progress(f"measuring {gate_id} ...", as_json, con):
         measured = gate.measure(ctx)
         verdict = gate.judge(measured)
     if verdict.verdict == "pass":
-        con.print(f"{gate_id} passes ({verdict.key_figure}): no divergence to localise")
-        if ctx.state.clear_locate(gate_id):
+        con.print(f"{gate_id} passes ({verdict.key_figure}): no divergence to localise"
+                  + (" with the rollout eager; a failure in the configured mode then comes from its compiled code "
+                     "or CUDA graphs (guides/vllm.md, the compiled mode)" if eager else ""))
+        if not eager and ctx.state.clear_locate(gate_id):  # an eager pass says nothing of the configured mode
             con.print(f"removed the previous failure's report and repro ({ctx.state.locate_dir(gate_id)})")
         if as_json:
             report.print_json({"gate": gate_id, "status": "no divergence"})
@@ -73,3 +82,17 @@ def command(config_path, gate_id, as_json):
     if as_json:
         report.print_json({"gate": gate_id, **found})
     sys.exit(1 if found["first_divergent_layer"] or found["culprit_module"] else 0)
+
+
+def eager_rollout(cfg):
+    """(cfg with the rollout as the locator can capture it, one line saying what changed): the rollout engine's
+    capture_changes; an eager rollout is left as it is."""
+    from tic.harness.engines import engine_class
+
+    changes = engine_class(cfg.rollout).capture_changes(cfg.rollout)
+    if not changes:
+        return cfg, f"--eager: the rollout ({cfg.rollout.engine}) runs eagerly already; nothing changed"
+    changed = ", ".join(f"{k}: {v}" for k, v in sorted(changes.get("options", {}).items())
+                        if cfg.rollout.options.get(k) != v)
+    return (cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update=changes)}),
+            f"--eager: rollout.options {changed} for this run (the gate's record is not rewritten)")

@@ -411,3 +411,59 @@ def test_a_nan_made_in_training_is_located_to_its_module_and_operator(example, w
     assert found["status"] == "localized" and found["side"] == "train", found
     assert found["module"].startswith("model.layers.2.mlp"), found
     assert found["operator"] is not None and found["operator_arguments_finite"] is False, found  # the weight
+
+
+def _vllm_rollout_config(tmp_path, options: str):
+    """examples/vllm's config with other rollout options (read only: no vLLM is needed to load it)."""
+    text = (ROOT / "examples" / "vllm" / "tic.yaml").read_text()
+    head, rest = text.split("  options:\n", 1)
+    rest = rest[rest.index("  patches:"):]
+    (tmp_path / "config.json").write_text((ROOT / "examples" / "vllm" / "config.json").read_text())
+    (tmp_path / "tic.yaml").write_text(head + f"  options: {options}\n" + rest)
+    return load_config(tmp_path / "tic.yaml")
+
+
+def test_locate_eager_runs_a_compiled_vllm_rollout_eagerly_and_keeps_what_sets_its_kernels(tmp_path):
+    """`tic locate --eager` on a rollout in vLLM's compiled mode: torch.compile and CUDA graphs off, in this
+    process (what the capture runner requires), while the patches, the IR op priorities and custom_ops (which
+    choose the kernels, hence the bits) stay. An eager rollout is left unchanged (the control)."""
+    from tic.harness.engines.vllm import OPTIONS
+    from tic.skill.locate_cmd import eager_rollout
+
+    compiled = _vllm_rollout_config(tmp_path, "{enforce_eager: false, compilation_config: {mode: 3, custom_ops: [all]}, "
+                                    "cudagraph_mode: FULL_AND_PIECEWISE, ir_op_priority: {rms_norm: [vllm_c]}, "
+                                    "engine_process: own, max_model_len: 512}")
+    cfg, note = eager_rollout(compiled)
+    o = {**OPTIONS, **cfg.rollout.options}
+    assert o["enforce_eager"] is True and o["engine_process"] == "inline" and o["cudagraph_mode"] is None
+    assert o["compilation_config"] == {"mode": 0, "custom_ops": ["all"], "cudagraph_mode": "NONE"}
+    assert o["ir_op_priority"] == {"rms_norm": ["vllm_c"]} and o["max_model_len"] == 512
+    assert cfg.rollout.patches == compiled.rollout.patches and cfg.train == compiled.train
+    assert "enforce_eager: True" in note and "not rewritten" in note
+    assert compiled.rollout.options["enforce_eager"] is False  # the loaded config itself is not changed
+
+    eager = _vllm_rollout_config(tmp_path, "{enforce_eager: true, max_model_len: 512}")
+    same, note = eager_rollout(eager)
+    assert same is eager and "nothing changed" in note
+    hf, note = eager_rollout(load_config(DENSE / "tic.yaml"))
+    assert hf.rollout == load_config(DENSE / "tic.yaml").rollout and "(hf) runs eagerly already" in note
+
+
+def test_capture_refusal_on_a_compiled_vllm_rollout_names_the_eager_rerun():
+    """The line a gate's locate record keeps when its rollout was compiled says how to localise it anyway."""
+    from tic.harness.locate.vllm_capture import VLLMCaptureRunner
+
+    class Compiled:
+        opts = {"enforce_eager": False, "engine_process": "inline"}
+
+    with pytest.raises(Exception) as e:
+        VLLMCaptureRunner(Compiled())
+    assert "tic locate --eager" in str(e.value)
+
+
+def test_locate_eager_on_an_eager_rollout_says_so_and_localises_as_without(example, monkeypatch, tic):
+    cfg = example("tiny-qwen3") / "tic.yaml"
+    monkeypatch.chdir(cfg.parent)
+    code, out, err = tic("locate", "-c", str(cfg), "--gate", "C3", "--eager", "--json")
+    assert code == 1 and json.loads(out)["culprit_module"], out
+    assert "--eager: the rollout (hf) runs eagerly already" in err

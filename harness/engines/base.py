@@ -83,6 +83,13 @@ class Engine:
         """The side-config changes that turn the consistency switch off (the baseline's rollout)."""
         raise NotImplementedError(f"engine {cls.name!r} has no consistency switch to turn off")
 
+    # -- the locator ----------------------------------------------------------------------------------------
+    @classmethod
+    def capture_changes(cls, side_cfg) -> dict:
+        """The side-config changes under which the locator's module hooks see every forward (e.g. no compiled
+        code or CUDA graphs, which replay kernels without running hooks); {} where the side runs so already."""
+        return {}
+
     # -- C8/C9: weight sync ---------------------------------------------------------------------------------
     weight_format = "module"  # what load_weights_inplace takes: "module" parameter names, or "checkpoint" ones
     def load_weights_inplace(self, weights, version: int) -> dict:

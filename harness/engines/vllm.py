@@ -526,6 +526,20 @@ class VLLMEngine(Engine):
         options = {k: v for k, v in side_cfg.options.items() if k not in MODE_OPTIONS}
         return {"options": {**options, "enforce_eager": False, "batch_invariant": False}, "patches": []}
 
+    @classmethod
+    def capture_changes(cls, side_cfg) -> dict:
+        """Eager, in this process: no torch.compile and no CUDA graphs, which replay kernels without running
+        module hooks. The patches, the IR op priorities and the rest of compilation_config (custom_ops) stay."""
+        o = {**OPTIONS, **side_cfg.options}
+        if o["enforce_eager"] is True and o["engine_process"] == "inline":
+            return {}
+        options = {k: v for k, v in side_cfg.options.items() if k != "cudagraph_mode"}
+        comp = _compilation(o)
+        if comp:
+            options["compilation_config"] = {**{k: v for k, v in comp.items() if k != "level"}, "mode": 0,
+                                             "cudagraph_mode": "NONE"}
+        return {"options": {**options, "enforce_eager": True, "engine_process": "inline"}}
+
     def process_environment(self) -> dict:
         """An engine core of its own runs with the patches and switch variables it started with, whatever this
         process has applied or set since (C1/C10 fingerprint that, not this process's state)."""

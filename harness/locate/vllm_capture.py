@@ -251,7 +251,8 @@ class VLLMCaptureRunner:
     def __init__(self, engine, temperature: float = 1.0):
         if engine.opts["enforce_eager"] is not True:
             raise TicInputError("capture on vllm needs rollout.options.enforce_eager: true (CUDA graphs and "
-                                "torch.compile replay kernels without running module hooks)")
+                                "torch.compile replay kernels without running module hooks); `tic locate --eager` "
+                                "runs the comparison so, with the same patches")
         if engine.opts.get("engine_process", "inline") != "inline":
             raise TicInputError("capture on vllm needs rollout.options.engine_process: inline (module hooks run "
                                 "in the engine core's process)")
