@@ -6,8 +6,8 @@ kernels where vLLM is importable. No vLLM engine, no model: the norm calls of a 
 
 Cases per token count: `add+norm` (the residual add and the layer norm, one launch), `norm` (no residual), and
 `q/k heads` (the per-head query and key norms on slices of a fused qkv output, read in place by the row kernel).
-Prints a table of microseconds per call (median of timed repeats, CUDA events) and the row kernel's time over
-Inductor's. Timing only: the bits are norm_launch_probe.py's job.
+Prints a table of GPU microseconds per call (calls captured in a CUDA graph, the median of its timed replays) and
+the row kernel's time over Inductor's. Timing only: the bits are norm_launch_probe.py's job.
 """
 
 from __future__ import annotations
@@ -16,20 +16,44 @@ import argparse
 import statistics
 
 
-def timed_us(fn, repeats: int = 30, warmup: int = 5) -> float:
+def timed_us(fn, calls: int = 20, repeats: int = 15) -> float:
+    """GPU microseconds per call: `calls` calls captured in one CUDA graph, replayed `repeats` times (median), so
+    the host's launch overhead, which a decode step's graph does not pay either, stays out."""
     import torch
 
-    for _ in range(warmup):
-        fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compilation, autotuning) outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
     times = []
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0)
+        times.append(a.elapsed_time(b) * 1000.0 / calls)
     return statistics.median(times)
+
+
+def _cell(fn):
+    """A case's time, None where there is nothing to time, or the error's type where it could not be timed."""
+    if fn is None:
+        return None
+    try:
+        return timed_us(fn)
+    except Exception as e:  # one case that cannot be captured must not lose the table
+        return f"{type(e).__name__}"
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.1f}" if isinstance(v, float) else v
 
 
 def native_add_norm(x, r, w, eps: float):
@@ -87,13 +111,12 @@ def main() -> int:
                           lambda: (norm_c(q, wq, eps), norm_c(k, wk, eps)), None),
         }
         for name, (rows_fn, inductor_fn, cuda_fn) in cases.items():
-            us = [timed_us(rows_fn), timed_us(inductor_fn), timed_us(cuda_fn) if cuda_fn else None]
-            rows.append((t, name, *us))
+            rows.append((t, name, *(_cell(f) for f in (rows_fn, inductor_fn, cuda_fn))))
     print(f"| tokens | case (hidden {h}, heads {a.heads}) | row kernel us | Inductor us | vLLM CUDA us | rows / Inductor |")
     print("|---|---|---|---|---|---|")
     for t, name, ours, ind, cu in rows:
-        cu_s = "-" if cu is None else f"{cu:.1f}"
-        print(f"| {t} | {name} | {ours:.1f} | {ind:.1f} | {cu_s} | {ours / ind:.2f} |")
+        ratio = f"{ours / ind:.2f}" if isinstance(ours, float) and isinstance(ind, float) else "-"
+        print(f"| {t} | {name} | {_fmt(ours)} | {_fmt(ind)} | {_fmt(cu)} | {ratio} |")
     return 0
 
 
