@@ -538,7 +538,9 @@ class VLLMEngine(Engine):
         if comp:
             options["compilation_config"] = {**{k: v for k, v in comp.items() if k != "level"}, "mode": 0,
                                              "cudagraph_mode": "NONE"}
-        return {"options": {**options, "enforce_eager": True, "engine_process": "inline"}}
+        if o["engine_process"] != "inline":
+            options["engine_process"] = "inline"
+        return {"options": {**options, "enforce_eager": True}}
 
     def process_environment(self) -> dict:
         """An engine core of its own runs with the patches and switch variables it started with, whatever this
