@@ -753,14 +753,12 @@ def is_no_rope(attn: nn.Module) -> bool:
     return _takes_rope(attn) and applies_rotary(attn) is False
 
 
-def query_width(attn: nn.Module, cfg, qkv_index=None) -> int | None:
-    """How many features the attention's query heads give (heads * head_dim), as the wrappers split them: q_proj's
-    outputs, a fused [q | k | v]'s first num_attention_heads heads, or the q part of a fused query_key_value's
-    layout (fused_qkv_layout); None where that is unknown."""
+def query_width(attn: nn.Module, qkv_index=None) -> int | None:
+    """How many features the attention's query gives as read from its modules: q_proj's outputs, or the q part of a
+    fused query_key_value's layout (fused_qkv_layout); None where the modules do not say (a fused [q | k | v] is
+    split by num_attention_heads, which the caller reads from the config)."""
     if _linears(attn, "q_proj"):
         return attn.q_proj.out_features
-    if _linears(attn, "qkv_proj") and isinstance(getattr(cfg, "num_attention_heads", None), int):
-        return cfg.num_attention_heads * head_dim_of(attn)
     return None if qkv_index is None else len(qkv_index[0])
 
 
@@ -773,7 +771,7 @@ def _read_head_geometry(cov: LayerCoverage, name: str, m, cfg, qkv_index) -> Non
     d, out_name = head_dim_of(m), output_projection_name(m) or "o_proj"
     heads = getattr(cfg, "num_attention_heads", None)
     expected = heads * d if isinstance(heads, int) and not isinstance(heads, bool) else None
-    width, out = query_width(m, cfg, qkv_index), getattr(m, out_name)
+    width, out = query_width(m, qkv_index), getattr(m, out_name)
     if expected is not None and _linears(m, "q_proj") and width != expected:
         cov.refusals.append(Refusal(f"{name}.q_proj", type(m.q_proj).__name__, f"gives {width} features, not "
                                     f"num_attention_heads x head_dim = {expected} (a gate or heads the wrappers do "
