@@ -44,8 +44,10 @@ def command(config_path, gate_id, as_json, eager):
     cfg = load_config(config_path)
     con = report.console()
     if eager:
+        configured = cfg
         cfg, note = eager_rollout(cfg)
         con.print(note)
+        eager = cfg is not configured  # an eager rollout is measured as configured: its pass is the gate's
     ctx = GateContext(cfg)
     validate_run(ctx, [gate])  # every input checked before the locator writes anything
     with report.progress(f"measuring {gate_id} ...", as_json, con):

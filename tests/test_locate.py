@@ -467,3 +467,16 @@ def test_locate_eager_on_an_eager_rollout_says_so_and_localises_as_without(examp
     code, out, err = tic("locate", "-c", str(cfg), "--gate", "C3", "--eager", "--json")
     assert code == 1 and json.loads(out)["culprit_module"], out
     assert "--eager: the rollout (hf) runs eagerly already" in err
+
+
+def test_locate_eager_on_an_eager_rollout_that_passes_clears_the_old_report_as_without(example, monkeypatch, tic):
+    """The configured mode is eager here, so a pass under --eager is the gate's own pass: the last failure's report
+    goes, and no compiled-code hint is printed."""
+    cfg = example("tiny-qwen3") / "tic-consistent.yaml"
+    monkeypatch.chdir(cfg.parent)
+    stale = cfg.parent / ".tic-consistent" / "artifacts" / "C3" / "locate"
+    stale.mkdir(parents=True)
+    (stale / "report.md").write_text("an earlier failure\n")
+    code, _, err = tic("locate", "-c", str(cfg), "--gate", "C3", "--eager")
+    assert code == 0 and "passes" in err and "compiled code" not in err, err
+    assert not stale.exists()
