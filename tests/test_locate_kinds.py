@@ -87,6 +87,23 @@ def test_a_norm_whose_reduction_follows_the_row_count_is_proven_on_identical_arg
     assert again["exit_code"] == 0 and "identical" in again["output"], again
 
 
+def test_a_norm_behind_an_opened_wrapper_is_proven_on_identical_arguments(pair, tmp_path, monkeypatch):
+    """vLLM's rms_norm is a wrapper op (vllm_ir) that allocates its output with torch.empty, then has `_C.rms_norm`
+    write it. The locator opens such wrappers below the dispatch mode, which then never sees that allocation: the
+    output buffer's garbage must still not count as an argument, or the verdict names it as the difference."""
+    from tic.harness.locate import recorder
+
+    monkeypatch.setattr(recorder, "OPEN_NAMESPACES", recorder.OPEN_NAMESPACES | {"plant_wrapper"})
+    a, b = pair
+    for m in (a.model, b.model):
+        m._tic_provider.rms_norm = plant_kernels.rms_norm_in_wrapper
+    res = locate_pair(a, b, tmp_path / "out")
+    assert res["first_operator"] == "plant_kernels.rms_norm.default"  # the kernel, not the wrapper
+    diff = res["difference"]
+    assert diff["kind"] == replay.SAME_ARGUMENTS and diff["paired_by"] == "same arguments", diff
+    _fresh_run_exits_1(res)
+
+
 def _move_weight(linear: torch.nn.Linear, floats: int) -> None:
     """The same weight values at another address: `floats` elements into a fresh buffer."""
     w = linear.weight.detach()

@@ -137,12 +137,16 @@ class OpRecorder(TorchDispatchMode):
         ci, k, _ = self.produced[id(v)]
         return (ci, k) if same_bits(self.calls[ci].outputs[k], pre) else None
 
+    def mark_blank(self, out) -> None:
+        """The tensors of `out` hold uninitialised memory: output buffers until a recorded call writes them."""
+        for t in tensors_of(out):
+            if (key := Provenance._storage_key(t)) is not None:
+                self.blank[key] = t.untyped_storage()
+
     def _record(self, func, args, kwargs):
         if str(func) in UNINITIALIZED:  # no computation, and garbage bits: not a value two sides can share
             out = func(*args, **kwargs)
-            for t in tensors_of(out):
-                if (key := Provenance._storage_key(t)) is not None:
-                    self.blank[key] = t.untyped_storage()
+            self.mark_blank(out)
             return out
         if _first_tensor(args, kwargs) is None:
             return func(*args, **kwargs)
@@ -179,6 +183,9 @@ class OpRecorder(TorchDispatchMode):
         return out
 
 
+# torch functions and tensor methods that return uninitialised memory (the Python face of UNINITIALIZED)
+UNINITIALIZED_FUNCTIONS = {"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided"}
+
 # Namespaces recorded where the dispatcher sees them: PyTorch's own operators (a Python dispatch mode sees every
 # aten op, including those that tensor methods and torch functions call).
 DISPATCH_NAMESPACES: set[str] = {"aten", "prims"}
@@ -213,6 +220,12 @@ class _PythonOpRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in UNINITIALIZED_FUNCTIONS and not isinstance(func, torch._ops.OpOverload):
+            # inside an opened wrapper the dispatch mode never sees the aten factory this calls (vLLM's rms_norm
+            # allocates its output with torch.empty, then `_C.rms_norm` writes it): the buffer is blank all the same
+            out = func(*args, **kwargs)
+            self.parent.mark_blank(out)
+            return out
         op = _overload(func, args, kwargs)
         if op is None or not self.takes(op):
             return func(*args, **kwargs)

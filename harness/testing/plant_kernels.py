@@ -60,6 +60,25 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
+_wrapper = Library("plant_wrapper", "DEF")  # a wrapper op as vLLM's IR ops are: the locator opens it
+_wrapper.define("rms_norm(Tensor x, Tensor weight, float epsilon) -> Tensor")
+
+
+def _wrapped_rms_norm(x, weight, epsilon):
+    out = torch.empty(x.shape, device=x.device, dtype=x.dtype)  # as vLLM's vllm_c rms_norm allocates its output
+    torch.ops.plant_kernels.rms_norm(out, x, weight, epsilon)
+    return out
+
+
+_wrapper.impl("rms_norm", _wrapped_rms_norm, "CPU")
+
+
+def rms_norm_in_wrapper(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm through a wrapper op that allocates the output buffer itself (vLLM 0.26's `vllm_ir.rms_norm`)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return torch.ops.plant_wrapper.rms_norm(rows, w, eps).reshape(x.shape)
+
+
 def _linear(input, weight):
     x, w = input.float(), weight.float()
     k = (ALIGNMENT - weight.data_ptr() % ALIGNMENT) % ALIGNMENT // weight.element_size()
