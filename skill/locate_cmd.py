@@ -43,6 +43,7 @@ def command(config_path, gate_id, as_json, eager):
 
     cfg = load_config(config_path)
     con = report.console()
+    note = None
     if eager:
         configured = cfg
         cfg, note = eager_rollout(cfg)
@@ -63,7 +64,7 @@ def command(config_path, gate_id, as_json, eager):
             report.print_json({"gate": gate_id, "status": "no divergence"})
         sys.exit(0)
     with report.progress(f"localising {gate_id}: {verdict.reason} ...", as_json, con):
-        found = locate_for_gate(ctx, gate_id, measured, strict=True)
+        found = locate_for_gate(ctx, gate_id, measured, strict=True, run_changes=note if eager else None)
     con.print(f"{gate_id}: {verdict.reason}")
     for row in found["layers"]:
         mark = "  <- first divergent" if row["first_divergent"] else ""

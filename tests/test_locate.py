@@ -480,3 +480,24 @@ def test_locate_eager_on_an_eager_rollout_that_passes_clears_the_old_report_as_w
     code, _, err = tic("locate", "-c", str(cfg), "--gate", "C3", "--eager")
     assert code == 0 and "passes" in err and "compiled code" not in err, err
     assert not stale.exists()
+
+
+def test_locate_eager_report_says_what_the_run_changed(example, monkeypatch, tic):
+    """A report written under --eager says which rollout options that run changed (report.md, locate.json, the
+    gate's summary), so that a reader of the files alone knows they are not of the configured mode; a report
+    of a run as configured says nothing of the kind (the control)."""
+    import tic.skill.locate_cmd as locate_cmd
+
+    cfg = example("tiny-qwen3") / "tic.yaml"
+    monkeypatch.chdir(cfg.parent)
+    code, out, _ = tic("locate", "-c", str(cfg), "--gate", "C3", "--json")
+    assert code == 1 and json.loads(out)["run_changes"] is None
+    assert "not the configuration as written" not in Path(json.loads(out)["report"]).read_text()
+
+    changed = "--eager: rollout.options enforce_eager: True for this run (the gate's record is not rewritten)"
+    monkeypatch.setattr(locate_cmd, "eager_rollout", lambda c: (c.model_copy(), changed))  # as vLLM's would
+    code, out, err = tic("locate", "-c", str(cfg), "--gate", "C3", "--eager", "--json")
+    found = json.loads(out)
+    assert code == 1 and found["culprit_module"] and found["run_changes"] == changed, out
+    assert f"this run, not the configuration as written: {changed}" in Path(found["report"]).read_text()
+    assert json.loads((Path(found["report"]).parent / "locate.json").read_text())["run_changes"] == changed

@@ -17,7 +17,7 @@ NO_CHART = "no chart: matplotlib is not installed (`pip install 'tic-consistency
 # what a gate's record keeps of a finding (details.locate)
 GATE_KEYS = ("status", "first_divergent_layer", "culprit_module", "first_operator", "operator_args",
              "traced_position", "reproduced_gate_values", "forward_passes", "seconds", "report", "repro", "chart",
-             "repro_check", "repro_proves", "difference", "implementations", "recording_errors")
+             "repro_check", "repro_proves", "difference", "implementations", "recording_errors", "run_changes")
 
 
 def _short(name: str) -> str:

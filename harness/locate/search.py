@@ -461,6 +461,7 @@ class Finding:
     repro_proves: str | None = None  # what the emitted repro shows, as its fresh run decided
     forward_passes: int = 0
     seconds: float = 0.0
+    run_changes: str | None = None  # what this run changed from the configuration (tic locate --eager)
 
 
 class _Runs:
@@ -765,11 +766,12 @@ def sides_for_gate(ctx, gate_id: str, measured) -> tuple[Side, Side, int, dict |
     raise TicInputError(f"no locator recipe for gate {gate_id} (C3, C4, C5, C6)")
 
 
-def locate_for_gate(ctx, gate_id: str, measured, strict: bool = False) -> dict:
+def locate_for_gate(ctx, gate_id: str, measured, strict: bool = False, run_changes: str | None = None) -> dict:
     """What the runner calls when C3/C4/C5 fail: localise the gate's first mismatch, return the findings.
 
     When the comparison cannot be rerun (a dump, an engine without capture, no first mismatch) the gate's
-    verdict must still stand: the reason goes into the findings, unless `strict` (tic locate) asks to fail."""
+    verdict must still stand: the reason goes into the findings, unless `strict` (tic locate) asks to fail.
+    run_changes: what the caller changed from the configuration for this run, kept in the report."""
     try:
         side_a, side_b, upto, expected = sides_for_gate(ctx, gate_id, measured)
     except TicInputError as e:
@@ -777,4 +779,6 @@ def locate_for_gate(ctx, gate_id: str, measured, strict: bool = False) -> dict:
             raise
         return {"status": f"not localised: {e}"}
     out_dir = ctx.artifacts(gate_id) / "locate"
-    return report.gate_summary(report.write(locate(side_a, side_b, out_dir, gate_id, upto, expected), out_dir))
+    finding = locate(side_a, side_b, out_dir, gate_id, upto, expected)
+    finding.run_changes = run_changes
+    return report.gate_summary(report.write(finding, out_dir))
