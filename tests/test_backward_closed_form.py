@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from tic.config.schema import BackwardConfig
 from tic.harness.kernels import autograd as ag
 from tic.harness.kernels.consistent_cpu import CPUProvider
+from tic.harness.kernels.routing import Routing
 from tic.harness.testing.backward_plants import planted_fault
 
 G = torch.Generator().manual_seed(7)
@@ -168,9 +169,14 @@ def test_attention_mask_rows_are_reread_when_the_mask_changes_in_place():
     assert not all_causal and rows[0].tolist() == [True] * 4 + [False] * 2
 
 
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_moe_route(renormalize):
-    check("moe_route", (r(7, 6),), {"top_k": 3, "renormalize": renormalize})
+@pytest.mark.parametrize("routing", [Routing(), Routing(renormalize=False),
+                                     Routing("sigmoid", renormalize=True, biased=True, groups=2, topk_groups=1,
+                                             scale=2.5),
+                                     Routing("sigmoid", renormalize=False, scale=2.5),
+                                     Routing("softmax", renormalize=True, biased=True)])
+def test_moe_route(routing):
+    bias = torch.randn(6, generator=G, dtype=torch.float64) if routing.biased else None
+    check("moe_route", (r(7, 6),), {"top_k": 3, "routing": routing, "bias": bias})
 
 
 def _experts(ids, E=4, H=8, I=5):

@@ -13,6 +13,7 @@ from torch import nn
 from tic.config.schema import load_config
 from tic.gates import get
 from tic.harness.engines import hf
+from tic.harness.kernels.routing import Routing
 from tic.harness.kernels.coverage import REGISTRY, coverage_problems, coverage_table, norm_eps, read_coverage
 from tic.harness.model.layer_structure import build_meta
 from tic.skill.context import GateContext
@@ -460,7 +461,7 @@ def test_fidelity_pins_stock_moe_routes_at_near_ties_only(example, workdir):
     assert res.verdict == "pass" and res.details["fidelity"]["routing_flips"] > 0, res.reason
     prov = ctx.train_engine().model._tic_ops.provider
     route = prov.moe_route
-    prov.moe_route = lambda logits, top_k, renormalize: route(-logits, top_k, renormalize)  # the least likely
+    prov.moe_route = lambda logits, top_k, routing, bias=None: route(-logits, top_k, routing, bias)  # the least likely
     res = run_gate(get("C2"), ctx)
     assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"] == "model.layers.0.mlp"
     hf._MODELS.clear()
@@ -1019,7 +1020,7 @@ def test_c2_fidelity_keeps_a_routers_own_weights_where_it_chose_the_same_experts
         "model: {path: ., dtype: float32, generate: {seed: 0}}\n"
         "rollout: {engine: hf, kernels: consistent}\ntrain: {engine: hf, kernels: consistent}\n")
     for where in (coverage, modules):  # C0's refusal and the wrappers: a renormalised softmax top-k
-        monkeypatch.setattr(where, "router_renormalizes", lambda router: True)
+        monkeypatch.setattr(where, "router_routing", lambda router, cfg=None: Routing())
     hf._MODELS.clear()
     res = run_gate(get("C2"), GateContext(load_config(tmp_path / "tic.yaml")))
     assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"].endswith(".mlp"), res.reason

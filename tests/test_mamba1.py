@@ -13,6 +13,7 @@ from tic.gates import get
 from tic.harness.engines import hf
 from tic.harness.kernels.coverage import coverage_problems
 from tic.harness.kernels.mamba import cpu_mamba1_scan
+from tic.harness.kernels.routing import Routing
 from tic.harness.testing.mamba_plants import plant_matmul_decode1
 from tic.skill.context import GateContext
 from tic.skill.runner import run_gate
@@ -127,7 +128,7 @@ def test_jamba_layers_pass_c2_to_c7(jamba_ctx):
         res = run_gate(get(gate), jamba_ctx)
         assert res.verdict == "pass", (gate, res.reason)
     model = jamba_ctx.rollout_engine().model
-    assert model.model.layers[1].feed_forward._tic_renormalize is False  # read from the router's own forward
+    assert model.model.layers[1].feed_forward._tic_routing == Routing(renormalize=False)  # read from its forward
 
 
 def test_jamba_router_renormalised_the_qwen_way_parts_from_stock(jamba_ctx, monkeypatch):
@@ -135,7 +136,7 @@ def test_jamba_router_renormalised_the_qwen_way_parts_from_stock(jamba_ctx, monk
     fidelity check names the first module that parts from the stock model."""
     from tic.harness.kernels import modules
 
-    monkeypatch.setattr(modules, "router_renormalizes", lambda router: True)
+    monkeypatch.setattr(modules, "router_routing", lambda router, cfg=None: Routing())
     res = run_gate(get("C2"), jamba_ctx)
     assert res.verdict == "fail" and "fidelity" in res.reason and "feed_forward" in res.reason, res.reason
 

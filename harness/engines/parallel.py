@@ -33,9 +33,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from tic.core.errors import TicInputError
-from tic.harness.kernels.coverage import expert_weights
+from tic.harness.kernels.coverage import expert_weights, router_routing
 
 COMBINES = ("slot_order", "slot_order_allgather", "rank_partials")
 
@@ -138,6 +139,11 @@ class ExpertParallelMoE:
             raise TicInputError("expert parallel ranks of the hf engine do not run block-FP8 experts yet")
         self.provider = getattr(ops, "provider", None) if hasattr(getattr(ops, "provider", None),
                                                                   "moe_expert_rows") else None
+        gate = getattr(block, "gate", None)
+        rule = getattr(block, "_tic_routing", None) or (router_routing(gate) if isinstance(gate, nn.Module) else None)
+        if rule is not None and not rule.plain:  # route() and the provider call below take a softmax top-k
+            raise TicInputError(f"expert parallel ranks of the hf engine route softmax top-k routers only, not "
+                                f"{rule.describe()}; run this model with parallel.ep 1")
         self.me = dist.get_rank(group) if ep > 1 else 0
         self.owners = expert_owners(block.gate.weight.shape[0], ep)
 

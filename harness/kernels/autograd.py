@@ -31,6 +31,7 @@ from torch import nn
 
 from tic.config.schema import BackwardConfig
 from tic.harness.kernels.memo import TensorMemo
+from tic.harness.kernels import routing as routing_mod
 from tic.harness.kernels.rope import rotate_interleaved, rotate_neox
 
 
@@ -186,9 +187,9 @@ def _sdpa_mask(mask, Q: int, K: int, device, window=None) -> tuple[torch.Tensor,
     return mask | (~seen & first), seen
 
 
-def moe_route_ref(logits, ids, top_k, renormalize):
-    w = torch.softmax(_wide(logits), dim=-1).gather(-1, ids)
-    return w / w.sum(-1, keepdim=True) if renormalize else w
+def moe_route_ref(logits, ids, top_k, routing, bias=None):
+    """The weights at the chosen ids, in float64 where the kernel ran float32 (the ids are the kernel's)."""
+    return routing_mod.weights(routing_mod.scores(_wide(logits), routing), ids, routing)
 
 
 def moe_experts_ref(x, weights, ids, gate_up, down):
@@ -570,18 +571,11 @@ def _deterministic_flash(on: bool):
 
 
 def _moe_route_backward(tensors, fixed, grads, kw, needs, run):
-    """w = softmax(logits)[ids] (/ sum w): back through the renormalisation, scatter to experts, softmax."""
+    """w = scale * score(logits)[ids] (/ sum): back through the scale and renormalisation, scatter to the
+    experts, then the softmax or sigmoid; the ids (and the selection bias that chose them) take none."""
     if not needs[0] or grads[0] is None:
         return (None,)
-    ids = fixed[0]
-    p = torch.softmax(_wide(tensors[0]), dim=-1)
-    gw = grads[0].to(p.dtype)
-    if kw["renormalize"]:
-        w = p.gather(-1, ids)
-        total = w.sum(-1, keepdim=True)
-        gw = (gw - (gw * w).sum(-1, keepdim=True) / total) / total
-    gp = torch.zeros_like(p).scatter_add_(-1, ids, gw)
-    return (p * (gp - (p * gp).sum(-1, keepdim=True)),)
+    return (routing_mod.weights_backward(_wide(tensors[0]), fixed[0], grads[0], kw["routing"]),)
 
 
 def _log_softmax_backward(tensors, fixed, grads, kw, needs, run):
@@ -717,7 +711,7 @@ OPS: dict[str, Op] = {op.name: op for op in [
     Op("activation", lambda p, x, kind: p.activation(x, kind), activation_ref, _activation_backward),
     Op("attention", lambda p, q, k, v, mask, scale, softcap=None, window=None:
        p.attention(q, k, v, mask, scale, **_attention_options(softcap, window)), attention_ref, _attention_backward),
-    Op("moe_route", lambda p, logits, top_k, renormalize: p.moe_route(logits, top_k, renormalize),
+    Op("moe_route", lambda p, logits, top_k, routing, bias=None: p.moe_route(logits, top_k, routing, bias),
        moe_route_ref, _moe_route_backward),
     Op("moe_experts", lambda p, x, w, ids, gu, d: p.moe_experts(x, w, ids, gu, d), moe_experts_ref,
        _moe_experts_backward),
@@ -813,8 +807,11 @@ class Ops:
             self.inputs.setdefault(ATTENTION_INPUTS, []).append(tuple(t.detach() for t in (q, k, v)))
         return self._run("attention", q, k, v, mask, scale=scale, **_attention_options(softcap, window))
 
-    def moe_route(self, logits, top_k, renormalize):
-        return self._run("moe_route", logits, top_k=top_k, renormalize=renormalize)
+    def moe_route(self, logits, top_k, routing, bias=None):
+        """routing: a tic.harness.kernels.routing.Routing, or a softmax router's renormalise flag; bias: the
+        selection bias of a routing that has one (no gradient: it only chooses)."""
+        return self._run("moe_route", logits, top_k=top_k, routing=routing_mod.as_routing(routing),
+                         bias=None if bias is None else bias.detach())
 
     def moe_experts(self, x, weights, ids, gate_up, down):
         if self.quant is not None and self.quant.covers((gate_up, down)):  # block-FP8 experts: kernels.fp8

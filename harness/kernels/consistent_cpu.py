@@ -19,6 +19,7 @@ from tic.harness.kernels.autograd import PLAIN_ACTS, layer_norm_float32_written_
 from tic.harness.kernels.fp8_rule import DEFAULT_KV as FP8_KV_RULE
 from tic.harness.kernels.mamba import MambaCPUKernels
 from tic.harness.kernels.rope import hf_cos_sin_cache, rotate_interleaved, rotate_neox
+from tic.harness.kernels.routing import as_routing, route
 from tic.harness.kernels.spec import KernelProvider
 
 
@@ -155,8 +156,12 @@ class CPUProvider(MambaCPUKernels, KernelProvider):  # Mamba-2 kernels: tic.harn
         return rowwise_attention(None, q, k, v, mask, scale, softcap=softcap, window=window,
                                  fp8_kv=str(self.kv_cache_dtype).startswith("fp8"))[0]
 
-    def moe_route(self, logits, top_k, renormalize):
-        outs = [route_topk(r, top_k, renormalize) for r in logits.split(1, dim=0)]
+    def moe_route(self, logits, top_k, routing, bias=None):
+        """One row at a time: a softmax router as route_topk, any other routing by tic.harness.kernels.routing."""
+        rule = as_routing(routing)
+        one = (lambda r: route_topk(r, top_k, rule.renormalize)) if rule.plain else \
+            (lambda r: route(r, bias, top_k, rule))
+        outs = [one(r) for r in logits.split(1, dim=0)]
         if not outs:
             return logits.new_zeros(0, top_k, dtype=torch.float32), torch.zeros(0, top_k, dtype=torch.long)
         return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])

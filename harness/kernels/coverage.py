@@ -31,6 +31,8 @@ from torch import nn
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 hybrids, issue 31
 from tic.harness.kernels.autograd import PLAIN_ACTS, layer_norm_float32_written_out, moe_experts_ref
 from tic.harness.kernels.rope import rotary_output_layout, rotate_interleaved, rotate_neox
+from tic.harness.kernels.routing import SCORES, Routing, select
+from tic.harness.kernels.routing import scores as routing_scores, weights as routing_weights
 from tic.harness.model.inventory import LAYER_LISTS
 
 KERNELS = ("consistent", "vllm")  # tic.yaml train.kernels values that run through the wrappers
@@ -93,6 +95,10 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
                                            "runs through a kernel of its own, not torch's function",
                   frozenset({"consistent"})),
     OperatorClass("moe:topk_silu", "softmax top-k router, SiLU experts combined in float32 in slot order"),
+    OperatorClass("moe:score_router", "a router in the DeepSeek-V3 way: sigmoid (or softmax) scores, a selection "
+                                      "bias that only chooses, grouped top-k, weights renormalised or not and "
+                                      "times routed_scaling_factor (GLM-4.5, MiniMax-M2); vLLM's side not yet "
+                                      "measured", frozenset({"consistent"})),
     OperatorClass("moe:shared_expert", "a gated MLP on every token, times sigmoid of a one-feature linear where "
                                        "the block has one (Qwen2-MoE) or as it is (HunYuan's shared_mlp), added "
                                        "to the routed experts' output"),
@@ -225,17 +231,58 @@ def seeded_copy(module: nn.Module, seed: int = 0) -> nn.Module:
     return probe
 
 
-def router_renormalizes(router: nn.Module) -> bool | None:
-    """Whether the router's top-k weights are its softmax probabilities scaled to sum to one (True) or left as they
-    are (False, Jamba's), read from its own forward on seeded rows; None where they are neither, or its top-k ids
-    are not the softmax's (PhiMoE's sparsemixer; a selection bias such as Ernie-4.5's), or the forward does not run
-    that way: a router the MoE wrapper does not compute. The forward runs on a copy whose every floating parameter
-    and buffer is seeded: a term that starts at zero (a selection bias before training) must show."""
+def router_bias(router: nn.Module) -> torch.Tensor | None:
+    """The router's per-expert selection bias (DeepSeek-V3's e_score_correction_bias, wherever the router keeps
+    it: a buffer of its own or of a child): its one floating tensor, other than the weight, with one element per
+    expert; None where it has none or several."""
+    w = router_weight(router)
+    found = [t for _, t in [*router.named_parameters(), *router.named_buffers()]
+             if t is not w and t.is_floating_point() and t.numel() == w.shape[0] and t.dim() <= 2]
+    return found[0].reshape(-1) if len(found) == 1 else None
+
+
+GROUP_FIELDS = ("n_group", "num_group", "num_expert_group")  # how many groups the experts are split in
+TOPK_GROUP_FIELDS = ("topk_group", "num_topk_group")  # how many of them a token keeps
+SCALE_FIELDS = ("routed_scaling_factor", "router_scaling_factor")
+
+
+def _number(obj, names) -> float | None:
+    for n in names:
+        v = getattr(obj, n, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def _routing_candidates(router: nn.Module, cfg, biased: bool) -> list[Routing]:
+    """Every rule the router could compute, from what it and the config hold: a rule's parameters are read here,
+    which of them it computes is read from its forward (router_routing)."""
+    experts = router_weight(router).shape[0]
+    groups = [(1, 1)]
+    g, k = _number(router, GROUP_FIELDS) or _number(cfg, GROUP_FIELDS), \
+        _number(router, TOPK_GROUP_FIELDS) or _number(cfg, TOPK_GROUP_FIELDS)
+    if g and k and 1 < int(g) and experts % int(g) == 0 and int(k) < int(g):  # all groups kept: no grouping
+        groups.append((int(g), int(k)))
+    scales = {1.0} | {float(v) for v in (_number(router, SCALE_FIELDS), _number(cfg, SCALE_FIELDS))
+                      if v is not None and v > 0}
+    return [Routing(score, renormalize, bias, gr, kg, scale)
+            for score in SCORES for renormalize in (True, False) for bias in ({False, biased})
+            for gr, kg in groups for scale in sorted(scales)]
+
+
+def router_routing(router: nn.Module, cfg=None) -> Routing | None:
+    """What the router computes (tic.harness.kernels.routing), read from its own forward on seeded rows: the one
+    candidate rule (_routing_candidates) whose experts and weights the router gives on every probe; None where
+    none or several do, or the forward does not return (logits, top-k weights, top-k ids) (a router the MoE
+    wrapper does not compute: PhiMoE's sparsemixer). The forward runs on a copy whose every floating parameter and
+    buffer is seeded: a term that starts at zero (a selection bias before training) must show."""
     probe = seeded_copy(router)
-    w = router_weight(probe)
+    w, bias = router_weight(probe), router_bias(probe)
     x = torch.randn(8, w.shape[1], generator=torch.Generator().manual_seed(1)).to(device=w.device, dtype=w.dtype)
-    # Seeded weights make a peaked softmax whose top-k already sums to about one, where both rules give the same
-    # weights: the rows are scaled down until the softmax spreads and only one rule fits.
+    fits = _routing_candidates(probe, cfg, bias is not None)
+    top_k = int(probe.top_k)
+    # Seeded weights make a peaked softmax whose top-k already sums to about one, where rules agree: the rows
+    # are scaled down too, until the scores spread; a rule must fit at every scale.
     for scale in (1.0, 0.1, 0.01, 0.001):
         try:
             with torch.no_grad():
@@ -244,18 +291,31 @@ def router_renormalizes(router: nn.Module) -> bool | None:
             return None
         if not (isinstance(out, tuple) and len(out) == 3):
             return None
-        logits, weights, ids = out
-        probs = torch.softmax(logits.float(), dim=-1)
-        top = torch.topk(probs, int(probe.top_k), dim=-1)
-        if not torch.equal(top.indices.sort(-1).values, ids.long().sort(-1).values):
+        logits, got, ids = out
+        ids = ids.long()
+        if ids.shape[-1] != top_k:
             return None
-        got = weights.float().gather(-1, ids.long().argsort(-1))
-        picked = probs.gather(-1, ids.long().sort(-1).values)
-        fits = [renormalize for renormalize, want in ((True, picked / picked.sum(-1, keepdim=True)), (False, picked))
-                if torch.allclose(got, want, rtol=1e-2, atol=1e-4)]
-        if len(fits) != 2:
-            return fits[0] if fits else None
-    return None
+        order = ids.argsort(-1)
+        got = got.float().gather(-1, order)
+        ids = ids.gather(-1, order)
+
+        def fits_here(rule: Routing) -> bool:
+            s = routing_scores(logits.float(), rule)
+            if not torch.equal(select(s, bias, top_k, rule).sort(-1).values, ids):
+                return False
+            return torch.allclose(got, routing_weights(s, ids, rule), rtol=1e-2, atol=1e-4)
+
+        fits = [r for r in fits if fits_here(r)]
+        if not fits:
+            return None
+    return fits[0] if len(fits) == 1 else None
+
+
+def router_renormalizes(router: nn.Module) -> bool | None:
+    """A softmax top-k router's rule: its weights renormalised (True, Qwen's) or as they are (False, Jamba's); None
+    for any other router (router_routing reads those)."""
+    rule = router_routing(router)
+    return rule.renormalize if rule is not None and rule.plain else None
 
 
 def expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -949,10 +1009,12 @@ def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
     kind = type(m).__name__
     _read_unused_parts(cov, name, m, "an MLP", None)
     if is_moe_block(m):
+        rule = router_routing(moe_router(m), cfg)
         scale = getattr(m, "routed_scaling_factor", getattr(cfg, "routed_scaling_factor", None))
-        if scale not in (None, 1, 1.0):  # DeepSeek-style: the routed output scaled before the shared one joins
-            cov.refusals.append(Refusal(name, kind, "routed experts scaled by a routed_scaling_factor",
-                                        "routed_scaling_factor", scale))
+        if scale not in (None, 1, 1.0) and (rule is None or rule.scale != float(scale)):
+            # the scale is applied outside the router (to the block's output): not what the wrappers compute
+            cov.refusals.append(Refusal(name, kind, "routed experts scaled by a routed_scaling_factor outside "
+                                        "the router's top-k weights", "routed_scaling_factor", scale))
         child = shared_expert_name(m)
         if child is not None:
             _read_shared_expert(cov, name, m, cfg, child)
@@ -964,10 +1026,14 @@ def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
                                         "forward is not weight x down(silu(gate x) * up x) summed over the top-k "
                                         "slots on their [gate; up] and down weights (read from their forward; e.g. "
                                         "interleaved gate and up, a bias, a norm after each expert)"))
-        if router_renormalizes(moe_router(m)) is None:
-            cov.refusals.append(Refusal(name, kind, "a router whose top-k weights are not its softmax probabilities "
-                                        "(renormalised or not) at the softmax's top-k experts, read from its own "
-                                        "forward"))
+        if rule is None:
+            cov.refusals.append(Refusal(name, kind, "a router whose top-k experts and weights are none of the "
+                                        "rules the wrappers compute (softmax or sigmoid scores, renormalised or "
+                                        "not, a selection bias, grouped top-k, a routed scale), read from its "
+                                        "own forward"))
+        elif not rule.plain:
+            cov.classes["moe:score_router"] = ("router", rule.describe())
+            cov.readings.setdefault(name, {})["routing"] = rule
         cov.classes["moe:topk_silu"] = ("num_experts", getattr(cfg, "num_experts", None))
     elif is_gated_mlp(m):
         variant = activation_variant(mlp_activation(m))

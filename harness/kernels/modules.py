@@ -43,7 +43,7 @@ from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, 
                                           is_decoder_layer, is_gated_mlp, is_hybrid_block, is_layernorm,
                                           is_moe_block, is_rmsnorm, mlp_name, moe_router, norm_eps,
                                           output_projection_name, problem_lines, read_coverage, rotary_modules,
-                                          rotary_per_layer_type, router_renormalizes, router_weight)
+                                          rotary_per_layer_type, router_bias, router_routing, router_weight)
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.stand_ins import stands_for
@@ -416,9 +416,12 @@ def _moe_forward(self, hidden_states):
     ops: Ops = self._tic_ops
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
-    router, experts = moe_router(self), self.experts
-    logits = ops.linear(x, [router_weight(router)])
-    weights, ids = ops.moe_route(logits, router.top_k, self._tic_renormalize)
+    router, experts, routing = moe_router(self), self.experts, self._tic_routing
+    w = router_weight(router)
+    # a router kept in float32 in a bf16 model (GLM-4.5's) takes its rows in float32, as HF's and vLLM's do
+    logits = ops.linear(x if x.dtype == w.dtype else x.to(w.dtype), [w])
+    bias = router_bias(router) if routing.biased else None
+    weights, ids = ops.moe_route(logits, router.top_k, routing, bias)
     calls = self._tic_routes.calls
     if calls is not None:
         calls.setdefault(self._tic_name, []).append(ids.detach().to("cpu"))
@@ -516,7 +519,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         mamba_modules.wrap_mixer(m, layout)
     elif is_moe_block(m):
         m._tic_name, m._tic_routes = name, routes
-        m._tic_renormalize = router_renormalizes(moe_router(m))
+        m._tic_routing = reading.get("routing") or router_routing(moe_router(m), cfg)
         m._tic_shared = reading.get("shared_expert")  # a name: a module attribute would register it twice
         m.forward = types.MethodType(_moe_forward, m)
     elif is_gated_mlp(m):

@@ -20,7 +20,8 @@ Shapes (T = tokens of any leading shape, flattened by the caller where a kernel 
   sigmoid_gate(g [T, 1], y [T, H]) -> sigmoid(g) * y, each rounded to the model dtype (a MoE's shared-expert gate)
   attention(q [B, H, Q, D], k/v [B, Hkv, K, D], mask bool [B, 1, Q, K], scale[, softcap][, window]) -> [B, Q, H, D]
       (window: the sliding window of the layer, already in the mask; softcap: on the scores)
-  moe_route(logits [T, E], top_k, renormalize) -> (weights float32 [T, k], ids int64 [T, k])
+  moe_route(logits [T, E], top_k, routing, bias [E] | None) -> (weights float32 [T, k], ids int64 [T, k])
+      (routing: tic.harness.kernels.routing.Routing, or a softmax router's renormalise flag)
   moe_experts(x [T, H], weights [T, k], ids [T, k], gate_up [E, 2I, H], down [E, H, I]) -> [T, H]
   log_softmax(logits [T, V]) -> float32 [T, V]
 Mamba-2 (one sequence per call; tic.harness.kernels.mamba says what the scan computes):

@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from tic.harness.kernels import routing
+from tic.harness.kernels.routing import Routing
 from tic.harness.engines.base import Sample, Sampling
 
 
@@ -37,11 +39,14 @@ class RoutingPin:
     a router that picks other experts outright must still show)."""
 
     def __init__(self, model, near_tie: float | None = None):
-        from tic.harness.kernels.coverage import moe_router, router_renormalizes
+        from tic.harness.kernels import coverage
 
-        routers = ((name, moe_router(m)) for name, m in model.named_modules())
+        routers = ((name, coverage.moe_router(m)) for name, m in model.named_modules())
         self.gates = {name: r for name, r in routers if r is not None}
-        self.renormalize = {id(m): router_renormalizes(m) for m in self.gates.values()}
+        # an unread router (only where a test bypasses C0's refusal) is pinned as a softmax top-k, kept as it is
+        self.routing = {id(m): coverage.router_routing(m, getattr(model, "config", None)) or Routing(renormalize=False)
+                        for m in self.gates.values()}
+        self.bias = {id(m): coverage.router_bias(m) for m in self.gates.values()}
         self.near_tie = near_tie
         self.flips = 0
         self.tokens = 0
@@ -71,17 +76,23 @@ class RoutingPin:
                                  f"{tuple(ids.shape)}")
             logits, _, own = out
             pin = ids.to(device=own.device, dtype=own.dtype)
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-            if self.near_tie is not None:
+            rule, bias = self.routing[id(gate)], self.bias[id(gate)]
+            probs = routing.scores(logits.float(), rule)
+            if self.near_tie is not None and rule.plain:  # its own are the top k: the others score below
                 kth = probs.gather(-1, own).min(-1, keepdim=True).values
                 tie = (probs.gather(-1, pin) >= kth * (1 - self.near_tie)).all(-1, keepdim=True)
+                pin = torch.where(tie, pin, own)
+            elif self.near_tie is not None:
+                # grouped or biased: another rule's experts may score above its own, so a tie is two-sided: the
+                # given experts' selection scores, in order, within near_tie of its own experts' scores
+                choice = probs + bias.to(probs) if rule.biased and bias is not None else probs
+                given, mine = (choice.gather(-1, i).sort(-1, descending=True).values for i in (pin, own))
+                tie = ((given - mine).abs() <= mine.abs() * self.near_tie).all(-1, keepdim=True)
                 pin = torch.where(tie, pin, own)
             moved = (own.sort(-1).values != pin.sort(-1).values).any(-1, keepdim=True)
             self.flips += int(moved.sum())
             self.tokens += pin.shape[0]
-            w = probs.gather(-1, pin)
-            if self.renormalize[id(gate)]:
-                w = w / w.sum(dim=-1, keepdim=True)
+            w = routing.weights(probs, pin, rule)
             # where the router chose these experts itself, its own weights (in the pinned slot order): the rule
             # above stands in only for the tokens it moved, so a router of another rule still parts
             same = (pin[..., :, None] == own[..., None, :]).to(out[1].dtype)

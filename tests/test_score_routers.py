@@ -1,0 +1,211 @@
+"""Routers in the DeepSeek-V3 way (GLM-4.5, EXAONE-MoE, dots1, Solar-Open, ...): sigmoid scores, a selection bias
+that only chooses, experts in groups of which each token keeps the best, weights renormalised and scaled by
+routed_scaling_factor. Read from the router's own forward (coverage.router_routing), computed by the consistent
+kernels and checked against the stock model (C2), across layouts and decode (C3-C6) and in the backward (C7).
+
+A generated checkpoint holds the selection bias at zero (transformers' init), where routing with or without it is
+the same: the model here draws it, so that a wrapper that drops it parts from the stock model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import CONFIG_MAPPING
+
+from tic.config.schema import load_config
+from tic.gates import get
+from tic.harness.engines import hf
+from tic.harness.kernels import coverage, routing
+from tic.harness.kernels.routing import Routing
+from tic.harness.model.layer_structure import build_meta, model_from_config
+from tic.skill.context import GateContext
+from tic.skill.runner import run_gate
+
+GLM = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+           n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+           first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+           pad_token_id=0, bos_token_id=1, eos_token_id=2)
+GROUPED = Routing("sigmoid", renormalize=True, biased=True, groups=2, topk_groups=1, scale=2.5)
+
+
+def glm_config(**changes):
+    if "glm4_moe" not in CONFIG_MAPPING:
+        pytest.skip("no glm4_moe in this transformers")
+    return CONFIG_MAPPING["glm4_moe"](**{**GLM, **changes})
+
+
+def glm_router(**changes):
+    model = build_meta(glm_config(**changes).to_dict())
+    block = next(m for m in model.modules() if coverage.is_moe_block(m))
+    return model, block, coverage.moe_router(block)
+
+
+@pytest.mark.parametrize("changes, want", [
+    ({}, GROUPED),
+    ({"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0},
+     Routing("sigmoid", renormalize=True, biased=True)),
+    ({"norm_topk_prob": False}, Routing("sigmoid", renormalize=False, biased=True, groups=2, topk_groups=1,
+                                        scale=2.5)),
+])
+def test_a_score_router_is_read_from_its_own_forward(changes, want):
+    model, block, router = glm_router(**changes)
+    assert coverage.router_routing(router, model.config) == want
+    assert coverage_problems_of(model, "consistent") == []
+
+
+def coverage_problems_of(model, kernels):
+    return coverage.coverage_problems(model, kernels)
+
+
+def test_the_vllm_kernels_refuse_a_score_router_in_one_line_naming_it():
+    """vLLM's side of these routers (its grouped top-k kernel, where it applies the scale) is not yet measured on
+    the GPU: kernels: vllm refuses them at C0 instead of running a rule it may not share."""
+    model, _, _ = glm_router()
+    problems = coverage_problems_of(model, "vllm")
+    assert len(problems) == 1 and "moe:score_router is not implemented by kernels: vllm" in problems[0], problems
+    assert "sigmoid, renormalised, selection bias, 1 of 2 groups, x 2.5" in problems[0], problems
+
+
+def test_a_router_scaled_twice_is_refused_not_guessed(monkeypatch):
+    """Planted: the router's weights times 2 on top of its routed_scaling_factor, a rule no candidate holds: the
+    reading answers None and C0 names the block. Control: the same router unplanted reads (test above)."""
+    model, block, router = glm_router()
+    cls = type(router)
+    forward = cls.forward
+    monkeypatch.setattr(cls, "forward", lambda self, x: (lambda o: (o[0], o[1] * 2, o[2]))(forward(self, x)))
+    assert coverage.router_routing(router, model.config) is None
+    problems = coverage_problems_of(model, "consistent")
+    assert any("Glm4MoeMoE" in p and "a router whose top-k experts and weights are none of the rules" in p
+               for p in problems), problems
+
+
+def test_a_routed_scaling_factor_the_routers_weights_do_not_carry_is_refused(monkeypatch):
+    """A block that scales the routed output itself, its router giving unscaled weights (planted: GLM's router
+    with its scale divided out again): the config's routed_scaling_factor is then applied where the wrappers do not
+    apply it, so C0 names it instead of assuming either place."""
+    model, block, router = glm_router()
+    cls = type(router)
+    forward = cls.forward
+    monkeypatch.setattr(cls, "forward", lambda self, x: (lambda o: (o[0], o[1] / 2.5, o[2]))(forward(self, x)))
+    assert coverage.router_routing(router, model.config).scale == 1.0
+    problems = coverage_problems_of(model, "consistent")
+    assert any("routed_scaling_factor outside the router's top-k weights" in p and "2.5" in p for p in problems), \
+        problems
+
+
+def test_grouped_selection_keeps_the_best_groups_and_breaks_ties_to_the_lower_id():
+    s = torch.tensor([[0.9, 0.1, 0.8, 0.7, 0.2, 0.2, 0.6, 0.6]])
+    bias = torch.zeros(8)
+    # groups (by the sum of their two best): 1.0, 1.5, 0.4, 1.2 -> keep groups 1 and 3
+    ids = routing.select(s, bias, 2, Routing("sigmoid", biased=True, groups=4, topk_groups=2))
+    assert ids.tolist() == [[2, 3]]
+    # without a bias a group scores its best expert: 0.9, 0.8, 0.2, 0.6 -> groups 0 and 1
+    assert routing.select(s, None, 2, Routing("sigmoid", groups=4, topk_groups=2)).tolist() == [[0, 2]]
+    # the two 0.6s of group 3 tie: the lower id goes first
+    assert routing.select(s, None, 2, Routing("sigmoid", groups=4, topk_groups=1)).tolist() == [[0, 1]]
+    assert routing.select(s[:, 6:], None, 2, Routing("sigmoid")).tolist() == [[0, 1]]
+
+
+def test_the_route_backward_is_the_float64_reference_gradient():
+    """The written-out backward of weights(scores(logits), ids) against autograd through it in float64, for the
+    sigmoid and softmax scores, renormalised or not, scaled."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 8, generator=g, dtype=torch.float64)
+    grad = torch.randn(5, 2, generator=g, dtype=torch.float64)
+    for rule in (GROUPED, Routing("sigmoid", renormalize=False, scale=2.5), Routing(), Routing(renormalize=False)):
+        ids = routing.select(routing.scores(logits, rule), torch.randn(8, generator=g), 2, rule)
+        x = logits.clone().requires_grad_(True)
+        want, = torch.autograd.grad(routing.weights(routing.scores(x, rule), ids, rule), x, grad)
+        got = routing.weights_backward(logits, ids, grad, rule)
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-14), rule
+
+
+def score_router_ctx(tmp_path, monkeypatch, config, dtype: str) -> GateContext:
+    """A small model of `config` whose selection biases are drawn (a trained checkpoint's are not zero) and whose
+    routers are drawn wide enough that each token chooses for itself (at the init's 0.02 every sigmoid score is
+    near 0.5 and the bias alone would choose)."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    torch.manual_seed(0)
+    model = model_from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for m in model.modules():
+            router = coverage.moe_router(m) if coverage.is_moe_block(m) else None
+            if router is None:
+                continue
+            w, bias = coverage.router_weight(router), coverage.router_bias(router)
+            w.copy_(torch.randn(w.shape) * 2 / w.shape[1] ** 0.5)
+            if bias is not None:
+                bias.copy_(torch.randn(bias.shape) * 0.1)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**cfg, "dtype": "float32"}))
+    run_dir = tmp_path / "run"  # beside the checkpoint: a cut goes under .tic, never inside the model's folder
+    run_dir.mkdir()
+    (run_dir / "tic.yaml").write_text(
+        f"model: {{path: {model_dir}, dtype: {dtype}}}\n"
+        "rollout: {engine: hf, kernels: consistent, batch_size: 3}\n"
+        "train: {engine: hf, kernels: consistent, micro_batch_size: 2}\n"
+        "prompts: {source: random, count: 3, seed: 0, min_len: 4, max_len: 12}\n"
+        "sampling: {temperature: 1.0, max_tokens: 6, seed: 0}\n"
+        "layouts: {batch_sizes: [3], positions: [first, last], probes: 1}\n"
+        "locate: {enabled: false}\n")
+    monkeypatch.chdir(run_dir)
+    hf._MODELS.clear()
+    return GateContext(load_config(run_dir / "tic.yaml"))
+
+
+@pytest.fixture
+def glm_ctx(tmp_path, monkeypatch):
+    yield score_router_ctx(tmp_path, monkeypatch, glm_config(), "float32")
+    hf._MODELS.clear()
+
+
+# other families of the same kind, each with what its config names differently (expert counts, top-k)
+FAMILIES = {
+    "glm4_moe": {},
+    "dots1": {},  # sigmoid, not renormalised by default
+    "exaone_moe": {"num_experts": 8},
+    "ernie4_5_moe": {"moe_num_experts": 8, "moe_k": 2, "moe_layer_start_index": 1, "routed_scaling_factor": 1.0},
+}
+
+
+@pytest.mark.parametrize("model_type, dtype", [("glm4_moe", "float32"), ("glm4_moe", "bfloat16"),
+                                               ("dots1", "float32"), ("exaone_moe", "float32"),
+                                               ("ernie4_5_moe", "float32")])
+def test_a_score_router_climbs_c0_to_c7(tmp_path, monkeypatch, one_thread, model_type, dtype):
+    """In bfloat16 the router stays in float32 (transformers keeps it so, as vLLM's GLM does): the wrappers give
+    it float32 rows. Ernie-4.5's is a softmax router with a selection bias."""
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"no {model_type} in this transformers")
+    config = CONFIG_MAPPING[model_type](**{**GLM, **FAMILIES[model_type]})
+    ctx = score_router_ctx(tmp_path, monkeypatch, config, dtype)
+    try:
+        for gate in ("C0", "C2", "C3", "C4", "C5", "C6", "C7"):
+            res = run_gate(get(gate), ctx)
+            assert res.verdict == "pass", (gate, res.reason)
+        blocks = [m for m in ctx.rollout_engine().model.modules() if coverage.is_moe_block(m)]
+        assert blocks and all(not b._tic_routing.plain and b._tic_routing.biased for b in blocks)
+        router = coverage.moe_router(blocks[0])
+        assert coverage.router_bias(router).abs().sum() > 0  # drawn: the bias chooses
+        if model_type == "glm4_moe":
+            assert blocks[0]._tic_routing == GROUPED and router.weight.dtype == torch.float32
+    finally:
+        hf._MODELS.clear()
+
+
+@pytest.mark.parametrize("plant", ["no bias", "no groups", "no scale"])
+def test_a_wrapper_that_drops_a_part_of_the_rule_parts_from_the_stock_model(glm_ctx, one_thread, plant):
+    """Planted: the wrappers route without the selection bias, without the groups, or without the scale. C2's
+    fidelity check names the MoE block (its routing pin does not hide it: these are not near ties)."""
+    changed = {"no bias": {"biased": False}, "no groups": {"groups": 1, "topk_groups": 1},
+               "no scale": {"scale": 1.0}}[plant]
+    for engine in (glm_ctx.rollout_engine(), glm_ctx.train_engine()):
+        for m in engine.model.modules():
+            if coverage.is_moe_block(m):
+                m._tic_routing = Routing(**{**GROUPED.__dict__, **changed})
+    res = run_gate(get("C2"), glm_ctx)
+    assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"].endswith(".mlp"), res.reason
