@@ -235,3 +235,17 @@ def test_c0_refuses_vllm_expert_parallel_over_other_exchanges(moe_top4, workdir,
     monkeypatch.setenv("VLLM_ALL2ALL_BACKEND", "allgather_reducescatter")
     code, out, _ = tic("gate", "C0", "-c", str(cfg), "--json")
     assert code == 0
+
+
+def test_expert_parallel_ranks_refuse_a_router_that_is_not_a_softmax_top_k():
+    """The EP ranks route by a softmax top-k (their own route() or the provider's): a block whose router the
+    wrappers read as a score router (GLM-4.5's) is refused in one line, not routed by the wrong rule. Control: a
+    softmax router's block builds."""
+    from tic.core.errors import TicInputError
+    from tic.harness.kernels.routing import Routing
+
+    gate = SimpleNamespace(weight=torch.zeros(4, 8), top_k=2)
+    scored = SimpleNamespace(gate=gate, experts=None, _tic_routing=Routing("sigmoid", biased=True, scale=2.5))
+    with pytest.raises(TicInputError, match="softmax top-k routers only, not sigmoid, renormalised, selection bias"):
+        ExpertParallelMoE(scored, None, 1)
+    ExpertParallelMoE(SimpleNamespace(gate=gate, experts=None, _tic_routing=Routing()), None, 1)
