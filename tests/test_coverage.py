@@ -1020,7 +1020,7 @@ def test_c2_fidelity_keeps_a_routers_own_weights_where_it_chose_the_same_experts
         "model: {path: ., dtype: float32, generate: {seed: 0}}\n"
         "rollout: {engine: hf, kernels: consistent}\ntrain: {engine: hf, kernels: consistent}\n")
     for where in (coverage, modules):  # C0's refusal and the wrappers: a renormalised softmax top-k
-        monkeypatch.setattr(where, "router_routing", lambda router, cfg=None: Routing())
+        monkeypatch.setattr(where, "router_routing", lambda router, cfg=None, handed=None: Routing())
     hf._MODELS.clear()
     res = run_gate(get("C2"), GateContext(load_config(tmp_path / "tic.yaml")))
     assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"].endswith(".mlp"), res.reason

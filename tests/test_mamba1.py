@@ -136,7 +136,7 @@ def test_jamba_router_renormalised_the_qwen_way_parts_from_stock(jamba_ctx, monk
     fidelity check names the first module that parts from the stock model."""
     from tic.harness.kernels import modules
 
-    monkeypatch.setattr(modules, "router_routing", lambda router, cfg=None: Routing())
+    monkeypatch.setattr(modules, "router_routing", lambda router, cfg=None, handed=None: Routing())
     res = run_gate(get("C2"), jamba_ctx)
     assert res.verdict == "fail" and "fidelity" in res.reason and "feed_forward" in res.reason, res.reason
 

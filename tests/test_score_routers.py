@@ -136,7 +136,7 @@ def score_router_ctx(tmp_path, monkeypatch, config, dtype: str) -> GateContext:
             router = coverage.moe_router(m) if coverage.is_moe_block(m) else None
             if router is None:
                 continue
-            w, bias = coverage.router_weight(router), coverage.router_bias(router)
+            w, bias = coverage.router_weight(router), coverage.block_routing_bias(m)
             w.copy_(torch.randn(w.shape) * 2 / w.shape[1] ** 0.5)
             if bias is not None:
                 bias.copy_(torch.randn(bias.shape) * 0.1)
@@ -170,12 +170,17 @@ FAMILIES = {
     "dots1": {},  # sigmoid, not renormalised by default
     "exaone_moe": {"num_experts": 8},
     "ernie4_5_moe": {"moe_num_experts": 8, "moe_k": 2, "moe_layer_start_index": 1, "routed_scaling_factor": 1.0},
+    # the block holds the bias and hands it to its router's forward (HunYuan-V3 also sums shared + routed in
+    # float32: one add, the bits of the model dtype's add)
+    "minimax_m2": {"num_local_experts": 8, "routed_scaling_factor": 1.0},
+    "hy_v3": {"num_local_experts": 8, "num_experts": 8, "routed_scaling_factor": 1.0},
 }
 
 
 @pytest.mark.parametrize("model_type, dtype", [("glm4_moe", "float32"), ("glm4_moe", "bfloat16"),
                                                ("dots1", "float32"), ("exaone_moe", "float32"),
-                                               ("ernie4_5_moe", "float32")])
+                                               ("ernie4_5_moe", "float32"), ("minimax_m2", "float32"),
+                                               ("hy_v3", "float32"), ("hy_v3", "bfloat16")])
 def test_a_score_router_climbs_c0_to_c7(tmp_path, monkeypatch, one_thread, model_type, dtype):
     """In bfloat16 the router stays in float32 (transformers keeps it so, as vLLM's GLM does): the wrappers give
     it float32 rows. Ernie-4.5's is a softmax router with a selection bias."""
@@ -190,7 +195,7 @@ def test_a_score_router_climbs_c0_to_c7(tmp_path, monkeypatch, one_thread, model
         blocks = [m for m in ctx.rollout_engine().model.modules() if coverage.is_moe_block(m)]
         assert blocks and all(not b._tic_routing.plain and b._tic_routing.biased for b in blocks)
         router = coverage.moe_router(blocks[0])
-        assert coverage.router_bias(router).abs().sum() > 0  # drawn: the bias chooses
+        assert coverage.block_routing_bias(blocks[0]).abs().sum() > 0  # drawn: the bias chooses
         if model_type == "glm4_moe":
             assert blocks[0]._tic_routing == GROUPED and router.weight.dtype == torch.float32
     finally:
@@ -209,3 +214,4 @@ def test_a_wrapper_that_drops_a_part_of_the_rule_parts_from_the_stock_model(glm_
                 m._tic_routing = Routing(**{**GROUPED.__dict__, **changed})
     res = run_gate(get("C2"), glm_ctx)
     assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"].endswith(".mlp"), res.reason
+

@@ -241,6 +241,34 @@ def router_bias(router: nn.Module) -> torch.Tensor | None:
     return found[0].reshape(-1) if len(found) == 1 else None
 
 
+def handed_bias(block: nn.Module) -> torch.Tensor | None:
+    """A selection bias the MoE block holds itself and hands its router's forward (MiniMax-M2, HunYuan-V3: the
+    router takes (hidden_states, e_score_correction_bias)): the block's one floating tensor of its own with one
+    element per expert; None where its router holds its own bias or takes no second argument."""
+    router = moe_router(block)
+    if router is None or router_bias(router) is not None or not _takes_second_argument(router):
+        return None
+    experts = router_weight(router).shape[0]
+    found = [t for t in [*block._parameters.values(), *block._buffers.values()]
+             if t is not None and t.is_floating_point() and t.numel() == experts and t.dim() <= 2]
+    return found[0].reshape(-1) if len(found) == 1 else None
+
+
+def block_routing_bias(block: nn.Module) -> torch.Tensor | None:
+    """The selection bias a MoE block's routing uses: its router's own, else the one the block hands it."""
+    router = moe_router(block)
+    return router_bias(router) if router_bias(router) is not None else handed_bias(block)
+
+
+def _takes_second_argument(router: nn.Module) -> bool:
+    try:
+        params = list(inspect.signature(router.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 and positional[1].default is inspect.Parameter.empty
+
+
 GROUP_FIELDS = ("n_group", "num_group", "num_expert_group")  # how many groups the experts are split in
 TOPK_GROUP_FIELDS = ("topk_group", "num_topk_group")  # how many of them a token keeps
 SCALE_FIELDS = ("routed_scaling_factor", "router_scaling_factor")
@@ -270,15 +298,21 @@ def _routing_candidates(router: nn.Module, cfg, biased: bool) -> list[Routing]:
             for gr, kg in groups for scale in sorted(scales)]
 
 
-def router_routing(router: nn.Module, cfg=None) -> Routing | None:
+def router_routing(router: nn.Module, cfg=None, handed: torch.Tensor | None = None) -> Routing | None:
     """What the router computes (tic.harness.kernels.routing), read from its own forward on seeded rows: the one
     candidate rule (_routing_candidates) whose experts and weights the router gives on every probe; None where
     none or several do, or the forward does not return (logits, top-k weights, top-k ids) (a router the MoE
     wrapper does not compute: PhiMoE's sparsemixer). The forward runs on a copy whose every floating parameter and
-    buffer is seeded: a term that starts at zero (a selection bias before training) must show."""
+    buffer is seeded: a term that starts at zero (a selection bias before training) must show. handed: the bias
+    the block hands the router's forward (handed_bias), given to it seeded too."""
     probe = seeded_copy(router)
     w, bias = router_weight(probe), router_bias(probe)
-    x = torch.randn(8, w.shape[1], generator=torch.Generator().manual_seed(1)).to(device=w.device, dtype=w.dtype)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
+    extra = ()
+    if handed is not None:
+        bias = torch.randn(handed.shape, generator=g).to(device=w.device, dtype=handed.dtype)
+        extra = (bias,)
     fits = _routing_candidates(probe, cfg, bias is not None)
     top_k = int(probe.top_k)
     # Seeded weights make a peaked softmax whose top-k already sums to about one, where rules agree: the rows
@@ -286,7 +320,7 @@ def router_routing(router: nn.Module, cfg=None) -> Routing | None:
     for scale in (1.0, 0.1, 0.01, 0.001):
         try:
             with torch.no_grad():
-                out = probe(x * scale)
+                out = probe(x * scale, *extra)
         except Exception:  # noqa: BLE001 - a router that does not run on the probe is not read
             return None
         if not (isinstance(out, tuple) and len(out) == 3):
@@ -1009,7 +1043,7 @@ def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
     kind = type(m).__name__
     _read_unused_parts(cov, name, m, "an MLP", None)
     if is_moe_block(m):
-        rule = router_routing(moe_router(m), cfg)
+        rule = router_routing(moe_router(m), cfg, handed_bias(m))
         scale = getattr(m, "routed_scaling_factor", getattr(cfg, "routed_scaling_factor", None))
         if scale not in (None, 1, 1.0) and (rule is None or rule.scale != float(scale)):
             # the scale is applied outside the router (to the block's output): not what the wrappers compute

@@ -39,11 +39,12 @@ from tic.config.schema import BackwardConfig
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 mixers (hybrids), issue 31
 from tic.harness.kernels.autograd import OPS, Backward, Ops
 from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, attention_name, attention_softcap,
-                                          attention_window, expert_weights, final_norm, head_dim_of, is_attention,
-                                          is_decoder_layer, is_gated_mlp, is_hybrid_block, is_layernorm,
-                                          is_moe_block, is_rmsnorm, mlp_name, moe_router, norm_eps,
-                                          output_projection_name, problem_lines, read_coverage, rotary_modules,
-                                          rotary_per_layer_type, router_bias, router_routing, router_weight)
+                                          attention_window, block_routing_bias, expert_weights, final_norm,
+                                          handed_bias, head_dim_of, is_attention, is_decoder_layer, is_gated_mlp,
+                                          is_hybrid_block, is_layernorm, is_moe_block, is_rmsnorm, mlp_name,
+                                          moe_router, norm_eps, output_projection_name, problem_lines,
+                                          read_coverage, rotary_modules, rotary_per_layer_type, router_routing,
+                                          router_weight)
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.stand_ins import stands_for
@@ -420,7 +421,7 @@ def _moe_forward(self, hidden_states):
     w = router_weight(router)
     # a router kept in float32 in a bf16 model (GLM-4.5's) takes its rows in float32, as HF's and vLLM's do
     logits = ops.linear(x if x.dtype == w.dtype else x.to(w.dtype), [w])
-    bias = router_bias(router) if routing.biased else None
+    bias = block_routing_bias(self) if routing.biased else None
     weights, ids = ops.moe_route(logits, router.top_k, routing, bias)
     calls = self._tic_routes.calls
     if calls is not None:
@@ -430,7 +431,9 @@ def _moe_forward(self, hidden_states):
     if shared is not None:  # sigmoid-gated where the block has the gate (Qwen2-MoE)
         y = shared(x)
         gate = getattr(self, "shared_expert_gate", None)
-        out = (ops.sigmoid_gate(gate(x), y) if gate is not None else y) + out  # vLLM: shared_output + fused_output
+        # vLLM: shared_output + fused_output. One add of two model-dtype tensors is computed in float32 and
+        # rounded once, so a block that sums them in float32 (HunYuan-V3's fp32 combine) gives the same bits
+        out = (ops.sigmoid_gate(gate(x), y) if gate is not None else y) + out
     return out.reshape(shape)
 
 
@@ -519,7 +522,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         mamba_modules.wrap_mixer(m, layout)
     elif is_moe_block(m):
         m._tic_name, m._tic_routes = name, routes
-        m._tic_routing = reading.get("routing") or router_routing(moe_router(m), cfg)
+        m._tic_routing = reading.get("routing") or router_routing(moe_router(m), cfg, handed_bias(m))
         m._tic_shared = reading.get("shared_expert")  # a name: a module attribute would register it twice
         m.forward = types.MethodType(_moe_forward, m)
     elif is_gated_mlp(m):

@@ -41,12 +41,13 @@ class RoutingPin:
     def __init__(self, model, near_tie: float | None = None):
         from tic.harness.kernels import coverage
 
-        routers = ((name, coverage.moe_router(m)) for name, m in model.named_modules())
-        self.gates = {name: r for name, r in routers if r is not None}
+        blocks = {name: m for name, m in model.named_modules() if coverage.moe_router(m) is not None}
+        self.gates = {name: coverage.moe_router(m) for name, m in blocks.items()}
+        cfg = getattr(model, "config", None)
         # an unread router (only where a test bypasses C0's refusal) is pinned as a softmax top-k, kept as it is
-        self.routing = {id(m): coverage.router_routing(m, getattr(model, "config", None)) or Routing(renormalize=False)
-                        for m in self.gates.values()}
-        self.bias = {id(m): coverage.router_bias(m) for m in self.gates.values()}
+        self.routing = {id(self.gates[n]): coverage.router_routing(self.gates[n], cfg, coverage.handed_bias(m))
+                        or Routing(renormalize=False) for n, m in blocks.items()}
+        self.bias = {id(self.gates[n]): coverage.block_routing_bias(m) for n, m in blocks.items()}
         self.near_tie = near_tie
         self.flips = 0
         self.tokens = 0
@@ -69,8 +70,8 @@ class RoutingPin:
                 self.gates[block].forward = fwd
 
     def _forward(self, gate, original, ids):
-        def forward(hidden_states):
-            out = original(hidden_states)
+        def forward(hidden_states, *args, **kwargs):  # a router the block hands its bias takes it along
+            out = original(hidden_states, *args, **kwargs)
             if not (isinstance(out, tuple) and len(out) == 3) or out[2].shape != ids.shape:
                 raise ValueError(f"router output {type(out).__name__} does not take pinned top-k ids of shape "
                                  f"{tuple(ids.shape)}")
