@@ -316,7 +316,8 @@ def router_routing(router: nn.Module, cfg=None, handed: torch.Tensor | None = No
     fits = _routing_candidates(probe, cfg, bias is not None)
     top_k = int(probe.top_k)
     # Seeded weights make a peaked softmax whose top-k already sums to about one, where rules agree: the rows
-    # are scaled down too, until the scores spread; a rule must fit at every scale.
+    # are scaled down, each scale keeping the rules that fit it, until one is left (no further: at a tiny scale
+    # a bf16 router meets exact ties, which its own top-k may break otherwise).
     for scale in (1.0, 0.1, 0.01, 0.001):
         try:
             with torch.no_grad():
@@ -340,9 +341,9 @@ def router_routing(router: nn.Module, cfg=None, handed: torch.Tensor | None = No
             return torch.allclose(got, routing_weights(s, ids, rule), rtol=1e-2, atol=1e-4)
 
         fits = [r for r in fits if fits_here(r)]
-        if not fits:
-            return None
-    return fits[0] if len(fits) == 1 else None
+        if len(fits) <= 1:
+            return fits[0] if fits else None
+    return None
 
 
 def router_renormalizes(router: nn.Module) -> bool | None:
