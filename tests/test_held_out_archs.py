@@ -4,6 +4,9 @@ covered ones below also climb C0-C7 in tests/test_coverage.py's families where a
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import CONFIG_MAPPING
@@ -11,6 +14,9 @@ from transformers import CONFIG_MAPPING
 from tic.core.errors import TicInputError
 from tic.harness.kernels.coverage import coverage_problems
 from tic.harness.model.layer_structure import build_meta
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+from tic_small_ladder import SMALL_LADDER  # noqa: E402
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
@@ -100,13 +106,7 @@ def test_experts_stored_as_in_out_are_read_as_transposed_views_and_climb_c2_to_c
                                       eos_token_id=2).to_dict()
     (model_dir / "config.json").write_text(json.dumps({**cfg, "dtype": "float32"}, default=str))
     (model_dir / "tic.yaml").write_text(
-        "model: {path: ., dtype: float32, generate: {seed: 0}}\n"
-        "rollout: {engine: hf, kernels: consistent, batch_size: 3}\n"
-        "train: {engine: hf, kernels: consistent, micro_batch_size: 2}\n"
-        "prompts: {source: random, count: 3, seed: 0, min_len: 4, max_len: 12}\n"
-        "sampling: {temperature: 1.0, max_tokens: 6, seed: 0}\n"
-        "layouts: {batch_sizes: [3], positions: [first, last], probes: 1}\n"
-        "locate: {enabled: false}\n")
+        "model: {path: ., dtype: float32, generate: {seed: 0}}\n" + SMALL_LADDER)
     experts = moe_experts(build_meta(cfg))
     assert experts.is_transposed and experts.gate_up_proj.shape[1] == SMALL["hidden_size"]
     monkeypatch.chdir(model_dir)

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import CONFIG_MAPPING
@@ -22,6 +25,9 @@ from tic.harness.kernels.routing import Routing
 from tic.harness.model.layer_structure import build_meta, model_from_config
 from tic.skill.context import GateContext
 from tic.skill.runner import run_gate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+from tic_small_ladder import SMALL_LADDER  # noqa: E402
 
 GLM = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
@@ -146,13 +152,7 @@ def score_router_ctx(tmp_path, monkeypatch, config, dtype: str) -> GateContext:
     run_dir = tmp_path / "run"  # beside the checkpoint: a cut goes under .tic, never inside the model's folder
     run_dir.mkdir()
     (run_dir / "tic.yaml").write_text(
-        f"model: {{path: {model_dir}, dtype: {dtype}}}\n"
-        "rollout: {engine: hf, kernels: consistent, batch_size: 3}\n"
-        "train: {engine: hf, kernels: consistent, micro_batch_size: 2}\n"
-        "prompts: {source: random, count: 3, seed: 0, min_len: 4, max_len: 12}\n"
-        "sampling: {temperature: 1.0, max_tokens: 6, seed: 0}\n"
-        "layouts: {batch_sizes: [3], positions: [first, last], probes: 1}\n"
-        "locate: {enabled: false}\n")
+        f"model: {{path: {model_dir}, dtype: {dtype}}}\n" + SMALL_LADDER)
     monkeypatch.chdir(run_dir)
     hf._MODELS.clear()
     return GateContext(load_config(run_dir / "tic.yaml"))
