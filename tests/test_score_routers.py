@@ -9,7 +9,6 @@ the same: the model here draws it, so that a wrapper that drops it parts from th
 from __future__ import annotations
 
 import json
-
 import sys
 from pathlib import Path
 
