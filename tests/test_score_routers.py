@@ -101,6 +101,20 @@ def test_a_routed_scaling_factor_the_routers_weights_do_not_carry_is_refused(mon
         problems
 
 
+def test_a_router_without_a_top_k_count_is_not_read_and_c0_does_not_crash():
+    """DeepSeek-V2's config leaves num_experts_per_tok unset by default, so its router's top_k is None: the reading
+    answers None (C0 refuses the block in a line) instead of raising (an exit 3 in the C0 sweep over every type)."""
+    if "deepseek_v2" not in CONFIG_MAPPING:
+        pytest.skip("no deepseek_v2 in this transformers")
+    model = build_meta(CONFIG_MAPPING["deepseek_v2"](vocab_size=512, hidden_size=64, num_hidden_layers=2,
+                                                     num_attention_heads=4, num_key_value_heads=2).to_dict())
+    block = next(m for m in model.modules() if coverage.is_moe_block(m))
+    assert coverage.moe_router(block).top_k is None
+    assert coverage.router_routing(coverage.moe_router(block), model.config) is None
+    assert any("a router whose top-k experts and weights are none of the rules" in p
+               for p in coverage_problems_of(model, "consistent"))
+
+
 def test_grouped_selection_keeps_the_best_groups_and_breaks_ties_to_the_lower_id():
     s = torch.tensor([[0.9, 0.1, 0.8, 0.7, 0.2, 0.2, 0.6, 0.6]])
     bias = torch.zeros(8)

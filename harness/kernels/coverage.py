@@ -313,8 +313,10 @@ def router_routing(router: nn.Module, cfg=None, handed: torch.Tensor | None = No
     if handed is not None:
         bias = torch.randn(handed.shape, generator=g).to(device=w.device, dtype=handed.dtype)
         extra = (bias,)
+    top_k = probe.top_k
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:  # e.g. a config without the count
+        return None
     fits = _routing_candidates(probe, cfg, bias is not None)
-    top_k = int(probe.top_k)
     # Seeded weights make a peaked softmax whose top-k already sums to about one, where rules agree: the rows
     # are scaled down, each scale keeping the rules that fit it, until one is left (no further: at a tiny scale
     # a bf16 router meets exact ties, which its own top-k may break otherwise).
