@@ -119,13 +119,18 @@ def test_grouped_selection_keeps_the_best_groups_and_breaks_ties_to_the_lower_id
     s = torch.tensor([[0.9, 0.1, 0.8, 0.7, 0.2, 0.2, 0.6, 0.6]])
     bias = torch.zeros(8)
     # groups (by the sum of their two best): 1.0, 1.5, 0.4, 1.2 -> keep groups 1 and 3
-    ids = routing.select(s, bias, 2, Routing("sigmoid", biased=True, groups=4, topk_groups=2))
+    ids = routing.select(s + bias, 2, Routing("sigmoid", biased=True, groups=4, topk_groups=2))
     assert ids.tolist() == [[2, 3]]
     # without a bias a group scores its best expert: 0.9, 0.8, 0.2, 0.6 -> groups 0 and 1
-    assert routing.select(s, None, 2, Routing("sigmoid", groups=4, topk_groups=2)).tolist() == [[0, 2]]
+    assert routing.select(s, 2, Routing("sigmoid", groups=4, topk_groups=2)).tolist() == [[0, 2]]
     # the two 0.6s of group 3 tie: the lower id goes first
-    assert routing.select(s, None, 2, Routing("sigmoid", groups=4, topk_groups=1)).tolist() == [[0, 1]]
-    assert routing.select(s[:, 6:], None, 2, Routing("sigmoid")).tolist() == [[0, 1]]
+    assert routing.select(s, 2, Routing("sigmoid", groups=4, topk_groups=1)).tolist() == [[0, 1]]
+    assert routing.select(s[:, 6:], 2, Routing("sigmoid")).tolist() == [[0, 1]]
+    # chosen on the logits plus the bias (Kolibri), the weights still the scores at those ids
+    logits, bias = torch.tensor([[2.0, 0.0, -1.0]]), torch.tensor([-3.0, 0.5, 2.5])
+    rule = Routing("sigmoid", biased=True, on_logits=True)
+    c = routing.choice(routing.scores(logits, rule), logits, bias, rule)
+    assert torch.equal(c, logits + bias) and routing.select(c, 1, rule).tolist() == [[2]]
 
 
 def test_the_route_backward_is_the_float64_reference_gradient():
@@ -135,7 +140,8 @@ def test_the_route_backward_is_the_float64_reference_gradient():
     logits = torch.randn(5, 8, generator=g, dtype=torch.float64)
     grad = torch.randn(5, 2, generator=g, dtype=torch.float64)
     for rule in (GROUPED, Routing("sigmoid", renormalize=False, scale=2.5), Routing(), Routing(renormalize=False)):
-        ids = routing.select(routing.scores(logits, rule), torch.randn(8, generator=g), 2, rule)
+        s = routing.scores(logits, rule)
+        ids = routing.select(routing.choice(s, logits, torch.randn(8, generator=g), rule), 2, rule)
         x = logits.clone().requires_grad_(True)
         want, = torch.autograd.grad(routing.weights(routing.scores(x, rule), ids, rule), x, grad)
         got = routing.weights_backward(logits, ids, grad, rule)
@@ -187,13 +193,15 @@ FAMILIES = {
     # float32: one add, the bits of the model dtype's add)
     "minimax_m2": {"num_local_experts": 8, "routed_scaling_factor": 1.0},
     "hy_v3": {"num_local_experts": 8, "num_experts": 8, "routed_scaling_factor": 1.0},
+    "kolibri1": {"num_experts": 8, "norm_topk_prob": True, "routed_scaling_factor": 1.0},  # chosen on logits + bias
 }
 
 
 @pytest.mark.parametrize("model_type, dtype", [("glm4_moe", "float32"), ("glm4_moe", "bfloat16"),
                                                ("dots1", "float32"), ("exaone_moe", "float32"),
                                                ("ernie4_5_moe", "float32"), ("minimax_m2", "float32"),
-                                               ("hy_v3", "float32"), ("hy_v3", "bfloat16")])
+                                               ("hy_v3", "float32"), ("hy_v3", "bfloat16"),
+                                               ("kolibri1", "float32")])
 def test_a_score_router_climbs_c0_to_c7(tmp_path, monkeypatch, one_thread, model_type, dtype):
     """In bfloat16 the router stays in float32 (transformers keeps it so, as vLLM's GLM does): the wrappers give
     it float32 rows. Ernie-4.5's is a softmax router with a selection bias."""
@@ -228,3 +236,25 @@ def test_a_wrapper_that_drops_a_part_of_the_rule_parts_from_the_stock_model(glm_
     res = run_gate(get("C2"), glm_ctx)
     assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"].endswith(".mlp"), res.reason
 
+
+
+def test_a_wrapper_that_chooses_on_the_scores_parts_where_the_router_chooses_on_the_logits(tmp_path, monkeypatch,
+                                                                                           one_thread):
+    """Planted: Kolibri's router chooses on logits + bias; the wrappers choosing on sigmoid(logits) + bias pick
+    other experts, and C2 names the MoE block. Control: Kolibri's climb above."""
+    import dataclasses
+
+    if "kolibri1" not in CONFIG_MAPPING:
+        pytest.skip("no kolibri1 in this transformers")
+    ctx = score_router_ctx(tmp_path, monkeypatch, CONFIG_MAPPING["kolibri1"](**{**GLM, **FAMILIES["kolibri1"]}),
+                           "float32")
+    try:
+        blocks = {id(m): m for engine in (ctx.rollout_engine(), ctx.train_engine())  # one model, if shared
+                  for m in engine.model.modules() if coverage.is_moe_block(m)}
+        assert blocks and all(b._tic_routing.on_logits for b in blocks.values())
+        for b in blocks.values():
+            b._tic_routing = dataclasses.replace(b._tic_routing, on_logits=False)
+        res = run_gate(get("C2"), ctx)
+        assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"].endswith(".mlp"), res.reason
+    finally:
+        hf._MODELS.clear()

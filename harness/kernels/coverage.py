@@ -31,7 +31,7 @@ from torch import nn
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 hybrids, issue 31
 from tic.harness.kernels.autograd import PLAIN_ACTS, layer_norm_float32_written_out, moe_experts_ref
 from tic.harness.kernels.rope import rotary_output_layout, rotate_interleaved, rotate_neox
-from tic.harness.kernels.routing import SCORES, Routing, select
+from tic.harness.kernels.routing import SCORES, Routing, choice, select
 from tic.harness.kernels.routing import scores as routing_scores, weights as routing_weights
 from tic.harness.model.inventory import LAYER_LISTS
 
@@ -293,9 +293,9 @@ def _routing_candidates(router: nn.Module, cfg, biased: bool) -> list[Routing]:
         groups.append((int(g), int(k)))
     scales = {1.0} | {float(v) for v in (_number(router, SCALE_FIELDS), _number(cfg, SCALE_FIELDS))
                       if v is not None and v > 0}
-    return [Routing(score, renormalize, bias, gr, kg, scale)
+    return [Routing(score, renormalize, bias, gr, kg, scale, on_logits)
             for score in SCORES for renormalize in (True, False) for bias in ({False, biased})
-            for gr, kg in groups for scale in sorted(scales)]
+            for gr, kg in groups for scale in sorted(scales) for on_logits in ({False, bias})]
 
 
 def router_routing(router: nn.Module, cfg=None, handed: torch.Tensor | None = None) -> Routing | None:
@@ -338,7 +338,7 @@ def router_routing(router: nn.Module, cfg=None, handed: torch.Tensor | None = No
 
         def fits_here(rule: Routing) -> bool:
             s = routing_scores(logits.float(), rule)
-            if not torch.equal(select(s, bias, top_k, rule).sort(-1).values, ids):
+            if not torch.equal(select(choice(s, logits, bias, rule), top_k, rule).sort(-1).values, ids):
                 return False
             return torch.allclose(got, routing_weights(s, ids, rule), rtol=1e-2, atol=1e-4)
 

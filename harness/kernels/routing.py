@@ -30,16 +30,20 @@ class Routing:
     groups: int = 1  # expert groups (n_group); 1: no grouping
     topk_groups: int = 1  # groups each token keeps (topk_group)
     scale: float = 1.0  # routed_scaling_factor, on the weights
+    on_logits: bool = False  # the experts are chosen on the logits (plus the bias), not on the scores (Kolibri)
 
     @property
     def plain(self) -> bool:
         """A softmax top-k router: the operator every provider has run since the first MoE."""
-        return self.score == "softmax" and not self.biased and self.groups == 1 and self.scale == 1.0
+        return self.score == "softmax" and not self.biased and self.groups == 1 and self.scale == 1.0 \
+            and not self.on_logits
 
     def describe(self) -> str:
         parts = [self.score, "renormalised" if self.renormalize else "not renormalised"]
         if self.biased:
-            parts.append("selection bias")
+            parts.append("selection bias" + (" on the logits" if self.on_logits else ""))
+        elif self.on_logits:
+            parts.append("chosen on the logits")
         if self.groups > 1:
             parts.append(f"{self.topk_groups} of {self.groups} groups")
         if self.scale != 1.0:
@@ -63,9 +67,15 @@ def _descending(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-def select(s: torch.Tensor, bias: torch.Tensor | None, top_k: int, routing: Routing) -> torch.Tensor:
-    """The chosen experts' ids [T, k] from the scores s [T, E], in descending order of the selection score."""
-    choice = s + bias.to(s.dtype) if routing.biased and bias is not None else s
+def choice(s: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor | None, routing: Routing) -> torch.Tensor:
+    """What the experts are chosen on: the scores s (or the logits), plus the selection bias where there is one."""
+    base = logits.to(s.dtype) if routing.on_logits else s
+    return base + bias.to(s.dtype) if routing.biased and bias is not None else base
+
+
+def select(c: torch.Tensor, top_k: int, routing: Routing) -> torch.Tensor:
+    """The chosen experts' ids [T, k] from what they are chosen on (`choice`) [T, E], in descending order."""
+    choice = c
     if routing.groups > 1:
         T, E = choice.shape
         per = choice.reshape(T, routing.groups, E // routing.groups)
@@ -89,7 +99,7 @@ def weights(s: torch.Tensor, ids: torch.Tensor, routing: Routing) -> torch.Tenso
 def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, routing: Routing):
     """(weights float32 [T, k], ids int64 [T, k]) for logits [T, E]: the whole rule on the rows given."""
     s = scores(logits, routing)
-    ids = select(s, bias, top_k, routing)
+    ids = select(choice(s, logits, bias, routing), top_k, routing)
     return weights(s, ids, routing).to(torch.float32), ids
 
 

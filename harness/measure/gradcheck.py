@@ -86,7 +86,7 @@ class RoutingPin:
             elif self.near_tie is not None:
                 # grouped or biased: another rule's experts may score above its own, so a tie is two-sided: the
                 # given experts' selection scores, in order, within near_tie of its own experts' scores
-                choice = probs + bias.to(probs) if rule.biased and bias is not None else probs
+                choice = routing.choice(probs, logits, bias, rule)
                 given, mine = (choice.gather(-1, i).sort(-1, descending=True).values for i in (pin, own))
                 tie = ((given - mine).abs() <= mine.abs() * self.near_tie).all(-1, keepdim=True)
                 pin = torch.where(tie, pin, own)
