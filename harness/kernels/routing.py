@@ -5,7 +5,8 @@ reference here.
 Two families run through it:
   - softmax routers (Qwen-MoE, Mixtral, Jamba): top-k of softmax(logits), weights renormalised or not;
   - score routers in the DeepSeek-V3 way (GLM-4.5, MiniMax-M2, HunYuan): sigmoid scores; a selection bias added
-    to the scores only to choose the experts; experts split in groups, of which each token keeps the best
+    to the scores (or, Kolibri's, to the logits) only to choose the experts; experts split in groups, of which
+    each token keeps the best
     `topk_groups` (a group's score: the sum of its two best biased scores, or its best score without a bias);
     the weights are the chosen experts' unbiased scores, renormalised or not, times `scale`
     (routed_scaling_factor).
