@@ -220,7 +220,8 @@ class _PythonOpRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", None) in UNINITIALIZED_FUNCTIONS and not isinstance(func, torch._ops.OpOverload):
+        if getattr(func, "__name__", None) in UNINITIALIZED_FUNCTIONS and not isinstance(func, torch._ops.OpOverload) \
+                and not self.parent.busy:  # (a recorded kernel's own scratch is no value of the trail)
             # inside an opened wrapper the dispatch mode never sees the aten factory this calls (vLLM's rms_norm
             # allocates its output with torch.empty, then `_C.rms_norm` writes it): the buffer is blank all the same
             out = func(*args, **kwargs)
