@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tic.config.schema import BackwardConfig
-from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels import routing as routing_mod
+from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.rope import rotate_interleaved, rotate_neox
 
 

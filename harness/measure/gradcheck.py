@@ -20,9 +20,9 @@ from typing import Callable
 
 import torch
 
+from tic.harness.engines.base import Sample, Sampling
 from tic.harness.kernels import routing
 from tic.harness.kernels.routing import Routing
-from tic.harness.engines.base import Sample, Sampling
 
 
 def advantages(n: int, seed: int = 0) -> list[float]:
