@@ -134,9 +134,10 @@ def test_jamba_layers_pass_c2_to_c7(jamba_ctx):
 def test_jamba_router_renormalised_the_qwen_way_parts_from_stock(jamba_ctx, monkeypatch):
     """The plant: the MoE wrapper renormalises Jamba's top-k weights (the default of routers that do); C2's
     fidelity check names the first module that parts from the stock model."""
-    from tic.harness.kernels import modules
+    from tic.harness.kernels import coverage, modules
 
-    monkeypatch.setattr(modules, "router_routing", lambda router, cfg=None, handed=None: Routing())
+    for where in (coverage, modules):  # C0's reading, which the wrappers take, and the wrappers' own
+        monkeypatch.setattr(where, "router_routing", lambda router, cfg=None, handed=None: Routing())
     res = run_gate(get("C2"), jamba_ctx)
     assert res.verdict == "fail" and "fidelity" in res.reason and "feed_forward" in res.reason, res.reason
 

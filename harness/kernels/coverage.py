@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import operator
 import re
 import sys
 from dataclasses import dataclass, field
@@ -231,33 +232,55 @@ def seeded_copy(module: nn.Module, seed: int = 0) -> nn.Module:
     return probe
 
 
+def _expert_vectors(module: nn.Module, experts: int, recurse: bool, skip=None) -> list[tuple[str, torch.Tensor]]:
+    """The module's floating tensors (parameters and buffers, other than `skip`) with one element per expert."""
+    return [(n, t) for n, t in [*module.named_parameters(recurse=recurse), *module.named_buffers(recurse=recurse)]
+            if t is not skip and t.is_floating_point() and t.numel() == experts and t.dim() <= 2]
+
+
 def router_bias(router: nn.Module) -> torch.Tensor | None:
     """The router's per-expert selection bias (DeepSeek-V3's e_score_correction_bias, wherever the router keeps
     it: a buffer of its own or of a child): its one floating tensor, other than the weight, with one element per
     expert; None where it has none or several."""
     w = router_weight(router)
-    found = [t for _, t in [*router.named_parameters(), *router.named_buffers()]
-             if t is not w and t.is_floating_point() and t.numel() == w.shape[0] and t.dim() <= 2]
-    return found[0].reshape(-1) if len(found) == 1 else None
+    found = _expert_vectors(router, w.shape[0], True, skip=w)
+    return found[0][1].reshape(-1) if len(found) == 1 else None
 
 
 def handed_bias(block: nn.Module) -> torch.Tensor | None:
     """A selection bias the MoE block holds itself and hands its router's forward (MiniMax-M2, HunYuan-V3: the
     router takes (hidden_states, e_score_correction_bias)): the block's one floating tensor of its own with one
     element per expert; None where its router holds its own bias or takes no second argument."""
+    name = _handed_bias_name(block)
+    return None if name is None else getattr(block, name).reshape(-1)
+
+
+def _handed_bias_name(block: nn.Module) -> str | None:
     router = moe_router(block)
     if router is None or router_bias(router) is not None or not _takes_second_argument(router):
         return None
-    experts = router_weight(router).shape[0]
-    found = [t for t in [*block._parameters.values(), *block._buffers.values()]
-             if t is not None and t.is_floating_point() and t.numel() == experts and t.dim() <= 2]
-    return found[0].reshape(-1) if len(found) == 1 else None
+    found = _expert_vectors(block, router_weight(router).shape[0], False)
+    return found[0][0] if len(found) == 1 else None
+
+
+def routing_bias_name(block: nn.Module) -> str | None:
+    """Where the selection bias of a MoE block's routing lives, as a dotted name under the block: in its router
+    (`gate.e_score_correction_bias`), else on the block itself where it hands it to the router's forward. Read
+    once when the block is wrapped, so that its forward finds the bias without searching."""
+    router = moe_router(block)
+    if router is None:
+        return None
+    w = router_weight(router)
+    own = _expert_vectors(router, w.shape[0], True, skip=w)
+    if len(own) == 1:
+        return f"{next(n for n, c in block.named_children() if c is router)}.{own[0][0]}"
+    return _handed_bias_name(block)
 
 
 def block_routing_bias(block: nn.Module) -> torch.Tensor | None:
     """The selection bias a MoE block's routing uses: its router's own, else the one the block hands it."""
-    router = moe_router(block)
-    return router_bias(router) if router_bias(router) is not None else handed_bias(block)
+    name = routing_bias_name(block)
+    return None if name is None else operator.attrgetter(name)(block).reshape(-1)
 
 
 def _takes_second_argument(router: nn.Module) -> bool:
@@ -1068,9 +1091,10 @@ def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
                                         "rules the wrappers compute (softmax or sigmoid scores, renormalised or "
                                         "not, a selection bias, grouped top-k, a routed scale), read from its "
                                         "own forward"))
-        elif not rule.plain:
-            cov.classes["moe:score_router"] = ("router", rule.describe())
+        else:  # the wrappers take it from here rather than read the router again
             cov.readings.setdefault(name, {})["routing"] = rule
+            if not rule.plain:
+                cov.classes["moe:score_router"] = ("router", rule.describe())
         cov.classes["moe:topk_silu"] = ("num_experts", getattr(cfg, "num_experts", None))
     elif is_gated_mlp(m):
         variant = activation_variant(mlp_activation(m))

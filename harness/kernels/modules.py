@@ -29,6 +29,7 @@ reads the two addends it was computed from (see ResidualStream) rather than the 
 from __future__ import annotations
 
 import contextlib
+import operator
 import types
 
 import torch
@@ -39,12 +40,11 @@ from tic.config.schema import BackwardConfig
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 mixers (hybrids), issue 31
 from tic.harness.kernels.autograd import OPS, Backward, Ops
 from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, attention_name, attention_softcap,
-                                          attention_window, block_routing_bias, expert_weights, final_norm,
-                                          handed_bias, head_dim_of, is_attention, is_decoder_layer, is_gated_mlp,
-                                          is_hybrid_block, is_layernorm, is_moe_block, is_rmsnorm, mlp_name,
-                                          moe_router, norm_eps, output_projection_name, problem_lines,
-                                          read_coverage, rotary_modules, rotary_per_layer_type, router_routing,
-                                          router_weight)
+                                          attention_window, expert_weights, final_norm, handed_bias, head_dim_of,
+                                          is_attention, is_decoder_layer, is_gated_mlp, is_hybrid_block,
+                                          is_layernorm, is_moe_block, is_rmsnorm, mlp_name, moe_router, norm_eps,
+                                          output_projection_name, problem_lines, read_coverage, rotary_modules,
+                                          rotary_per_layer_type, router_routing, router_weight, routing_bias_name)
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.stand_ins import stands_for
@@ -421,7 +421,7 @@ def _moe_forward(self, hidden_states):
     w = router_weight(router)
     # a router kept in float32 in a bf16 model (GLM-4.5's) takes its rows in float32, as HF's and vLLM's do
     logits = ops.linear(x if x.dtype == w.dtype else x.to(w.dtype), [w])
-    bias = block_routing_bias(self) if routing.biased else None
+    bias = operator.attrgetter(self._tic_bias)(self).reshape(-1) if self._tic_bias else None
     weights, ids = ops.moe_route(logits, router.top_k, routing, bias)
     calls = self._tic_routes.calls
     if calls is not None:
@@ -523,6 +523,8 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
     elif is_moe_block(m):
         m._tic_name, m._tic_routes = name, routes
         m._tic_routing = reading.get("routing") or router_routing(moe_router(m), cfg, handed_bias(m))
+        # where the bias lives, by name: the forward reads the tensor the block holds then (a weight sync may swap it)
+        m._tic_bias = routing_bias_name(m) if m._tic_routing is not None and m._tic_routing.biased else None
         m._tic_shared = reading.get("shared_expert")  # a name: a module attribute would register it twice
         m.forward = types.MethodType(_moe_forward, m)
     elif is_gated_mlp(m):

@@ -76,17 +76,16 @@ def choice(s: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor | None, rou
 
 def select(c: torch.Tensor, top_k: int, routing: Routing) -> torch.Tensor:
     """The chosen experts' ids [T, k] from what they are chosen on (`choice`) [T, E], in descending order."""
-    choice = c
     if routing.groups > 1:
-        T, E = choice.shape
-        per = choice.reshape(T, routing.groups, E // routing.groups)
+        T, E = c.shape
+        per = c.reshape(T, routing.groups, E // routing.groups)
         if routing.biased:
             best = torch.sort(per, dim=-1, descending=True, stable=True).values[..., :2].sum(-1)
         else:
             best = per.max(dim=-1).values
         keep = torch.zeros_like(best, dtype=torch.bool).scatter_(-1, _descending(best, routing.topk_groups), True)
-        choice = choice.masked_fill(~keep.repeat_interleave(E // routing.groups, dim=-1), float("-inf"))
-    return _descending(choice, top_k)
+        c = c.masked_fill(~keep.repeat_interleave(E // routing.groups, dim=-1), float("-inf"))
+    return _descending(c, top_k)
 
 
 def weights(s: torch.Tensor, ids: torch.Tensor, routing: Routing) -> torch.Tensor:
