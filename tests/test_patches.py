@@ -322,8 +322,20 @@ def test_fa3_fixed_tile_keeps_the_launch_where_a_check_shows_it_gives_the_pinned
     assert calls[-1] == (128 if pinned else 1) and len(calls) == checked + 2  # no second check
     assert patches.registry()["fa3-fixed-tile"].choices() == {"natural_launch_shapes": int(not pinned),
                                                               "pinned_shapes": int(pinned)}
-    attend(q[-1:], 12, 1, q_descale=torch.ones(1))
-    assert calls[-1] == 128  # a scale without its FP8 inputs (or the other two scales): not checkable, pinned
+    monkeypatch.setattr(fa3_fixed_tile, "_natural_ok", {})
+    calls.clear()
+    # vLLM's backend passes the K and V descales (ones) with a 16-bit cache too: the call is checked all the same
+    ones = {d: torch.ones(1, 2) for d in fa3_fixed_tile.DESCALES[1:]}
+    attend(q[-1:], 12, 1, **ones)
+    assert len(calls) == (3 if pinned else 2 + len(fa3_fixed_tile.CHECK_QUERY_ROWS))
+    assert calls[-1] == (128 if pinned else 1)
+    e4m3 = torch.float8_e4m3fn
+    n = len(calls)
+    fa.flash_attn_varlen_func(q=q[-1:].to(e4m3), k=k.to(e4m3), v=v.to(e4m3), max_seqlen_q=1,
+                              cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), max_seqlen_k=12,
+                              seqused_k=torch.tensor([12], dtype=torch.int32), block_table=table, causal=True,
+                              softcap=0.0, **ones)
+    assert calls[n:] == [128]  # FP8 inputs without their query descale: not checkable, pinned
     monkeypatch.setattr(fa3_fixed_tile, "_natural_ok", {})
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
@@ -519,6 +531,34 @@ def test_fixed_order_gemm_runs_cublas_only_where_it_gave_the_reference_bits(monk
     assert torch.equal(fog.linear(x.t().contiguous().t()[:4], w), x[:4] @ w.t()) and not served  # strided
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert not fog.cublas_agrees(x[:7], w, None) and len(checks) == 5
+    assert not fog.cublas_agrees(x[:7], w, None)
+    # a problem a graph met first while it was captured: the graph keeps tic's kernel, and the records say so
+    assert fog.checks() == {"cublas_problems": 3, "fixed_order_kernel_problems": 2, "undecided_at_capture": 1}
+
+
+@pytest.mark.parametrize("configured", [0, 2])
+def test_decision_patches_run_each_graph_size_eagerly_before_capturing_it(fake_vllm, configured):
+    """vLLM's V1 runner captures a graph size without an eager run first (num_warmups 0): a patch's checks would
+    meet that graph's problems only while capturing and leave it the fallback. While gemm-fixed-order or
+    fa3-fixed-tile is applied each size runs eagerly at least once first (a configured count above one is kept);
+    reverting the last of them restores vLLM's runner."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def captured(runner):
+        runner.runs.clear()
+        runner._warmup_and_capture(8, "FULL")
+        runner._warmup_and_capture(4, cudagraph_runtime_mode="PIECEWISE", num_warmups=3)
+        return runner.runs
+
+    runner = GPUModelRunner(warmups=configured)
+    stock = [(8, "eager")] * configured + [(8, "FULL")] + [(4, "eager")] * 3 + [(4, "PIECEWISE")]
+    assert captured(runner) == stock
+    patches.apply(["gemm-fixed-order", "fa3-fixed-tile"])
+    assert captured(runner) == [(8, "eager")] * max(1, configured) + stock[configured:]
+    patches.apply(["fa3-fixed-tile"])  # gemm-fixed-order reverted: the other still needs the eager run
+    assert captured(runner)[0] == (8, "eager")
+    patches.apply([])
+    assert captured(runner) == stock
 
 
 def test_fixed_order_gemm_checks_cublas_on_every_row_with_the_reference_in_pieces(monkeypatch):

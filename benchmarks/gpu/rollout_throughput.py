@@ -118,7 +118,9 @@ def child(model_dir: str, options: str, kv_bytes: int, max_len: int) -> None:
     if sorted(patches.active()) != sorted(wanted):
         raise SystemExit(f"patches requested {wanted}, active {patches.active()}")
     vocab = llm.llm_engine.model_config.get_vocab_size()
-    print(json.dumps({"ready": True, "active_patches": patches.active()}), flush=True)
+    v2 = getattr(getattr(llm.llm_engine, "vllm_config", None), "use_v2_model_runner", None)
+    print(json.dumps({"ready": True, "active_patches": patches.active(),
+                      "model_runner": {True: "V2", False: "V1"}.get(v2, "unknown")}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
         g = torch.Generator().manual_seed(req["seed"])
@@ -264,12 +266,13 @@ def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict]
     total_gib = gpu_total_gib()
     memory_gb = memory_gb or total_gib - 8
     together = len(names) * need <= memory_gb
+    runners = {}  # side: the vLLM model runner its engine chose (V1 or V2: they capture graphs differently)
     if together:
         sides = {n: Side(n, model_dir, kv_bytes, max_len, need / total_gib, common, fp8, previous, hybrid)
                  for n in names}
         try:
-            for s in sides.values():
-                s.wait_ready()
+            for n, s in sides.items():
+                runners[n] = s.wait_ready().get("model_runner")
             got, notes = timed_rounds(sides, works, rounds, profile_tokens)
         finally:
             for s in sides.values():
@@ -280,7 +283,7 @@ def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict]
         for n in [*names, "default"]:
             one = Side(n, model_dir, kv_bytes, max_len, need / total_gib, common, fp8, previous, hybrid)
             try:
-                one.wait_ready()
+                runners[n] = one.wait_ready().get("model_runner")
                 passes, seen = timed_rounds({n: one}, works, rounds, profile_tokens)
                 for label in passes:
                     got[label][n].extend(passes[label][n])
@@ -299,6 +302,7 @@ def measure_model(shape: Shape, layers: int, names: list[str], works: list[dict]
                         "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
                                   "all": ratios},
                         "patch_choices": notes[w["label"]][n].get("patch_choices", {}),
+                        "model_runner": {m: runners.get(m) for m in ("default", n)},
                         **({"kernels": {m: notes[w["label"]][m]["kernels"] for m in ("default", n)}}
                            if profile_tokens else {})})
     return out

@@ -25,7 +25,8 @@ query tiles launched per sequence where one holds its rows). So a causal, paged 
 scales) keeps its own max_seqlen_q once a check on a seeded sequence in a cache shaped like the call's showed that
 launches of 1 to 127 query rows per sequence give the pinned prefill's bits (`natural_launch_agrees`, once per
 shape in the process); every other call, and any call while a CUDA graph is captured before its shape was checked,
-is pinned.
+is pinned. So that decode graphs are captured after the check, each graph size runs once eagerly first (vLLM's V1
+runner skips that by default; _decided.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import functools
 
 from tic.patches._swap import swap_hooks
 from tic.patches.base import Patch
-from tic.patches.vllm._decided import counts, decided
+from tic.patches.vllm._decided import counts, decided, with_eager_run_before_capture
 
 NAME = "fa3-fixed-tile"
 MIN_TILE_Q = 128  # a max_seqlen_q at or above this selects FA3's prefill tile (measured: decode = prefill)
@@ -71,15 +72,15 @@ DESCALES = ("q_descale", "k_descale", "v_descale")  # FP8 inputs' scales, one pe
 
 def _checkable(kw: dict) -> bool:
     """A causal call on a paged cache (bf16/fp16, or FP8 with its three descales) with no sinks or extra inputs:
-    one the check rebuilds."""
+    one the check rebuilds. vLLM's backend hands over the K and V descales with a 16-bit cache too (FA3 reads them
+    for FP8 inputs only); the check launches with them as the call does, so they do not stop it."""
     import torch
 
     q, k = kw.get("q"), kw.get("k")
     if q is None or k is None or k.dtype != q.dtype:
         return False
     fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    scales = [kw.get(n) is not None for n in DESCALES]
-    return ((q.dtype in (torch.bfloat16, torch.float16) and not any(scales)) or (fp8 and all(scales))) \
+    return (q.dtype in (torch.bfloat16, torch.float16) or (fp8 and all(kw.get(n) is not None for n in DESCALES))) \
         and bool(kw.get("causal")) and kw.get("block_table") is not None and kw.get("seqused_k") is not None \
         and not _sliding(kw.get("window_size")) and all(kw.get(n) is None for n in ("s_aux", "q_v", "alibi_slopes"))
 
@@ -180,8 +181,8 @@ PATCH = Patch(
     cost="the three patches together: 118-119 % of default vLLM's tokens/s on a Qwen3-1.7B-like model with CUDA "
          "graphs (H200, vLLM 0.26.0, docs/results/vllm-patches.md); this wrapper alone measured 96.6 % earlier; "
          "on windowed layers prefill runs one partly filled tile per row (not measured)",
-    **swap_hooks(NAME, (_BACKEND, "flash_attn_varlen_func", _pin, _BACKEND),
-                 (_BACKEND, "get_scheduler_metadata", _one_split, _BACKEND),
-                 (_BACKEND, "use_cascade_attention", _never, _BACKEND)),
+    **with_eager_run_before_capture(NAME, swap_hooks(NAME, (_BACKEND, "flash_attn_varlen_func", _pin, _BACKEND),
+                                                     (_BACKEND, "get_scheduler_metadata", _one_split, _BACKEND),
+                                                     (_BACKEND, "use_cascade_attention", _never, _BACKEND))),
     _choices=checks,
 )

@@ -11,6 +11,7 @@ it: most of its kernels walk K in the same chain, only its split-K choices for f
 """
 
 from tic.patches.base import Patch
+from tic.patches.vllm._decided import with_eager_run_before_capture
 from tic.patches.vllm._gemm_dispatch import dispatch_swap, vllm_gemm
 
 NAME = "gemm-fixed-order"
@@ -45,6 +46,6 @@ PATCH = Patch(
     cost="measured per projection against cuBLAS in benchmarks/gpu/gemm_order_probe.py and end to end in "
          "docs/results/rollout-throughput.md",
     excludes=("gemm-fixed-m",),
-    **dispatch_swap(NAME, "tic::linear_fixed_order", linear_fixed_order),
+    **with_eager_run_before_capture(NAME, dispatch_swap(NAME, "tic::linear_fixed_order", linear_fixed_order)),
     _choices=_checks,
 )

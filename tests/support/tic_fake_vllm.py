@@ -575,6 +575,22 @@ FAKE = {
             fused_add_rms_norm = _Op(_fused_add_rms_norm)
         """,
     "vllm/envs.py": "VLLM_BATCH_INVARIANT = False\nVLLM_USE_DEEP_GEMM = True\n",
+    "vllm/v1/worker/__init__.py": "",
+    "vllm/v1/worker/gpu_model_runner.py": """
+        class GPUModelRunner:
+            # vLLM 0.26's V1 runner: each graph size gets num_warmups eager runs (the config's, 0 by default), then
+            # one captured run
+            def __init__(self, warmups=0):
+                import types
+                self.compilation_config = types.SimpleNamespace(cudagraph_num_of_warmups=warmups)
+                self.runs = []
+
+            def _warmup_and_capture(self, desc, cudagraph_runtime_mode, profile_seq_lens=None,
+                                    allow_microbatching=False, num_warmups=None, profiler=None):
+                if num_warmups is None:
+                    num_warmups = self.compilation_config.cudagraph_num_of_warmups
+                self.runs += [(desc, "eager")] * num_warmups + [(desc, cudagraph_runtime_mode)]
+        """,
     "vllm/model_executor/kernels/__init__.py": "", "vllm/model_executor/kernels/linear/__init__.py": "",
     "vllm/model_executor/kernels/linear/scaled_mm/__init__.py": "",
     "vllm/model_executor/kernels/linear/scaled_mm/flashinfer.py": """
