@@ -206,3 +206,26 @@ def test_a_rounding_before_a_cat_of_two_traced_tensors_is_found_on_its_side(pair
     assert res["culprit_module"] == "model.layers.1.mlp", res["module_trail"]
     assert res["operator_side"] == "A" and res["first_operator"] in ("aten.to.dtype", "aten._to_copy.default"), res
     _fresh_run_exits_1(res)
+
+
+def test_a_forward_pairing_given_up_for_side_a_is_named_in_the_verdict(pair, tmp_path):
+    """Side A's norm writes into a buffer that already holds a value (a product of its input), side B's into a
+    fresh one. Side B's norm pairs with side A's on the same arguments, but side A's call reads a value side B never
+    has, so the search goes on from side A and names its multiply. The verdict also says why the first pairing was
+    given up, naming the argument: without that, a reverse search that finds no pair leaves no trace of it."""
+    def rows_norm(fill: bool):
+        def norm(x, w, eps):
+            rows = x.reshape(-1, x.shape[-1])
+            out = rows * 0.5 if fill else torch.empty(rows.shape, dtype=rows.dtype)
+            torch.ops.plant_kernels.rms_norm(out, rows, w, eps)
+            return out.reshape(x.shape)
+        return norm
+
+    a, b = pair
+    a.model._tic_provider.rms_norm = rows_norm(True)
+    b.model._tic_provider.rms_norm = rows_norm(False)
+    res = locate_pair(a, b, tmp_path / "out")
+    diff = res["difference"]
+    assert res["first_operator"] == "aten.mul.Tensor" and diff["kind"] == replay.SEQUENCES_DIFFER, diff
+    assert "side B's own plant_kernels.rms_norm.default (its call" in diff["detail"], diff
+    assert "traced input in argument 0 (result) is a value side B never has" in diff["detail"], diff

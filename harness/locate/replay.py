@@ -302,7 +302,8 @@ def _argument_difference(u, v, tu, tv) -> str | None:
     return None if type(u) is type(v) and u == v else f"{u!r} on side A, {v!r} on side B"
 
 
-def _names(call) -> list:
+def argument_names(call) -> list:
+    """The schema names of a call's operator's arguments ([] for a launched kernel or an unresolvable operator)."""
     try:
         return [a.name for a in resolve(call["op"])._schema.arguments]
     except Exception:  # noqa: BLE001  a launched kernel, or an operator this process cannot resolve
@@ -311,7 +312,7 @@ def _names(call) -> list:
 
 def _arguments(call):
     """(key, label, value, traced part, layout) of every argument, positional (key: its index) then keyword."""
-    names = _names(call)
+    names = argument_names(call)
     tok_args, tok_kwargs = call.get("token_args") or ((None,) * len(call["args"]), {})
     lay_args, lay_kwargs = call.get("layouts") or ((None,) * len(call["args"]), {})
     got = [(i, f"{i} ({names[i]})" if i < len(names) else str(i), v, tok_args[i] if i < len(tok_args) else None,

@@ -310,6 +310,10 @@ def first_operator(trail_a: Trail, trail_b: Trail) -> dict:
                 b_values = {_key(v) for got_b in outs_b for (_, _, v, _) in got_b} | \
                     {_key(v) for got_b in ins_b for v in got_b}
                 found["counterpart_inputs_shared"] = all(_key(v) in b_values for v in ins_a[a_ci])
+                parts_a, kw_a = token_parts(trail_a, trail_a.calls[a_ci])
+                found["unshared_arguments"] = [
+                    key for key, part in [*enumerate(parts_a), *kw_a.items()]
+                    if any(_key(v) not in b_values for v in _flat(part))]
             elif ins_b[ci] and call.op in CAST_OPS:
                 found["a_value"] = ins_b[ci][0].clone()  # side A skips this conversion: its value is the input
             else:
@@ -550,6 +554,8 @@ def trace_operator(runs: _Runs, cap_a: Capture, culprit: str, pos: int) -> tuple
         rev = first_operator(tb.trail, ta.trail)
         if rev["found"]:
             rev["a_ops"], rev["b_ops"] = rev["b_ops"], rev["a_ops"]
+            if fwd and fwd.get("a_call") is not None:
+                rev["forward"] = fwd  # why the forward pairing was given up, for the report
             return ta, tb, rev, True
     return ta, tb, trail_info, False
 
@@ -571,7 +577,21 @@ def _name_operator(f: Finding, ta: Capture, tb: Capture, trail_info: dict | None
     # each engine side's call index in its trail (None: that side has no such call), for recheck_repro
     f.operator_calls = {ref_side: found["a_call"], new_side: found["b_call"]}
     f.difference = operator_difference(found, t_ref.trail, t_new.trail, ref_side, new_side)
+    fwd = trail_info.get("forward")
+    if fwd is not None and f.difference.kind == replay.SEQUENCES_DIFFER:
+        names = _argument_names(ta.trail.calls[fwd["a_call"]], fwd.get("unshared_arguments") or [])
+        f.difference.detail += (
+            f"; side B's own {fwd['op']} (its call {fwd['b_call'] + 1}) pairs with side A's call "
+            f"{fwd['a_call'] + 1} ({fwd.get('paired_by')}), but that call's traced input"
+            + (f" in {names} is a value side B never has" if names else "s are values side B never has"))
     return found
+
+
+def _argument_names(call, keys: list) -> str:
+    """Arguments of a recorded call by index or keyword, with their schema names where the operator has one."""
+    names = replay.argument_names({"op": call.op})
+    return ", ".join(f"argument {k} ({names[k]})" if isinstance(k, int) and k < len(names) else f"argument {k}"
+                     for k in keys)
 
 
 def _emit_repro(f: Finding, runs: _Runs, out_dir: Path, ta: Capture, tb: Capture, found: dict, new_on_a: bool) -> None:
