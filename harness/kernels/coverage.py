@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 hybrids, issue 31
+from tic.harness.kernels import mla
 from tic.harness.kernels.autograd import PLAIN_ACTS, layer_norm_float32_written_out, moe_experts_ref
 from tic.harness.kernels.rope import rotary_output_layout, rotate_interleaved, rotate_neox
 from tic.harness.kernels.routing import SCORES, Routing, choice, select
@@ -103,6 +104,10 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("moe:shared_expert", "a gated MLP on every token, times sigmoid of a one-feature linear where "
                                        "the block has one (Qwen2-MoE) or as it is (HunYuan's shared_mlp), added "
                                        "to the routed experts' output"),
+    OperatorClass("attention:mla", "multi-head latent attention (DeepSeek-V2/V3): low-rank query and key/value "
+                                   "projections with their norms, per-head keys and values from one latent, rotary "
+                                   "features shared by every head; vLLM's MLA kernels not yet wrapped",
+                  frozenset({"consistent"})),
     OperatorClass("rope:one_table", "neox rotary, one cos|sin table for all layers"),
     OperatorClass("attention:no_rope", "attention on a layer that applies no position embeddings though the model "
                                        "has a rotary table (NoPE: SmolLM3's no_rope_layers, EXAONE-4's full layers)"),
@@ -113,6 +118,9 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("embedding:scaled", "token embedding times a constant in the model dtype (Gemma sqrt(hidden))"),
     OperatorClass("embedding:tied", "lm_head shares the embedding's weight"),
     OperatorClass("logits:softcap", "final logits cap * tanh(z / cap) (Gemma-2 final_logit_softcapping)"),
+    OperatorClass("logits:hidden_scaled_by_model", "the last hidden states divided by logits_scaling before lm_head, "
+                                                   "by the model's own forward (MiniCPM3): elementwise, the same on "
+                                                   "every side; vLLM's side not yet wrapped", frozenset({"consistent"})),
     OperatorClass("logits:scaled", "final logits times 1 / logits_scaling in the model dtype, as vLLM's logits "
                                    "processor scales them (Granite)"),
     # tic: Mamba-2 hybrids (issue 31); tic.harness.kernels.mamba holds the kernels, mamba_modules the wrapper
@@ -489,7 +497,7 @@ def attention_name(layer) -> str | None:
     """A decoder layer's token mixer: its attention (self_attn, or attention: GPT-NeoX), or a Mamba-1 mixer (Jamba's
     mamba layers)."""
     for n in ("self_attn", "attention"):
-        if is_attention(getattr(layer, n, None)):
+        if is_attention(getattr(layer, n, None)) or mla.is_mla_attention(getattr(layer, n, None)):
             return n
     for n, c in layer.named_children():
         if mamba_modules.is_mixer1(c):
@@ -944,6 +952,29 @@ def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
     _read_qk_norms(cov, name, m)
 
 
+def _read_mla_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
+    """A latent attention (tic.harness.kernels.mla): its norms, its rotary layout read from its own forward, and
+    what the MLA wrapper does not run (a window, a softcap, bidirectional attention) refused."""
+    kind = type(m).__name__
+    _read_unused_parts(cov, name, m, "a latent attention", mla.PARTS)
+    for n in ("q_a_layernorm", "kv_a_layernorm"):
+        if isinstance(getattr(m, n, None), nn.Module):
+            _read_norm(cov, f"{name}.{n}", getattr(m, n))
+    for what, value in (("a sliding window", attention_window(m, cfg)), ("an attention softcap",
+                                                                         attention_softcap(m, cfg))):
+        if value:
+            cov.refusals.append(Refusal(name, kind, f"{what} ({value}) on a latent attention (the MLA wrapper runs "
+                                        "full causal attention)"))
+    if getattr(m, "is_causal", True) is False:
+        cov.refusals.append(Refusal(name, kind, "bidirectional attention (the wrappers' attention is causal)"))
+    layout, why = mla.rope_layout(m, seeded_copy)
+    if layout is None:
+        cov.refusals.append(Refusal(name, kind, why))
+        return
+    cov.classes["attention:mla"] = ("qk_rope_head_dim", int(m.qk_rope_head_dim))
+    cov.readings.setdefault(name, {})["mla_rope"] = layout
+
+
 QK_NORM_NAMES = (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm"))  # (Qwen3 and most), (HunYuan)
 
 
@@ -1295,14 +1326,15 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
                                     "the wrappers implement two-norm (Llama), four-norm (Gemma) and post-norm "
                                     "(OLMo-2) layers"))
     else:
-        scale = getattr(layer, "residual_multiplier", None)  # Granite: residual + sublayer(x) * multiplier
+        scale_name = residual_scale_name(layer)  # Granite, MiniCPM3: residual + sublayer(x) * scale
+        scale = getattr(layer, scale_name, None) if scale_name else None
         if scale is not None and float(scale) != 1.0:
             if structure == "decoder:two_norm":
                 structure = "decoder:scaled_residual"
             else:
                 cov.refusals.append(Refusal(name, cov.module_class, f"sublayer outputs scaled by {scale} before "
                                             f"the residual add of a {structure} layer (the wrappers scale them in "
-                                            "two-norm layers only)", "residual_multiplier", scale))
+                                            "two-norm layers only)", scale_name, scale))
         order = parallel_sum_order(layer) if structure == "decoder:parallel" else None
         if order == "residual_first":
             structure = "decoder:parallel_residual_first"  # Cohere: residual + attention + MLP
@@ -1312,7 +1344,7 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
                                         "attention + MLP, the orders the wrappers implement"))
         if getattr(layer, "use_parallel_residual", False) and structure == "decoder:two_norm":
             structure = "decoder:parallel_two_norm"  # GPT-NeoX: attention and MLP each on a norm of the input
-        cov.classes[structure] = ("residual_multiplier", scale) if structure == "decoder:scaled_residual" \
+        cov.classes[structure] = (scale_name, scale) if structure == "decoder:scaled_residual" \
             else ("use_parallel_residual", True) if structure == "decoder:parallel_two_norm" else (None, None)
         cov.variants[name] = structure
     for n in norms:
@@ -1324,6 +1356,8 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
     attn = getattr(layer, attn_name)
     if is_attention(attn):
         _read_attention(cov, f"{name}.{attn_name}", attn, cfg)
+    elif mla.is_mla_attention(attn):
+        _read_mla_attention(cov, f"{name}.{attn_name}", attn, cfg)
     elif mamba_modules.is_mixer1(attn):  # Jamba's mamba layers: a Mamba-1 mixer in the attention's place
         cov.classes["mixer:mamba1"] = ("layer_types", "mamba")
         cov.refusals += [Refusal(f"{name}.{attn_name}", type(attn).__name__, why)
@@ -1386,8 +1420,27 @@ def read_model(model: nn.Module) -> LayerCoverage:
         if cap is not None:
             cov.refusals.append(Refusal("lm_head", type(model).__name__, "final logits both softcapped and scaled",
                                         "logits_scaling", scaling))
-        cov.classes["logits:scaled"] = ("logits_scaling", scaling)
+        if logits_scaling_settable(cfg):
+            cov.classes["logits:scaled"] = ("logits_scaling", scaling)
+        else:
+            cov.classes["logits:hidden_scaled_by_model"] = ("logits_scaling", scaling)
     return cov
+
+
+RESIDUAL_SCALE_NAMES = ("residual_multiplier", "residual_scale")  # Granite's, MiniCPM3's
+
+
+def residual_scale_name(layer) -> str | None:
+    """The decoder layer's attribute that scales each sublayer's output before its residual add, or None."""
+    return next((n for n in RESIDUAL_SCALE_NAMES if isinstance(getattr(layer, n, None), (int, float))), None)
+
+
+def logits_scaling_settable(cfg) -> bool:
+    """Whether the config's logits_scaling is a value (Granite's: applied to the logits by the model's forward, so
+    the wrappers move it into lm_head and set it to 1) rather than a read-only property (MiniCPM3's, which its
+    forward divides the last hidden states by before lm_head)."""
+    prop = getattr(type(cfg), "logits_scaling", None)
+    return not (isinstance(prop, property) and prop.fset is None)
 
 
 def final_norm(model: nn.Module) -> nn.Module | None:

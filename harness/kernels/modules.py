@@ -38,13 +38,15 @@ from torch import nn
 from tic.core.errors import TicInputError
 from tic.config.schema import BackwardConfig
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 mixers (hybrids), issue 31
+from tic.harness.kernels import mla
 from tic.harness.kernels.autograd import OPS, Backward, Ops
 from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, attention_name, attention_softcap,
                                           attention_window, expert_weights, final_norm, handed_bias, head_dim_of,
                                           is_attention, is_decoder_layer, is_gated_mlp, is_hybrid_block,
-                                          is_layernorm, is_moe_block, is_rmsnorm, mlp_name, moe_router, norm_eps,
-                                          output_projection_name, problem_lines, read_coverage, rotary_modules,
-                                          rotary_per_layer_type, router_routing, router_weight, routing_bias_name)
+                                          is_layernorm, is_moe_block, is_rmsnorm, logits_scaling_settable, mlp_name,
+                                          moe_router, norm_eps, output_projection_name, problem_lines, read_coverage,
+                                          residual_scale_name, rotary_modules, rotary_per_layer_type, router_routing,
+                                          router_weight, routing_bias_name)
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.stand_ins import stands_for
@@ -298,7 +300,7 @@ def _scaled_residual_layer_forward(self, hidden_states, attention_mask=None, pos
     """A two-norm layer whose sublayer outputs are scaled before the residual add (Granite), as vLLM's
     GraniteDecoderLayer runs it: plain norms, output * residual_multiplier, then a plain add (no fused add+norm:
     the next layer and the final norm read the sum)."""
-    scale = self.residual_multiplier
+    scale = getattr(self, self._tic_residual_scale)
     h = _attend(self, self.input_layernorm(hidden_states), attention_mask, position_ids, cache, use_cache,
                 position_embeddings, kwargs)
     h = hidden_states + h * scale
@@ -499,7 +501,7 @@ def _wrap_logits(model: nn.Module, cfg) -> None:
     cap = getattr(cfg, "final_logit_softcapping", None)
     head = model.get_output_embeddings()
     scaling = getattr(cfg, "logits_scaling", None)
-    if head is not None and scaling is not None and float(scaling) != 1.0:
+    if head is not None and scaling is not None and float(scaling) != 1.0 and logits_scaling_settable(cfg):
         head._tic_logit_scale = 1.0 / float(scaling)
         head.forward = types.MethodType(_lm_head_scaled_forward, head)
         for c in {id(model.config): model.config, id(cfg): cfg}.values():
@@ -534,6 +536,9 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         up, down, _, kind = variant.split(":")[2:]
         m._tic_plain = (getattr(m, up), getattr(m, down), kind)
         m.forward = types.MethodType(_plain_mlp_forward, m)
+    elif mla.is_mla_attention(m):
+        m._tic_rope, m._tic_mla_layout = _rope_of(m, ropes, cfg), reading["mla_rope"]
+        m.forward = types.MethodType(mla.mla_attention_forward, m)
     elif is_attention(m):
         m._tic_out_proj = output_projection_name(m)
         m._tic_head_dim = head_dim_of(m)
@@ -550,6 +555,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m._tic_mlp_name = mlp_name(m)
         m._tic_mixes_by_scan = mamba_modules.is_mixer1(getattr(m, m._tic_attn_name))  # Jamba's mamba layers
         m._tic_norm_roles = reading.get("norm_roles", {})  # names, for the same reason
+        m._tic_residual_scale = residual_scale_name(m)  # Granite's residual_multiplier, MiniCPM3's residual_scale
         m.forward = types.MethodType(LAYER_FORWARDS[variant], m)
     elif isinstance(m, nn.Linear):
         m.forward = types.MethodType(_linear_forward, m)

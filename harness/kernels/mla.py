@@ -1,0 +1,136 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, GLM-4-MoE-Lite, MiniCPM3, ...): recognised, its rotary layout read
+from the module's own forward, and computed through the kernel provider's operators.
+
+The query comes from q_proj, or from a low-rank q_a_proj, its norm and q_b_proj; the keys and values from one
+latent (kv_a_proj_with_mqa: kv_lora_rank features, then the rotary features every head shares), the latent's norm
+and kv_b_proj, which gives each head its non-rotary key features and its value. Each head's key is its own
+non-rotary features then the shared rotary ones, and so is its query. The value may be narrower than the key.
+
+Models lay the rotary features out differently: rotated as two halves (neox) or as pairs turned together.
+DeepSeek-V3's `rope_interleave` turns pairs and writes the results back as two halves: q and k are then permuted
+alike, so every score, and the attention, is that of pairs turned in place. `rope_layout` runs the module's
+forward on a seeded copy against both layouts and keeps the one that matches; the wrapper then rotates that way
+with the provider's rotary on the model's own cos|sin table.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tic.harness.kernels.rope import rotate_interleaved, rotate_neox
+
+PARTS = frozenset({"q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+                   "kv_b_proj", "o_proj"})
+SIZES = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank", "num_heads")
+LAYOUTS = ("neox", "pairs")
+
+
+def _linear(m, name: str) -> bool:
+    return isinstance(getattr(m, name, None), nn.Linear)
+
+
+def is_mla_attention(m) -> bool:
+    """A latent attention as DeepSeek-V2/V3 build it: kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj and o_proj,
+    q_proj or q_a_proj with q_a_layernorm and q_b_proj, the head sizes as integers, the scaling and layer index."""
+    if m is None or not all(_linear(m, n) for n in ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")):
+        return False
+    query = _linear(m, "q_proj") or (_linear(m, "q_a_proj") and _linear(m, "q_b_proj")
+                                     and isinstance(getattr(m, "q_a_layernorm", None), nn.Module))
+    sizes = all(isinstance(getattr(m, n, None), int) and not isinstance(getattr(m, n), bool) for n in SIZES)
+    return query and sizes and isinstance(getattr(m, "kv_a_layernorm", None), nn.Module) \
+        and isinstance(getattr(m, "scaling", None), float) and hasattr(m, "layer_idx")
+
+
+def split_heads(m, q: torch.Tensor, latent: torch.Tensor, norm_latent, kv_b) -> tuple:
+    """(q without rotary, q's rotary features, k without rotary, k's shared rotary features, v), per head
+    [.., heads, features] (the shared rotary features on one head), from the query projection's output and the
+    latent kv_a_proj_with_mqa gives; norm_latent and kv_b: the latent's norm and kv_b_proj, as callables."""
+    nope, rot, vd, rank, heads = (int(getattr(m, n)) for n in SIZES)
+    lead = q.shape[:-1]
+    q = q.reshape(*lead, heads, nope + rot)
+    ckv, k_rot = latent.split([rank, rot], dim=-1)
+    kv = kv_b(norm_latent(ckv)).reshape(*lead, heads, nope + vd)
+    k_nope, v = kv.split([nope, vd], dim=-1)
+    return q[..., :nope], q[..., nope:], k_nope, k_rot.reshape(*lead, 1, rot), v
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, layout: str) -> torch.Tensor:
+    """x [T, H, R] rotated the way `layout` names, with HF's arithmetic (the reference and the probe)."""
+    return (rotate_interleaved if layout == "pairs" else rotate_neox)(x, positions, cos_sin)
+
+
+def _reference(m, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, layout: str) -> torch.Tensor:
+    """The latent attention of x [1, T, hidden], causal, in x's dtype, rotating as `layout` says."""
+    q = m.q_proj(x) if _linear(m, "q_proj") else m.q_b_proj(m.q_a_layernorm(m.q_a_proj(x)))
+    q_nope, q_rot, k_nope, k_rot, v = split_heads(m, q[0], m.kv_a_proj_with_mqa(x)[0], m.kv_a_layernorm, m.kv_b_proj)
+    q_rot, k_rot = rotate(q_rot, positions, cos_sin, layout), rotate(k_rot, positions, cos_sin, layout)
+    q = torch.cat([q_nope, q_rot], -1).transpose(0, 1)
+    k = torch.cat([k_nope, k_rot.expand(*k_nope.shape[:-1], -1)], -1).transpose(0, 1)
+    out = F.scaled_dot_product_attention(q, k, v.transpose(0, 1), is_causal=True, scale=m.scaling)
+    return m.o_proj(out.transpose(0, 1).reshape(1, x.shape[1], -1))
+
+
+def rope_layout(m: nn.Module, seeded_copy) -> tuple[str | None, str | None]:
+    """(layout, problem): which of LAYOUTS the module's own forward rotates by, read on a seeded float32 copy
+    (seeded_copy: coverage's) fed seeded cos|sin rows laid out as HF rotary modules give them (the angles twice,
+    end to end); (None, why) when its forward does not take (hidden_states, position_embeddings, attention_mask)
+    or matches none of them."""
+    probe = seeded_copy(m).float()
+    if getattr(probe, "config", None) is not None:
+        probe.config = copy.copy(probe.config)
+        probe.config._attn_implementation = "eager"
+    rot, t = int(m.qk_rope_head_dim), 5
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, t, probe.kv_a_proj_with_mqa.in_features, generator=g)
+    angles = torch.randn(t, rot // 2, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+    try:
+        with torch.no_grad():
+            got = probe(hidden_states=x, position_embeddings=(cos[None], sin[None]), attention_mask=mask)
+    except Exception as e:  # noqa: BLE001  another signature (DeepSeek-V2's complex frequencies): nothing to read
+        return None, f"a latent attention whose forward the probe cannot run ({type(e).__name__}: {str(e)[:80]})"
+    got = got[0] if isinstance(got, tuple) else got
+    table, positions = torch.cat([angles.cos(), angles.sin()], -1), torch.arange(t)
+    with torch.no_grad():
+        fits = [lay for lay in LAYOUTS
+                if torch.allclose(got, _reference(probe, x, positions, table, lay), rtol=1e-4, atol=1e-5)]
+    if len(fits) != 1:
+        return None, ("a latent attention whose rotary turns neither the two halves (neox) nor pairs of features"
+                      if not fits else f"a latent attention whose rotary layout the probe cannot tell ({fits})")
+    return fits[0], None
+
+
+def mla_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+                          position_ids=None, **kwargs):
+    """The wrapped forward: every projection and norm through the module's own (wrapped) children, the rotary and
+    the attention through the provider's operators; the cache holds each head's full key and value."""
+    ops = self._tic_ops
+    B, T = hidden_states.shape[:2]
+    q = self.q_proj(hidden_states) if _linear(self, "q_proj") else \
+        self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+    q_nope, q_rot, k_nope, k_rot, v = split_heads(self, q, self.kv_a_proj_with_mqa(hidden_states),
+                                                  self.kv_a_layernorm, self.kv_b_proj)
+    if position_ids is None:
+        past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+        position_ids = torch.arange(past, past + T, device=q.device)[None].expand(B, T)
+    positions = position_ids.expand(B, T).reshape(-1)
+    table = self._tic_rope.for_positions(position_ids, q.device)
+    rot = int(self.qk_rope_head_dim)
+    q_rot, k_rot = (t.reshape(B * T, -1, rot) for t in (q_rot, k_rot))
+    turn = ops.rotary_interleaved if self._tic_mla_layout == "pairs" else ops.rotary
+    q_rot, k_rot = turn(q_rot.contiguous(), k_rot.contiguous(), positions, table)
+    heads = q_nope.shape[-2]
+    q = torch.cat([q_nope, q_rot.reshape(B, T, heads, rot)], -1).transpose(1, 2)
+    k = torch.cat([k_nope, k_rot.reshape(B, T, 1, rot).expand(B, T, heads, rot)], -1).transpose(1, 2)
+    v = v.transpose(1, 2)
+    if cache is not None:
+        k, v = cache.update(k, v, self.layer_idx)
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask == 0
+    out = ops.attention(q, k, v, attention_mask, self.scaling)
+    return self.o_proj(out.reshape(B, T, -1)), None
