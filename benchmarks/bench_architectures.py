@@ -44,6 +44,9 @@ def config_for(model_type: str) -> dict:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     cfg = AutoConfig.for_model(model_type, **SIZES).to_dict()
+    if cfg.get("kv_lora_rank"):  # a latent attention expands its keys per head: as many KV heads as heads
+        cfg = AutoConfig.for_model(model_type, **{**SIZES, "num_key_value_heads": SIZES["num_attention_heads"]}
+                                   ).to_dict()
     cfg["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "")]
     cfg["dtype"] = "float32"
     return cfg

@@ -80,6 +80,10 @@ def rope_layout(m: nn.Module, seeded_copy) -> tuple[str | None, str | None]:
     end to end); (None, why) when its forward does not take (hidden_states, position_embeddings, attention_mask)
     or matches none of them."""
     probe = seeded_copy(m).float()
+    with torch.no_grad():  # unit-scale activations: with raw seeded weights the softmax saturates on one key,
+        for lin in probe.modules():  # where every rotary layout gives the same output
+            if isinstance(lin, nn.Linear):
+                lin.weight.mul_(lin.in_features ** -0.5)
     if getattr(probe, "config", None) is not None:
         probe.config = copy.copy(probe.config)
         probe.config._attn_implementation = "eager"
