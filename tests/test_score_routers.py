@@ -258,3 +258,20 @@ def test_a_wrapper_that_chooses_on_the_scores_parts_where_the_router_chooses_on_
         assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"].endswith(".mlp"), res.reason
     finally:
         hf._MODELS.clear()
+
+
+def test_an_moe_block_with_a_submodule_its_wrapper_does_not_run_is_refused():
+    """A.X-K1's MoE block norms its own output (`post_mlp_layernorm`), which the MoE wrapper never runs: C0 names
+    the block and the child instead of letting C2 find the wrapped model parting there. Planted on GLM-4.5's block
+    (control: the same block without it reads clean, test above); A.X-K1 itself where transformers has it."""
+    model, block, _ = glm_router()
+    block.post_mlp_layernorm = torch.nn.LayerNorm(64, device="meta")
+    problems = coverage_problems_of(model, "consistent")
+    assert any("Glm4MoeMoE" in p and "an MoE block with submodules its wrapper does not run (post_mlp_layernorm)"
+               in p for p in problems), problems
+    if "axk1" in CONFIG_MAPPING:
+        axk1 = build_meta(CONFIG_MAPPING["axk1"](**{**GLM, "num_key_value_heads": GLM["num_attention_heads"],
+                                                     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                                                     "qk_rope_head_dim": 4, "v_head_dim": 8}).to_dict())
+        problems = coverage_problems_of(axk1, "consistent")
+        assert len(problems) == 1 and "(AXK1MoE): an MoE block with submodules" in problems[0], problems

@@ -1096,6 +1096,15 @@ def _read_shared_expert(cov: LayerCoverage, name: str, m, cfg, child: str) -> No
     cov.readings.setdefault(name, {})["shared_expert"] = child
 
 
+def _moe_unused_children(block: nn.Module, shared: str | None) -> list[str]:
+    """A MoE block's children that its wrapper runs none of: other than its router, experts, shared expert (and
+    that expert's sigmoid gate), a child holding the selection bias, dropout or identity."""
+    router, bias = moe_router(block), _handed_bias_name(block)
+    used = {shared, "shared_expert_gate", (bias or "").split(".")[0]}
+    return [n for n, c in block.named_children() if n not in used and c is not router and c is not block.experts
+            and not isinstance(c, (nn.Dropout, nn.Identity))]
+
+
 def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
     kind = type(m).__name__
     _read_unused_parts(cov, name, m, "an MLP", None)
@@ -1109,6 +1118,10 @@ def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
         child = shared_expert_name(m)
         if child is not None:
             _read_shared_expert(cov, name, m, cfg, child)
+        extra = _moe_unused_children(m, child)
+        if extra:
+            cov.refusals.append(Refusal(name, kind, f"an MoE block with submodules its wrapper does not run "
+                                        f"({', '.join(extra)}): e.g. a norm of the block's output"))
         if activation_variant(getattr(m.experts, "act_fn", None)) != "mlp:silu_and_mul":
             cov.refusals.append(Refusal(name, kind, "MoE experts with an activation other than SiLU",
                                         *_act_field(cfg)))
