@@ -32,8 +32,8 @@ SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_l
 # MoE families: a softmax-free router needs the score-router settings; one dense layer first
 MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
            first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)
-FAMILIES = {"deepseek_v3": MOE, "glm4_moe_lite": MOE, "minicpm3": {}, "sarvam_mla": {**MOE, "q_lora_rank": None},
-            "youtu": {}}
+FAMILIES = {"deepseek_v3": MOE, "deepseek_v2": MOE, "glm4_moe_lite": MOE, "minicpm3": {},
+            "sarvam_mla": {**MOE, "q_lora_rank": None}, "youtu": {}}
 
 
 def config(model_type: str, **changes):
@@ -71,6 +71,7 @@ def mla_ctx(tmp_path, monkeypatch, cfg, dtype: str) -> GateContext:
     ("minicpm3", {}, "neox"),
     ("glm4_moe_lite", {}, "pairs"),
     ("sarvam_mla", {}, "pairs"),  # q_proj without a low-rank query
+    ("deepseek_v2", {}, "pairs"),  # its rotary handed over as complex numbers
 ])
 def test_the_rotary_layout_is_read_from_the_attentions_own_forward(model_type, changes, layout):
     model = build_meta(config(model_type, **changes).to_dict())
@@ -108,7 +109,7 @@ def test_vllms_kernels_refuse_a_latent_attention_in_one_line():
 
 @pytest.mark.parametrize("model_type, dtype", [("deepseek_v3", "float32"), ("deepseek_v3", "bfloat16"),
                                                ("minicpm3", "float32"), ("glm4_moe_lite", "float32"),
-                                               ("sarvam_mla", "float32")])
+                                               ("sarvam_mla", "float32"), ("deepseek_v2", "float32")])
 def test_a_latent_attention_climbs_c0_to_c7(tmp_path, monkeypatch, one_thread, model_type, dtype):
     ctx = mla_ctx(tmp_path, monkeypatch, config(model_type), dtype)
     try:

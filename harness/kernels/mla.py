@@ -1,5 +1,5 @@
-"""Multi-head latent attention (DeepSeek-V2/V3, GLM-4-MoE-Lite, MiniCPM3, ...): recognised, its rotary layout read
-from the module's own forward, and computed through the kernel provider's operators.
+"""Multi-head latent attention (DeepSeek-V2/V3, GLM-4-MoE-Lite, MiniCPM3, Youtu, ...): recognised, its rotary
+layout read from the module's own forward, and computed through the kernel provider's operators.
 
 The query comes from q_proj, or from a low-rank q_a_proj, its norm and q_b_proj; the keys and values from one
 latent (kv_a_proj_with_mqa: kv_lora_rank features, then the rotary features every head shares), the latent's norm
@@ -77,8 +77,8 @@ def _reference(m, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tenso
 def rope_layout(m: nn.Module, seeded_copy) -> tuple[str | None, str | None]:
     """(layout, problem): which of LAYOUTS the module's own forward rotates by, read on a seeded float32 copy
     (seeded_copy: coverage's) fed seeded cos|sin rows laid out as HF rotary modules give them (the angles twice,
-    end to end); (None, why) when its forward does not take (hidden_states, position_embeddings, attention_mask)
-    or matches none of them."""
+    end to end), or those angles as complex numbers; (None, why) when its forward does not take (hidden_states,
+    position_embeddings, attention_mask) or matches none of them."""
     probe = seeded_copy(m).float()
     with torch.no_grad():  # unit-scale activations: with raw seeded weights the softmax saturates on one key,
         for lin in probe.modules():  # where every rotary layout gives the same output
@@ -93,11 +93,18 @@ def rope_layout(m: nn.Module, seeded_copy) -> tuple[str | None, str | None]:
     angles = torch.randn(t, rot // 2, generator=g)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
-    try:
-        with torch.no_grad():
-            got = probe(hidden_states=x, position_embeddings=(cos[None], sin[None]), attention_mask=mask)
-    except Exception as e:  # noqa: BLE001  another signature (DeepSeek-V2's complex frequencies): nothing to read
-        return None, f"a latent attention whose forward the probe cannot run ({type(e).__name__}: {str(e)[:80]})"
+    failed = None
+    # HF rotary modules hand the attention (cos, sin) rows, or the angles as complex numbers (DeepSeek-V2)
+    for rows in ((cos[None], sin[None]), torch.polar(torch.ones_like(angles), angles)[None]):
+        try:
+            with torch.no_grad():
+                got = probe(hidden_states=x, position_embeddings=rows, attention_mask=mask)
+            break
+        except Exception as e:  # noqa: BLE001  another way of handing the rotary: try the next
+            failed = failed or e
+    else:
+        return None, (f"a latent attention whose forward the probe cannot run ({type(failed).__name__}: "
+                      f"{str(failed)[:80]})")
     got = got[0] if isinstance(got, tuple) else got
     table, positions = torch.cat([angles.cos(), angles.sin()], -1), torch.arange(t)
     with torch.no_grad():

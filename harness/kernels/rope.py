@@ -72,9 +72,12 @@ def hf_cos_sin_cache(rotary: nn.Module, n: int, dtype: torch.dtype, device, laye
         -> torch.Tensor:
     """cos|sin [n, rot] (each R/2 angles once) from an HF rotary module (its inv_freq, rope scaling and attention
     factor), float32 arithmetic, then cast to dtype; `layer_type` picks one table of a module that holds one per
-    layer type (Gemma-3). The module's own layout, halves or pairs, is read from the rows it returns. A module the
-    wrappers patched is read through its own forward."""
-    cos, sin = _rotary_output(rotary, n, device, layer_type)
+    layer type (Gemma-3). The module's own layout, halves or pairs, is read from the rows it returns (or the angles
+    as complex numbers, DeepSeek-V2's). A module the wrappers patched is read through its own forward."""
+    out = _rotary_output(rotary, n, device, layer_type)
+    if isinstance(out, torch.Tensor) and out.is_complex():  # DeepSeek-V2's: cos + i sin of each angle, [1, n, R/2]
+        return torch.cat([out.real[0], out.imag[0]], dim=-1).to(dtype)
+    cos, sin = out
     if _layout_of(cos) == "pairs":
         return torch.cat([cos[0, :, 0::2], sin[0, :, 0::2]], dim=-1).to(dtype)
     half = cos.shape[-1] // 2
