@@ -74,11 +74,23 @@ def _reference(m, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tenso
     return m.o_proj(out.transpose(0, 1).reshape(1, x.shape[1], -1))
 
 
+_READINGS: dict = {}
+
+
 def rope_layout(m: nn.Module, seeded_copy) -> tuple[str | None, str | None]:
     """(layout, problem): which of LAYOUTS the module's own forward rotates by, read on a seeded float32 copy
     (seeded_copy: coverage's) fed seeded cos|sin rows laid out as HF rotary modules give them (the angles twice,
     end to end), or those angles as complex numbers; (None, why) when its forward does not take (hidden_states,
-    position_embeddings, attention_mask) or matches none of them."""
+    position_embeddings, attention_mask) or matches none of them. Read once per attention class and shapes: a
+    model's layers share it, and a full-size copy of one is large."""
+    key = (type(m), tuple((n, tuple(t.shape)) for n, t in m.named_parameters()),
+           tuple(getattr(m, n) for n in SIZES), m.scaling, getattr(getattr(m, "config", None), "rope_interleave", None))
+    if key not in _READINGS:
+        _READINGS[key] = _read_rope_layout(m, seeded_copy)
+    return _READINGS[key]
+
+
+def _read_rope_layout(m: nn.Module, seeded_copy) -> tuple[str | None, str | None]:
     probe = seeded_copy(m).float()
     with torch.no_grad():  # unit-scale activations: with raw seeded weights the softmax saturates on one key,
         for lin in probe.modules():  # where every rotary layout gives the same output
