@@ -5,24 +5,21 @@ layouts and decode (C3-C6) and in the backward (C7)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import CONFIG_MAPPING
 
-from tic.config.schema import load_config
 from tic.gates import get
 from tic.harness.engines import hf
 from tic.harness.kernels import coverage, mla
-from tic.harness.model.layer_structure import build_meta, model_from_config
+from tic.harness.model.layer_structure import build_meta
 from tic.skill.context import GateContext
 from tic.skill.runner import run_gate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
-from tic_small_ladder import SMALL_LADDER  # noqa: E402
+from tic_small_ladder import small_ladder_ctx  # noqa: E402
 
 # small latent sizes; the value narrower than the key, as in MiniCPM3 and GLM-4-MoE-Lite
 SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -43,26 +40,8 @@ def config(model_type: str, **changes):
 
 
 def mla_ctx(tmp_path, monkeypatch, cfg, dtype: str) -> GateContext:
-    """A generated model of cfg (float32 weights, run in `dtype`) under the small ladder's settings; MoE routers
-    drawn wide enough that each token chooses for itself."""
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    torch.manual_seed(0)
-    model = model_from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for m in model.modules():
-            if coverage.is_moe_block(m):
-                w = coverage.router_weight(coverage.moe_router(m))
-                w.copy_(torch.randn(w.shape) * 2 / w.shape[1] ** 0.5)
-    model.save_pretrained(model_dir, safe_serialization=True)
-    on_disk = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps({**on_disk, "dtype": "float32"}))
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "tic.yaml").write_text(f"model: {{path: {model_dir}, dtype: {dtype}}}\n" + SMALL_LADDER)
-    monkeypatch.chdir(run_dir)
-    hf._MODELS.clear()
-    return GateContext(load_config(run_dir / "tic.yaml"))
+    """A generated model of cfg under the small ladder, MoE routers drawn (small_ladder_ctx)."""
+    return small_ladder_ctx(tmp_path, monkeypatch, cfg, dtype)
 
 
 @pytest.mark.parametrize("model_type, changes, layout", [

@@ -8,7 +8,6 @@ the same: the model here draws it, so that a wrapper that drops it parts from th
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -16,17 +15,16 @@ import pytest
 import torch
 from transformers import CONFIG_MAPPING
 
-from tic.config.schema import load_config
 from tic.gates import get
 from tic.harness.engines import hf
 from tic.harness.kernels import coverage, routing
 from tic.harness.kernels.routing import Routing
-from tic.harness.model.layer_structure import build_meta, model_from_config
+from tic.harness.model.layer_structure import build_meta
 from tic.skill.context import GateContext
 from tic.skill.runner import run_gate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
-from tic_small_ladder import SMALL_LADDER  # noqa: E402
+from tic_small_ladder import small_ladder_ctx  # noqa: E402
 
 GLM = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
@@ -149,32 +147,8 @@ def test_the_route_backward_is_the_float64_reference_gradient():
 
 
 def score_router_ctx(tmp_path, monkeypatch, config, dtype: str) -> GateContext:
-    """A small model of `config` whose selection biases are drawn (a trained checkpoint's are not zero) and whose
-    routers are drawn wide enough that each token chooses for itself (at the init's 0.02 every sigmoid score is
-    near 0.5 and the bias alone would choose)."""
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    torch.manual_seed(0)
-    model = model_from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for m in model.modules():
-            router = coverage.moe_router(m) if coverage.is_moe_block(m) else None
-            if router is None:
-                continue
-            w, bias = coverage.router_weight(router), coverage.block_routing_bias(m)
-            w.copy_(torch.randn(w.shape) * 2 / w.shape[1] ** 0.5)
-            if bias is not None:
-                bias.copy_(torch.randn(bias.shape) * 0.1)
-    model.save_pretrained(model_dir, safe_serialization=True)
-    cfg = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps({**cfg, "dtype": "float32"}))
-    run_dir = tmp_path / "run"  # beside the checkpoint: a cut goes under .tic, never inside the model's folder
-    run_dir.mkdir()
-    (run_dir / "tic.yaml").write_text(
-        f"model: {{path: {model_dir}, dtype: {dtype}}}\n" + SMALL_LADDER)
-    monkeypatch.chdir(run_dir)
-    hf._MODELS.clear()
-    return GateContext(load_config(run_dir / "tic.yaml"))
+    """A small model of `config` whose selection biases and routers are drawn (small_ladder_ctx)."""
+    return small_ladder_ctx(tmp_path, monkeypatch, config, dtype)
 
 
 @pytest.fixture

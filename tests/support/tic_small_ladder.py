@@ -1,5 +1,8 @@
 """The tic.yaml settings a small generated model climbs C0-C7 with on CPU in a few seconds (after its `model:`
-line): three random prompts, six sampled tokens, one layout probe, no locator."""
+line): three random prompts, six sampled tokens, one layout probe, no locator; and the gate context of such a
+model."""
+
+import json
 
 SMALL_LADDER = ("rollout: {engine: hf, kernels: consistent, batch_size: 3}\n"
                 "train: {engine: hf, kernels: consistent, micro_batch_size: 2}\n"
@@ -7,3 +10,39 @@ SMALL_LADDER = ("rollout: {engine: hf, kernels: consistent, batch_size: 3}\n"
                 "sampling: {temperature: 1.0, max_tokens: 6, seed: 0}\n"
                 "layouts: {batch_sizes: [3], positions: [first, last], probes: 1}\n"
                 "locate: {enabled: false}\n")
+
+
+def small_ladder_ctx(tmp_path, monkeypatch, config, dtype: str):
+    """A generated model of `config` (float32 weights, run in `dtype`) under SMALL_LADDER. Its MoE routers are drawn
+    wide enough that each token chooses for itself (at the init's 0.02 every sigmoid score is near 0.5 and a bias
+    alone would choose), and their selection biases drawn (a trained checkpoint's are not zero)."""
+    import torch
+
+    from tic.config.schema import load_config
+    from tic.harness.engines import hf
+    from tic.harness.kernels import coverage
+    from tic.harness.model.layer_structure import model_from_config
+    from tic.skill.context import GateContext
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    torch.manual_seed(0)
+    model = model_from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for m in model.modules():
+            router = coverage.moe_router(m) if coverage.is_moe_block(m) else None
+            if router is None:
+                continue
+            w, bias = coverage.router_weight(router), coverage.block_routing_bias(m)
+            w.copy_(torch.randn(w.shape) * 2 / w.shape[1] ** 0.5)
+            if bias is not None:
+                bias.copy_(torch.randn(bias.shape) * 0.1)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**cfg, "dtype": "float32"}))
+    run_dir = tmp_path / "run"  # beside the checkpoint: a cut goes under .tic, never inside the model's folder
+    run_dir.mkdir()
+    (run_dir / "tic.yaml").write_text(f"model: {{path: {model_dir}, dtype: {dtype}}}\n" + SMALL_LADDER)
+    monkeypatch.chdir(run_dir)
+    hf._MODELS.clear()
+    return GateContext(load_config(run_dir / "tic.yaml"))
