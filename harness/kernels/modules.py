@@ -297,9 +297,9 @@ def _post_norm_layer_forward(self, hidden_states, attention_mask=None, position_
 
 def _scaled_residual_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
                                    use_cache=False, position_embeddings=None, **kwargs):
-    """A two-norm layer whose sublayer outputs are scaled before the residual add (Granite), as vLLM's
-    GraniteDecoderLayer runs it: plain norms, output * residual_multiplier, then a plain add (no fused add+norm:
-    the next layer and the final norm read the sum)."""
+    """A two-norm layer whose sublayer outputs are scaled before the residual add (Granite's residual_multiplier,
+    MiniCPM3's residual_scale), as vLLM's GraniteDecoderLayer runs it: plain norms, output * scale, then a plain
+    add (no fused add+norm: the next layer and the final norm read the sum)."""
     scale = getattr(self, self._tic_residual_scale)
     h = _attend(self, self.input_layernorm(hidden_states), attention_mask, position_ids, cache, use_cache,
                 position_embeddings, kwargs)
