@@ -158,6 +158,19 @@ def test_attention_general_masks(which, sdpa_calls):
         assert "attn_mask" in sdpa_calls[0]
 
 
+@pytest.mark.parametrize("which", ["left", "packed", "none", "mha"])
+def test_attention_with_sinks(which):
+    """The sinks' own gradient too (one per query head, summed over its rows), and fully masked rows' none."""
+    causal, _, left, packed = _masks()
+    mask = None if which == "none" else torch.stack([left if which == "left" else packed, causal])[:, None]
+    tensors, seed = _attention(mask, heads=(3, 3) if which == "mha" else (4, 2))
+    sinks = torch.nn.Parameter(r(tensors[0].shape[1]))
+    grads = check("attention_sinks", (*tensors, sinks), {"scale": 0.25}, seeds=[seed])
+    assert grads[4] is not None and grads[4].abs().sum() > 0
+    if which == "left":
+        assert (grads[0][0, :, :2] == 0).all()
+
+
 def test_attention_mask_rows_are_reread_when_the_mask_changes_in_place():
     causal, right, _, _ = _masks()
     mask = torch.stack([causal, causal])[:, None].clone()

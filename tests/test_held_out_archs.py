@@ -27,8 +27,9 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_l
 COVERED = ("ernie4_5", "seed_oss", "cwm", "ministral", "mixtral", "arcee", "nemotron", "hunyuan_v1_dense",
            "hunyuan_v1_moe", "granitemoe")
 # refused, each for something the wrappers do not compute (named in the problem lines)
-REFUSED = {"phimoe": "router", "gpt_oss": "sinks", "diffllama": "lambda_q1", "doge": "input_residual", "apertus": "XIELU",
-           "bitnet": "attn_sub_norm", "nanochat": "NanoChatRMSNorm", "olmo": "OlmoLayerNorm",
+# (GPT-OSS's attention sinks are covered since attention:sinks; its experts' clamped SwiGLU is not)
+REFUSED = {"phimoe": "router", "gpt_oss": "activation other than SiLU", "diffllama": "lambda_q1",
+           "doge": "input_residual", "apertus": "XIELU", "bitnet": "attn_sub_norm", "nanochat": "NanoChatRMSNorm", "olmo": "OlmoLayerNorm",
            "persimmon": "q_layernorm", "jetmoe": "layer structure", "llama4_text": "qk_norm",
            "qwen3_next": "a gate or heads the wrappers do not split"}
 

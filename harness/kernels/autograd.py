@@ -173,6 +173,20 @@ def attention_ref(q, k, v, mask, scale, softcap=None, window=None):
     return torch.where(seen, out, torch.zeros((), device=q.device)).transpose(1, 2)
 
 
+def attention_sinks_ref(q, k, v, mask, sinks, scale, softcap=None, window=None):
+    """attention_ref with a learned logit per head beside every row's keys (GPT-OSS's attention sinks): the softmax
+    runs over the keys and that logit, and the logit's share is dropped. Written out in float32."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = _wide(k).repeat_interleave(rep, dim=1), _wide(v).repeat_interleave(rep, dim=1)
+    safe, seen = _sdpa_mask(mask, q.shape[2], k.shape[2], q.device, window)
+    scores = torch.matmul(_wide(q), k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap_ref(scores, softcap)
+    sink = _wide(sinks).reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.softmax(torch.cat([scores.masked_fill(~safe, float("-inf")), sink], dim=-1), dim=-1)[..., :-1]
+    return torch.where(seen, torch.matmul(probs, v), torch.zeros((), device=q.device)).transpose(1, 2)
+
+
 def _sdpa_mask(mask, Q: int, K: int, device, window=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the bool mask SDPA runs, which query rows see any key) for a mask [B, 1, Q, K] or None (causal,
     bottom-right aligned, the last `window` keys when given). A fully masked row would give NaN: it is let see
@@ -508,6 +522,38 @@ def _causal_rows(mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return rows, bool(rows.all())
 
 
+def _attention_sinks_backward(tensors, fixed, grads, kw, needs, run):
+    """attention_sinks_ref's gradient written out in float32: with P the softmax over a row's keys and its head's
+    sink, dP = dO V^T on the keys (the sink's share feeds no output), dS = P (dP - sum(P dP)), the sink's gradient
+    -P_sink sum(P dP) summed over every row of its head; K/V heads' gradients summed over the query heads sharing
+    them. A softcap is left to autograd through the reference."""
+    q, k, v, mask, sinks = tensors
+    g = grads[0]
+    if g is None or not any(needs[:3]) and not needs[4]:
+        return None, None, None, None, None
+    if kw.get("softcap") is not None:
+        return None
+    B, H, Q, D = q.shape
+    Hkv, K = k.shape[1], k.shape[2]
+    rep = H // Hkv
+    q32, k32, v32 = _wide(q), _wide(k).repeat_interleave(rep, dim=1), _wide(v).repeat_interleave(rep, dim=1)
+    safe, seen = _sdpa_mask(mask, Q, K, q.device, kw.get("window"))
+    scores = (torch.matmul(q32, k32.transpose(-1, -2)) * kw["scale"]).masked_fill(~safe, float("-inf"))
+    sink = _wide(sinks).reshape(1, -1, 1, 1).expand(B, H, Q, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)
+    p, p_sink = probs[..., :-1], probs[..., -1:]
+    go = _wide(g).transpose(1, 2) * seen  # rows that see no key output 0 in the reference
+    dp = torch.matmul(go, v32.transpose(-1, -2))
+    share = (p * dp).sum(-1, keepdim=True)
+    ds = p * (dp - share) * kw["scale"]
+    dq = torch.matmul(ds, k32)
+    dk = torch.matmul(ds.transpose(-1, -2), q32).reshape(B, Hkv, rep, K, D).sum(2)
+    dv = torch.matmul(p.transpose(-1, -2), go).reshape(B, Hkv, rep, K, -1).sum(2)
+    dsink = (-p_sink * share).sum(dim=(0, 2, 3))
+    pick = lambda t, ref, n: t.to(ref.dtype) if n else None  # noqa: E731
+    return pick(dq, q, needs[0]), pick(dk, k, needs[1]), pick(dv, v, needs[2]), None, pick(dsink, sinks, needs[4])
+
+
 def _attention_backward(tensors, fixed, grads, kw, needs, run):
     """attention_ref's gradient through torch's SDPA backward in the inputs' dtype, K/V heads shared by
     enable_gqa. With the causal flag (no materialised mask, the fused kernels) when every query row whose
@@ -711,6 +757,10 @@ OPS: dict[str, Op] = {op.name: op for op in [
     Op("activation", lambda p, x, kind: p.activation(x, kind), activation_ref, _activation_backward),
     Op("attention", lambda p, q, k, v, mask, scale, softcap=None, window=None:
        p.attention(q, k, v, mask, scale, **_attention_options(softcap, window)), attention_ref, _attention_backward),
+    # attention sinks: the sinks are parameters, trained too
+    Op("attention_sinks", lambda p, q, k, v, mask, sinks, scale, softcap=None, window=None:
+       p.attention(q, k, v, mask, scale, sinks=sinks, **_attention_options(softcap, window)), attention_sinks_ref,
+       _attention_sinks_backward),
     Op("moe_route", lambda p, logits, top_k, routing, bias=None: p.moe_route(logits, top_k, routing, bias),
        moe_route_ref, _moe_route_backward),
     Op("moe_experts", lambda p, x, w, ids, gu, d: p.moe_experts(x, w, ids, gu, d), moe_experts_ref,
@@ -802,7 +852,12 @@ class Ops:
     def activation(self, x, kind: str):
         return self._run("activation", x, kind=kind)
 
-    def attention(self, q, k, v, mask, scale, softcap: float | None = None, window: int | None = None):
+    def attention(self, q, k, v, mask, scale, softcap: float | None = None, window: int | None = None,
+                  sinks: torch.Tensor | None = None):
+        """sinks: one learned logit per query head beside every row's keys (coverage's attention:sinks)."""
+        if sinks is not None:
+            return self._run("attention_sinks", q, k, v, mask, sinks, scale=scale,
+                             **_attention_options(softcap, window))
         if self.inputs is not None and self.rounds_kv_to_fp8:
             self.inputs.setdefault(ATTENTION_INPUTS, []).append(tuple(t.detach() for t in (q, k, v)))
         return self._run("attention", q, k, v, mask, scale=scale, **_attention_options(softcap, window))

@@ -45,14 +45,17 @@ def row_log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def rowwise_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, softcap=None, window=None,
-                      fp8_kv: bool = False, **kwargs):
+                      fp8_kv: bool = False, sinks=None, **kwargs):
     """Attention one query row at a time over exactly the keys its mask allows, in sequence order.
 
     query [B, H, Q, D], key/value [B, Hkv, K, D], attention_mask bool [B, 1, Q, K] (True = attend; a sliding
     window is already in it, as HF builds it per layer type) or None (causal, the last `window` keys when
     given). softcap: the scores cap * tanh(s / cap) in the model dtype, before the mask (HF's eager order).
     fp8_kv: an FP8 KV cache's attention, FlashAttention's FP8 forward in value (fp8_rule.DEFAULT_KV).
+    sinks [H]: a learned logit per head beside every row's keys, in the softmax and dropped from it (GPT-OSS).
     """
+    if sinks is not None and fp8_kv:
+        raise ValueError("attention sinks with an FP8 KV cache: not implemented by the consistent kernels")
     B, H, Q, D = query.shape
     Hkv, K = key.shape[1], key.shape[2]
     rep = H // Hkv
@@ -77,7 +80,11 @@ def rowwise_attention(module, query, key, value, attention_mask, scaling, dropou
             scores = torch.matmul(qr, k.transpose(1, 2)) * scaling
             if softcap is not None:
                 scores = torch.tanh(scores / softcap) * softcap
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            if sinks is not None:
+                logits = torch.cat([scores.float(), sinks.float().reshape(-1, 1, 1)], dim=-1)
+                probs = torch.softmax(logits, dim=-1)[..., :-1].to(query.dtype)
+            else:
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
             out[b, q] = torch.matmul(probs, v)[:, 0]
     return out, None
 
@@ -152,9 +159,9 @@ class CPUProvider(MambaCPUKernels, KernelProvider):  # Mamba-2 kernels: tic.harn
         rows = [torch.sigmoid(g[i:i + 1]) * y[i:i + 1] for i in range(g.shape[0])]
         return torch.cat(rows) if rows else y.clone()
 
-    def attention(self, q, k, v, mask, scale, softcap=None, window=None):
+    def attention(self, q, k, v, mask, scale, softcap=None, window=None, sinks=None):
         return rowwise_attention(None, q, k, v, mask, scale, softcap=softcap, window=window,
-                                 fp8_kv=str(self.kv_cache_dtype).startswith("fp8"))[0]
+                                 fp8_kv=str(self.kv_cache_dtype).startswith("fp8"), sinks=sinks)[0]
 
     def moe_route(self, logits, top_k, routing, bias=None):
         """One row at a time: a softmax router as route_topk, any other routing by tic.harness.kernels.routing."""

@@ -104,6 +104,9 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("moe:shared_expert", "a gated MLP on every token, times sigmoid of a one-feature linear where "
                                        "the block has one (Qwen2-MoE) or as it is (HunYuan's shared_mlp), added "
                                        "to the routed experts' output"),
+    OperatorClass("attention:sinks", "a learned logit per head beside every row's keys, in the softmax and "
+                                     "dropped from it (GPT-OSS's attention sinks, a trained parameter); vLLM's side "
+                                     "(FA3's s_aux) not yet measured", frozenset({"consistent"})),
     OperatorClass("attention:mla", "multi-head latent attention (DeepSeek-V2/V3): low-rank query and key/value "
                                    "projections with their norms, per-head keys and values from one latent, rotary "
                                    "features shared by every head; vLLM's MLA kernels not yet wrapped",
@@ -912,9 +915,18 @@ def _read_head_geometry(cov: LayerCoverage, name: str, m, cfg, qkv_index) -> Non
                                     "does not fit its output projection", "head_dim", d))
 
 
+def attention_sinks(m, cfg) -> nn.Parameter | None:
+    """The attention's sinks (GPT-OSS): a parameter `sinks` with one value per query head, or None."""
+    sinks, heads = getattr(m, "sinks", None), getattr(cfg, "num_attention_heads", None)
+    return sinks if isinstance(sinks, nn.Parameter) and sinks.dim() == 1 and sinks.numel() == heads else None
+
+
 def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
     kind = type(m).__name__
-    _read_unused_parts(cov, name, m, "an attention", ATTENTION_PARTS)
+    sinks = attention_sinks(m, cfg)
+    _read_unused_parts(cov, name, m, "an attention", ATTENTION_PARTS, ("sinks",) if sinks is not None else ())
+    if sinks is not None:
+        cov.classes["attention:sinks"] = ("num_attention_heads", int(sinks.numel()))
     layout = None
     if _linears(m, "query_key_value"):
         layout = fused_qkv_layout(m)
@@ -1303,11 +1315,13 @@ ATTENTION_PARTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "dense", "q
                              "key_layernorm"})
 
 
-def _read_unused_parts(cov: LayerCoverage, name: str, m: nn.Module, what: str, parts: frozenset | None) -> None:
-    """Parameters a module holds itself, and submodules outside `parts` (None: any), are weights or computation
-    the wrappers' forward for it never runs: the wrapped model would compute another one (learned residual scales,
-    a differential attention's lambdas, a dynamic mask's parameters)."""
-    own = [n for n, _ in m.named_parameters(recurse=False)]
+def _read_unused_parts(cov: LayerCoverage, name: str, m: nn.Module, what: str, parts: frozenset | None,
+                       own_used: tuple = ()) -> None:
+    """Parameters a module holds itself (other than `own_used`, which its wrapper reads), and submodules outside
+    `parts` (None: any), are weights or computation the wrappers' forward for it never runs: the wrapped model
+    would compute another one (learned residual scales, a differential attention's lambdas, a dynamic mask's
+    parameters)."""
+    own = [n for n, _ in m.named_parameters(recurse=False) if n not in own_used]
     if own:
         cov.refusals.append(Refusal(name, type(m).__name__, f"{what} with parameters of its own the wrappers do not "
                                     f"use ({', '.join(own)})"))

@@ -40,7 +40,8 @@ from tic.config.schema import BackwardConfig
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 mixers (hybrids), issue 31
 from tic.harness.kernels import mla
 from tic.harness.kernels.autograd import OPS, Backward, Ops
-from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, attention_name, attention_softcap,
+from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, attention_name, attention_sinks,
+                                          attention_softcap,
                                           attention_window, expert_weights, final_norm, handed_bias, head_dim_of,
                                           is_attention, is_decoder_layer, is_gated_mlp, is_hybrid_block,
                                           is_layernorm, is_moe_block, is_rmsnorm, logits_scaling_settable, mlp_name,
@@ -392,7 +393,8 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         k, v = cache.update(k, v, self.layer_idx)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask == 0
-    out = ops.attention(q, k, v, attention_mask, self.scaling, softcap=self._tic_softcap, window=self._tic_window)
+    out = ops.attention(q, k, v, attention_mask, self.scaling, softcap=self._tic_softcap, window=self._tic_window,
+                        sinks=self.sinks if self._tic_sinks else None)
     return getattr(self, self._tic_out_proj)(out.reshape(B, T, -1)), None
 
 
@@ -548,6 +550,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m._tic_norm_projection, m._tic_clip = variant == "attention:qk_norm_projection", attention_clip(m, cfg)
         m._tic_qk_norms = reading.get("qk_norms")
         m._tic_qk_after_rope = bool(reading.get("qk_norm_after_rotary"))
+        m._tic_sinks = attention_sinks(m, cfg) is not None  # a flag: the forward reads the parameter it holds then
         m.forward = types.MethodType(_attention_forward, m)
     elif is_decoder_layer(m):
         m._tic_stream = stream

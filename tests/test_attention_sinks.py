@@ -1,0 +1,80 @@
+"""Attention sinks (GPT-OSS's `sinks`, also Flint's and Granite-SWA's): one learned logit per head beside every
+row's keys, in the softmax and dropped from it. Read by C0 (`attention:sinks`), computed by the consistent
+kernels, checked against the stock model (C2), across layouts and decode (C3-C6), and trained (C7: the sinks are
+parameters with a gradient of their own)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import CONFIG_MAPPING
+
+from tic.gates import get
+from tic.harness.engines import hf
+from tic.harness.kernels import autograd, consistent_cpu, coverage
+from tic.harness.model.layer_structure import build_meta
+from tic.skill.runner import run_gate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+from tic_small_ladder import small_ladder_ctx  # noqa: E402
+
+# two dense layers of Flint (its MoE router is another matter): attention with sinks and q/k norms
+FLINT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, layer_types=["full_attention"] * 2,
+             tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def flint_config():
+    if "flint" not in CONFIG_MAPPING:
+        pytest.skip("no flint in this transformers")
+    return CONFIG_MAPPING["flint"](**FLINT)
+
+
+def test_the_rowwise_kernel_and_the_reference_agree_and_the_sinks_take_a_share():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 5, 8, generator=g) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]
+    sinks = torch.randn(4, generator=g)
+    got = consistent_cpu.rowwise_attention(None, q, k, v, None, 0.3, sinks=sinks)[0]
+    want = autograd.attention_sinks_ref(q, k, v, None, sinks, 0.3)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    plain = consistent_cpu.rowwise_attention(None, q, k, v, None, 0.3)[0]
+    assert not torch.allclose(got, plain)  # the sink's share is taken from every row
+    assert torch.allclose(autograd.attention_sinks_ref(q, k, v, None, torch.full((4,), -1e9), 0.3),
+                          autograd.attention_ref(q, k, v, None, 0.3), rtol=1e-5, atol=1e-6)
+
+
+def test_c0_reads_the_sinks_and_vllms_kernels_refuse_them():
+    model = build_meta(flint_config().to_dict())
+    classes = {k for cov in coverage.read_coverage(model) for k in cov.classes}
+    assert "attention:sinks" in classes and coverage.coverage_problems(model, "consistent") == []
+    problems = coverage.coverage_problems(model, "vllm")
+    assert any("attention:sinks is not implemented by kernels: vllm" in p for p in problems), problems
+
+
+def test_an_attention_with_sinks_climbs_c0_to_c7(tmp_path, monkeypatch, one_thread):
+    ctx = small_ladder_ctx(tmp_path, monkeypatch, flint_config(), "float32")
+    try:
+        for gate in ("C0", "C2", "C3", "C4", "C5", "C6", "C7"):
+            res = run_gate(get(gate), ctx)
+            assert res.verdict == "pass", (gate, res.reason)
+        assert all(layer.self_attn._tic_sinks for layer in ctx.rollout_engine().model.model.layers)
+    finally:
+        hf._MODELS.clear()
+
+
+def test_wrappers_that_drop_the_sinks_part_from_the_stock_model(tmp_path, monkeypatch, one_thread):
+    """Planted: the wrappers' attention without the sinks. C2 names the attention. Control: the climb above."""
+    ctx = small_ladder_ctx(tmp_path, monkeypatch, flint_config(), "float32")
+    try:
+        for engine in (ctx.rollout_engine(), ctx.train_engine()):
+            for layer in engine.model.model.layers:
+                layer.self_attn._tic_sinks = False
+        res = run_gate(get("C2"), ctx)
+        assert res.verdict == "fail", res.reason
+        assert ".self_attn" in res.details["fidelity"]["first_parting_module"], res.details["fidelity"]
+    finally:
+        hf._MODELS.clear()
