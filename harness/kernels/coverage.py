@@ -123,7 +123,8 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("logits:softcap", "final logits cap * tanh(z / cap) (Gemma-2 final_logit_softcapping)"),
     OperatorClass("logits:hidden_scaled_by_model", "the last hidden states divided by logits_scaling before lm_head, "
                                                    "by the model's own forward (MiniCPM3): elementwise, the same on "
-                                                   "every side; vLLM's side not yet wrapped", frozenset({"consistent"})),
+                                                   "every side; vLLM's side not yet wrapped",
+                  frozenset({"consistent"})),
     OperatorClass("logits:scaled", "final logits times 1 / logits_scaling in the model dtype, as vLLM's logits "
                                    "processor scales them (Granite)"),
     # tic: Mamba-2 hybrids (issue 31); tic.harness.kernels.mamba holds the kernels, mamba_modules the wrapper
