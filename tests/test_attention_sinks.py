@@ -78,3 +78,16 @@ def test_wrappers_that_drop_the_sinks_part_from_the_stock_model(tmp_path, monkey
         assert ".self_attn" in res.details["fidelity"]["first_parting_module"], res.details["fidelity"]
     finally:
         hf._MODELS.clear()
+
+
+def test_sinks_with_an_fp8_kv_cache_are_refused_in_one_line():
+    """The consistent kernels' FP8 KV-cache attention has no sinks: wrapping such a model is refused (C0's
+    TicInputError, exit 2), never an error inside a gate."""
+    from tic.core.errors import TicInputError
+    from tic.harness.kernels.consistent_cpu import CPUProvider
+    from tic.harness.kernels.modules import apply
+    from tic.harness.model.layer_structure import model_from_config
+
+    model = model_from_config(flint_config(), dtype=torch.float32)
+    with pytest.raises(TicInputError, match="attention sinks with an FP8 KV cache"):
+        apply(model, CPUProvider(kv_cache_dtype="fp8"))

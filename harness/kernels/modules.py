@@ -583,6 +583,9 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None, qu
         return model
     coverage = read_coverage(model)
     problems = problem_lines(coverage, provider.kernels)
+    if str(getattr(provider, "kv_cache_dtype", "auto")).startswith("fp8") and \
+            any("attention:sinks" in cov.classes for cov in coverage):
+        problems.append("attention sinks with an FP8 KV cache (its attention rule has no sinks)")
     if problems:
         raise TicInputError(f"kernels: {provider.kernels} does not cover: " + "; ".join(problems))
     variants = {name: v for cov in coverage for name, v in cov.variants.items()}
