@@ -56,6 +56,8 @@ def test_c0_reads_the_sinks_and_vllms_kernels_refuse_them():
 
 
 def test_an_attention_with_sinks_climbs_c0_to_c7(tmp_path, monkeypatch, one_thread):
+    """float32: in bf16 Flint's own attention computes its scores in float32 (its q/k-normed logits reach tens),
+    the consistent CPU kernel in bf16, and C2's fidelity check says they part at the attention."""
     ctx = small_ladder_ctx(tmp_path, monkeypatch, flint_config(), "float32")
     try:
         for gate in ("C0", "C2", "C3", "C4", "C5", "C6", "C7"):
@@ -91,3 +93,21 @@ def test_sinks_with_an_fp8_kv_cache_are_refused_in_one_line():
     model = model_from_config(flint_config(), dtype=torch.float32)
     with pytest.raises(TicInputError, match="attention sinks with an FP8 KV cache"):
         apply(model, CPUProvider(kv_cache_dtype="fp8"))
+
+
+def test_the_qk_norm_probe_takes_its_rows_dtype_from_q_proj_not_from_a_float32_parameter():
+    """transformers keeps Flint's sinks in float32 in a bf16 model, and they are its attention's first parameter:
+    the probe that places the q/k norms against the rotary built its rows in float32 from them, q_proj refused
+    them, and C0 refused the model. Control: the float32 model reads the same."""
+    from tic.harness.model.layer_structure import model_from_config
+
+    saved = dict(coverage._QK_PLACEMENT)
+    try:
+        coverage._QK_PLACEMENT.clear()
+        model = model_from_config(flint_config(), dtype=torch.bfloat16)
+        attn = model.model.layers[0].self_attn
+        assert next(attn.parameters()).dtype == torch.float32 and attn.q_proj.weight.dtype == torch.bfloat16
+        assert coverage.qk_norm_after_rotary(attn, "q_norm") is False
+    finally:
+        coverage._QK_PLACEMENT.clear()
+        coverage._QK_PLACEMENT.update(saved)

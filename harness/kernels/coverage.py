@@ -1017,7 +1017,7 @@ def _read_qk_placement(attn: nn.Module, q_norm: str) -> bool | None:
     AttentionInterface.register(QKV_PROBE, _raise_split)
     probe = seeded_copy(attn)
     g = torch.Generator().manual_seed(1)
-    p = next(probe.parameters())
+    p = probe.q_proj.weight  # the rows' dtype: a model may keep other parameters in float32 (sinks, routers)
     d = head_dim_of(probe)
     h = torch.randn(1, 2, probe.q_proj.in_features, generator=g).to(p.device, p.dtype)
     rotaries = [(torch.ones(1, 2, d), torch.zeros(1, 2, d)),
