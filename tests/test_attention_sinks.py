@@ -95,19 +95,14 @@ def test_sinks_with_an_fp8_kv_cache_are_refused_in_one_line():
         apply(model, CPUProvider(kv_cache_dtype="fp8"))
 
 
-def test_the_qk_norm_probe_takes_its_rows_dtype_from_q_proj_not_from_a_float32_parameter():
+def test_the_qk_norm_probe_takes_its_rows_dtype_from_q_proj_not_from_a_float32_parameter(monkeypatch):
     """transformers keeps Flint's sinks in float32 in a bf16 model, and they are its attention's first parameter:
     the probe that places the q/k norms against the rotary built its rows in float32 from them, q_proj refused
     them, and C0 refused the model. Control: the float32 model reads the same."""
     from tic.harness.model.layer_structure import model_from_config
 
-    saved = dict(coverage._QK_PLACEMENT)
-    try:
-        coverage._QK_PLACEMENT.clear()
-        model = model_from_config(flint_config(), dtype=torch.bfloat16)
-        attn = model.model.layers[0].self_attn
-        assert next(attn.parameters()).dtype == torch.float32 and attn.q_proj.weight.dtype == torch.bfloat16
-        assert coverage.qk_norm_after_rotary(attn, "q_norm") is False
-    finally:
-        coverage._QK_PLACEMENT.clear()
-        coverage._QK_PLACEMENT.update(saved)
+    monkeypatch.setattr(coverage, "_QK_PLACEMENT", {})  # read once per class: read this one afresh
+    model = model_from_config(flint_config(), dtype=torch.bfloat16)
+    attn = model.model.layers[0].self_attn
+    assert next(attn.parameters()).dtype == torch.float32 and attn.q_proj.weight.dtype == torch.bfloat16
+    assert coverage.qk_norm_after_rotary(attn, "q_norm") is False

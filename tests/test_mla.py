@@ -13,7 +13,7 @@ from transformers import CONFIG_MAPPING
 
 from tic.gates import get
 from tic.harness.engines import hf
-from tic.harness.kernels import coverage, mla
+from tic.harness.kernels import coverage, mla, modules
 from tic.harness.model.layer_structure import build_meta
 from tic.skill.context import GateContext
 from tic.skill.runner import run_gate
@@ -97,7 +97,7 @@ def test_a_latent_attention_climbs_c0_to_c7(tmp_path, monkeypatch, one_thread, m
             res = run_gate(get(gate), ctx)
             assert res.verdict == "pass", (gate, res.reason)
         attn = ctx.rollout_engine().model.model.layers[0].self_attn
-        assert attn.forward.__func__ is mla.mla_attention_forward
+        assert attn.forward.__func__ is modules._mla_attention_forward
     finally:
         hf._MODELS.clear()
 

@@ -1110,12 +1110,12 @@ def _read_shared_expert(cov: LayerCoverage, name: str, m, cfg, child: str) -> No
 
 
 def _moe_unused_children(block: nn.Module, shared: str | None) -> list[str]:
-    """A MoE block's children that its wrapper runs none of: other than its router, experts, shared expert (and
-    that expert's sigmoid gate), a child holding the selection bias, dropout or identity."""
-    router, bias = moe_router(block), _handed_bias_name(block)
-    used = {shared, "shared_expert_gate", (bias or "").split(".")[0]}
-    return [n for n, c in block.named_children() if n not in used and c is not router and c is not block.experts
-            and not isinstance(c, (nn.Dropout, nn.Identity))]
+    """A MoE block's children that its wrapper runs none of: other than its router (with whatever holds its
+    selection bias), experts, shared expert (and that expert's sigmoid gate), dropout or identity. A bias the block
+    hands its router is a tensor of its own, not a child."""
+    router = moe_router(block)
+    return [n for n, c in block.named_children() if n not in (shared, "shared_expert_gate") and c is not router
+            and c is not block.experts and not isinstance(c, (nn.Dropout, nn.Identity))]
 
 
 def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:

@@ -9,8 +9,8 @@ non-rotary features then the shared rotary ones, and so is its query. The value 
 Models lay the rotary features out differently: rotated as two halves (neox) or as pairs turned together.
 DeepSeek-V3's `rope_interleave` turns pairs and writes the results back as two halves: q and k are then permuted
 alike, so every score, and the attention, is that of pairs turned in place. `rope_layout` runs the module's
-forward on a seeded copy against both layouts and keeps the one that matches; the wrapper then rotates that way
-with the provider's rotary on the model's own cos|sin table.
+forward on a seeded copy against both layouts and keeps the one that matches; the wrapper (modules.py's
+`_mla_attention_forward`) then rotates that way with the provider's rotary on the model's own cos|sin table.
 """
 
 from __future__ import annotations
@@ -45,6 +45,11 @@ def is_mla_attention(m) -> bool:
         and isinstance(getattr(m, "scaling", None), float) and hasattr(m, "layer_idx")
 
 
+def query(m, x: torch.Tensor) -> torch.Tensor:
+    """The query projection of x: q_proj, or q_a_proj, its norm and q_b_proj."""
+    return m.q_proj(x) if _linear(m, "q_proj") else m.q_b_proj(m.q_a_layernorm(m.q_a_proj(x)))
+
+
 def split_heads(m, q: torch.Tensor, latent: torch.Tensor, norm_latent, kv_b) -> tuple:
     """(q without rotary, q's rotary features, k without rotary, k's shared rotary features, v), per head
     [.., heads, features] (the shared rotary features on one head), from the query projection's output and the
@@ -65,8 +70,8 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, layo
 
 def _reference(m, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, layout: str) -> torch.Tensor:
     """The latent attention of x [1, T, hidden], causal, in x's dtype, rotating as `layout` says."""
-    q = m.q_proj(x) if _linear(m, "q_proj") else m.q_b_proj(m.q_a_layernorm(m.q_a_proj(x)))
-    q_nope, q_rot, k_nope, k_rot, v = split_heads(m, q[0], m.kv_a_proj_with_mqa(x)[0], m.kv_a_layernorm, m.kv_b_proj)
+    q_nope, q_rot, k_nope, k_rot, v = split_heads(m, query(m, x)[0], m.kv_a_proj_with_mqa(x)[0], m.kv_a_layernorm,
+                                                  m.kv_b_proj)
     q_rot, k_rot = rotate(q_rot, positions, cos_sin, layout), rotate(k_rot, positions, cos_sin, layout)
     q = torch.cat([q_nope, q_rot], -1).transpose(0, 1)
     k = torch.cat([k_nope, k_rot.expand(*k_nope.shape[:-1], -1)], -1).transpose(0, 1)
@@ -126,34 +131,3 @@ def _read_rope_layout(m: nn.Module, seeded_copy) -> tuple[str | None, str | None
         return None, ("a latent attention whose rotary turns neither the two halves (neox) nor pairs of features"
                       if not fits else f"a latent attention whose rotary layout the probe cannot tell ({fits})")
     return fits[0], None
-
-
-def mla_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
-                          position_ids=None, **kwargs):
-    """The wrapped forward: every projection and norm through the module's own (wrapped) children, the rotary and
-    the attention through the provider's operators; the cache holds each head's full key and value."""
-    ops = self._tic_ops
-    B, T = hidden_states.shape[:2]
-    q = self.q_proj(hidden_states) if _linear(self, "q_proj") else \
-        self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-    q_nope, q_rot, k_nope, k_rot, v = split_heads(self, q, self.kv_a_proj_with_mqa(hidden_states),
-                                                  self.kv_a_layernorm, self.kv_b_proj)
-    if position_ids is None:
-        past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
-        position_ids = torch.arange(past, past + T, device=q.device)[None].expand(B, T)
-    positions = position_ids.expand(B, T).reshape(-1)
-    table = self._tic_rope.for_positions(position_ids, q.device)
-    rot = int(self.qk_rope_head_dim)
-    q_rot, k_rot = (t.reshape(B * T, -1, rot) for t in (q_rot, k_rot))
-    turn = ops.rotary_interleaved if self._tic_mla_layout == "pairs" else ops.rotary
-    q_rot, k_rot = turn(q_rot.contiguous(), k_rot.contiguous(), positions, table)
-    heads = q_nope.shape[-2]
-    q = torch.cat([q_nope, q_rot.reshape(B, T, heads, rot)], -1).transpose(1, 2)
-    k = torch.cat([k_nope, k_rot.reshape(B, T, 1, rot).expand(B, T, heads, rot)], -1).transpose(1, 2)
-    v = v.transpose(1, 2)
-    if cache is not None:
-        k, v = cache.update(k, v, self.layer_idx)
-    if attention_mask is not None and attention_mask.dtype != torch.bool:
-        attention_mask = attention_mask == 0
-    out = ops.attention(q, k, v, attention_mask, self.scaling)
-    return self.o_proj(out.reshape(B, T, -1)), None

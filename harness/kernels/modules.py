@@ -41,13 +41,13 @@ from tic.harness.kernels import mamba_modules  # tic: Mamba-2 mixers (hybrids), 
 from tic.harness.kernels import mla
 from tic.harness.kernels.autograd import OPS, Backward, Ops
 from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, attention_name, attention_sinks,
-                                          attention_softcap,
-                                          attention_window, expert_weights, final_norm, handed_bias, head_dim_of,
-                                          is_attention, is_decoder_layer, is_gated_mlp, is_hybrid_block,
-                                          is_layernorm, is_moe_block, is_rmsnorm, logits_scaling_settable, mlp_name,
-                                          moe_router, norm_eps, output_projection_name, problem_lines, read_coverage,
-                                          residual_scale_name, rotary_modules, rotary_per_layer_type, router_routing,
-                                          router_weight, routing_bias_name)
+                                          attention_softcap, attention_window, expert_weights, final_norm,
+                                          handed_bias, head_dim_of, is_attention, is_decoder_layer, is_gated_mlp,
+                                          is_hybrid_block, is_layernorm, is_moe_block, is_rmsnorm,
+                                          logits_scaling_settable, mlp_name, moe_router, norm_eps,
+                                          output_projection_name, problem_lines, read_coverage, residual_scale_name,
+                                          rotary_modules, rotary_per_layer_type, router_routing, router_weight,
+                                          routing_bias_name)
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.stand_ins import stands_for
@@ -379,10 +379,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         q, k = getattr(self, qk_norms[0])(q), getattr(self, qk_norms[1])(k)
     if self._tic_clip is not None:  # elementwise, after the norms (transformers' OLMoE order)
         q, k, v = (t.clamp(-self._tic_clip, self._tic_clip) for t in (q, k, v))
-    if position_ids is None:
-        past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
-        position_ids = torch.arange(past, past + T, device=q.device)[None].expand(B, T)
-    positions = position_ids.expand(B, T).reshape(-1)
+    position_ids, positions = _positions(self, position_ids, cache, B, T, q.device)
     if self._tic_rope is not None:  # tic: attention without rotary (NemotronH), issue 31
         table = self._tic_rope.for_positions(position_ids, q.device)
         q, k = getattr(ops, self._tic_rope.op)(q.reshape(B * T, -1, D), k.reshape(B * T, -1, D), positions, table)
@@ -391,11 +388,47 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     q, k, v = q.reshape(B, T, -1, D).transpose(1, 2), k.reshape(B, T, -1, D).transpose(1, 2), v.transpose(1, 2)
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx)
-    if attention_mask is not None and attention_mask.dtype != torch.bool:
-        attention_mask = attention_mask == 0
-    out = ops.attention(q, k, v, attention_mask, self.scaling, softcap=self._tic_softcap, window=self._tic_window,
-                        sinks=self.sinks if self._tic_sinks else None)
+    out = ops.attention(q, k, v, _bool_mask(attention_mask), self.scaling, softcap=self._tic_softcap,
+                        window=self._tic_window, sinks=self.sinks if self._tic_sinks else None)
     return getattr(self, self._tic_out_proj)(out.reshape(B, T, -1)), None
+
+
+def _mla_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+                           position_ids=None, **kwargs):
+    """A latent attention (tic.harness.kernels.mla): every projection and norm through the module's own (wrapped)
+    children, the rotary (in the layout coverage read) and the attention through the provider's operators; the
+    cache holds each head's full key and value."""
+    ops: Ops = self._tic_ops
+    B, T = hidden_states.shape[:2]
+    q = mla.query(self, hidden_states)
+    q_nope, q_rot, k_nope, k_rot, v = mla.split_heads(self, q, self.kv_a_proj_with_mqa(hidden_states),
+                                                      self.kv_a_layernorm, self.kv_b_proj)
+    position_ids, positions = _positions(self, position_ids, cache, B, T, q.device)
+    table = self._tic_rope.for_positions(position_ids, q.device)
+    rot, heads = int(self.qk_rope_head_dim), q_nope.shape[-2]
+    turn = ops.rotary_interleaved if self._tic_mla_layout == "pairs" else ops.rotary
+    q_rot, k_rot = turn(q_rot.reshape(B * T, -1, rot).contiguous(), k_rot.reshape(B * T, -1, rot).contiguous(),
+                        positions, table)
+    q = torch.cat([q_nope, q_rot.reshape(B, T, heads, rot)], -1).transpose(1, 2)
+    k = torch.cat([k_nope, k_rot.reshape(B, T, 1, rot).expand(B, T, heads, rot)], -1).transpose(1, 2)
+    v = v.transpose(1, 2)
+    if cache is not None:
+        k, v = cache.update(k, v, self.layer_idx)
+    out = ops.attention(q, k, v, _bool_mask(attention_mask), self.scaling)
+    return self.o_proj(out.reshape(B, T, -1)), None
+
+
+def _positions(attn, position_ids, cache, B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position_ids [B, T], their flat rows): the ones given, else the next T after what the cache holds."""
+    if position_ids is None:
+        past = cache.get_seq_length(attn.layer_idx) if cache is not None else 0
+        position_ids = torch.arange(past, past + T, device=device)[None].expand(B, T)
+    return position_ids, position_ids.expand(B, T).reshape(-1)
+
+
+def _bool_mask(mask):
+    """HF's additive float mask (0 = attend) as the bool mask the provider's attention takes (True = attend)."""
+    return mask == 0 if mask is not None and mask.dtype != torch.bool else mask
 
 
 def _plain_mlp_forward(self, x):
@@ -540,7 +573,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m.forward = types.MethodType(_plain_mlp_forward, m)
     elif mla.is_mla_attention(m):
         m._tic_rope, m._tic_mla_layout = _rope_of(m, ropes, cfg), reading["mla_rope"]
-        m.forward = types.MethodType(mla.mla_attention_forward, m)
+        m.forward = types.MethodType(_mla_attention_forward, m)
     elif is_attention(m):
         m._tic_out_proj = output_projection_name(m)
         m._tic_head_dim = head_dim_of(m)
