@@ -13,7 +13,7 @@ from tic.core.env import env_overlay
 from tic.core.errors import TicInputError
 from tic.harness.engines import build_engine
 from tic.harness.engines.base import Engine, Sample, Sampling
-from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE
+from tic.harness.kernels.spec import RolloutKernels
 from tic.harness.kernels.vllm_provider import require_vllm
 from tic.harness.measure.prompts import file_prompts, random_prompts
 from tic.harness.model.facts import ModelFacts, vocab_size
@@ -113,17 +113,17 @@ class GateContext:
         return random_prompts(p.count, self.vocab_size, p.min_len, p.max_len, p.seed)
 
     # -- engines ----------------------------------------------------------------------------------------
-    def _rollout_kv_block_size(self) -> int:
-        """The KV page size of the configured rollout as vLLM resolved it, its engine built first if it is not
-        yet: a training side on vLLM's kernels pages its prefill K/V alike. vLLM's default for a rollout that is
-        not a vLLM engine (a dump)."""
+    def _rollout_kernels(self) -> RolloutKernels:
+        """What a training side on vLLM's kernels must match of the configured rollout (its KV page size and the
+        logprob rule of the runner vLLM picked), its engine built first if it is not yet. vLLM's defaults for a
+        rollout that is not a vLLM engine (a dump)."""
         if self.cfg.rollout.engine != "vllm":
-            return DEFAULT_KV_BLOCK_SIZE
-        return self.rollout_engine().kv_block_size
+            return RolloutKernels()
+        return self.rollout_engine().rollout_kernels
 
     def _build(self, side: str, side_cfg: EngineConfig, shared_model: bool = True) -> Engine:
         model = None if side_cfg.engine == "dump" else self.model  # a dump reads no model
-        return build_engine(side, side_cfg, model, self.cfg.resolve, shared_model, self._rollout_kv_block_size)
+        return build_engine(side, side_cfg, model, self.cfg.resolve, shared_model, self._rollout_kernels)
 
     def side_engine(self, name: str, side: str, side_cfg: EngineConfig, env: dict[str, str] | None = None) -> Engine:
         """The engine `name` for one side's config, built once per run (under `env`, when given): the train

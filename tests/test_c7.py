@@ -11,6 +11,7 @@ from tic.gates import get
 from tic.harness.engines import hf
 from tic.harness.kernels import autograd as ag
 from tic.harness.kernels.consistent_cpu import CPUProvider
+from tic.harness.kernels.spec import RolloutKernels
 from tic.harness.kernels.varlen import paged_layout, varlen_from_mask
 from tic.harness.testing.backward_plants import planted_fault
 from tic.core.errors import TicInputError
@@ -348,12 +349,12 @@ def test_c7_gradients_artifact_lists_every_tensor(dense_ctx):
     assert len(data["tensors"]) == res.metrics["tensors"] and data["min_cosine"] == 0.999
 
 
-def _cpu_vllm_provider(monkeypatch, kv_block_size: int = 16):
+def _cpu_vllm_provider(monkeypatch, rollout: RolloutKernels = RolloutKernels()):
     """A vLLM provider whose vLLM kernels are not loaded (CPU): its plumbing runs, each kernel a test stands in."""
     from tic.harness.kernels.vllm_provider import VLLMProvider
 
     monkeypatch.setattr(VLLMProvider, "_load_vllm", lambda self: None)
-    return VLLMProvider(kv_block_size)
+    return VLLMProvider(rollout)
 
 
 @pytest.mark.parametrize("block", [16, 32])
@@ -382,7 +383,7 @@ def test_vllm_provider_attention_layout_with_a_stand_in_kernel(monkeypatch, batc
         return torch.cat(outs).to(q.dtype)
 
     monkeypatch.setattr(VLLMProvider, "_find_varlen_attention", staticmethod(lambda: varlen))
-    prov = _cpu_vllm_provider(monkeypatch, block)
+    prov = _cpu_vllm_provider(monkeypatch, RolloutKernels(block))
     prov.fa_version = 3
     ar = torch.arange(6)
     causal = ar[None, :] <= ar[:, None]
@@ -404,9 +405,9 @@ def test_vllm_provider_attention_layout_with_a_stand_in_kernel(monkeypatch, batc
 
 
 def test_a_training_side_on_vllm_kernels_is_built_with_the_rollouts_page_size(example, monkeypatch):
-    """The KV page size the configured vLLM rollout resolved is handed to the training provider when the train
-    engine is built (the rollout engine first): nothing goes through the environment, so it cannot depend on
-    which engine this process built last."""
+    """The KV page size and the logprob rule the configured vLLM rollout resolved are handed to the training
+    provider when the train engine is built (the rollout engine first): nothing goes through the environment, so
+    it cannot depend on which engine this process built last."""
     import os
     from types import SimpleNamespace
 
@@ -417,13 +418,15 @@ def test_a_training_side_on_vllm_kernels_is_built_with_the_rollouts_page_size(ex
     cfg = ctx.cfg
     cfg.rollout.engine, cfg.train.kernels = "vllm", "vllm"
     asked = []
-    monkeypatch.setattr(ctx, "rollout_engine", lambda: asked.append("rollout") or SimpleNamespace(kv_block_size=32))
+    rollout = SimpleNamespace(rollout_kernels=RolloutKernels(32, "v2_sampler"))
+    monkeypatch.setattr(ctx, "rollout_engine", lambda: asked.append("rollout") or rollout)
     hf._MODELS.clear()
     try:
-        engine = ctx.private_engine("train", "C8")
-        assert asked == ["rollout"] and engine.model._tic_provider.kv_block_size == 32
-        cfg.rollout.dump, cfg.rollout.engine = Path("rollout.jsonl"), "dump"  # records: vLLM's default pages
-        assert ctx.private_engine("train", "C8").model._tic_provider.kv_block_size == 16
+        prov = ctx.private_engine("train", "C8").model._tic_provider
+        assert asked == ["rollout"] and (prov.kv_block_size, prov.logprob_rule) == (32, "v2_sampler")
+        cfg.rollout.dump, cfg.rollout.engine = Path("rollout.jsonl"), "dump"  # records: vLLM's defaults
+        prov = ctx.private_engine("train", "C8").model._tic_provider
+        assert (prov.kv_block_size, prov.logprob_rule) == (16, "log_softmax")
     finally:
         hf._MODELS.clear()
     assert asked == ["rollout"] and "TIC_VLLM_BLOCK_SIZE" not in os.environ

@@ -14,6 +14,7 @@ from tic.config.schema import load_config
 from tic.gates import get
 from tic.harness.engines import hf
 from tic.harness.kernels.routing import Routing
+from tic.harness.kernels.spec import RolloutKernels
 from tic.harness.kernels.coverage import REGISTRY, coverage_problems, coverage_table, norm_eps, read_coverage
 from tic.harness.model.layer_structure import build_meta
 from tic.skill.context import GateContext
@@ -472,7 +473,7 @@ def _cpu_vllm_provider(monkeypatch):
     from tic.harness.kernels.vllm_provider import VLLMProvider
 
     monkeypatch.setattr(VLLMProvider, "_load_vllm", lambda self: None)
-    prov = VLLMProvider(4)
+    prov = VLLMProvider(RolloutKernels(4))
     prov.fa_version = 3
     return prov
 

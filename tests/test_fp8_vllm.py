@@ -14,6 +14,7 @@ import torch
 from tic.harness.kernels import autograd as ag
 from tic.harness.kernels.consistent_cpu import CPUProvider
 from tic.harness.kernels.fp8 import QuantizedCopies
+from tic.harness.kernels.spec import RolloutKernels
 from tic.harness.model.quantize import quantize_weight_blocks
 
 
@@ -21,7 +22,7 @@ def _cpu_vllm_provider(monkeypatch, kv_cache_dtype="auto", block=16):
     from tic.harness.kernels.vllm_provider import VLLMProvider
 
     monkeypatch.setattr(VLLMProvider, "_load_vllm", lambda self: None)
-    return VLLMProvider(block, kv_cache_dtype)
+    return VLLMProvider(RolloutKernels(block), kv_cache_dtype)
 
 
 def _modules(monkeypatch, **mods):

@@ -12,6 +12,7 @@ from tic.core.errors import TicInputError  # noqa: E402
 from tic.gates import get  # noqa: E402
 from tic.harness.engines import hf  # noqa: E402
 from tic.harness.engines.megatron import load_megatron_model  # noqa: E402
+from tic.harness.kernels.spec import RolloutKernels  # noqa: E402
 from tic.harness.testing.tinymodels import tiny_model  # noqa: E402
 from tic.skill.context import GateContext  # noqa: E402
 from tic.skill.runner import run_gate  # noqa: E402
@@ -33,7 +34,7 @@ def _batch(vocab: int):
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
 def test_forward_matches_hf(family):
     model_dir, cfg = tiny_model(11, family)
-    mg = load_megatron_model(model_dir, "float32", "consistent", "cpu", 16, None)
+    mg = load_megatron_model(model_dir, "float32", "consistent", "cpu", RolloutKernels(), None)
     wrapped = hf.load_model(model_dir, "float32", "consistent", shared=False)
     stock = hf.load_model(model_dir, "float32", "stock", "eager", shared=False)
     ids, mask, pos = _batch(cfg["vocab_size"])

@@ -1118,10 +1118,11 @@ def test_vllm_provider_runs_commandrs_norm_function_whatever_patch_holds_it(fake
     called, so a rollout patch of that function reaches the training forward too."""
     from vllm.model_executor.models import commandr
 
+    from tic.harness.kernels.spec import RolloutKernels
     from tic.harness.kernels.vllm_provider import VLLMProvider
 
     monkeypatch.setattr(VLLMProvider, "_load_vllm", lambda self: None)
-    prov = VLLMProvider(4)
+    prov = VLLMProvider(RolloutKernels(4))
     x, w = torch.randn(3, 16).bfloat16(), torch.randn(16).bfloat16()
     assert torch.equal(prov.layer_norm_float32(x, w, None, 1e-5), commandr.layer_norm_func(x, w, 1e-5))
     seen = []

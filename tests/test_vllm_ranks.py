@@ -49,6 +49,8 @@ def test_ranks_deal_and_gather_like_one_engine(ep):
         else:
             assert env["VLLM_DP_SIZE"] == "2" and env["VLLM_DP_RANK"] == "0"
         assert eng.fingerprint()["parallel"] == ("DP2 EP2" if ep == 2 else "DP2 (replicas)")
+        # what a training side on vLLM's kernels is built to match: the ranks' engine as it resolved itself
+        assert eng.rollout_kernels == StandInVLLM.rollout_kernels and eng.kv_block_size == 16
     finally:
         eng.close()
 

@@ -15,7 +15,7 @@ from tic.harness.engines.hf_ranks import RankedHFEngine, check_options
 from tic.harness.engines.megatron import MegatronEngine  # megatron-core itself is imported when one is built
 from tic.harness.engines.vllm import VLLMEngine
 from tic.harness.engines.vllm_ranks import RankedVLLMEngine
-from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE
+from tic.harness.kernels.spec import RolloutKernels
 from tic.harness.model.facts import ModelFacts
 
 __all__ = ["Engine", "Sample", "Sampling", "build_engine", "engine_class"]
@@ -34,12 +34,12 @@ def engine_class(side_cfg: EngineConfig) -> type[Engine]:
 
 def build_engine(side: str, side_cfg: EngineConfig, model: ModelFacts | None, resolve: Callable[[Path], Path],
                  shared_model: bool = True,
-                 rollout_kv_block_size: Callable[[], int] = lambda: DEFAULT_KV_BLOCK_SIZE) -> Engine:
+                 rollout_kernels: Callable[[], RolloutKernels] = RolloutKernels) -> Engine:
     """model: the model under test (None for a dump engine, which reads none). resolve: a path as tic.yaml
     writes it -> the file it names (TicConfig.resolve). shared_model=False: the engine gets a model object of its
-    own (hf; C8/C9 change its weights). rollout_kv_block_size: the rollout's KV page size as vLLM resolved it,
-    asked only for a train side on vLLM's kernels and only after this side's own checks (a refused side starts
-    no rollout engine); that side pages its prefill K/V alike (FA3 picks its key tile from the paging)."""
+    own (hf; C8/C9 change its weights). rollout_kernels: what a train side on vLLM's kernels must match of the
+    rollout as vLLM resolved it (its KV page size and logprob rule), asked only for such a side and only after this
+    side's own checks (a refused side starts no rollout engine)."""
     if side_cfg.engine == "dump":
         return DumpEngine(resolve(side_cfg.dump), side)
     assert model is not None, f"a live {side} engine needs the model under test"
@@ -50,11 +50,10 @@ def build_engine(side: str, side_cfg: EngineConfig, model: ModelFacts | None, re
             raise TicInputError(f"{side}.parallel: the hf engine runs data and expert parallel ranks only "
                                 f"(tp={par.tp}, cp={par.cp}, dcp={par.dcp}); C0 says which layouts are covered")
         # (a rollout side on vLLM's kernels is refused before any engine is built: tic.skill.context.check_kernels)
-        kv_block_size = rollout_kv_block_size() if side_cfg.kernels == "vllm" and side != "rollout" \
-            else DEFAULT_KV_BLOCK_SIZE
+        rollout = rollout_kernels() if side_cfg.kernels == "vllm" and side != "rollout" else RolloutKernels()
         if par.dp > 1 or par.ep > 1:  # rank processes: CPU (gloo, DP and EP) or one GPU each (DP)
-            return RankedHFEngine.from_config(side_cfg, model.dir, model.dtype, kv_block_size)
-        return HFEngine.from_config(side_cfg, model.dir, model.dtype, shared_model, kv_block_size)
+            return RankedHFEngine.from_config(side_cfg, model.dir, model.dtype, rollout)
+        return HFEngine.from_config(side_cfg, model.dir, model.dtype, shared_model, rollout)
     if side_cfg.engine == "vllm":
         if side != "rollout":
             raise TicInputError("vllm is a rollout engine; use train.engine: hf or dump")
@@ -64,6 +63,6 @@ def build_engine(side: str, side_cfg: EngineConfig, model: ModelFacts | None, re
     if side_cfg.engine == "megatron":
         if side != "train":
             raise TicInputError("megatron is a train engine; use rollout.engine: hf or vllm")
-        kv_block_size = rollout_kv_block_size() if side_cfg.kernels == "vllm" else DEFAULT_KV_BLOCK_SIZE
-        return MegatronEngine.from_config(side_cfg, model.dir, model.dtype, shared_model, kv_block_size)
+        rollout = rollout_kernels() if side_cfg.kernels == "vllm" else RolloutKernels()
+        return MegatronEngine.from_config(side_cfg, model.dir, model.dtype, shared_model, rollout)
     raise TicInputError(f"{side}.engine: unknown engine {side_cfg.engine!r}")

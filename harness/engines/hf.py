@@ -20,7 +20,7 @@ from tic.harness.engines.batches import micro_batches
 from tic.harness.kernels.fp8 import attach_checkpoint, unquantized_config
 from tic.harness.kernels.modules import apply, capture_routes
 from tic.harness.kernels.providers import provider_for
-from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE
+from tic.harness.kernels.spec import RolloutKernels
 from tic.harness.kernels.vllm_provider import require_vllm
 from tic.harness.model.layer_structure import quiet_transformers
 from tic.core.errors import TicInputError
@@ -42,21 +42,21 @@ WRAPPED_KERNELS = ("consistent", "vllm")  # kernels that run through tic's autog
 
 
 def load_model(model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa", device: str = "cpu",
-               kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, backward: BackwardConfig | None = None,
+               rollout: RolloutKernels = RolloutKernels(), backward: BackwardConfig | None = None,
                trainable: bool = False, shared: bool = True, kv_cache_dtype: str = "auto"):
     """The model, cached per configuration. trainable=True gives a separate copy whose parameters take
     gradients (C7), so the inference copy the gates share is never touched. shared=False loads an object
     of its own, outside the cache (C8/C9 change its weights; the other gates' models must not see that).
-    kv_block_size, kv_cache_dtype: kernels vllm, the rollout's KV page size and cache dtype
-    (tic.harness.kernels.vllm_provider); backward: how the wrappers' surrogate backward runs (tic.yaml
-    train.backward)."""
+    rollout, kv_cache_dtype: kernels vllm, what of the vLLM rollout its provider matches (its page size and logprob
+    rule, tic.harness.kernels.spec.RolloutKernels) and its KV cache dtype; backward: how the wrappers' surrogate
+    backward runs (tic.yaml train.backward)."""
     backward = backward if backward is not None else BackwardConfig()
-    key = (str(model_dir), dtype, kernels, attn, device, kv_block_size, kv_cache_dtype, backward, trainable)
-    return cached_model(key, lambda: _load_model(model_dir, dtype, kernels, attn, device, kv_block_size, backward,
+    key = (str(model_dir), dtype, kernels, attn, device, rollout, kv_cache_dtype, backward, trainable)
+    return cached_model(key, lambda: _load_model(model_dir, dtype, kernels, attn, device, rollout, backward,
                                                  trainable, kv_cache_dtype), shared)
 
 
-def _load_model(model_dir: Path, dtype: str, kernels: str, attn: str, device: str, kv_block_size: int,
+def _load_model(model_dir: Path, dtype: str, kernels: str, attn: str, device: str, rollout: RolloutKernels,
                 backward: BackwardConfig, trainable: bool, kv_cache_dtype: str):
     from transformers import AutoModelForCausalLM
 
@@ -87,7 +87,7 @@ def _load_model(model_dir: Path, dtype: str, kernels: str, attn: str, device: st
     model.eval()
     model.requires_grad_(trainable)
     if kernels in WRAPPED_KERNELS:
-        apply(model, provider_for(kernels, kv_block_size, kv_cache_dtype), backward, quant)
+        apply(model, provider_for(kernels, rollout, kv_cache_dtype), backward, quant)
     return model
 
 
@@ -154,14 +154,14 @@ class HFEngine(Engine):
     def __init__(self, model_dir: Path, dtype: str = "auto", kernels: str = "stock", attn: str = "sdpa",
                  batch_size: int = 8, micro_batch_size: int = 4, padding_side: str = "right",
                  packing: bool = False, device: str = "cpu", shared_model: bool = True, order: str = "given",
-                 kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, backward: BackwardConfig | None = None,
+                 rollout: RolloutKernels = RolloutKernels(), backward: BackwardConfig | None = None,
                  kv_cache_dtype: str = "auto"):
         self.model_dir = Path(model_dir)
         self.kernels = kernels
         self.dtype = dtype
         self.attn = attn
         self.device = torch.device(device)
-        self._load_args = (self.model_dir, dtype, kernels, attn, device, kv_block_size, backward)
+        self._load_args = (self.model_dir, dtype, kernels, attn, device, rollout, backward)
         self._kv_cache_dtype = kv_cache_dtype
         self._fp8_rules: dict | None = None  # fp8_rules(), read once
         self.model = load_model(*self._load_args, shared=shared_model, kv_cache_dtype=kv_cache_dtype)
@@ -174,11 +174,11 @@ class HFEngine(Engine):
 
     @classmethod
     def from_config(cls, side_cfg, model_dir: Path, dtype: str, shared_model: bool = True,
-                    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE) -> "HFEngine":
+                    rollout: RolloutKernels = RolloutKernels()) -> "HFEngine":
         return cls(model_dir, dtype, side_cfg.kernels, side_cfg.attn_implementation, side_cfg.batch_size,
                    side_cfg.micro_batch_size, side_cfg.padding_side, side_cfg.packing,
                    getattr(side_cfg, "device", "cpu"), shared_model, getattr(side_cfg, "order", "given"),
-                   kv_block_size, side_cfg.backward, side_cfg.options.get("kv_cache_dtype", "auto"))
+                   rollout, side_cfg.backward, side_cfg.options.get("kv_cache_dtype", "auto"))
 
     @classmethod
     def baseline_changes(cls, side_cfg) -> dict:
@@ -227,12 +227,13 @@ class HFEngine(Engine):
 
     # -- numerics shared by both phases -------------------------------------------------------------
     def logprobs_of(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
-        logits = logits.float()
+        """float32 logprobs of the logits. The wrapped kernels take them in the dtype the model computed them in,
+        as vLLM's sampler does: its V2 runner's kernel sums in another order for bf16 logits than for float32."""
         if temperature not in (0, 1):
-            logits = logits / temperature
+            logits = logits.float() / temperature
         if self.kernels in WRAPPED_KERNELS:
             return self.model._tic_ops.log_softmax(logits)
-        return torch.log_softmax(logits, dim=-1)
+        return torch.log_softmax(logits.float(), dim=-1)
 
     def _check_ids(self, seqs: list[list[int]]) -> None:
         for s in seqs:

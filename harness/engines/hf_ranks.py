@@ -22,7 +22,7 @@ from tic.core.errors import TicInputError
 from tic.harness.engines.base import Engine, Sample, Sampling
 from tic.harness.engines.hf import HFEngine
 from tic.harness.engines.ranks import DealtRequests
-from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE
+from tic.harness.kernels.spec import RolloutKernels
 from tic.harness.engines.parallel import (COMBINES, ExpertParallelMoE, RankPool, ep_group, moe_blocks, rank_gpu,
                                           require_gpus)
 
@@ -115,7 +115,7 @@ class RankedHFEngine(DealtRequests, Engine):
                  batch_size: int = 8, micro_batch_size: int = 4, padding_side: str = "right",
                  packing: bool = False, dp: int = 1, ep: int = 1, options: dict | None = None,
                  timeout_s: float = 600.0, device: str = "cpu", order: str = "given",
-                 kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, backward: BackwardConfig | None = None):
+                 rollout: RolloutKernels = RolloutKernels(), backward: BackwardConfig | None = None):
         opts = check_options(options or {})
         if dp % ep:
             raise TicInputError(f"parallel.ep={ep} must divide parallel.dp={dp} (hf ranks are DP ranks)")
@@ -129,7 +129,7 @@ class RankedHFEngine(DealtRequests, Engine):
         self.layout = f"DP{dp} EP{ep}" + (f" ({self.combine} merge)" if ep > 1 else "")
         kwargs = dict(model_dir=Path(model_dir), dtype=dtype, kernels=kernels, attn=attn, batch_size=batch_size,
                       micro_batch_size=micro_batch_size, padding_side=padding_side, packing=packing,
-                      device="cuda" if device != "cpu" else "cpu", order=order, kv_block_size=kv_block_size,
+                      device="cuda" if device != "cpu" else "cpu", order=order, rollout=rollout,
                       backward=backward)
         self.pool = RankPool(dp, _setup_rank, (kwargs, ep, self.combine), timeout_s=timeout_s,
                              threads=torch.get_num_threads())
@@ -137,12 +137,12 @@ class RankedHFEngine(DealtRequests, Engine):
 
     @classmethod
     def from_config(cls, side_cfg, model_dir: Path, dtype: str,
-                    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE) -> "RankedHFEngine":
+                    rollout: RolloutKernels = RolloutKernels()) -> "RankedHFEngine":
         p = side_cfg.parallel
         return cls(model_dir, dtype, side_cfg.kernels, side_cfg.attn_implementation, side_cfg.batch_size,
                    side_cfg.micro_batch_size, side_cfg.padding_side, side_cfg.packing, p.dp, p.ep,
                    side_cfg.options, device=getattr(side_cfg, "device", "cpu"),
-                   order=getattr(side_cfg, "order", "given"), kv_block_size=kv_block_size,
+                   order=getattr(side_cfg, "order", "given"), rollout=rollout,
                    backward=side_cfg.backward)
 
     def _generate(self, prompts, sampling, request_ids, together: bool) -> list[Sample]:

@@ -25,7 +25,7 @@ from tic.harness.engines.megatron_spec import ForwardBatch, TicShared, gpt_block
 from tic.harness.kernels.autograd import Backward, Ops
 from tic.harness.kernels.modules import ResidualStream, RopeTable, RouteLog
 from tic.harness.kernels.providers import provider_for
-from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE
+from tic.harness.kernels.spec import RolloutKernels
 from tic.harness.kernels.vllm_provider import require_vllm
 from tic.harness.model.megatron_convert import (AttentionShape, check_family, conversion_plan, hf_to_megatron,
                                                 megatron_to_hf, fused_expert_layout, module_map, num_experts)
@@ -194,18 +194,18 @@ class MegatronCausalLM(nn.Module):
                               self.model_cfg)
 
 
-def load_megatron_model(model_dir: Path, dtype: str, kernels: str, device: str, kv_block_size: int,
+def load_megatron_model(model_dir: Path, dtype: str, kernels: str, device: str, rollout: RolloutKernels,
                         backward: BackwardConfig | None, trainable: bool = False,
                         shared: bool = True) -> MegatronCausalLM:
     """The Megatron model of model_dir's config.json with the checkpoint's weights, on `device`, cached per
     configuration in the hf engine's model cache: the layouts C6 compares share one model, and the trainable copy
     (trainable=True) is one per configuration too. shared=False loads one of its own (C8/C9 update it)."""
-    key = ("megatron", str(model_dir), dtype, kernels, device, kv_block_size, backward, trainable)
-    return cached_model(key, lambda: _load_megatron_model(model_dir, dtype, kernels, device, kv_block_size,
+    key = ("megatron", str(model_dir), dtype, kernels, device, rollout, backward, trainable)
+    return cached_model(key, lambda: _load_megatron_model(model_dir, dtype, kernels, device, rollout,
                                                           backward, trainable), shared)
 
 
-def _load_megatron_model(model_dir: Path, dtype: str, kernels: str, device: str, kv_block_size: int,
+def _load_megatron_model(model_dir: Path, dtype: str, kernels: str, device: str, rollout: RolloutKernels,
                          backward: BackwardConfig | None, trainable: bool) -> MegatronCausalLM:
     import json
 
@@ -222,7 +222,7 @@ def _load_megatron_model(model_dir: Path, dtype: str, kernels: str, device: str,
     hf = {k: v for f in files for k, v in load_file(str(f)).items()}
     torch_dtype = next(iter(hf.values())).dtype if dtype == "auto" else getattr(torch, dtype)
     init_parallel_state(device)
-    model = MegatronCausalLM(hf_config, cfg, provider_for(kernels, kv_block_size), backward, torch_dtype)
+    model = MegatronCausalLM(hf_config, cfg, provider_for(kernels, rollout), backward, torch_dtype)
     model.load_hf({k: v.to(torch_dtype) for k, v in hf.items()})
     model.to(device).eval().requires_grad_(trainable)
     return model
@@ -233,11 +233,11 @@ class MegatronEngine(HFEngine):
 
     def __init__(self, model_dir: Path, dtype: str = "auto", kernels: str = "consistent",
                  micro_batch_size: int = 4, padding_side: str = "right", packing: bool = False,
-                 device: str = "cpu", order: str = "given", kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
+                 device: str = "cpu", order: str = "given", rollout: RolloutKernels = RolloutKernels(),
                  backward: BackwardConfig | None = None, shared_model: bool = True):
         self.model_dir, self.kernels, self.dtype, self.attn = Path(model_dir), kernels, dtype, "tic wrapped"
         self.device = torch.device(device)
-        self._load_args = (self.model_dir, dtype, kernels, device, kv_block_size, backward)
+        self._load_args = (self.model_dir, dtype, kernels, device, rollout, backward)
         self.model = load_megatron_model(*self._load_args, shared=shared_model)
         self.micro_batch_size = micro_batch_size
         self.padding_side, self.packing, self.order = padding_side, packing, order
@@ -245,12 +245,12 @@ class MegatronEngine(HFEngine):
 
     @classmethod
     def from_config(cls, side_cfg, model_dir: Path, dtype: str, shared_model: bool = True,
-                    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE) -> "MegatronEngine":
+                    rollout: RolloutKernels = RolloutKernels()) -> "MegatronEngine":
         why = refusals(side_cfg)
         if why:
             raise TicInputError(why[0])
         return cls(model_dir, dtype, side_cfg.kernels, side_cfg.micro_batch_size, side_cfg.padding_side,
-                   side_cfg.packing, side_cfg.device, side_cfg.order, kv_block_size, side_cfg.backward,
+                   side_cfg.packing, side_cfg.device, side_cfg.order, rollout, side_cfg.backward,
                    shared_model)
 
     def fingerprint(self) -> dict:

@@ -2,7 +2,9 @@
 
 - Prompts are token ids (TokensPrompt); the tokenizer is skipped (skip_tokenizer_init, detokenize=False).
 - Rollout: SamplingParams(seed=per request, logprobs=0, ignore_eos=True); each sampled token's logprob is read
-  exactly as vLLM reports it (logprobs_mode raw_logprobs by default: log_softmax of the raw logits in float32).
+  exactly as vLLM reports it (logprobs_mode raw_logprobs by default: the raw logits' log_softmax in float32,
+  computed by the V1 runner's sampler with torch, by the V2 runner's with a Triton kernel of its own; the engine
+  says which, `rollout_kernels`, and a training side on vLLM's kernels follows it).
 - Scoring (C4's prefill side): the whole sequence as one prompt with prompt_logprobs=0 and max_tokens=1.
 - generate_together submits all requests in one call, sized so that vLLM's scheduler runs them in one batch.
 - The locator (tic.harness.locate.vllm_capture) hooks the model inside this process
@@ -26,7 +28,7 @@ import torch
 from tic.config.schema import EngineConfig
 from tic.core.env import env_overlay
 from tic.harness.engines.base import Engine, Sample, Sampling, request_seed
-from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE
+from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE, RolloutKernels
 from tic.harness.model.facts import ModelFacts
 from tic.core.errors import TicInputError
 
@@ -63,6 +65,7 @@ OPTIONS: dict[str, Any] = {
 
 _LLMS: dict[str, Any] = {}  # one vLLM engine per process and configuration (they hold the GPU)
 _START_ENV: dict[str, dict[str, str]] = {}  # engine cores of their own: the switch variables they started with
+_V2_RUNNER: dict[str, bool] = {}  # whether vLLM picked its V2 model runner for the engine
 
 
 def check_options(options: dict) -> dict:
@@ -415,6 +418,24 @@ def _apply_patches(names: list[str]) -> list[str]:
     return names
 
 
+def _start_llm(key: str, kwargs: dict, patch_names: list[str], batch_invariant: bool, own: bool) -> None:
+    """Starts the vLLM engine of one configuration (into _LLMS), in this process or, own, an engine core of its
+    own started with tic's switch variables."""
+    from vllm import LLM
+
+    try:
+        if own:
+            with _own_process_env(patch_names, batch_invariant) as start_env:
+                _LLMS[key] = LLM(**kwargs)
+            _START_ENV[key] = start_env
+        else:
+            _LLMS[key] = LLM(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise TicInputError(f"vLLM refused the configuration: {str(e).splitlines()[0]}") from None
+    # the runner vLLM picked reads the environment as it is now, at the engine's start
+    _V2_RUNNER[key] = bool(getattr(_LLMS[key].llm_engine.vllm_config, "use_v2_model_runner", False))
+
+
 class VLLMEngine(Engine):
     name = "vllm"
     # the consistency switch: batch-invariant mode, tic's bundled patches (rollout.patches -> TIC_PATCHES) and the
@@ -474,19 +495,10 @@ class VLLMEngine(Engine):
             kwargs["compilation_config"] = comp
         self.llm_kwargs = kwargs
         key = json.dumps({**kwargs, "tic_patches": self.patches, "process": o["engine_process"],
-                          "batch_invariant": self.batch_invariant}, sort_keys=True, default=str)
+                          "batch_invariant": self.batch_invariant, "model_runner": o["model_runner"]},
+                         sort_keys=True, default=str)
         if key not in _LLMS:
-            from vllm import LLM
-
-            try:
-                if own:
-                    with _own_process_env(self.patches, self.batch_invariant) as start_env:
-                        _LLMS[key] = LLM(**kwargs)
-                    _START_ENV[key] = start_env
-                else:
-                    _LLMS[key] = LLM(**kwargs)
-            except (ValueError, TypeError) as e:
-                raise TicInputError(f"vLLM refused the configuration: {str(e).splitlines()[0]}") from None
+            _start_llm(key, kwargs, self.patches, self.batch_invariant, own)
         self.llm = _LLMS[key]
         self._start_env = _START_ENV.get(key)
         vcfg = self.llm.llm_engine.vllm_config
@@ -499,6 +511,8 @@ class VLLMEngine(Engine):
         # the KV page size vLLM resolved for this engine: a training side on vLLM's kernels is built with it and
         # lays its prefill K/V out in the same pages (FA3 picks its key tile from the paging)
         self.kv_block_size = int(getattr(vcfg.cache_config, "block_size", 0) or DEFAULT_KV_BLOCK_SIZE)
+        # and so is the logprob rule of the runner vLLM picked (its V1 and V2 runners compute logprobs apart)
+        self.logprob_rule = "v2_sampler" if _V2_RUNNER[key] else "log_softmax"
         self.max_num_seqs = sched.max_num_seqs
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self._record = Path(o["record"]) if o["record"] else None
@@ -782,6 +796,11 @@ class VLLMEngine(Engine):
         states = getattr(getattr(eng, "output_processor", None), "request_states", None)
         if states:
             eng.abort_request(list(states))
+
+    @property
+    def rollout_kernels(self) -> RolloutKernels:
+        """What a training side on vLLM's kernels must match of this engine (its provider is built with it)."""
+        return RolloutKernels(self.kv_block_size, self.logprob_rule)
 
     def model_runner(self):
         self._require_model_here("the model runner")

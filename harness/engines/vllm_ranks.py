@@ -55,7 +55,7 @@ def _setup_rank(rank: int, world: int, engine_kwargs: dict, spmd: bool, master_p
 
 def _info(state: dict) -> dict:
     eng = state["engine"]
-    return {"fingerprint": eng.fingerprint(), "kv_block_size": eng.kv_block_size,
+    return {"fingerprint": eng.fingerprint(), "rollout_kernels": eng.rollout_kernels,
             "max_num_seqs": eng.max_num_seqs, "vllm_version": eng.vllm_version, "patches": list(eng.patches),
             "batch_invariant": eng.batch_invariant, "process_environment": eng.process_environment()}
 
@@ -134,12 +134,13 @@ class RankedVLLMEngine(DealtRequests, Engine):
         first = info[0]
         self.batch_size = int(engine_kwargs.get("batch_size", 8))
         self.vllm_version, self.patches = first["vllm_version"], first["patches"]
-        self.batch_invariant, self.kv_block_size = first["batch_invariant"], first["kv_block_size"]
+        self.batch_invariant, self.rollout_kernels = first["batch_invariant"], first["rollout_kernels"]
+        self.kv_block_size = self.rollout_kernels.kv_block_size
         self.max_num_seqs = first["max_num_seqs"]
         self._fingerprint = {**first["fingerprint"], "parallel": self.layout}
         self._process_environment = first["process_environment"]
         # what a training provider in this process must match: its bundled patches (it applies TIC_PATCHES, as
-        # every vLLM process of the rollout does); the KV page size it is handed (kv_block_size above)
+        # every vLLM process of the rollout does); the page size and logprob rule it is handed (rollout_kernels above)
         from tic import patches as tic_patches
 
         os.environ[tic_patches.ENV_VAR] = ",".join(self.patches)

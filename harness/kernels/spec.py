@@ -23,7 +23,7 @@ Shapes (T = tokens of any leading shape, flattened by the caller where a kernel 
   moe_route(logits [T, E], top_k, routing, bias [E] | None) -> (weights float32 [T, k], ids int64 [T, k])
       (routing: tic.harness.kernels.routing.Routing, or a softmax router's renormalise flag)
   moe_experts(x [T, H], weights [T, k], ids [T, k], gate_up [E, 2I, H], down [E, H, I]) -> [T, H]
-  log_softmax(logits [T, V]) -> float32 [T, V]
+  log_softmax(logits [T, V] in the model's dtype) -> float32 [T, V]   (as the rollout's sampler computes them)
 Mamba-2 (one sequence per call; tic.harness.kernels.mamba says what the scan computes):
   mamba_conv(u [n, C], window [K-1, C], w [C, 1, K], bias [C] | None) -> silu(causal depthwise conv) [n, C]
   mamba_scan(x [n, H, P], dt [n, H], B/C [n, G, N], A_log/dt_bias/D [H], state float32 [H, P, N],
@@ -37,8 +37,27 @@ Mamba-1 (one sequence per call; the consistent provider only):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 # vLLM's KV page size where its configuration resolves no other (a rollout that is not a vLLM engine, e.g. a dump)
 DEFAULT_KV_BLOCK_SIZE = 16
+# how a vLLM rollout computes a token's logprob: its V1 runner's sampler takes a float32 log_softmax of the logits;
+# its V2 runner's sampler runs a Triton kernel of its own per row (max, then exp-sums block by block, then the log)
+LOGPROB_RULES = ("log_softmax", "v2_sampler")
+
+
+@dataclass(frozen=True)
+class RolloutKernels:
+    """What a training side on vLLM's kernels must match of the vLLM rollout it recomputes, as that engine
+    resolved it: the KV page size (prefill pages K/V alike; FA3 picks its key tile from the paging) and the
+    logprob rule of the runner vLLM picked (LOGPROB_RULES). The defaults are vLLM's where no vLLM engine
+    resolved them (a rollout read from a dump)."""
+    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
+    logprobs: str = "log_softmax"
+
+    def __post_init__(self):
+        if self.logprobs not in LOGPROB_RULES:
+            raise ValueError(f"logprob rule {self.logprobs!r} (expected one of {', '.join(LOGPROB_RULES)})")
 
 
 class KernelProvider:

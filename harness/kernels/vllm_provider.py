@@ -10,8 +10,8 @@ GEMM dispatch (in batch-invariant mode vLLM's Triton `linear_batch_invariant`, a
 through the varlen entry of vLLM's FlashAttention backend over a paged K/V cache of vLLM's page size (with the
 backend's window_size (window - 1, 0) on a sliding layer and its softcap argument), MoE
 through vLLM's fused_topk and fused_experts, Mamba-2 mixers through vLLM's causal_conv1d_fn, chunked scan and
-gated RMSNorm (tic.harness.kernels.vllm_mamba), logprobs as vLLM's sampler computes them (float32 log_softmax of
-the model-dtype logits).
+gated RMSNorm (tic.harness.kernels.vllm_mamba), logprobs as the rollout's sampler computes them (the V1 runner's
+float32 log_softmax, or the V2 runner's Triton kernel: v2_sampler_log_softmax).
 
 Under torch.compile (vLLM's default graph mode) vLLM runs its `native` RMSNorm through Inductor instead of
 `_C.rms_norm`; a rollout meant to match this provider runs eager (or pins vLLM's IR op priority to vllm_c).
@@ -37,7 +37,7 @@ from tic.harness.kernels.autograd import PLAIN_ACTS, layer_norm_float32_written_
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.routing import as_routing
 from tic.harness.kernels.rope import hf_cos_sin_cache
-from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE, KernelProvider
+from tic.harness.kernels.spec import KernelProvider, RolloutKernels
 from tic.harness.kernels.varlen import paged_layout, paged_rows_layout, varlen_from_mask
 from tic.harness.kernels.vllm_fp8 import BlockFp8Linear, fp8_kv_attention, fused_experts_fp8
 from tic.harness.kernels.vllm_mamba import VLLMMambaKernels
@@ -138,16 +138,32 @@ def _table_as_vllm_builds_it(rope, device, dtype) -> torch.Tensor:
         torch.set_default_dtype(before)
 
 
+def v2_sampler_log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Every token's logprob as vLLM's V2 runner computes the ones it returns: its Triton kernel gives, per row,
+    (logit - max) - lse in float32, lse summed block by block in its own order. The kernel is asked for each row's
+    top token, whose logit - max is exactly 0, so it hands back -lse itself; every other token is then the same two
+    correctly rounded subtractions, so the whole row equals what the kernel would give for any token."""
+    from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+
+    flat = logits.reshape(-1, logits.shape[-1]).contiguous()
+    neg_lse = compute_token_logprobs(flat, flat.argmax(dim=-1, keepdim=True))
+    wide = flat.float()
+    out = (wide - wide.amax(dim=-1, keepdim=True)) + neg_lse  # x - lse and x + (-lse) round alike
+    return out.reshape(*logits.shape[:-1], logits.shape[-1])
+
+
 class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harness.kernels.vllm_mamba
     name = "vllm"
     kernels = "vllm"
     fuse_projections = True
 
-    def __init__(self, kv_block_size: int = DEFAULT_KV_BLOCK_SIZE, kv_cache_dtype: str = "auto"):
-        """kv_block_size: the KV page size of the vLLM rollout this training forward must match (as its engine
-        resolved it): prefill attention pages K/V alike, since FA3 picks its key tile from the paging.
-        kv_cache_dtype: the rollout's (fp8: K/V make the FP8 round trip, tic.harness.kernels.vllm_fp8)."""
-        self.kv_block_size = int(kv_block_size)
+    def __init__(self, rollout: RolloutKernels = RolloutKernels(), kv_cache_dtype: str = "auto"):
+        """rollout: what of the vLLM rollout this training forward must match, as its engine resolved it (spec.py):
+        prefill attention pages K/V in its page size, since FA3 picks its key tile from the paging, and logprobs
+        follow its runner's rule. kv_cache_dtype: the rollout's (fp8: K/V make the FP8 round trip,
+        tic.harness.kernels.vllm_fp8)."""
+        self.kv_block_size = int(rollout.kv_block_size)
+        self.logprob_rule = rollout.logprobs
         self.kv_cache_dtype = kv_cache_dtype
         self._fp8_linears: dict = {}  # (checkpoint, dtype) -> vllm_fp8.BlockFp8Linear
         self._layouts = TensorMemo(_build_layout)  # once per mask: every layer of one forward passes the same one
@@ -423,7 +439,9 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
         return fused_experts(x.contiguous(), gate_up, down, weights, ids.to(torch.int32))  # 0.26: out of place
 
     def log_softmax(self, logits):
-        return logits.log_softmax(dim=-1, dtype=torch.float32)
+        if self.logprob_rule == "v2_sampler":
+            return v2_sampler_log_softmax(logits)
+        return logits.log_softmax(dim=-1, dtype=torch.float32)  # the V1 runner's sampler
 
     # -- block FP8 (tic.harness.kernels.fp8 calls these; vLLM's own entry points in vllm_fp8) --------------------
     def fp8_linear(self, x, wq, ws, b, block, checkpoint=None):

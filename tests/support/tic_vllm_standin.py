@@ -13,12 +13,14 @@ import torch
 import torch.distributed as dist
 
 from tic.harness.engines.base import Sample, Sampling, request_seed
+from tic.harness.kernels.spec import RolloutKernels
 from tic.harness.locate import runners
 from tic.harness.locate.capture import Capture
 
 
 class StandInVLLM:
     kv_block_size, max_num_seqs, vllm_version, batch_invariant = 16, 256, "0.0-standin", False
+    rollout_kernels = RolloutKernels(kv_block_size, "v2_sampler")
 
     def __init__(self, model_dir, dtype, options, batch_size, max_positions, vocab_size, patch_names=None,
                  tp=1, ep=1, dp=1, dcp=1):
