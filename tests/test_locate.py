@@ -307,6 +307,27 @@ def test_identical_operator_sequences_never_end_in_different_operators():
     assert diff.kind == "same operator, arguments that differ" and diff.argument == 1, diff
 
 
+def test_a_counterpart_that_records_no_value_for_the_token_is_named_with_why():
+    """Both sides run one norm, but side A's trail maps its output to no token (a kernel writing into a buffer
+    the recorder does not trace back to the token), so nothing pairs with side B's call. The verdict says which
+    of side A's calls of that operator there were and why none of them is the counterpart."""
+    from tic.harness.locate.trail import OpCall, Trail
+    from tic.harness.locate.search import first_operator, operator_difference
+
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    op = torch.ops.aten.mul.Tensor
+    tok = torch.tensor([0, 1], dtype=torch.int32)[:, None].expand(2, 4).clone()
+    none = torch.full_like(tok, -1)
+    a = Trail([OpCall("aten.mul.Tensor", op, (x, 2.0), {}, (x * 2,), None, (none,), (tok,))], 1, 2, 1)
+    b = Trail([OpCall("aten.mul.Tensor", op, (x, 2.5), {}, (x * 2.5,), None, (tok,), (tok,))], 1, 2, 1)
+    found = first_operator(a, b)["found"]
+    assert found["a_call"] is None and found.get("sequences_differ"), found
+    diff = operator_difference(found, a, b, "A", "B")
+    assert diff.kind == "different operator sequences"
+    assert "side A's aten.mul.Tensor calls: call 1 (float32[2, 4], 2.0): no value for the traced token in any " \
+           "output" in diff.detail, diff.detail
+
+
 def test_without_matplotlib_the_report_says_there_is_no_chart(tmp_path, monkeypatch):
     """The chart is the `chart` extra: without matplotlib, no divergence.png, and one note in report.md."""
     import sys

@@ -186,3 +186,25 @@ def test_the_addends_a_wrapped_layer_reads_in_place_of_its_input_carry_the_input
     stream.put(x, later, residual)
     stream.take(x)
     assert prov.tokens(later) is None
+
+
+def test_a_persistent_buffer_larger_than_a_map_keeps_the_tokens_of_the_rows_a_step_fills(monkeypatch):
+    """vLLM's V1 runner steps through buffers sized for its largest batch; a step fills their first rows. A map
+    covers the part of such a storage its tensors use, so at real shapes (where the whole buffer is larger than
+    a map may be) the filled rows keep their tokens, and a later view of more of the buffer grows the map."""
+    monkeypatch.setattr(provenance, "MAX_STORAGE_ELEMENTS", 2 * B * T * H * D)  # the buffer: 4 such batches
+    buffer = torch.zeros(4 * B * T, H, D)
+
+    def fn(x):
+        rows = buffer[B * T: 2 * B * T]  # a step's rows, away from the storage's start
+        rows.copy_(x.reshape(B * T, H, D))
+        return rows * 2
+
+    calls, prov = _trail(fn)
+    doubled = calls["aten.mul.Tensor"].outputs[0]
+    assert _rows(calls["aten.mul.Tensor"].out_tokens[0]) == list(range(B * T)) and doubled.shape[0] == B * T
+    assert _rows(prov.tokens(buffer[B * T: 2 * B * T])) == list(range(B * T))
+    assert prov.tokens(buffer) is None  # the whole buffer spans more than a map: no map for it as a whole
+    grown = buffer[B * T: 3 * B * T]  # within the limit: the map grows to cover it, the old tokens kept
+    prov._set(grown[B * T:], torch.zeros(B * T, H, D, dtype=torch.int32))
+    assert _rows(prov.tokens(grown)) == list(range(B * T)) + [0] * (B * T)

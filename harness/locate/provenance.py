@@ -20,8 +20,18 @@ import torch
 
 from tic.harness.kernels import stand_ins
 
-# storages larger than this (a whole KV cache) get no map: they would cost more memory than the trail
-MAX_STORAGE_ELEMENTS = 1 << 24
+# a map covers at most this many elements of a storage: the part its tensors use (a persistent buffer sized for
+# the largest batch maps the rows a step fills); a tensor spanning more (a whole KV cache) gets no map, which
+# would cost more memory than the trail. Real shapes' activations fit (4k tokens x a 24k-wide gate_up GEMM).
+MAX_STORAGE_ELEMENTS = 1 << 27
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The storage elements [first, last + 1) that t's elements lie in."""
+    lo = t.storage_offset()
+    if t.numel() == 0:
+        return lo, lo
+    return lo, lo + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
 
 
 def _tensors(v) -> list[torch.Tensor]:
@@ -81,7 +91,8 @@ ACTIVE = stand_ins.LISTENERS
 class Provenance:
     def __init__(self, batch: int, length: int):
         self.batch, self.length = batch, length
-        self.maps: dict[tuple, tuple[torch.Tensor, int, torch.UntypedStorage]] = {}  # storage -> map
+        # storage -> (map of its elements [start, start + len(map)), element size, the storage, start)
+        self.maps: dict[tuple, tuple[torch.Tensor, int, torch.UntypedStorage, int]] = {}
 
     @staticmethod
     def _storage_key(t: torch.Tensor) -> tuple | None:
@@ -96,25 +107,45 @@ class Provenance:
         got = self.maps.get(key) if key else None
         if got is None or got[1] != t.element_size():
             return None
+        lo, hi = _extent(t)
+        if lo < got[3] or hi > got[3] + got[0].numel():
+            return None  # outside the part of the storage the map covers: no token known there
         try:
-            return torch.as_strided(got[0], tuple(t.shape), tuple(t.stride()), t.storage_offset())
+            return torch.as_strided(got[0], tuple(t.shape), tuple(t.stride()), lo - got[3])
         except RuntimeError:
             return None
 
+    def _covering(self, key: tuple, t: torch.Tensor):
+        """The map entry of t's storage, grown to cover t's elements (a new one if it has none); None when that
+        would span more than MAX_STORAGE_ELEMENTS."""
+        lo, hi = _extent(t)
+        got = self.maps.get(key)
+        if got is not None and got[1] == t.element_size():
+            start, end = got[3], got[3] + got[0].numel()
+            if start <= lo and hi <= end:
+                return got
+            lo, hi = min(lo, start), max(hi, end)
+        else:
+            got = None
+        n = t.untyped_storage().nbytes() // t.element_size()
+        if n <= MAX_STORAGE_ELEMENTS:  # small storages: the whole of it, so later views never need a regrowth
+            lo, hi = 0, n
+        if hi - lo > MAX_STORAGE_ELEMENTS:
+            return None
+        m = torch.full((hi - lo,), -1, dtype=torch.int32)
+        if got is not None:
+            m[got[3] - lo: got[3] - lo + got[0].numel()] = got[0]
+        # the storage is held so that its address is not reused by another tensor while recording
+        self.maps[key] = (m, t.element_size(), t.untyped_storage(), lo)
+        return self.maps[key]
+
     def _set(self, t: torch.Tensor, m: torch.Tensor) -> None:
         key = self._storage_key(t)
-        if key is None:
+        got = self._covering(key, t) if key is not None else None
+        if got is None:
             return
-        got = self.maps.get(key)
-        if got is None or got[1] != t.element_size():
-            n = t.untyped_storage().nbytes() // t.element_size()
-            if n > MAX_STORAGE_ELEMENTS:
-                return
-            # the storage is held so that its address is not reused by another tensor while recording
-            got = (torch.full((n,), -1, dtype=torch.int32), t.element_size(), t.untyped_storage())
-            self.maps[key] = got
         try:
-            torch.as_strided(got[0], tuple(t.shape), tuple(t.stride()), t.storage_offset()).copy_(m)
+            torch.as_strided(got[0], tuple(t.shape), tuple(t.stride()), t.storage_offset() - got[3]).copy_(m)
         except RuntimeError:  # overlapping elements (an expanded tensor): leave its map as it was
             pass
 

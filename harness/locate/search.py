@@ -392,6 +392,33 @@ def _only(ops: list[str], other: list[str], most: int = 8) -> list[str]:
     return out[:most] + (["..."] if len(out) > most else [])
 
 
+def _unpaired(trail_ref: Trail, trail_new: Trail, found: dict, most: int = 4) -> list[str]:
+    """Why each of the reference side's calls of the found operator is not its counterpart (`counterpart`): it
+    records no value for the traced token (e.g. an output written into a buffer the recorder maps to no token), a
+    value of another size, or the same bits."""
+    outs_ref, _ = trail_rows(trail_ref)
+    outs_new, _ = trail_rows(trail_new)
+    k = found["b_where"].get("output", 0)
+    value = next((v for kk, _, v, _ in outs_new[found["b_call"]] if kk == k), None)
+    why = []
+    for ci, call in enumerate(trail_ref.calls):
+        if call.op != found["op"]:
+            continue
+        got = [v for kk, _, v, _ in outs_ref[ci] if kk == k]
+        if not outs_ref[ci]:
+            reason = "no value for the traced token in any output"
+        elif not got:
+            reason = f"no value for the traced token in output {k}"
+        elif value is not None and got[0].numel() != value.numel():
+            reason = f"output {k} holds {got[0].numel()} elements of the traced token, not {value.numel()}"
+        elif value is not None and _key(got[0]) == _key(value):
+            reason = f"output {k} holds the same bits"
+        else:
+            reason = f"output {k} differs, on other arguments, at another rank"
+        why.append(f"call {ci + 1} ({_describe_args(call)}): {reason}")
+    return why[:most] + ([f"{len(why) - most} more"] if len(why) > most else [])
+
+
 def operator_difference(found: dict, trail_ref: Trail, trail_new: Trail, ref_side: str,
                         new_side: str) -> OperatorDifference:
     """The kind of difference between the first divergent call (on `new_side`) and its counterpart; without a
@@ -407,6 +434,9 @@ def operator_difference(found: dict, trail_ref: Trail, trail_new: Trail, ref_sid
             detail = (f"side {ref_side} has no call to pair with it: no {op} on the same arguments for the traced "
                       f"token, and no call of this step at the same rank (side {ref_side} runs {op} "
                       f"{count(trail_ref)} times, side {new_side} {count(trail_new)})")
+            why = _unpaired(trail_ref, trail_new, found)
+            if why:
+                detail += f"; side {ref_side}'s {op} calls: {'; '.join(why)}"
             if other is not None:
                 calls[ref_side] = {"operator": other["op"], "call": other["b_call"] + 1, "args": other["b_args"]}
                 detail += (f"; side {ref_side}'s own first value that side {new_side} never computes comes from "
