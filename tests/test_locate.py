@@ -459,11 +459,16 @@ def test_locate_eager_runs_a_compiled_vllm_rollout_eagerly_and_keeps_what_sets_i
     assert o["enforce_eager"] is True and o["engine_process"] == "inline" and o["cudagraph_mode"] is None
     assert o["compilation_config"] == {"mode": 0, "custom_ops": ["all"], "cudagraph_mode": "NONE"}
     assert o["ir_op_priority"] == {"rms_norm": ["vllm_c"]} and o["max_model_len"] == 512
+    assert o["model_runner"] == "v1"  # the runner whose step layout the capture maps (vLLM picks V2 for dense)
     assert cfg.rollout.patches == compiled.rollout.patches and cfg.train == compiled.train
-    assert "enforce_eager: True" in note and "not rewritten" in note
+    assert "enforce_eager: True" in note and "model_runner: v1" in note and "not rewritten" in note
     assert compiled.rollout.options["enforce_eager"] is False  # the loaded config itself is not changed
 
-    eager = _vllm_rollout_config(tmp_path, "{enforce_eager: true, max_model_len: 512}")
+    eager_v2 = _vllm_rollout_config(tmp_path, "{enforce_eager: true, max_model_len: 512}")
+    pinned, note = eager_rollout(eager_v2)
+    assert pinned.rollout.options["model_runner"] == "v1"
+    assert note.startswith("--eager: rollout.options model_runner: v1 for this run")  # eager already: only that
+    eager = _vllm_rollout_config(tmp_path, "{enforce_eager: true, model_runner: v1, max_model_len: 512}")
     same, note = eager_rollout(eager)
     assert same is eager and "nothing changed" in note
     hf, note = eager_rollout(load_config(DENSE / "tic.yaml"))

@@ -258,8 +258,7 @@ def tic_yaml(name: str, model_dir: Path, mode: str, patches, *, requests: int = 
     `options` adds to (or overrides) the rollout's vLLM options."""
     rollout = {"engine": "vllm", "batch_size": requests,
                "options": {"batch_invariant": batch_invariant, **copy.deepcopy(MODES[mode]), "seed": 0,
-                           "model_runner": "v1",  # the V1 runner: the locator's capture maps rows to requests
-                           **(options or {})},
+                           **(options or {})},  # the runner vLLM picks (tic locate --eager pins V1 itself)
                "patches": list(patches)}
     if rollout_parallel:
         rollout["parallel"] = rollout_parallel

@@ -20,9 +20,9 @@ Each (shape, rollout mode, variant) is one tic.yaml under WORK, run by run_gates
   with/without run), fp8 (block-FP8 weights 128 x 128 quantized from the seeded ones, an FP8 KV cache on both sides,
   the patches plus the FP8 ones), fp8-no-moecfg (fp8 less moe-fixed-config: its with/without run), megatron (the
   patched rollout against tic's Megatron-core trainer, train: {engine: megatron}; eager also runs C8; needs
-  megatron-core, device_env.sh's megatron_install), vllm-runner and vllm-runner-no-norm (patched and no-norm on
-  the model runner vLLM picks, V2 for dense models, as users and rollout_throughput.py run it; the other variants
-  pin the V1 runner, whose rows the locator maps to requests).
+  megatron-core, device_env.sh's megatron_install), v1-runner and v1-runner-no-norm (patched and no-norm on vLLM's
+  V1 model runner; the other variants run the runner vLLM picks, V2 for dense models, as users and
+  rollout_throughput.py run it).
 Eager runs C0, C3-C7 (megatron C0, C3-C8); the CUDA-graph modes run C0, C3-C5 (C6 and C7 compare the training
 side with itself and are the eager run's). Runs share the GPU: a run starts when its estimated memory fits beside
 the running ones.
@@ -56,7 +56,7 @@ PATCHES = list(TIC_PATCHES)
 # compilation with its CUDA kernels kept
 MODES = {"eager": "eager", "graph": "decode-graphs", "compiled": "compiled"}
 VARIANTS = ("patched", "stock", "no-gemm", "fixed-block", "no-norm", "previous", "fp8", "fp8-no-moecfg", "megatron",
-            "vllm-runner", "vllm-runner-no-norm")
+            "v1-runner", "v1-runner-no-norm")
 ROLLOUT_GATES = "C0,C3,C4,C5"
 ALL_GATES = "C0,C3,C4,C5,C6,C7"
 # the Megatron trainer also runs C8: its weight sync into vLLM is part of what it adds
@@ -115,10 +115,10 @@ def run_config(s: Shape, mode: str, variant: str, w: dict, model_dir: Path) -> d
                "no-gemm": tuple(p for p in PATCHES if not p.startswith("gemm-")),
                "fixed-block": with_norm(PATCHES, "rmsnorm-fixed-block"),
                "no-norm": tuple(p for p in PATCHES if p not in NORM_PATCHES),
-               "vllm-runner-no-norm": tuple(p for p in PATCHES if p not in NORM_PATCHES),
+               "v1-runner-no-norm": tuple(p for p in PATCHES if p not in NORM_PATCHES),
                }.get(variant, PATCHES)
-    if variant.startswith("vllm-runner"):
-        options["model_runner"] = None  # the runner vLLM picks
+    if variant.startswith("v1-runner"):
+        options["model_runner"] = "v1"
     cfg = tic_yaml(f"{s.slug}-{mode}-{variant}", model_dir, MODES[mode], patches,
                    requests=w["requests"], min_len=w["min_len"], max_len=w["max_len"], tokens=w["tokens"],
                    options=options, train="megatron" if variant == "megatron" else "vllm")

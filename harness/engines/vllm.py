@@ -542,10 +542,12 @@ class VLLMEngine(Engine):
 
     @classmethod
     def capture_changes(cls, side_cfg) -> dict:
-        """Eager, in this process: no torch.compile and no CUDA graphs, which replay kernels without running
-        module hooks. The patches, the IR op priorities and the rest of compilation_config (custom_ops) stay."""
+        """Eager, in this process, on the V1 runner: no torch.compile and no CUDA graphs, which replay kernels
+        without running module hooks, and the runner whose per-step layout maps rows to requests (vLLM picks V2
+        for dense models). The patches, the IR op priorities and the rest of compilation_config (custom_ops)
+        stay."""
         o = {**OPTIONS, **side_cfg.options}
-        if o["enforce_eager"] is True and o["engine_process"] == "inline":
+        if o["enforce_eager"] is True and o["engine_process"] == "inline" and o["model_runner"] == "v1":
             return {}
         options = {k: v for k, v in side_cfg.options.items() if k != "cudagraph_mode"}
         comp = _compilation(o)
@@ -554,7 +556,7 @@ class VLLMEngine(Engine):
                                              "cudagraph_mode": "NONE"}
         if o["engine_process"] != "inline":
             options["engine_process"] = "inline"
-        return {"options": {**options, "enforce_eager": True}}
+        return {"options": {**options, "enforce_eager": True, "model_runner": "v1"}}
 
     def process_environment(self) -> dict:
         """An engine core of its own runs with the patches and switch variables it started with, whatever this
