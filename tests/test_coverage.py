@@ -205,9 +205,9 @@ def test_one_unknown_layer_among_known_ones_is_refused():
     assert table["model.layers.2"]["covered_by"] == [] and table["model.layers.1"]["covered_by"]
 
 
-@pytest.mark.parametrize("model_type, layer_class", [("gpt2", "GPT2Block"), ("falcon", "FalconDecoderLayer")])
+@pytest.mark.parametrize("model_type, layer_class", [("gpt2", "GPT2Block"), ("gptj", "GPTJBlock")])
 def test_an_unknown_layer_list_under_another_name_is_refused_by_its_own_path(model_type, layer_class):
-    """Layers held in transformer.h (GPT-2, Falcon): the refusal names that list's entries and their class, found
+    """Layers held in transformer.h (GPT-2, GPT-J): the refusal names that list's entries and their class, found
     by the config's layer count, not a generic 'model.layers'."""
     from transformers import AutoConfig
 

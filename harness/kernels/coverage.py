@@ -497,10 +497,14 @@ def head_dim_of(attn) -> int:
     return int(getattr(attn, "head_dim", None) or attn.head_size)  # head_size: GPT-NeoX
 
 
+# the names decoder layers give their attention: self_attn (most), attention (GPT-NeoX), self_attention (Falcon)
+ATTENTION_NAMES = ("self_attn", "attention", "self_attention")
+
+
 def attention_name(layer) -> str | None:
-    """A decoder layer's token mixer: its attention (self_attn, or attention: GPT-NeoX), or a Mamba-1 mixer (Jamba's
-    mamba layers)."""
-    for n in ("self_attn", "attention"):
+    """A decoder layer's token mixer: its attention (ATTENTION_NAMES), or a Mamba-1 mixer (Jamba's mamba
+    layers)."""
+    for n in ATTENTION_NAMES:
         if is_attention(getattr(layer, n, None)) or mla.is_mla_attention(getattr(layer, n, None)):
             return n
     for n, c in layer.named_children():
@@ -528,9 +532,9 @@ def mlp_activation(m):
 
 
 def is_decoder_layer(m) -> bool:
-    """An attention (self_attn, or attention), an mlp and a norm, the norm of any name (norm_roles reads what
-    each does)."""
-    mixes = hasattr(m, "self_attn") or is_attention(getattr(m, "attention", None)) \
+    """An attention (self_attn, or another of ATTENTION_NAMES), an mlp and a norm, the norm of any name
+    (norm_roles reads what each does)."""
+    mixes = hasattr(m, "self_attn") or any(is_attention(getattr(m, n, None)) for n in ATTENTION_NAMES[1:]) \
         or any(mamba_modules.is_mixer1(c) for c in m.children())
     return mixes and mlp_name(m) is not None and \
         (hasattr(m, "input_layernorm") or hasattr(m, "post_attention_layernorm")
@@ -1228,18 +1232,31 @@ def parallel_sum_order(layer: nn.Module) -> str | None:
 # Each structure's dataflow, by role: what each norm and sublayer is handed ("x": the layer's input; a role: that
 # child's output; ("x+", role): the residual add of the input and that output), and the output's two terms. The
 # role names are the ones the wrappers' layer forwards read (modules.LAYER_FORWARDS).
+def _residual_then(x, a, b):  # (x + a) + b: the sublayers added to the residual one after the other
+    return (x + a) + b
+
+
+def _sublayers_then(x, a, b):  # (a + b) + x: the two sublayers summed, then the residual (GPT-NeoX, Falcon)
+    return (a + b) + x
+
+
+# structure -> ({role: what it is handed}, the two outputs added to the residual, how they are added)
 NORM_DATAFLOW = {
     "decoder:two_norm": ({"input_layernorm": "x", "attention": "input_layernorm",
                           "post_attention_layernorm": ("x+", "attention"), "mlp": "post_attention_layernorm"},
-                         ("attention", "mlp")),
+                         ("attention", "mlp"), _residual_then),
     "decoder:four_norm": ({"input_layernorm": "x", "attention": "input_layernorm",
                            "post_attention_layernorm": "attention",
                            "pre_feedforward_layernorm": ("x+", "post_attention_layernorm"),
                            "mlp": "pre_feedforward_layernorm", "post_feedforward_layernorm": "mlp"},
-                          ("post_attention_layernorm", "post_feedforward_layernorm")),
+                          ("post_attention_layernorm", "post_feedforward_layernorm"), _residual_then),
     "decoder:post_norm": ({"attention": "x", "post_attention_layernorm": "attention",
                            "mlp": ("x+", "post_attention_layernorm"), "post_feedforward_layernorm": "mlp"},
-                          ("post_attention_layernorm", "post_feedforward_layernorm")),
+                          ("post_attention_layernorm", "post_feedforward_layernorm"), _residual_then),
+    # attention and MLP side by side, each on a norm of its own of the layer's input (Falcon's ln_attn, ln_mlp)
+    "decoder:parallel_two_norm": ({"input_layernorm": "x", "attention": "input_layernorm",
+                                   "post_attention_layernorm": "x", "mlp": "post_attention_layernorm"},
+                                  ("attention", "mlp"), _sublayers_then),
 }
 
 
@@ -1252,7 +1269,8 @@ class _Tagged(nn.Module):
 
     def forward(self, hidden_states=None, *args, **kwargs):
         self.seen = hidden_states if hidden_states is not None else args[0]
-        return (self.out, None) if self.pair else self.out
+        out = self.out.clone()  # a copy: the layer may add into it in place (Falcon: mlp_output += attention)
+        return (out, None) if self.pair else out
 
 
 def norm_roles(layer: nn.Module) -> tuple[str, dict[str, str]] | None:
@@ -1288,10 +1306,14 @@ def norm_roles(layer: nn.Module) -> tuple[str, dict[str, str]] | None:
         return "x" if torch.equal(v, x) else None
 
     flow = {n: source(t.seen) for n, t in stand.items()}
-    for structure, (template, terms) in NORM_DATAFLOW.items():
+    for structure, (template, terms, total) in NORM_DATAFLOW.items():
         if len(template) - 2 != len(norms):  # the template's roles but attention and mlp
             continue
         names = {"attention": "attention", "mlp": "mlp"}  # role -> child; norms resolved in template order
+        for sub in ("attention", "mlp"):  # a norm that feeds a sublayer is the one that sublayer was handed
+            role = template[sub]
+            if isinstance(role, str) and role in template and flow[sub] in norms:
+                names[role] = flow[sub]
 
         def expected(src):
             return src if src == "x" else ("x+", names[src[1]]) if isinstance(src, tuple) else names[src]
@@ -1305,7 +1327,7 @@ def norm_roles(layer: nn.Module) -> tuple[str, dict[str, str]] | None:
         else:
             a, b = (stand[names[t]].out for t in terms)
             if all(flow[names[r]] == expected(src) for r, src in template.items()) \
-                    and torch.equal(out, (x + a) + b):
+                    and torch.equal(out, total(x, a, b)):
                 return structure, {r: n for r, n in names.items() if r not in ("attention", "mlp")}
     return None
 
@@ -1373,7 +1395,7 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
         if getattr(layer, "use_parallel_residual", False) and structure == "decoder:two_norm":
             structure = "decoder:parallel_two_norm"  # GPT-NeoX: attention and MLP each on a norm of the input
         cov.classes[structure] = (scale_name, scale) if structure == "decoder:scaled_residual" \
-            else ("use_parallel_residual", True) if structure == "decoder:parallel_two_norm" else (None, None)
+            else ("use_parallel_residual", True) if getattr(layer, "use_parallel_residual", False) else (None, None)
         cov.variants[name] = structure
     for n in norms:
         if any(isinstance(c, nn.Linear) for c in children[n].modules()):  # a sublayer (a second MLP), not a norm

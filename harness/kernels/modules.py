@@ -339,10 +339,43 @@ def _parallel_two_norm_layer_forward(self, hidden_states, attention_mask=None, p
                                      use_cache=False, position_embeddings=None, **kwargs):
     """Attention on input_layernorm(x) and the MLP on post_attention_layernorm(x) side by side (GPT-NeoX
     use_parallel_residual), summed as vLLM's GPTNeoXLayer and transformers sum them: MLP + attention + residual."""
-    attn = _attend(self, self.input_layernorm(hidden_states), attention_mask, position_ids, cache, use_cache,
-                   position_embeddings, kwargs)
-    delta = _mlp(self)(self.post_attention_layernorm(hidden_states))
+    attn = _attend(self, _norm(self, "input_layernorm")(hidden_states), attention_mask, position_ids, cache,
+                   use_cache, position_embeddings, kwargs)
+    delta = _mlp(self)(_norm(self, "post_attention_layernorm")(hidden_states))
     return (delta[0] if isinstance(delta, tuple) else delta) + attn + hidden_states
+
+
+def layer_output_count(model: nn.Module, layer: nn.Module) -> int:
+    """How many values a decoder layer's own forward returns: 0 for one tensor (most transformers 5 layers), else
+    the length of its tuple (Falcon's: the output and the attention weights), which its model indexes. Read by
+    running that forward once on one token, with the position embeddings of the model's rotary module, before
+    anything is wrapped; 0 where that forward does not run so."""
+    import inspect
+
+    p = next(layer.parameters(), None)
+    width = getattr(model.config.get_text_config(), "hidden_size", None)
+    if p is None or not width:
+        return 0
+    h = torch.zeros(1, 1, width, device=p.device, dtype=p.dtype)
+    kwargs = {"attention_mask": None, "position_ids": torch.zeros(1, 1, dtype=torch.long, device=p.device)}
+    params = inspect.signature(type(layer).forward).parameters
+    rotary = next((m for _, m in rotary_modules(model) if not rotary_per_layer_type(m)), None)
+    try:
+        with torch.no_grad():
+            if rotary is not None and "position_embeddings" in params:
+                kwargs["position_embeddings"] = rotary(h, kwargs["position_ids"])
+            out = layer(h, **{k: v for k, v in kwargs.items() if k in params or "kwargs" in params})
+    except Exception:  # noqa: BLE001 - a forward this probe cannot drive: the layer is taken to return a tensor
+        return 0
+    return len(out) if isinstance(out, tuple) else 0
+
+
+def _returning(forward, count: int):
+    """A layer forward that returns its output as the first of `count` values (the rest None), as the model's
+    own layer did (layer_output_count)."""
+    def returning(self, *args, **kwargs):
+        return (forward(self, *args, **kwargs),) + (None,) * (count - 1)
+    return returning
 
 
 LAYER_FORWARDS = {"decoder:two_norm": _decoder_layer_forward, "decoder:four_norm": _four_norm_layer_forward,
@@ -592,7 +625,9 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m._tic_mixes_by_scan = mamba_modules.is_mixer1(getattr(m, m._tic_attn_name))  # Jamba's mamba layers
         m._tic_norm_roles = reading.get("norm_roles", {})  # names, for the same reason
         m._tic_residual_scale = residual_scale_name(m)  # Granite's residual_multiplier, MiniCPM3's residual_scale
-        m.forward = types.MethodType(LAYER_FORWARDS[variant], m)
+        count = getattr(m, "_tic_output_count", 0)
+        m.forward = types.MethodType(_returning(LAYER_FORWARDS[variant], count) if count else LAYER_FORWARDS[variant],
+                                     m)
     elif isinstance(m, nn.Linear):
         m.forward = types.MethodType(_linear_forward, m)
     elif is_layernorm(m) or variant in ("norm:layer_float32", "norm:layer_1p"):
@@ -630,6 +665,10 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None, qu
     interleaved = any("rope:interleaved" in cov.classes for cov in coverage)
     ropes = _wrap_rotary(model, provider, next(model.parameters()).dtype, cfg, interleaved)
     layout = mamba_modules.install(model)  # tic: the sequences Mamba-2 mixers read, issue 31
+    counts: dict[type, int] = {}  # read before anything is wrapped, once per layer class
+    for m in model.modules():
+        if is_decoder_layer(m):
+            m._tic_output_count = counts.setdefault(type(m), layer_output_count(model, m))
     for name, m in list(model.named_modules()):
         m._tic_ops = ops
         _wrap_module(name, m, variants.get(name), ropes, stream, routes, cfg, layout, readings.get(name))

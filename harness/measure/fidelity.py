@@ -30,11 +30,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tic.harness.kernels.coverage import is_layernorm, is_rmsnorm
 from tic.harness.kernels.modules import capture_routes
 from tic.harness.measure.gradcheck import RoutingPin
 
 FIDELITY_RTOL = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 FIDELITY_ATOL = 1e-6
+
+
+def _is_norm(m: nn.Module) -> bool:
+    return is_layernorm(m) or is_rmsnorm(m)
 
 
 @dataclass
@@ -51,9 +56,11 @@ class Parting:
 
 
 def _compared_modules(named) -> dict[str, nn.Module]:
-    """Decoder layers, their submodules and the final norm, of (name, module) pairs: where a wrapper's output is the
-    HF module's output (lm_head is compared as the logits: the wrapped one applies the final softcap itself)."""
-    return {name: m for name, m in named if ".layers." in name or name.endswith("norm")}
+    """Decoder layers, their submodules and the norms, of (name, module) pairs: where a wrapper's output is the
+    HF module's output (lm_head is compared as the logits: the wrapped one applies the final softcap itself). A
+    layer is an entry of a module list, whatever the list is called (model.layers, Falcon's transformer.h)."""
+    return {name: m for name, m in named
+            if any(part.isdigit() for part in name.split(".")) or name.endswith("norm") or _is_norm(m)}
 
 
 def _record(names: dict, sequence_first: set[int]) -> tuple[dict, list, list]:
