@@ -23,7 +23,7 @@ from tic.harness.model.layer_structure import build_meta, model_from_config
 from tic.skill.runner import run_gate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
-from tic_small_ladder import small_ladder_ctx  # noqa: E402
+from tic_small_ladder import assert_c2_parts_at, small_ladder_ctx  # noqa: E402
 
 BASE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_hidden_size=128,
             max_position_embeddings=256, bias=False, alibi=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -86,9 +86,7 @@ def test_the_mlp_on_the_attentions_norm_fails_c2_at_the_layer(tmp_path, monkeypa
             [{"input_layernorm": "ln_attn", "post_attention_layernorm": "ln_mlp"}] * len(layers)
         for layer in layers:
             layer._tic_norm_roles["post_attention_layernorm"] = "ln_attn"
-        res = run_gate(get("C2"), ctx)
-        assert res.verdict == "fail", res.reason
-        assert "transformer.h.0" in res.details["fidelity"]["first_parting_module"], res.details["fidelity"]
+        assert_c2_parts_at(ctx, "transformer.h.0")
     finally:
         hf._MODELS.clear()
 

@@ -46,3 +46,13 @@ def small_ladder_ctx(tmp_path, monkeypatch, config, dtype: str):
     monkeypatch.chdir(run_dir)
     hf._MODELS.clear()
     return GateContext(load_config(run_dir / "tic.yaml"))
+
+
+def assert_c2_parts_at(ctx, where: str) -> None:
+    """C2 fails, and its fidelity check names a module whose path holds `where` as the first to part."""
+    from tic.gates import get
+    from tic.skill.runner import run_gate
+
+    res = run_gate(get("C2"), ctx)
+    assert res.verdict == "fail", res.reason
+    assert where in res.details["fidelity"]["first_parting_module"], res.details["fidelity"]
