@@ -833,15 +833,22 @@ def fused_qkv_layout(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch
     codes = torch.arange(lin.out_features, dtype=torch.float32, device=dev).reshape(1, 1, -1)
     hook = lin.register_forward_hook(lambda mod, args, out: codes)
     h = torch.zeros(1, 1, lin.in_features, device=lin.weight.device, dtype=lin.weight.dtype)
-    cos, sin = torch.ones(1, 1, d, device=dev), torch.zeros(1, 1, d, device=dev)
+    config = getattr(attn, "config", None)
+    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor") \
+        or getattr(config, "partial_rotary_factor", None) or 1.0
     try:
-        with torch.no_grad(), _attention_function(attn, QKV_PROBE):
-            attn(hidden_states=h, position_embeddings=(cos, sin), attention_mask=None)
-        return None
-    except _Split as split:
-        q, k, v = split.qkv  # [batch, heads, tokens, head_dim]
-        return tuple(t[0, :, 0, :].reshape(-1).to("cpu", torch.long) for t in (q, k, v))
-    except Exception:  # noqa: BLE001 - a forward this probe cannot drive
+        # a table as wide as the head, then as wide as the rotary part, for a forward that slices the head itself
+        for width in dict.fromkeys((d, int(d * float(factor)))):  # (Persimmon's rotary_ndims)
+            cos, sin = torch.ones(1, 1, width, device=dev), torch.zeros(1, 1, width, device=dev)
+            try:
+                with torch.no_grad(), _attention_function(attn, QKV_PROBE):
+                    attn(hidden_states=h, position_embeddings=(cos, sin), attention_mask=None)
+                return None
+            except _Split as split:
+                q, k, v = split.qkv  # [batch, heads, tokens, head_dim]
+                return tuple(t[0, :, 0, :].reshape(-1).to("cpu", torch.long) for t in (q, k, v))
+            except Exception:  # noqa: BLE001 - a forward this probe cannot drive (with a table this wide)
+                continue
         return None
     finally:
         hook.remove()
