@@ -93,6 +93,23 @@ class BackwardConfig(Strict):
                                                "(bf16 models); false: one GEMM per expert")
 
 
+# what a rollout dump may say of the vLLM that wrote it, for a training side on vLLM's kernels to match: its KV page
+# size and its model runner (v1: float32 log_softmax logprobs; v2, vLLM 0.26's pick for dense models: its own kernel)
+DUMP_OPTIONS = ("kv_block_size", "model_runner")
+
+
+def _check_dump_options(options: dict) -> None:
+    unknown = [k for k in options if k not in DUMP_OPTIONS]
+    if unknown:
+        raise ValueError(f"dump engine: unknown option {unknown[0]!r} (a dump takes {', '.join(DUMP_OPTIONS)}: "
+                         "what the vLLM that wrote it ran)")
+    block = options.get("kv_block_size")
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+        raise ValueError(f"dump engine: kv_block_size {block!r} (a positive integer: vLLM's KV page size)")
+    if options.get("model_runner") not in (None, "v1", "v2"):
+        raise ValueError(f"dump engine: model_runner {options['model_runner']!r} (v1 or v2)")
+
+
 class EngineConfig(Strict):
     engine: Literal["hf", "vllm", "dump", "megatron"] = "hf"
     # hf: "stock" is plain transformers; "consistent" runs tic's row-invariant CPU kernels and "vllm" the
@@ -136,6 +153,8 @@ class EngineConfig(Strict):
     def _dump_needs_file(self) -> "EngineConfig":
         if self.engine == "dump" and self.dump is None:
             raise ValueError("engine 'dump' needs 'dump: FILE.jsonl'")
+        if self.engine == "dump":
+            _check_dump_options(self.options)
         if self.patches:
             from tic import patches
 

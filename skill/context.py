@@ -115,9 +115,9 @@ class GateContext:
     # -- engines ----------------------------------------------------------------------------------------
     def _rollout_kernels(self) -> RolloutKernels:
         """What a training side on vLLM's kernels must match of the configured rollout (its KV page size and the
-        logprob rule of the runner vLLM picked), its engine built first if it is not yet. vLLM's defaults for a
-        rollout that is not a vLLM engine (a dump)."""
-        if self.cfg.rollout.engine != "vllm":
+        logprob rule of the runner vLLM picked), its engine built first if it is not yet: a live vLLM engine as it
+        resolved them, a dump as its options say (vLLM's defaults where they do not)."""
+        if self.cfg.rollout.engine not in ("vllm", "dump"):
             return RolloutKernels()
         return self.rollout_engine().rollout_kernels
 

@@ -424,13 +424,42 @@ def test_a_training_side_on_vllm_kernels_is_built_with_the_rollouts_page_size(ex
     try:
         prov = ctx.private_engine("train", "C8").model._tic_provider
         assert asked == ["rollout"] and (prov.kv_block_size, prov.logprob_rule) == (32, "v2_sampler")
-        cfg.rollout.dump, cfg.rollout.engine = Path("rollout.jsonl"), "dump"  # records: vLLM's defaults
+        # a dump: what its options say of the vLLM that wrote it, else vLLM's defaults
+        monkeypatch.setattr(ctx, "rollout_engine", GateContext.rollout_engine.__get__(ctx))
+        (ex / "rollout.jsonl").write_text("")
+        cfg.rollout.dump, cfg.rollout.engine = Path("rollout.jsonl"), "dump"
         prov = ctx.private_engine("train", "C8").model._tic_provider
         assert (prov.kv_block_size, prov.logprob_rule) == (16, "log_softmax")
+        ctx._engines.clear()
+        cfg.rollout.options = {"kv_block_size": 32, "model_runner": "v2"}
+        prov = ctx.private_engine("train", "C8").model._tic_provider
+        assert (prov.kv_block_size, prov.logprob_rule) == (32, "v2_sampler")
     finally:
         hf._MODELS.clear()
     assert asked == ["rollout"] and "TIC_VLLM_BLOCK_SIZE" not in os.environ
 
+
+
+@pytest.mark.parametrize("options, why", [
+    ("{block_size: 16}", "unknown option 'block_size'"),
+    ("{kv_block_size: 0}", "kv_block_size 0"),
+    ("{model_runner: v3}", "model_runner 'v3'"),
+])
+def test_a_dumps_options_are_checked_before_anything_is_written(example, workdir, tic, options, why):
+    """A rollout dump says what the vLLM that wrote it ran (its page size and model runner) in rollout.options;
+    anything else, or a value vLLM has not, is one line and exit 2, before .tic/ exists."""
+    import yaml
+
+    ex = example("tiny-qwen3")
+    (ex / "rollout.jsonl").write_text("")
+    data = yaml.safe_load((ex / "tic-consistent.yaml").read_text())
+    data["rollout"] = {"engine": "dump", "dump": "rollout.jsonl", "options": yaml.safe_load(options)}
+    data["train"]["kernels"] = "vllm"
+    cfg = ex / "tic-dump.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    code, out, err = tic("gate", "C5", "-c", str(cfg))
+    assert code == 2 and why in err and len(err.strip().splitlines()) == 1, err
+    assert not any(p.name.startswith(".tic") for p in [*workdir.iterdir(), *ex.iterdir()])
 
 
 def test_a_refused_training_side_on_vllm_kernels_starts_no_rollout_engine(example, monkeypatch):

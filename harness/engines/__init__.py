@@ -41,7 +41,7 @@ def build_engine(side: str, side_cfg: EngineConfig, model: ModelFacts | None, re
     rollout as vLLM resolved it (its KV page size and logprob rule), asked only for such a side and only after this
     side's own checks (a refused side starts no rollout engine)."""
     if side_cfg.engine == "dump":
-        return DumpEngine(resolve(side_cfg.dump), side)
+        return DumpEngine(resolve(side_cfg.dump), side, side_cfg.options)
     assert model is not None, f"a live {side} engine needs the model under test"
     par = side_cfg.parallel
     if side_cfg.engine == "hf":

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from tic.harness.engines.base import Engine, Sample, Sampling
+from tic.harness.kernels.spec import DEFAULT_KV_BLOCK_SIZE, RolloutKernels
 from tic.core.errors import TicInputError
 from tic.core.fsio import open_input
 
@@ -271,12 +272,22 @@ def align(rollout: list[Sample], train_path: Path, train_name: str = "train") ->
 class DumpEngine(Engine):
     name = "dump"
 
-    def __init__(self, path: Path, side: str = "rollout"):
+    def __init__(self, path: Path, side: str = "rollout", options: dict | None = None):
+        """options: what the config says of the vLLM that wrote a rollout dump (config.schema.DUMP_OPTIONS)."""
         self.path = Path(path)
         self.side = side
+        self.options = dict(options or {})
         if not self.path.is_file():
             raise TicInputError(f"dump file not found: {self.path}")
         self._samples: list[Sample] | None = None
+
+    @property
+    def rollout_kernels(self) -> RolloutKernels:
+        """What a training side on vLLM's kernels must match of the rollout that wrote this dump: vLLM's defaults
+        (page size 16, the V1 runner's logprobs) where the config does not say."""
+        o = self.options
+        return RolloutKernels(int(o.get("kv_block_size") or DEFAULT_KV_BLOCK_SIZE),
+                              "v2_sampler" if o.get("model_runner") == "v2" else "log_softmax")
 
     def dumped_samples(self) -> list[Sample]:
         if self._samples is None:
