@@ -1026,3 +1026,14 @@ def test_c2_fidelity_keeps_a_routers_own_weights_where_it_chose_the_same_experts
     res = run_gate(get("C2"), GateContext(load_config(tmp_path / "tic.yaml")))
     assert res.verdict == "fail" and res.details["fidelity"]["first_parting_module"].endswith(".mlp"), res.reason
     hf._MODELS.clear()
+
+
+def test_an_attention_that_takes_alibi_biases_is_refused_for_them():
+    """Bloom's attention always takes ALiBi biases (an `alibi` argument; its config has no flag): C0 says so, not
+    that the fused qkv's layout could not be read (the layout probe cannot drive an ALiBi forward)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("bloom", vocab_size=64, hidden_size=32, n_layer=2, n_head=4).to_dict()
+    problems = coverage_problems(build_meta(cfg))
+    assert any("self_attention (BloomAttention): ALiBi position biases" in p for p in problems), problems
+    assert not any("query_key_value" in p for p in problems), problems

@@ -940,7 +940,13 @@ def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
     if sinks is not None:
         cov.classes["attention:sinks"] = ("num_attention_heads", int(sinks.numel()))
     layout = None
-    if _linears(m, "query_key_value"):
+    # ALiBi: Falcon says so in its config, Bloom's attention always takes the biases (an `alibi` argument)
+    by_config = bool(getattr(cfg, "alibi", False))
+    alibi = by_config or "alibi" in inspect.signature(type(m).forward).parameters
+    if alibi:
+        cov.refusals.append(Refusal(name, kind, "ALiBi position biases (the wrappers' attention has none)",
+                                    *(("alibi", True) if by_config else ())))
+    if _linears(m, "query_key_value") and not alibi:  # (the layout probe cannot drive an ALiBi forward)
         layout = fused_qkv_layout(m)
         if layout is None:
             cov.refusals.append(Refusal(f"{name}.query_key_value", type(m.query_key_value).__name__, "a fused "
@@ -950,9 +956,6 @@ def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
             cov.classes["attention:qkv_fused"] = (None, None)
             cov.readings.setdefault(name, {})["qkv_index"] = layout
     _read_head_geometry(cov, name, m, cfg, layout)
-    if getattr(cfg, "alibi", False):
-        cov.refusals.append(Refusal(name, kind, "ALiBi position biases (the wrappers' attention has none)", "alibi",
-                                    True))
     window = attention_window(m, cfg)
     if window:
         fld = "layer_types" if getattr(cfg, "layer_types", None) else "sliding_window"
