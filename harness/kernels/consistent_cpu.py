@@ -144,6 +144,12 @@ class CPUProvider(MambaCPUKernels, KernelProvider):  # Mamba-2 kernels: tic.harn
         vector tail, so a whole-batch call would round a row by where it sits)."""
         return rowwise(lambda r: torch.tanh(r / cap) * cap, x)
 
+    def per_row(self, module, x):
+        """A module of the model's own that acts on each row alone (coverage.acts_per_row), one row at a time, in
+        float32 and rounded once to x's dtype, as tic's other activations (a bf16 xIELU's expm1(x) - x is 0 for
+        small x, and its alpha_n would get no gradient): autograd trains its parameters through it."""
+        return rowwise(lambda r: module(r.float()).to(r.dtype), x)
+
     def activation(self, x, kind):
         """An ungated MLP's activation one row at a time (CPU erf/tanh take another path for a vector's tail)."""
         return rowwise(PLAIN_ACTS[kind], x)

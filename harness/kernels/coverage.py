@@ -93,6 +93,10 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("mlp:plain", "an ungated MLP: up projection, one elementwise activation (GELU, GELU-tanh, ReLU "
                                "or SiLU, torch's, or ReLU squared), down projection (StarCoder2, GPT-2-style, "
                                "Arcee)"),
+    OperatorClass("mlp:own_activation", "an ungated MLP whose activation is a module of the model's own that acts "
+                                        "on each token's row alone (Apertus' xIELU, with learned parameters): run "
+                                        "as the model runs it, one row at a time, trained through its own "
+                                        "autograd", frozenset({"consistent"})),
     OperatorClass("mlp:plain_vllm_kernel", "an ungated MLP whose activation name (gelu_new, gelu_fast, ...) vLLM "
                                            "runs through a kernel of its own, not torch's function",
                   frozenset({"consistent"})),
@@ -672,6 +676,24 @@ def _activation_probe(act) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
 
 
+def acts_per_row(act) -> bool:
+    """Whether an activation module computes each row of its input from that row alone (up to rounding), on a
+    CPU probe: then running it one row at a time computes the model's function, row-invariant by construction."""
+    if not isinstance(act, nn.Module):
+        return False
+    act = seeded_copy(act)  # real numbers on the CPU, also for a model on the meta device (C0)
+    x = _probe_input(16).reshape(4, -1) * 2
+    p = next(act.parameters(), None)
+    x = x.to(p.dtype) if p is not None and p.is_floating_point() else x
+    try:
+        with torch.no_grad():
+            whole = act(x)
+            rows = torch.cat([act(r) for r in x.split(1, dim=0)])
+    except Exception:  # noqa: BLE001 - one that does not run on the probe (or on the meta device)
+        return False
+    return whole.shape == x.shape and torch.allclose(whole.float(), rows.float(), rtol=1e-3, atol=1e-5)
+
+
 def activation_variant(act) -> str | None:
     """The registered gated-MLP class whose activation `act` (an HF act_fn module) computes, on a CPU probe."""
     probe = _activation_probe(act)
@@ -1178,7 +1200,10 @@ def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
     elif plain_mlp_parts(m) is not None:
         up, down, act = plain_mlp_parts(m)
         variant = plain_activation(getattr(m, act))
-        if variant is None:
+        if variant is None and acts_per_row(getattr(m, act)):
+            cov.classes["mlp:own_activation"] = (act, type(getattr(m, act)).__name__)
+            cov.variants[name] = f"mlp:plain:{up}:{down}:{act}:own"
+        elif variant is None:
             cov.refusals.append(Refusal(name, kind, f"an ungated MLP whose activation ({type(getattr(m, act)).__name__}"
                                         f") is none of torch's {', '.join(PLAIN_ACTS)}", *_act_field(cfg)))
         else:

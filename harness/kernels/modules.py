@@ -465,8 +465,11 @@ def _bool_mask(mask):
 
 
 def _plain_mlp_forward(self, x):
-    """An ungated MLP (StarCoder2's c_fc / act / c_proj): up projection, the activation, down projection."""
+    """An ungated MLP (StarCoder2's c_fc / act / c_proj): up projection, the activation, down projection. An
+    activation module of the model's own (kind "own": Apertus' xIELU) runs as it is, one row at a time."""
     up, down, kind = self._tic_plain
+    if kind == "own":
+        return down(self._tic_ops.provider.per_row(getattr(self, self._tic_plain_act), up(x)))
     return down(self._tic_ops.activation(up(x), kind))
 
 
@@ -601,8 +604,8 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m._tic_act = variant
         m.forward = types.MethodType(_mlp_forward, m)
     elif variant is not None and variant.startswith("mlp:plain:"):  # coverage: mlp:plain:<up>:<down>:<act>:<kind>
-        up, down, _, kind = variant.split(":")[2:]
-        m._tic_plain = (getattr(m, up), getattr(m, down), kind)
+        up, down, act, kind = variant.split(":")[2:]
+        m._tic_plain, m._tic_plain_act = (getattr(m, up), getattr(m, down), kind), act
         m.forward = types.MethodType(_plain_mlp_forward, m)
     elif mla.is_mla_attention(m):
         m._tic_rope, m._tic_mla_layout = _rope_of(m, ropes, cfg), reading["mla_rope"]
