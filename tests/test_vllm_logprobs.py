@@ -104,3 +104,23 @@ def tiny_bf16_engine(monkeypatch):
     monkeypatch.setattr(CPUProvider, "log_softmax", lambda self, x: seen.append(x.dtype) or real(self, x))
     engine = HFEngine(tiny_model(5, "qwen3")[0], "bfloat16", kernels="consistent", shared_model=False)
     return engine, seen
+
+
+def test_each_engine_keeps_the_runner_vllm_started_it_with(monkeypatch):
+    """vLLM decides the runner from the environment at the engine's start (VLLM_USE_V2_MODEL_RUNNER, else by model):
+    what it decided is kept per engine then, not read again later, when another engine may have changed it."""
+    from types import SimpleNamespace
+
+    from tic.harness.engines import vllm as vllm_engine
+
+    class LLM:
+        def __init__(self, **kwargs):
+            runner = SimpleNamespace(use_v2_model_runner=kwargs["model"] == "dense")
+            self.llm_engine = SimpleNamespace(vllm_config=runner)
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=LLM))
+    monkeypatch.setattr(vllm_engine, "_LLMS", {})
+    monkeypatch.setattr(vllm_engine, "_V2_RUNNER", {})
+    vllm_engine._start_llm("dense engine", {"model": "dense"}, [], False, False)
+    vllm_engine._start_llm("moe engine", {"model": "moe"}, [], False, False)
+    assert vllm_engine._V2_RUNNER == {"dense engine": True, "moe engine": False}

@@ -94,9 +94,9 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
                                "or SiLU, torch's, or ReLU squared), down projection (StarCoder2, GPT-2-style, "
                                "Arcee)"),
     OperatorClass("mlp:own_activation", "an ungated MLP whose activation is a module of the model's own that acts "
-                                        "on each token's row alone (Apertus' xIELU, with learned parameters): run "
-                                        "as the model runs it, one row at a time, trained through its own "
-                                        "autograd", frozenset({"consistent"})),
+                                        "on each token's row alone (Apertus' xIELU, with learned parameters): its "
+                                        "forward one row at a time in float32, rounded once, trained through its "
+                                        "own autograd", frozenset({"consistent"})),
     OperatorClass("mlp:plain_vllm_kernel", "an ungated MLP whose activation name (gelu_new, gelu_fast, ...) vLLM "
                                            "runs through a kernel of its own, not torch's function",
                   frozenset({"consistent"})),
@@ -1264,9 +1264,6 @@ def parallel_sum_order(layer: nn.Module) -> str | None:
 
 
 # -- a decoder layer's norms by what they do, whatever their names -------------------------------------------------
-# Each structure's dataflow, by role: what each norm and sublayer is handed ("x": the layer's input; a role: that
-# child's output; ("x+", role): the residual add of the input and that output), and the output's two terms. The
-# role names are the ones the wrappers' layer forwards read (modules.LAYER_FORWARDS).
 def _residual_then(x, a, b):  # (x + a) + b: the sublayers added to the residual one after the other
     return (x + a) + b
 
@@ -1275,7 +1272,9 @@ def _sublayers_then(x, a, b):  # (a + b) + x: the two sublayers summed, then the
     return (a + b) + x
 
 
-# structure -> ({role: what it is handed}, the two outputs added to the residual, how they are added)
+# Each structure's dataflow, by role: what each norm and sublayer is handed ("x": the layer's input; a role: that
+# child's output; ("x+", role): the residual add of the input and that output), the output's two terms and how
+# they join the residual. The role names are the ones the wrappers' layer forwards read (modules.LAYER_FORWARDS).
 NORM_DATAFLOW = {
     "decoder:two_norm": ({"input_layernorm": "x", "attention": "input_layernorm",
                           "post_attention_layernorm": ("x+", "attention"), "mlp": "post_attention_layernorm"},

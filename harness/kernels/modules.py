@@ -29,6 +29,7 @@ reads the two addends it was computed from (see ResidualStream) rather than the 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 import types
 
@@ -350,8 +351,6 @@ def layer_output_count(model: nn.Module, layer: nn.Module) -> int:
     the length of its tuple (Falcon's: the output and the attention weights), which its model indexes. Read by
     running that forward once on one token, with the position embeddings of the model's rotary module, before
     anything is wrapped; 0 where that forward does not run so."""
-    import inspect
-
     p = next(layer.parameters(), None)
     width = getattr(model.config.get_text_config(), "hidden_size", None)
     if p is None or not width:
@@ -665,13 +664,15 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None, qu
     ops = Ops(provider, Backward(backward), {**OPS, **FP8_OPS} if quant is not None else None, quant)  # fp8
     cfg = model.config.get_text_config()
     stream, routes = ResidualStream(), RouteLog()
+    counts: dict[type, int] = {}  # read before anything is wrapped (the rotary too), once per layer class
+    for m in model.modules():
+        if is_decoder_layer(m):
+            if type(m) not in counts:
+                counts[type(m)] = layer_output_count(model, m)
+            m._tic_output_count = counts[type(m)]
     interleaved = any("rope:interleaved" in cov.classes for cov in coverage)
     ropes = _wrap_rotary(model, provider, next(model.parameters()).dtype, cfg, interleaved)
     layout = mamba_modules.install(model)  # tic: the sequences Mamba-2 mixers read, issue 31
-    counts: dict[type, int] = {}  # read before anything is wrapped, once per layer class
-    for m in model.modules():
-        if is_decoder_layer(m):
-            m._tic_output_count = counts.setdefault(type(m), layer_output_count(model, m))
     for name, m in list(model.named_modules()):
         m._tic_ops = ops
         _wrap_module(name, m, variants.get(name), ropes, stream, routes, cfg, layout, readings.get(name))

@@ -50,8 +50,8 @@ LOGPROB_RULES = ("log_softmax", "v2_sampler")
 class RolloutKernels:
     """What a training side on vLLM's kernels must match of the vLLM rollout it recomputes, as that engine
     resolved it: the KV page size (prefill pages K/V alike; FA3 picks its key tile from the paging) and the
-    logprob rule of the runner vLLM picked (LOGPROB_RULES). The defaults are vLLM's where no vLLM engine
-    resolved them (a rollout read from a dump)."""
+    logprob rule of the runner vLLM picked (LOGPROB_RULES). A rollout dump says them in its options; these
+    defaults are vLLM's where it does not."""
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
     logprobs: str = "log_softmax"
 

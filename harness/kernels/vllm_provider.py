@@ -147,8 +147,8 @@ def v2_sampler_log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
     flat = logits.reshape(-1, logits.shape[-1]).contiguous()
     neg_lse = compute_token_logprobs(flat, flat.argmax(dim=-1, keepdim=True))
-    wide = flat.float()
-    out = (wide - wide.amax(dim=-1, keepdim=True)) + neg_lse  # x - lse and x + (-lse) round alike
+    out = flat.to(torch.float32, copy=True)  # one float32 [T, V], worked in place (a micro-batch's is GiBs)
+    out.sub_(out.amax(dim=-1, keepdim=True)).add_(neg_lse)  # x - lse and x + (-lse) round alike
     return out.reshape(*logits.shape[:-1], logits.shape[-1])
 
 
