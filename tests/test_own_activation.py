@@ -12,14 +12,12 @@ import torch
 from torch import nn
 from transformers import CONFIG_MAPPING
 
-from tic.gates import get
 from tic.harness.engines import hf
 from tic.harness.kernels import coverage
 from tic.harness.model.layer_structure import build_meta
-from tic.skill.runner import run_gate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
-from tic_small_ladder import assert_c2_parts_at, small_ladder_ctx  # noqa: E402
+from tic_small_ladder import assert_c2_parts_at, assert_climbs, small_ladder_ctx  # noqa: E402
 
 APERTUS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -53,16 +51,10 @@ def test_an_activation_that_mixes_rows_is_refused():
 def test_apertus_climbs_the_ladder(tmp_path, monkeypatch, one_thread, dtype, gates):
     """bf16 stops at C6: on this generated model's inputs layer 0's alpha_n gradient (1e-4 of the largest) is
     0.23 off the float32 reference in bf16, past C7's 0.1 (bf16 noise on a tiny gradient; open)."""
-    ctx = small_ladder_ctx(tmp_path, monkeypatch, apertus_config(), dtype)
-    try:
-        for gate in gates.split():
-            res = run_gate(get(gate), ctx)
-            assert res.verdict == "pass", (gate, res.reason)
-        if gate == "C7":  # the activation's own parameters are trained, and checked, like every other
-            trained = {t["parameter"] for t in res.details["tensors"]}
-            assert {f"model.layers.{i}.mlp.act_fn.{a}" for i in (0, 1) for a in ("alpha_p", "alpha_n")} <= trained
-    finally:
-        hf._MODELS.clear()
+    res = assert_climbs(small_ladder_ctx(tmp_path, monkeypatch, apertus_config(), dtype), gates)
+    if res.gate == "C7":  # the activation's own parameters are trained, and checked, like every other
+        trained = {t["parameter"] for t in res.details["tensors"]}
+        assert {f"model.layers.{i}.mlp.act_fn.{a}" for i in (0, 1) for a in ("alpha_p", "alpha_n")} <= trained
 
 
 def test_wrappers_that_replace_the_activation_part_from_the_stock_model(tmp_path, monkeypatch, one_thread):

@@ -56,3 +56,18 @@ def assert_c2_parts_at(ctx, where: str) -> None:
     res = run_gate(get("C2"), ctx)
     assert res.verdict == "fail", res.reason
     assert where in res.details["fidelity"]["first_parting_module"], res.details["fidelity"]
+
+
+def assert_climbs(ctx, gates: str = "C0 C2 C3 C4 C5 C6 C7"):
+    """Each gate passes, in order; the last one's result. The generated models are dropped afterwards."""
+    from tic.gates import get
+    from tic.harness.engines import hf
+    from tic.skill.runner import run_gate
+
+    try:
+        for gate in gates.split():
+            res = run_gate(get(gate), ctx)
+            assert res.verdict == "pass", (gate, res.reason)
+        return res
+    finally:
+        hf._MODELS.clear()
