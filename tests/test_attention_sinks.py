@@ -55,10 +55,12 @@ def test_c0_reads_the_sinks_and_vllms_kernels_refuse_them():
     assert any("attention:sinks is not implemented by kernels: vllm" in p for p in problems), problems
 
 
-def test_an_attention_with_sinks_climbs_c0_to_c7(tmp_path, monkeypatch, one_thread):
-    """float32: in bf16 Flint's own attention computes its scores in float32 (its q/k-normed logits reach tens),
-    the consistent CPU kernel in bf16, and C2's fidelity check says they part at the attention."""
-    ctx = small_ladder_ctx(tmp_path, monkeypatch, flint_config(), "float32")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_attention_with_sinks_climbs_c0_to_c7(tmp_path, monkeypatch, one_thread, dtype):
+    """bf16 too. Flint keeps its sinks, its attention's first parameter, in float32: the probe that reads whether
+    a layer applies the rotary built its rows in that dtype, q_proj refused them, and Flint's NoPE layers were read
+    as rotary (C2 then found the attention parting, by far more than rounding). It takes q_proj's dtype now."""
+    ctx = small_ladder_ctx(tmp_path, monkeypatch, flint_config(), dtype)
     try:
         for gate in ("C0", "C2", "C3", "C4", "C5", "C6", "C7"):
             res = run_gate(get(gate), ctx)

@@ -890,10 +890,11 @@ def applies_rotary(attn: nn.Module) -> bool | None:
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_flatten
 
-    p = next(attn.parameters(), None)
-    device, dtype = (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
-    width = next(getattr(attn, n).in_features for n in ("q_proj", "qkv_proj", "query_key_value")
-                 if isinstance(getattr(attn, n, None), nn.Linear))
+    # the rows' device and dtype from the input projection: a model may keep other parameters in float32 (Flint's
+    # sinks, its attention's first parameter); rows of another dtype make the probe fail, and read as rotary
+    proj = next(getattr(attn, n) for n in ("q_proj", "qkv_proj", "query_key_value")
+                if isinstance(getattr(attn, n, None), nn.Linear))
+    device, dtype, width = proj.weight.device, proj.weight.dtype, proj.in_features
     h = torch.zeros(1, 2, width, device=device, dtype=dtype)
     cos, sin = (torch.ones(1, 2, head_dim_of(attn), device=device, dtype=dtype) for _ in range(2))
 
