@@ -17,7 +17,7 @@ from tic.core.errors import TicInputError
 from tic.harness.engines import hf
 from tic.harness.kernels import coverage
 from tic.harness.kernels.consistent_cpu import CPUProvider
-from tic.harness.kernels.modules import apply, layer_output_count
+from tic.harness.kernels.modules import apply
 from tic.harness.model.layer_structure import build_meta, model_from_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
@@ -56,11 +56,11 @@ def test_each_generation_climbs_c0_to_c7(tmp_path, monkeypatch, one_thread, gene
 
 def test_the_wrapped_layer_returns_what_its_model_indexes():
     """Falcon's model takes outputs[0] of each layer: a wrapped layer returning its output alone would hand the
-    next layer the first sequence's rows. The layer's own return is read before wrapping."""
+    next layer the first sequence's rows. The layer's own return is read at C0, with stand-ins for its children."""
     torch.manual_seed(0)
     model = model_from_config(falcon(**GENERATIONS["7b: one input norm, multi-query"]), dtype=torch.float32)
     layer = model.transformer.h[0]
-    assert layer_output_count(model, layer) == 2
+    assert coverage.layer_output_count(layer) == 2
     apply(model, CPUProvider())
     h = torch.randn(2, 3, 64)
     out = layer(h, attention_mask=None, position_ids=torch.arange(3)[None],

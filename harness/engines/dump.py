@@ -286,8 +286,8 @@ class DumpEngine(Engine):
         """What a training side on vLLM's kernels must match of the rollout that wrote this dump: vLLM's defaults
         (page size 16, the V1 runner's logprobs) where the config does not say."""
         o = self.options
-        return RolloutKernels(int(o.get("kv_block_size") or DEFAULT_KV_BLOCK_SIZE),
-                              "v2_sampler" if o.get("model_runner") == "v2" else "log_softmax")
+        return RolloutKernels.of_runner(int(o.get("kv_block_size") or DEFAULT_KV_BLOCK_SIZE),
+                                        o.get("model_runner") == "v2")
 
     def dumped_samples(self) -> list[Sample]:
         if self._samples is None:

@@ -511,8 +511,9 @@ class VLLMEngine(Engine):
         # the KV page size vLLM resolved for this engine: a training side on vLLM's kernels is built with it and
         # lays its prefill K/V out in the same pages (FA3 picks its key tile from the paging)
         self.kv_block_size = int(getattr(vcfg.cache_config, "block_size", 0) or DEFAULT_KV_BLOCK_SIZE)
-        # and so is the logprob rule of the runner vLLM picked (its V1 and V2 runners compute logprobs apart)
-        self.logprob_rule = "v2_sampler" if _V2_RUNNER[key] else "log_softmax"
+        # with the logprob rule of the runner vLLM picked (its V1 and V2 runners compute logprobs apart): what a
+        # training side on vLLM's kernels must match of this engine (its provider is built with it)
+        self.rollout_kernels = RolloutKernels.of_runner(self.kv_block_size, _V2_RUNNER[key])
         self.max_num_seqs = sched.max_num_seqs
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self._record = Path(o["record"]) if o["record"] else None
@@ -798,11 +799,6 @@ class VLLMEngine(Engine):
         states = getattr(getattr(eng, "output_processor", None), "request_states", None)
         if states:
             eng.abort_request(list(states))
-
-    @property
-    def rollout_kernels(self) -> RolloutKernels:
-        """What a training side on vLLM's kernels must match of this engine (its provider is built with it)."""
-        return RolloutKernels(self.kv_block_size, self.logprob_rule)
 
     def model_runner(self):
         self._require_model_here("the model runner")

@@ -1230,9 +1230,10 @@ class _Answer(nn.Module):
         return (out, None) if self.pair else out
 
 
-def _forward_with_stand_ins(layer: nn.Module, stand_ins: dict[str, nn.Module], x: torch.Tensor):
+def _forward_with_stand_ins(layer: nn.Module, stand_ins: dict[str, nn.Module], x: torch.Tensor, whole: bool = False):
     """The layer's own forward on x with some children replaced (a shallow copy: the layer keeps its own), its
-    hidden output; None where the forward does not run that way."""
+    hidden output (whole: what the forward returns, a tuple where it returns one); None where the forward does
+    not run that way."""
     probe = copy.copy(layer)
     probe._modules = {**probe._modules, **stand_ins}
     try:
@@ -1240,7 +1241,21 @@ def _forward_with_stand_ins(layer: nn.Module, stand_ins: dict[str, nn.Module], x
             out = type(layer).forward(probe, x, attention_mask=None, position_ids=None, position_embeddings=None)
     except Exception:  # noqa: BLE001 - a layer that does not run on the probe is not read
         return None
-    return out[0] if isinstance(out, tuple) else out
+    return out if whole or not isinstance(out, tuple) else out[0]
+
+
+def layer_output_count(layer: nn.Module) -> int:
+    """How many values a decoder layer's own forward returns: 0 for one tensor (most transformers 5 layers), else
+    the length of its tuple (Falcon's: the output and the attention weights), which its model indexes. Read from
+    that forward with stand-ins (its norms passing x through, its attention and MLP giving tensors of their own),
+    also on the meta device; 0 where it does not run so."""
+    attn, mlp = attention_name(layer), mlp_name(layer)
+    x = torch.zeros(1, 2, 8)
+    stand = {n: nn.Identity() for n, c in layer.named_children() if n not in (attn, mlp)}
+    stand[attn] = _Tagged(torch.zeros(1, 2, 8), pair=not mamba_modules.is_mixer1(getattr(layer, attn)))
+    stand[mlp] = _Tagged(torch.zeros(1, 2, 8), pair=False)
+    out = _forward_with_stand_ins(layer, stand, x, whole=True)
+    return len(out) if isinstance(out, tuple) else 0
 
 
 def _parallel_sum(layer: nn.Module, r: float, a: float, m: float) -> float | None:
@@ -1406,6 +1421,9 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
     if read is not None:
         structure = read[0]
         cov.readings[name] = {"norm_roles": read[1]}
+    count = layer_output_count(layer)
+    if count:  # the wrapped layer returns as many values, its output first
+        cov.readings.setdefault(name, {})["output_count"] = count
     if structure is None:
         cov.refusals.append(Refusal(name, cov.module_class, f"a decoder layer of children {', '.join(children)}; "
                                     "the wrappers implement two-norm (Llama), four-norm (Gemma) and post-norm "

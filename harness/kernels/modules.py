@@ -29,7 +29,6 @@ reads the two addends it was computed from (see ResidualStream) rather than the 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import operator
 import types
 
@@ -346,32 +345,9 @@ def _parallel_two_norm_layer_forward(self, hidden_states, attention_mask=None, p
     return (delta[0] if isinstance(delta, tuple) else delta) + attn + hidden_states
 
 
-def layer_output_count(model: nn.Module, layer: nn.Module) -> int:
-    """How many values a decoder layer's own forward returns: 0 for one tensor (most transformers 5 layers), else
-    the length of its tuple (Falcon's: the output and the attention weights), which its model indexes. Read by
-    running that forward once on one token, with the position embeddings of the model's rotary module, before
-    anything is wrapped; 0 where that forward does not run so."""
-    p = next(layer.parameters(), None)
-    width = getattr(model.config.get_text_config(), "hidden_size", None)
-    if p is None or not width:
-        return 0
-    h = torch.zeros(1, 1, width, device=p.device, dtype=p.dtype)
-    kwargs = {"attention_mask": None, "position_ids": torch.zeros(1, 1, dtype=torch.long, device=p.device)}
-    params = inspect.signature(type(layer).forward).parameters
-    rotary = next((m for _, m in rotary_modules(model) if not rotary_per_layer_type(m)), None)
-    try:
-        with torch.no_grad():
-            if rotary is not None and "position_embeddings" in params:
-                kwargs["position_embeddings"] = rotary(h, kwargs["position_ids"])
-            out = layer(h, **{k: v for k, v in kwargs.items() if k in params or "kwargs" in params})
-    except Exception:  # noqa: BLE001 - a forward this probe cannot drive: the layer is taken to return a tensor
-        return 0
-    return len(out) if isinstance(out, tuple) else 0
-
-
 def _returning(forward, count: int):
     """A layer forward that returns its output as the first of `count` values (the rest None), as the model's
-    own layer did (layer_output_count)."""
+    own layer did (coverage.layer_output_count)."""
     def returning(self, *args, **kwargs):
         return (forward(self, *args, **kwargs),) + (None,) * (count - 1)
     return returning
@@ -627,7 +603,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m._tic_mixes_by_scan = mamba_modules.is_mixer1(getattr(m, m._tic_attn_name))  # Jamba's mamba layers
         m._tic_norm_roles = reading.get("norm_roles", {})  # names, for the same reason
         m._tic_residual_scale = residual_scale_name(m)  # Granite's residual_multiplier, MiniCPM3's residual_scale
-        count = getattr(m, "_tic_output_count", 0)
+        count = reading.get("output_count", 0)
         m.forward = types.MethodType(_returning(LAYER_FORWARDS[variant], count) if count else LAYER_FORWARDS[variant],
                                      m)
     elif isinstance(m, nn.Linear):
@@ -664,12 +640,6 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None, qu
     ops = Ops(provider, Backward(backward), {**OPS, **FP8_OPS} if quant is not None else None, quant)  # fp8
     cfg = model.config.get_text_config()
     stream, routes = ResidualStream(), RouteLog()
-    counts: dict[type, int] = {}  # read before anything is wrapped (the rotary too), once per layer class
-    for m in model.modules():
-        if is_decoder_layer(m):
-            if type(m) not in counts:
-                counts[type(m)] = layer_output_count(model, m)
-            m._tic_output_count = counts[type(m)]
     interleaved = any("rope:interleaved" in cov.classes for cov in coverage)
     ropes = _wrap_rotary(model, provider, next(model.parameters()).dtype, cfg, interleaved)
     layout = mamba_modules.install(model)  # tic: the sequences Mamba-2 mixers read, issue 31

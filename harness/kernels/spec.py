@@ -59,6 +59,11 @@ class RolloutKernels:
         if self.logprobs not in LOGPROB_RULES:
             raise ValueError(f"logprob rule {self.logprobs!r} (expected one of {', '.join(LOGPROB_RULES)})")
 
+    @classmethod
+    def of_runner(cls, kv_block_size: int, v2_runner: bool) -> "RolloutKernels":
+        """For a vLLM rollout that ran its V2 model runner, or its V1 one."""
+        return cls(kv_block_size, "v2_sampler" if v2_runner else "log_softmax")
+
 
 class KernelProvider:
     name = "provider"
