@@ -63,6 +63,21 @@ def coverage_problems_of(model, kernels):
     return coverage.coverage_problems(model, kernels)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_bf16_router_over_many_experts_is_read_on_the_cpu_in_float32(dtype):
+    """A real-size softmax router (128 experts, top 8, the Qwen3-30B-A3B shape) in the model's bf16: read in bf16, its
+    logits at the probe's small scales tie exactly between experts, its top-k broke the ties otherwise than the
+    rules' selection, no rule fit, and C0 refused the model on the GPU. The probe runs a float32 CPU copy."""
+    if "qwen3_moe" not in CONFIG_MAPPING:
+        pytest.skip("no qwen3_moe in this transformers")
+    cfg = CONFIG_MAPPING["qwen3_moe"](hidden_size=2048, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    router = Qwen3MoeTopKRouter(cfg).to(dtype)
+    assert coverage.router_routing(router, cfg) == Routing("softmax", renormalize=True)
+    assert router.weight.dtype == dtype  # the model's own router is left as it was
+
+
 def test_the_vllm_kernels_refuse_a_score_router_in_one_line_naming_it():
     """vLLM's side of these routers (its grouped top-k kernel, where it applies the scale) is not yet measured on
     the GPU: kernels: vllm refuses them at C0 instead of running a rule it may not share."""

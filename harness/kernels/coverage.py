@@ -344,13 +344,15 @@ def router_routing(router: nn.Module, cfg=None, handed: torch.Tensor | None = No
     wrapper does not compute: PhiMoE's sparsemixer). The forward runs on a copy whose every floating parameter and
     buffer is seeded: a term that starts at zero (a selection bias before training) must show. handed: the bias
     the block hands the router's forward (handed_bias), given to it seeded too."""
-    probe = seeded_copy(router)
+    # on the CPU in float32: a bf16 router's logits at the small scales below meet exact ties among many experts,
+    # which its top-k on the GPU breaks otherwise than `select` (read so, a Qwen3-MoE router fit no rule)
+    probe = seeded_copy(router).to(device="cpu", dtype=torch.float32)
     w, bias = router_weight(probe), router_bias(probe)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(8, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
+    x = torch.randn(8, w.shape[1], generator=g)
     extra = ()
     if handed is not None:
-        bias = torch.randn(handed.shape, generator=g).to(device=w.device, dtype=handed.dtype)
+        bias = torch.randn(handed.shape, generator=g)
         extra = (bias,)
     top_k = probe.top_k
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:  # e.g. a config without the count
