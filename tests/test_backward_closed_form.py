@@ -336,3 +336,29 @@ def test_backward_compiles_the_closed_forms_on_cuda_only_when_fuse_is_on(monkeyp
     assert compiled == (["_silu_and_mul_input_grad"] * 2 if fuse else [])
     assert list(run.compile_errors) == (["_silu_and_mul_input_grad"] if fuse else [])
     assert ag.Backward().compile_errors == {}  # another model's backwards are its own
+
+
+def test_closed_forms_compile_in_inductors_deterministic_mode_or_run_eagerly(monkeypatch):
+    """Inductor picks a reduction's kernel by timing it in each process, and the candidates sum in other orders: a
+    restored run's update then differed from the uninterrupted one (C9 on the GPU). The closed forms compile with
+    its deterministic mode; a torch without that mode leaves them eager, the reason kept in compile_errors."""
+    import torch._inductor.config as inductor
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
+
+    def fresh_silu_grad(x, g):  # a function of its own: _compiled caches per function
+        return ag._silu_and_mul_input_grad(x, g)
+
+    x, g = r(3, 8), r(3, 4)
+    on_cuda = x.as_subclass(_OnCuda)
+    assert torch.equal(ag.Backward().fused(fresh_silu_grad, on_cuda, g), ag._silu_and_mul_input_grad(x, g))
+    assert calls == [{"dynamic": True, "options": {"deterministic": True}}]
+
+    def older_silu_grad(x, g):
+        return ag._silu_and_mul_input_grad(x, g)
+
+    monkeypatch.delattr(inductor, "deterministic")
+    run = ag.Backward()
+    assert torch.equal(run.fused(older_silu_grad, on_cuda, g), ag._silu_and_mul_input_grad(x, g))
+    assert len(calls) == 1 and "deterministic mode" in run.compile_errors["older_silu_grad"]

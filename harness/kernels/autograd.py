@@ -224,8 +224,15 @@ def log_softmax_ref(logits):
 @functools.cache
 def _compiled(fn: Callable) -> Callable:
     """fn compiled by torch.compile, built once per function in this process (the compiled code depends on fn
-    alone, as torch's own caches do); whether it runs is each Backward's choice."""
-    return torch.compile(fn, dynamic=True)
+    alone, as torch's own caches do); whether it runs is each Backward's choice. In Inductor's deterministic mode:
+    otherwise Inductor times a reduction's candidate kernels in each process and keeps the fastest, their sum
+    orders differ, and the same backward gives other bits after a restart (C9's restored update differed from the
+    uninterrupted one). A torch whose Inductor lacks that mode raises here, and the closed form runs eagerly."""
+    import torch._inductor.config as inductor
+
+    if not hasattr(inductor, "deterministic"):
+        raise RuntimeError("this torch's Inductor has no deterministic mode (its kernels would be chosen by timing)")
+    return torch.compile(fn, dynamic=True, options={"deterministic": True})
 
 
 def _first_line(e: BaseException) -> str:
