@@ -27,8 +27,7 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_l
 COVERED = ("ernie4_5", "seed_oss", "cwm", "ministral", "mixtral", "arcee", "nemotron", "hunyuan_v1_dense",
            "hunyuan_v1_moe", "granitemoe")
 # refused, each for something the wrappers do not compute (named in the problem lines)
-# (GPT-OSS's attention sinks are covered since attention:sinks; its experts' clamped SwiGLU is not)
-REFUSED = {"phimoe": "router", "gpt_oss": "activation other than SiLU", "diffllama": "lambda_q1",
+REFUSED = {"phimoe": "router", "diffllama": "lambda_q1",
            "doge": "input_residual", "bitnet": "attn_sub_norm", "nanochat": "NanoChatRMSNorm", "olmo": "OlmoLayerNorm",
            "persimmon": "q_layernorm", "jetmoe": "layer structure", "llama4_text": "qk_norm",
            "qwen3_next": "a gate or heads the wrappers do not split"}
@@ -131,7 +130,8 @@ def test_experts_stored_as_in_out_are_read_as_transposed_views_and_climb_c2_to_c
 
 def test_experts_read_without_their_layout_are_refused(monkeypatch):
     """Planted: the wrappers' reading ignores `is_transposed`; Aria's experts then compute something else than
-    what the wrappers would, and C0 names them."""
+    what the wrappers would compute from those weights: C0 reads them as experts of the model's own (run as they
+    are, moe:own_experts), never as SwiGLU from misread weights, and kernels: vllm names them."""
     from tic.harness.kernels import coverage
 
     if "aria_text" not in CONFIG_MAPPING:
@@ -140,14 +140,17 @@ def test_experts_read_without_their_layout_are_refused(monkeypatch):
     assert coverage.experts_compute_swiglu(moe_experts(model)) is True
     monkeypatch.setattr(coverage, "expert_weights", lambda ex: (ex.gate_up_proj, ex.down_proj))
     monkeypatch.setattr(coverage, "_SWIGLU_READINGS", {})
-    problems = coverage_problems(model, "consistent")
-    assert any("AriaExperts" in p and "routed experts whose own forward" in p for p in problems), problems
+    classes = {k for cov in coverage.read_coverage(model) for k in cov.classes}
+    assert "moe:own_experts" in classes and "moe:topk_silu" not in classes, classes
+    problems = coverage_problems(model, "vllm")
+    assert any("moe:own_experts is not implemented by kernels: vllm" in p for p in problems), problems
 
 
 def test_experts_with_interleaved_gate_and_up_are_refused_whatever_they_declare():
     """Planted: experts that declare the standard layout but take gate and up from alternate columns (GPT-OSS's
-    storage) and square shapes, so only the values can tell: refused at C0. The same experts computing
-    [gate | up] halves are read as covered (the control)."""
+    storage) and square shapes, so only the values can tell: never read as SwiGLU from their weights (the
+    consistent kernels run them as they are, moe:own_experts; kernels: vllm refuses them). The same experts
+    computing [gate | up] halves are read as the wrappers' SwiGLU (the control)."""
     import torch.nn.functional as F
 
     from tic.harness.kernels import coverage
@@ -178,8 +181,10 @@ def test_experts_with_interleaved_gate_and_up_are_refused_whatever_they_declare(
             if type(m) in (base, interleaved, halves):
                 m.__class__ = cls
         coverage._SWIGLU_READINGS.clear()
-        problems = coverage_problems(model, "consistent")
-        assert any("routed experts whose own forward" in p for p in problems) != covered, (cls, problems)
+        coverage._PER_TOKEN_READINGS.clear()
+        classes = {k for cov in coverage.read_coverage(model) for k in cov.classes}
+        assert ("moe:topk_silu" in classes) == covered and ("moe:own_experts" in classes) != covered, classes
+        assert (coverage_problems(model, "vllm") == []) == covered, cls
 
 
 def test_the_experts_reading_copies_a_few_experts_of_a_real_shape():

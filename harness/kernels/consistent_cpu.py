@@ -150,6 +150,14 @@ class CPUProvider(MambaCPUKernels, KernelProvider):  # Mamba-2 kernels: tic.harn
         small x, and its alpha_n would get no gradient): autograd trains its parameters through it."""
         return rowwise(lambda r: module(r.float()).to(r.dtype), x)
 
+    def per_token_experts(self, experts, x, weights, ids):
+        """Routed experts of the model's own that act on each token alone (coverage.experts_act_per_token), their
+        forward on one token's row, top-k ids and weights at a time, in the model's dtype (their weights are in
+        it): batch-invariant by construction, and autograd trains their parameters through their own code."""
+        if x.shape[0] == 0:
+            return experts(x, ids, weights)
+        return torch.cat([experts(x[i:i + 1], ids[i:i + 1], weights[i:i + 1]) for i in range(x.shape[0])])
+
     def activation(self, x, kind):
         """An ungated MLP's activation one row at a time (CPU erf/tanh take another path for a vector's tail)."""
         return rowwise(PLAIN_ACTS[kind], x)

@@ -101,6 +101,11 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
                                            "runs through a kernel of its own, not torch's function",
                   frozenset({"consistent"})),
     OperatorClass("moe:topk_silu", "softmax top-k router, SiLU experts combined in float32 in slot order"),
+    OperatorClass("moe:own_experts", "routed experts of the model's own whose forward on (rows, top-k ids, "
+                                     "top-k weights) acts on each token alone, checked on a CPU probe (GPT-OSS's "
+                                     "clamped SwiGLU on interleaved gate/up columns with biases): run as the model "
+                                     "defines them, one token at a time, trained through their own autograd",
+                  frozenset({"consistent"})),
     OperatorClass("moe:score_router", "a router in the DeepSeek-V3 way: sigmoid (or softmax) scores, a selection "
                                       "bias that only chooses, grouped top-k, weights renormalised or not and "
                                       "times routed_scaling_factor (GLM-4.5, MiniMax-M2); vLLM's side not yet "
@@ -256,11 +261,42 @@ def _expert_vectors(module: nn.Module, experts: int, recurse: bool, skip=None) -
 
 def router_bias(router: nn.Module) -> torch.Tensor | None:
     """The router's per-expert selection bias (DeepSeek-V3's e_score_correction_bias, wherever the router keeps
-    it: a buffer of its own or of a child): its one floating tensor, other than the weight, with one element per
-    expert; None where it has none or several."""
-    w = router_weight(router)
-    found = _expert_vectors(router, w.shape[0], True, skip=w)
+    it: a buffer of its own or of a child): its one floating tensor, other than the weight and the bias its logits
+    add (router_logit_bias_name), with one element per expert; None where it has none or several."""
+    found = _selection_vectors(router)
     return found[0][1].reshape(-1) if len(found) == 1 else None
+
+
+def _selection_vectors(router: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    w, added = router_weight(router), router_logit_bias_name(router)
+    return [(n, t) for n, t in _expert_vectors(router, w.shape[0], True, skip=w) if n != added]
+
+
+def router_logit_bias_name(router: nn.Module) -> str | None:
+    """The name of the router's per-expert vector that its logits add, x W^T + b (a router linear with a bias:
+    GPT-OSS's), read from its own forward on a seeded copy: the logits it returns are that linear's and not the
+    bare product; None where its logits add none (a selection bias only chooses, it is not in the logits)."""
+    probe = seeded_copy(router).to(device="cpu", dtype=torch.float32)
+    w = router_weight(probe)
+    found = _expert_vectors(probe, w.shape[0], False, skip=w)
+    if not found or not isinstance(getattr(probe, "weight", None), torch.Tensor):
+        return None
+    x = torch.randn(8, w.shape[1], generator=torch.Generator().manual_seed(3))
+    try:
+        with torch.no_grad():
+            out = probe(x)
+    except Exception:  # noqa: BLE001 - a router that takes more than the rows (a handed bias) adds none here
+        return None
+    logits = out[0] if isinstance(out, tuple) and out else out
+    if not isinstance(logits, torch.Tensor) or logits.shape != (8, w.shape[0]):
+        return None
+
+    def near(b):
+        with torch.no_grad():
+            y = F.linear(x, w, b).float()
+        return torch.allclose(logits.float(), y, rtol=1e-3, atol=1e-4 * float(y.abs().max()))
+
+    return next((n for n, b in found if near(b.reshape(-1)) and not near(None)), None)
 
 
 def handed_bias(block: nn.Module) -> torch.Tensor | None:
@@ -286,8 +322,7 @@ def routing_bias_name(block: nn.Module) -> str | None:
     router = moe_router(block)
     if router is None:
         return None
-    w = router_weight(router)
-    own = _expert_vectors(router, w.shape[0], True, skip=w)
+    own = _selection_vectors(router)
     if len(own) == 1:
         return f"{next(n for n, c in block.named_children() if c is router)}.{own[0][0]}"
     return _handed_bias_name(block)
@@ -439,14 +474,56 @@ def few_experts(experts: nn.Module, n: int, seed: int = 0) -> nn.Module:
 _SWIGLU_READINGS: dict[tuple, bool | None] = {}
 
 
+def _experts_key(experts: nn.Module) -> tuple:
+    """What an experts reading depends on: the class, its parameters' shapes and dtypes, its plain settings."""
+    return (type(experts), tuple((k, tuple(v.shape), v.dtype) for k, v in experts.named_parameters()),
+            tuple(sorted((k, v) for k, v in vars(experts).items() if isinstance(v, (bool, int, float, str)))))
+
+
+_PER_TOKEN_READINGS: dict[tuple, bool] = {}
+
+
+def experts_act_per_token(experts: nn.Module) -> bool:
+    """Whether the experts' own forward on (rows, top-k ids, top-k weights) computes each token's row from that
+    token's row, ids and weights alone (up to rounding), read on a seeded float32 copy of a few experts: then
+    running it one token at a time computes the model's function, batch-invariant by construction (GPT-OSS's
+    clamped SwiGLU on interleaved gate and up columns, with biases). A forward that mixes tokens (a capacity
+    limit, a batch statistic) or does not run on the probe reads False."""
+    key = _experts_key(experts)
+    if key not in _PER_TOKEN_READINGS:
+        _PER_TOKEN_READINGS[key] = _read_per_token(experts)
+    return _PER_TOKEN_READINGS[key]
+
+
+def _read_per_token(experts: nn.Module) -> bool:
+    total = experts.gate_up_proj.shape[0]
+    n = min(4, total)
+    probe = few_experts(experts, n)
+    g = torch.Generator().manual_seed(4)
+    rows, k = 6, min(2, n)
+    # the hidden size is one of the weights' feature sizes, whichever way they are stored: the one the forward takes
+    for hidden in sorted({*experts.gate_up_proj.shape[1:], *experts.down_proj.shape[1:]}):
+        x = torch.randn(rows, hidden, generator=g)
+        ids = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(rows)])
+        weights = torch.rand(rows, k, generator=g)
+        try:
+            with torch.no_grad():
+                whole = probe(x, ids, weights)
+                each = torch.cat([probe(x[i:i + 1], ids[i:i + 1], weights[i:i + 1]) for i in range(rows)])
+        except Exception:  # noqa: BLE001 - a forward that does not take (rows, ids, weights) of this width
+            continue
+        return isinstance(whole, torch.Tensor) and whole.shape == x.shape and bool(whole.abs().max() > 0) \
+            and torch.allclose(whole, each, rtol=1e-4, atol=1e-5 * float(whole.abs().max()))
+    return False
+
+
 def experts_compute_swiglu(experts: nn.Module) -> bool | None:
     """Whether the experts' own forward computes what the MoE wrappers compute from expert_weights: per token, the
     sum over its top-k slots of weight x down(silu(gate x) * up x). Read on a seeded float32 copy of a few experts,
     so a layout the wrappers would misread (interleaved gate and up columns, a bias, a norm after each expert) shows
     in the values whatever flags the class declares; None where the forward does not run on (rows, ids, weights).
     One reading per experts class and parameter shapes: a model's MoE layers share it."""
-    key = (type(experts), tuple((k, tuple(v.shape), v.dtype) for k, v in experts.named_parameters()),
-           tuple(sorted((k, v) for k, v in vars(experts).items() if isinstance(v, (bool, int, float, str)))))
+    key = _experts_key(experts)
     if key not in _SWIGLU_READINGS:
         _SWIGLU_READINGS[key] = _read_swiglu(experts)
     return _SWIGLU_READINGS[key]
@@ -738,8 +815,8 @@ def _rotary_probe(model: nn.Module, rotary: nn.Module):
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 2, t, d, generator=g), torch.randn(1, 2, t, d, generator=g)
     c, s = torch.randn(t, half, generator=g), torch.randn(t, half, generator=g)
-    spread = (lambda v: v.repeat_interleave(2, -1)) if rotary_output_layout(rotary) == "pairs" \
-        else (lambda v: torch.cat([v, v], -1))
+    spread = {"pairs": lambda v: v.repeat_interleave(2, -1), "once": lambda v: v}.get(
+        rotary_output_layout(rotary), lambda v: torch.cat([v, v], -1))
     try:
         got = apply(q, k, spread(c)[None], spread(s)[None])
     except Exception:  # noqa: BLE001 - another signature: nothing to compare here, C2 compares the forward
@@ -1157,6 +1234,27 @@ def _moe_unused_children(block: nn.Module, shared: str | None) -> list[str]:
             and c is not block.experts and not isinstance(c, (nn.Dropout, nn.Identity))]
 
 
+def _read_experts(cov: LayerCoverage, name: str, experts: nn.Module, cfg) -> None:
+    """The routed experts: SiLU experts the MoE wrappers compute from their weights (moe:topk_silu), else experts
+    of the model's own that act on each token alone, run as they are one token at a time (moe:own_experts)."""
+    silu = activation_variant(getattr(experts, "act_fn", None)) == "mlp:silu_and_mul"
+    if silu and experts_compute_swiglu(experts):
+        cov.classes["moe:topk_silu"] = ("num_experts", getattr(cfg, "num_experts", None))
+    elif experts_act_per_token(experts):
+        cov.classes["moe:own_experts"] = ("experts", type(experts).__name__)
+        cov.readings.setdefault(name, {})["own_experts"] = True
+    elif not silu:
+        cov.refusals.append(Refusal(f"{name}.experts", type(experts).__name__, "MoE experts with an activation "
+                                    "other than SiLU whose own forward does not act on each token alone",
+                                    *_act_field(cfg)))
+    else:
+        cov.refusals.append(Refusal(f"{name}.experts", type(experts).__name__, "routed experts whose own "
+                                    "forward is not weight x down(silu(gate x) * up x) summed over the top-k "
+                                    "slots on their [gate; up] and down weights (read from their forward; e.g. "
+                                    "interleaved gate and up, a bias, a norm after each expert) and does not act "
+                                    "on each token alone"))
+
+
 def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
     kind = type(m).__name__
     _read_unused_parts(cov, name, m, "an MLP", None)
@@ -1174,14 +1272,7 @@ def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
         if extra:
             cov.refusals.append(Refusal(name, kind, f"an MoE block with submodules its wrapper does not run "
                                         f"({', '.join(extra)}): e.g. a norm of the block's output"))
-        if activation_variant(getattr(m.experts, "act_fn", None)) != "mlp:silu_and_mul":
-            cov.refusals.append(Refusal(name, kind, "MoE experts with an activation other than SiLU",
-                                        *_act_field(cfg)))
-        elif not experts_compute_swiglu(m.experts):
-            cov.refusals.append(Refusal(f"{name}.experts", type(m.experts).__name__, "routed experts whose own "
-                                        "forward is not weight x down(silu(gate x) * up x) summed over the top-k "
-                                        "slots on their [gate; up] and down weights (read from their forward; e.g. "
-                                        "interleaved gate and up, a bias, a norm after each expert)"))
+        _read_experts(cov, name, m.experts, cfg)
         if rule is None:
             cov.refusals.append(Refusal(name, kind, "a router whose top-k experts and weights are none of the "
                                         "rules the wrappers compute (softmax or sigmoid scores, renormalised or "
@@ -1191,7 +1282,6 @@ def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
             cov.readings.setdefault(name, {})["routing"] = rule
             if not rule.plain:
                 cov.classes["moe:score_router"] = ("router", rule.describe())
-        cov.classes["moe:topk_silu"] = ("num_experts", getattr(cfg, "num_experts", None))
     elif is_gated_mlp(m):
         variant = activation_variant(mlp_activation(m))
         if variant is None:

@@ -29,6 +29,7 @@ reads the two addends it was computed from (see ResidualStream) rather than the 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import operator
 import types
 
@@ -46,10 +47,11 @@ from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, 
                                           is_hybrid_block, is_layernorm, is_moe_block, is_rmsnorm,
                                           logits_scaling_settable, mlp_name, moe_router, norm_eps,
                                           output_projection_name, problem_lines, read_coverage, residual_scale_name,
-                                          rotary_modules, rotary_per_layer_type, router_routing, router_weight,
-                                          routing_bias_name)
+                                          rotary_modules, rotary_per_layer_type, router_logit_bias_name,
+                                          router_routing, router_weight, routing_bias_name)
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
+from tic.harness.kernels.rope import rotary_output_layout
 from tic.harness.kernels.stand_ins import stands_for
 
 ATTN_NAME = "tic_rowwise"
@@ -135,8 +137,12 @@ def _rotary_module_forward(self, x, position_ids, layer_type=None):
     consistent with it."""
     need = int(position_ids.max()) + 1 if position_ids.numel() else 1
     cos, sin = self._tic_ropes[layer_type].get(need, x.device).chunk(2, dim=-1)
-    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
-    return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
+    spread = SPREAD[self._tic_layout]  # in the module's own layout (rope.rotary_output_layout)
+    return spread(cos)[position_ids].to(x.dtype), spread(sin)[position_ids].to(x.dtype)
+
+
+SPREAD = {"halves": lambda v: torch.cat([v, v], dim=-1), "pairs": lambda v: v.repeat_interleave(2, dim=-1),
+          "once": lambda v: v}
 
 
 def _linear_forward(self, x):
@@ -467,14 +473,18 @@ def _moe_forward(self, hidden_states):
     x = hidden_states.reshape(-1, shape[-1])
     router, experts, routing = moe_router(self), self.experts, self._tic_routing
     w = router_weight(router)
+    b = getattr(router, self._tic_logit_bias) if self._tic_logit_bias else None  # GPT-OSS's router linear bias
     # a router kept in float32 in a bf16 model (GLM-4.5's) takes its rows in float32, as HF's and vLLM's do
-    logits = ops.linear(x if x.dtype == w.dtype else x.to(w.dtype), [w])
+    logits = ops.linear(x if x.dtype == w.dtype else x.to(w.dtype), [w], [b])
     bias = operator.attrgetter(self._tic_bias)(self).reshape(-1) if self._tic_bias else None
     weights, ids = ops.moe_route(logits, router.top_k, routing, bias)
     calls = self._tic_routes.calls
     if calls is not None:
         calls.setdefault(self._tic_name, []).append(ids.detach().to("cpu"))
-    out = ops.moe_experts(x, weights, ids, *expert_weights(experts))
+    if self._tic_own_experts:  # experts of the model's own that act on each token alone (coverage)
+        out = ops.provider.per_token_experts(experts, x, weights, ids)
+    else:
+        out = ops.moe_experts(x, weights, ids, *expert_weights(experts))
     shared = getattr(self, self._tic_shared, None) if self._tic_shared else None  # a gated MLP on every token
     if shared is not None:  # sigmoid-gated where the block has the gate (Qwen2-MoE)
         y = shared(x)
@@ -486,11 +496,40 @@ def _moe_forward(self, hidden_states):
 
 
 # -- attention mask registration (bool masks, never skipped as "causal") ---------------------------------------
+# the position ids of the wrapped model's forward now running, for its mask functions (_record_positions)
+_MODEL_POSITIONS: contextvars.ContextVar = contextvars.ContextVar("tic_model_positions", default=None)
+
+
 def _mask_for_rowwise(*args, **kwargs):
+    """transformers' sdpa mask, never skipped as "causal", and confined to each sequence of a packed row (position
+    ids that do not step by one, no padding mask, no cache) as transformers confines it where a model hands its
+    position ids to its mask functions. Some models do not (GPT-OSS), and their packed rows would attend across
+    sequences; the ids come from the model's own forward (_record_positions). Built once per forward, outside
+    every layer, so a layer's operators are the same in every layout."""
+    from transformers.masking_utils import and_masks, find_packed_sequence_indices, packed_sequence_mask_function
     from transformers.masking_utils import sdpa_mask
 
     kwargs["allow_is_causal_skip"] = False
+    positions, q, kv = _MODEL_POSITIONS.get(), kwargs.get("q_length"), kwargs.get("kv_length")
+    if positions is not None and kwargs.get("attention_mask") is None and positions.shape[-1] == q == kv \
+            and not kwargs.get("q_offset") and not kwargs.get("kv_offset"):
+        packed = find_packed_sequence_indices(positions.expand(kwargs["batch_size"], -1))
+        if packed is not None:
+            kwargs["mask_function"] = and_masks(kwargs["mask_function"], packed_sequence_mask_function(packed))
     return sdpa_mask(*args, **kwargs)
+
+
+def _record_positions(module, args, kwargs):
+    """Forward pre-hook of the wrapped model: its call's position ids, for _mask_for_rowwise (a call with a cache
+    passes none: its rows are one sequence each)."""
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    module._tic_positions_token = _MODEL_POSITIONS.set(kwargs.get("position_ids") if cache is None else None)
+
+
+def _forget_positions(module, args, kwargs, output):
+    token = module.__dict__.pop("_tic_positions_token", None)  # not kept: a copy of the model cannot copy a token
+    if token is not None:
+        _MODEL_POSITIONS.reset(token)
 
 
 def _attention_interface(module, query, key, value, attention_mask, scaling, dropout=0.0, softcap=None,
@@ -516,6 +555,7 @@ def _wrap_rotary(model: nn.Module, provider, dtype, cfg, interleaved: bool = Fal
     types_ = sorted(set(getattr(cfg, "layer_types", None) or [])) if rotary_per_layer_type(rotary) else [None]
     ropes = {t: RopeTable(rotary, dtype, provider, cfg, t, interleaved) for t in types_}
     rotary._tic_orig_forward, rotary._tic_ropes = rotary.forward, ropes
+    rotary._tic_layout = rotary_output_layout(rotary)
     rotary.forward = types.MethodType(_rotary_module_forward, rotary)
     return ropes
 
@@ -574,6 +614,8 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         # where the bias lives, by name: the forward reads the tensor the block holds then (a weight sync may swap it)
         m._tic_bias = routing_bias_name(m) if m._tic_routing is not None and m._tic_routing.biased else None
         m._tic_shared = reading.get("shared_expert")  # a name: a module attribute would register it twice
+        m._tic_logit_bias = router_logit_bias_name(moe_router(m))
+        m._tic_own_experts = bool(reading.get("own_experts"))
         m.forward = types.MethodType(_moe_forward, m)
     elif is_gated_mlp(m):
         m._tic_act = variant
@@ -655,6 +697,8 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None, qu
         c = getattr(sub, "config", None)
         if c is not None and hasattr(c, "_attn_implementation"):
             c._attn_implementation = ATTN_NAME
+    model.register_forward_pre_hook(_record_positions, with_kwargs=True)
+    model.register_forward_hook(_forget_positions, with_kwargs=True, always_call=True)
     model._tic_provider = provider
     model._tic_ops, model._tic_routes = ops, routes
     return model

@@ -45,8 +45,9 @@ def _rotary_output(rotary: nn.Module, n: int, device, layer_type: str | None = N
 
 def rotary_output_layout(rotary: nn.Module) -> str:
     """"halves" when an HF rotary module's cos repeats its R/2 angles as two halves (Llama), "pairs" when it
-    repeats each angle twice in a row (Cohere); read on a few positions (a module that does not run on the CPU
-    probe reads as halves, the common layout, and C2 still compares the forward)."""
+    repeats each angle twice in a row (Cohere), "once" when it holds each once (GPT-OSS); read on a few positions
+    (a module that does not run on the CPU probe reads as halves, the common layout, and C2 still compares the
+    forward)."""
     probe = copy.copy(rotary)  # shallow: the module's settings, a CPU inv_freq of its own, the class's own forward
     probe._buffers = dict(probe._buffers)
     freqs = probe._buffers.get("inv_freq")
@@ -61,11 +62,13 @@ def rotary_output_layout(rotary: nn.Module) -> str:
 
 
 def _layout_of(cos: torch.Tensor) -> str:
-    """"pairs" for cos rows [.., R] that repeat each angle twice in a row and not as two halves, else "halves"."""
+    """"pairs" for cos rows [.., R] that repeat each angle twice in a row and not as two halves, "once" for rows
+    [.., R/2] that hold each angle once (GPT-OSS's, which its rotation spreads over both halves), else "halves".
+    Read on rows of several positions: at position 0 every layout is all ones."""
     half = cos.shape[-1] // 2
-    if not torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(cos[..., 0::2], cos[..., 1::2]):
-        return "pairs"
-    return "halves"
+    if torch.equal(cos[..., :half], cos[..., half:]):
+        return "halves"
+    return "pairs" if torch.equal(cos[..., 0::2], cos[..., 1::2]) else "once"
 
 
 def hf_cos_sin_cache(rotary: nn.Module, n: int, dtype: torch.dtype, device, layer_type: str | None = None) \
@@ -74,11 +77,15 @@ def hf_cos_sin_cache(rotary: nn.Module, n: int, dtype: torch.dtype, device, laye
     factor), float32 arithmetic, then cast to dtype; `layer_type` picks one table of a module that holds one per
     layer type (Gemma-3). The module's own layout, halves or pairs, is read from the rows it returns (or the angles
     as complex numbers, DeepSeek-V2's). A module the wrappers patched is read through its own forward."""
-    out = _rotary_output(rotary, n, device, layer_type)
+    out = _rotary_output(rotary, max(n, 4), device, layer_type)  # positions enough to read the layout from
     if isinstance(out, torch.Tensor) and out.is_complex():  # DeepSeek-V2's: cos + i sin of each angle, [1, n, R/2]
-        return torch.cat([out.real[0], out.imag[0]], dim=-1).to(dtype)
+        return torch.cat([out.real[0, :n], out.imag[0, :n]], dim=-1).to(dtype)
     cos, sin = out
-    if _layout_of(cos) == "pairs":
-        return torch.cat([cos[0, :, 0::2], sin[0, :, 0::2]], dim=-1).to(dtype)
+    layout = _layout_of(cos)
+    cos, sin = cos[0, :n], sin[0, :n]
+    if layout == "pairs":
+        return torch.cat([cos[:, 0::2], sin[:, 0::2]], dim=-1).to(dtype)
+    if layout == "once":
+        return torch.cat([cos, sin], dim=-1).to(dtype)
     half = cos.shape[-1] // 2
-    return torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).to(dtype)
+    return torch.cat([cos[:, :half], sin[:, :half]], dim=-1).to(dtype)

@@ -15,7 +15,7 @@ SMALL_LADDER = ("rollout: {engine: hf, kernels: consistent, batch_size: 3}\n"
 def small_ladder_ctx(tmp_path, monkeypatch, config, dtype: str):
     """A generated model of `config` (float32 weights, run in `dtype`) under SMALL_LADDER. Its MoE routers are drawn
     wide enough that each token chooses for itself (at the init's 0.02 every sigmoid score is near 0.5 and a bias
-    alone would choose), and their selection biases drawn (a trained checkpoint's are not zero)."""
+    alone would choose), and their selection biases and logit biases drawn (a trained checkpoint's are not zero)."""
     import torch
 
     from tic.config.schema import load_config
@@ -37,6 +37,9 @@ def small_ladder_ctx(tmp_path, monkeypatch, config, dtype: str):
             w.copy_(torch.randn(w.shape) * 2 / w.shape[1] ** 0.5)
             if bias is not None:
                 bias.copy_(torch.randn(bias.shape) * 0.1)
+            added = coverage.router_logit_bias_name(router)  # GPT-OSS's router linear bias
+            if added is not None:
+                getattr(router, added).copy_(torch.randn(w.shape[0]) * 0.5)
     model.save_pretrained(model_dir, safe_serialization=True)
     cfg = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**cfg, "dtype": "float32"}))
