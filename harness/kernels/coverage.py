@@ -474,6 +474,14 @@ def few_experts(experts: nn.Module, n: int, seed: int = 0) -> nn.Module:
 _SWIGLU_READINGS: dict[tuple, bool | None] = {}
 
 
+def _routed_rows(g: torch.Generator, rows: int, hidden: int, experts: int, k: int):
+    """An experts probe's input: seeded rows, each routed to k distinct experts of the first `experts` with
+    weights in [0, 1)."""
+    x = torch.randn(rows, hidden, generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(rows)])
+    return x, ids, torch.rand(rows, k, generator=g)
+
+
 def _experts_key(experts: nn.Module) -> tuple:
     """What an experts reading depends on: the class, its parameters' shapes and dtypes, its plain settings."""
     return (type(experts), tuple((k, tuple(v.shape), v.dtype) for k, v in experts.named_parameters()),
@@ -503,9 +511,7 @@ def _read_per_token(experts: nn.Module) -> bool:
     rows, k = 6, min(2, n)
     # the hidden size is one of the weights' feature sizes, whichever way they are stored: the one the forward takes
     for hidden in sorted({*experts.gate_up_proj.shape[1:], *experts.down_proj.shape[1:]}):
-        x = torch.randn(rows, hidden, generator=g)
-        ids = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(rows)])
-        weights = torch.rand(rows, k, generator=g)
+        x, ids, weights = _routed_rows(g, rows, hidden, n, k)
         try:
             with torch.no_grad():
                 whole = probe(x, ids, weights)
@@ -536,11 +542,7 @@ def _read_swiglu(experts: nn.Module) -> bool | None:
     if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] != 2 * down.shape[2] \
             or down.shape[1] != gate_up.shape[2]:
         return False
-    rows, hidden, k = 6, gate_up.shape[2], min(2, n)
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(rows, hidden, generator=g)
-    ids = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(rows)])
-    weights = torch.rand(rows, k, generator=g)
+    x, ids, weights = _routed_rows(torch.Generator().manual_seed(2), 6, gate_up.shape[2], n, min(2, n))
     try:
         with torch.no_grad():
             got = probe(x, ids, weights)
