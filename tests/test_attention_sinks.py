@@ -21,7 +21,7 @@ from tic.skill.runner import run_gate
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 from tic_small_ladder import assert_c2_parts_at, small_ladder_ctx  # noqa: E402
 
-# two dense layers of Flint (its MoE router is another matter): attention with sinks and q/k norms
+# two dense layers of Flint (its MoE layers: tests/test_score_routers.py): attention with sinks and q/k norms
 FLINT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, layer_types=["full_attention"] * 2,
              tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)

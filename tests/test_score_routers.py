@@ -24,7 +24,7 @@ from tic.skill.context import GateContext
 from tic.skill.runner import run_gate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
-from tic_small_ladder import small_ladder_ctx  # noqa: E402
+from tic_small_ladder import assert_climbs, small_ladder_ctx  # noqa: E402
 
 GLM = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
@@ -76,6 +76,28 @@ def test_a_bf16_router_over_many_experts_is_read_on_the_cpu_in_float32(dtype):
     router = Qwen3MoeTopKRouter(cfg).to(dtype)
     assert coverage.router_routing(router, cfg) == Routing("softmax", renormalize=True)
     assert router.weight.dtype == dtype  # the model's own router is left as it was
+
+
+class _SigmoidRouter(torch.nn.Module):
+    """Sigmoid scores without a bias, the top-k renormalised (Flint's router), over 32 experts of 256 features."""
+
+    def __init__(self):
+        super().__init__()
+        self.top_k, self.weight = 4, torch.nn.Parameter(torch.zeros(32, 256))
+
+    def forward(self, x):
+        logits = torch.nn.functional.linear(x.float(), self.weight.float())
+        w, ids = torch.topk(logits.sigmoid(), self.top_k, dim=-1)
+        return logits, w / w.sum(-1, keepdim=True), ids
+
+
+def test_a_router_whose_scores_saturate_on_the_probe_is_still_read():
+    """On the probe's widest rows, seeded weights give logits of about 16: sigmoid rounds many of them to 1.0, the
+    router's top-k breaks those ties its own way, and every rule failed there, so none was read (Flint refused).
+    A scale where a rule's choice ties at the k-th expert no longer judges that rule."""
+    assert coverage._tied_at(torch.tensor([[1.0, 1.0, 0.5]]), 1) and not coverage._tied_at(torch.tensor([[1.0, 0.9,
+                                                                                                         0.9]]), 1)
+    assert coverage.router_routing(_SigmoidRouter()) == Routing("sigmoid", renormalize=True)
 
 
 def test_the_vllm_kernels_refuse_a_score_router_in_one_line_naming_it():
@@ -264,3 +286,19 @@ def test_an_moe_block_with_a_submodule_its_wrapper_does_not_run_is_refused():
                                                      "qk_rope_head_dim": 4, "v_head_dim": 8}).to_dict())
         problems = coverage_problems_of(axk1, "consistent")
         assert len(problems) == 1 and "(AXK1MoE): an MoE block with submodules" in problems[0], problems
+
+
+def test_flint_with_its_sigmoid_router_climbs(tmp_path, monkeypatch, one_thread):
+    """Flint with MoE layers (sigmoid router, 16 experts top 4, a shared expert, attention sinks), which C0 refused
+    for its router before saturated probe rows stopped judging the rules."""
+    if "flint" not in CONFIG_MAPPING:
+        pytest.skip("no flint in this transformers")
+    cfg = CONFIG_MAPPING["flint"](vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  layer_types=["full_attention", "sliding_attention"], sliding_window=8,
+                                  mlp_only_layers=[0], num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+                                  shared_expert_intermediate_size=64, tie_word_embeddings=False, pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=2)
+    model = build_meta(cfg.to_dict())
+    assert any(coverage.is_moe_block(m) for m in model.modules())
+    assert_climbs(small_ladder_ctx(tmp_path, monkeypatch, cfg, "float32"))

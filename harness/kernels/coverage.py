@@ -372,6 +372,15 @@ def _routing_candidates(router: nn.Module, cfg, biased: bool) -> list[Routing]:
             for gr, kg in groups for scale in sorted(scales) for on_logits in ({False, bias})]
 
 
+def _tied_at(values: torch.Tensor, k: int) -> bool:
+    """Whether some row's k-th and (k+1)-th largest values are equal: which experts a top-k keeps there is the
+    tie-break's choice, not the rule's (a router's sigmoid scores all 1.0 on the probe's widest rows)."""
+    if values.shape[-1] <= k:
+        return False
+    top = values.topk(k + 1, dim=-1).values
+    return bool((top[:, k - 1] == top[:, k]).any())
+
+
 def router_routing(router: nn.Module, cfg=None, handed: torch.Tensor | None = None) -> Routing | None:
     """What the router computes (tic.harness.kernels.routing), read from its own forward on seeded rows: the one
     candidate rule (_routing_candidates) whose experts and weights the router gives on every probe; None where
@@ -414,7 +423,10 @@ def router_routing(router: nn.Module, cfg=None, handed: torch.Tensor | None = No
 
         def fits_here(rule: Routing) -> bool:
             s = routing_scores(logits.float(), rule)
-            if not torch.equal(select(choice(s, logits, bias, rule), top_k, rule).sort(-1).values, ids):
+            chosen_on = choice(s, logits, bias, rule)
+            if _tied_at(chosen_on, top_k):  # saturated scores (sigmoid at 1.0): this scale cannot tell
+                return True
+            if not torch.equal(select(chosen_on, top_k, rule).sort(-1).values, ids):
                 return False
             return torch.allclose(got, routing_weights(s, ids, rule), rtol=1e-2, atol=1e-4)
 
