@@ -86,9 +86,8 @@ def test_a_router_linear_bias_is_read_as_added_to_the_logits_not_as_a_selection_
 def test_a_rotary_module_returning_each_angle_once_gives_the_same_table():
     model = build_meta(gpt_oss_config().to_dict())
     rotary = coverage.rotary_modules(model)[0][1]
-    rotary = rotary.to_empty(device="cpu")
-    rotary.inv_freq.copy_(rotary.original_inv_freq.new_tensor(
-        [1.0 / 10000 ** (i / 8) for i in range(8)]))
+    rotary = rotary.to_empty(device="cpu")  # built on the meta device: real frequencies for its 8 angles
+    rotary.inv_freq.copy_(1.0 / 10000 ** (torch.arange(8) / 8))
     assert rope.rotary_output_layout(rotary) == "once"
     cos, sin = rotary(torch.zeros(1), torch.arange(6)[None].float())
     table = rope.hf_cos_sin_cache(rotary, 6, torch.float32, "cpu")
