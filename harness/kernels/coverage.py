@@ -116,6 +116,10 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("attention:sinks", "a learned logit per head beside every row's keys, in the softmax and "
                                      "dropped from it (GPT-OSS's attention sinks, a trained parameter); vLLM's side "
                                      "(FA3's s_aux) not yet measured", frozenset({"consistent"})),
+    OperatorClass("attention:value_head", "values of another head size than queries and keys, scaled by a constant "
+                                          "where the forward scales them (MiMo-V2-Flash's v_head_dim and "
+                                          "attention_value_scale), both read from the attention's own forward",
+                  frozenset({"consistent"})),
     OperatorClass("attention:mla", "multi-head latent attention (DeepSeek-V2/V3): low-rank query and key/value "
                                    "projections with their norms, per-head keys and values from one latent, rotary "
                                    "features shared by every head; vLLM's MLA kernels not yet wrapped",
@@ -969,6 +973,41 @@ def fused_qkv_layout(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch
         hook.remove()
 
 
+def value_reading(attn: nn.Module) -> tuple[int, float] | None:
+    """For an attention whose v_proj is not as wide as its k_proj (values of another head size, MiMo-V2-Flash's):
+    (the value head size, the constant its forward scales the values by), read from the attention's own forward:
+    each projection's output replaced by seeded CPU rows, one token, an identity rotary, and the probe's attention
+    function stopping the forward with the q, k and v it is handed. None for an attention whose values are as wide
+    as its keys, or whose forward does not run on the probe or hands the values on otherwise than scaled."""
+    if not _linears(attn, "q_proj", "k_proj", "v_proj") or attn.v_proj.out_features == attn.k_proj.out_features:
+        return None
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(QKV_PROBE, _raise_split)
+    g = torch.Generator().manual_seed(5)
+    rows = {n: torch.rand(1, 1, getattr(attn, n).out_features, generator=g) + 0.5 for n in ("q_proj", "k_proj",
+                                                                                           "v_proj")}
+    hooks = [getattr(attn, n).register_forward_hook(lambda mod, args, out, r=r: r) for n, r in rows.items()]
+    d = head_dim_of(attn)
+    h = torch.zeros(1, 1, attn.q_proj.in_features)
+    try:
+        with torch.no_grad(), _attention_function(attn, QKV_PROBE):
+            attn(hidden_states=h, position_embeddings=(torch.ones(1, 1, d), torch.zeros(1, 1, d)),
+                 attention_mask=None)
+        return None
+    except _Split as split:
+        v = split.qkv[2]  # [batch, kv heads, tokens, value head size]
+    except Exception:  # noqa: BLE001 - a forward this probe cannot drive
+        return None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    ratio = v.transpose(1, 2).reshape(-1).float() / rows["v_proj"].reshape(-1)
+    if v.numel() != rows["v_proj"].numel() or not torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-2):
+        return None
+    return int(v.shape[-1]), float(ratio[0])
+
+
 class _Consumed(Exception):
     """Raised inside an attention's forward at its first operator on the position embeddings."""
 
@@ -1037,6 +1076,11 @@ def _read_head_geometry(cov: LayerCoverage, name: str, m, cfg, qkv_index) -> Non
                                     "not split)", "num_attention_heads", heads))
         return
     width = expected if expected is not None else width
+    value = value_reading(m)
+    if value is not None and width is not None:  # the heads hand the output projection values of their own size
+        cov.classes["attention:value_head"] = ("v_head_dim", value[0])
+        cov.readings.setdefault(name, {})["value"] = value
+        d, width = value[0], width // head_dim_of(m) * value[0]
     if width is not None and (width % d or width != out.in_features):
         cov.refusals.append(Refusal(f"{name}.{out_name}", type(out).__name__, f"takes {out.in_features} features, "
                                     f"where the query heads give {width} (head_dim {d}): the attention's output "

@@ -388,7 +388,10 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     qk_norms = self._tic_qk_norms  # names (q, k) or None; after the rotary where the forward puts them there
     if self._tic_norm_projection:  # OLMoE, OLMo-2: [B, T, heads * D] views of the fused output, as vLLM's passes
         q, k = getattr(self, qk_norms[0])(q), getattr(self, qk_norms[1])(k)
-    q, k, v = q.reshape(B, T, -1, D), k.reshape(B, T, -1, D), v.reshape(B, T, -1, D)
+    dv, scale = self._tic_value or (D, 1.0)  # values of their own head size and scale (coverage.value_reading)
+    q, k, v = q.reshape(B, T, -1, D), k.reshape(B, T, -1, D), v.reshape(B, T, -1, dv)
+    if scale != 1.0:
+        v = v * scale  # in the model's dtype, as the model's forward scales them
     if qk_norms is not None and not self._tic_norm_projection and not self._tic_qk_after_rope:
         q, k = getattr(self, qk_norms[0])(q), getattr(self, qk_norms[1])(k)
     if self._tic_clip is not None:  # elementwise, after the norms (transformers' OLMoE order)
@@ -637,6 +640,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m._tic_qk_norms = reading.get("qk_norms")
         m._tic_qk_after_rope = bool(reading.get("qk_norm_after_rotary"))
         m._tic_sinks = attention_sinks(m, cfg) is not None  # a flag: the forward reads the parameter it holds then
+        m._tic_value = reading.get("value")
         m.forward = types.MethodType(_attention_forward, m)
     elif is_decoder_layer(m):
         m._tic_stream = stream
