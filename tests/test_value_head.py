@@ -44,8 +44,10 @@ def test_c0_reads_the_value_head_size_and_scale_and_vllms_kernels_refuse_them():
     assert coverage.value_reading(attentions(qwen3)[0]) is None  # values as wide as the keys: nothing to read
 
 
-def test_mimo_v2_flash_climbs_the_ladder(tmp_path, monkeypatch, one_thread):
-    assert_climbs(small_ladder_ctx(tmp_path, monkeypatch, mimo_config(), "float32"))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mimo_v2_flash_climbs_the_ladder(tmp_path, monkeypatch, one_thread, dtype):
+    """bf16 too: the reading probes the model's real bf16 projections then, not the meta copy C0 reads."""
+    assert_climbs(small_ladder_ctx(tmp_path, monkeypatch, mimo_config(), dtype))
 
 
 def test_wrappers_that_drop_the_value_scale_part_from_the_stock_model(tmp_path, monkeypatch, one_thread):

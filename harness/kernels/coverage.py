@@ -988,8 +988,8 @@ def value_reading(attn: nn.Module) -> tuple[int, float] | None:
     rows = {n: torch.rand(1, 1, getattr(attn, n).out_features, generator=g) + 0.5 for n in ("q_proj", "k_proj",
                                                                                            "v_proj")}
     hooks = [getattr(attn, n).register_forward_hook(lambda mod, args, out, r=r: r) for n, r in rows.items()]
-    d = head_dim_of(attn)
-    h = torch.zeros(1, 1, attn.q_proj.in_features)
+    d, w = head_dim_of(attn), attn.q_proj.weight
+    h = torch.zeros(1, 1, attn.q_proj.in_features, device=w.device, dtype=w.dtype)  # what the projections take
     try:
         with torch.no_grad(), _attention_function(attn, QKV_PROBE):
             attn(hidden_states=h, position_embeddings=(torch.ones(1, 1, d), torch.zeros(1, 1, d)),
