@@ -32,7 +32,7 @@ from torch import nn
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 hybrids, issue 31
 from tic.harness.kernels import mla
 from tic.harness.kernels.autograd import PLAIN_ACTS, layer_norm_float32_written_out, moe_experts_ref
-from tic.harness.kernels.rope import rotary_output_layout, rotate_interleaved, rotate_neox
+from tic.harness.kernels.rope import rotary_output_layout, rotate_interleaved, rotate_neox, spread_angles
 from tic.harness.kernels.routing import SCORES, Routing, choice, select
 from tic.harness.kernels.routing import scores as routing_scores, weights as routing_weights
 from tic.harness.model.inventory import LAYER_LISTS
@@ -833,10 +833,9 @@ def _rotary_probe(model: nn.Module, rotary: nn.Module):
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 2, t, d, generator=g), torch.randn(1, 2, t, d, generator=g)
     c, s = torch.randn(t, half, generator=g), torch.randn(t, half, generator=g)
-    spread = {"pairs": lambda v: v.repeat_interleave(2, -1), "once": lambda v: v}.get(
-        rotary_output_layout(rotary), lambda v: torch.cat([v, v], -1))
+    layout = rotary_output_layout(rotary)
     try:
-        got = apply(q, k, spread(c)[None], spread(s)[None])
+        got = apply(q, k, spread_angles(c, layout)[None], spread_angles(s, layout)[None])
     except Exception:  # noqa: BLE001 - another signature: nothing to compare here, C2 compares the forward
         return None
     return attn, got, (q, k), torch.cat([c, s], -1), torch.arange(t)

@@ -51,7 +51,7 @@ from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, 
                                           router_routing, router_weight, routing_bias_name)
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
-from tic.harness.kernels.rope import rotary_output_layout
+from tic.harness.kernels.rope import rotary_output_layout, spread_angles
 from tic.harness.kernels.stand_ins import stands_for
 
 ATTN_NAME = "tic_rowwise"
@@ -137,12 +137,8 @@ def _rotary_module_forward(self, x, position_ids, layer_type=None):
     consistent with it."""
     need = int(position_ids.max()) + 1 if position_ids.numel() else 1
     cos, sin = self._tic_ropes[layer_type].get(need, x.device).chunk(2, dim=-1)
-    spread = SPREAD[self._tic_layout]  # in the module's own layout (rope.rotary_output_layout)
-    return spread(cos)[position_ids].to(x.dtype), spread(sin)[position_ids].to(x.dtype)
-
-
-SPREAD = {"halves": lambda v: torch.cat([v, v], dim=-1), "pairs": lambda v: v.repeat_interleave(2, dim=-1),
-          "once": lambda v: v}
+    cos, sin = (spread_angles(t, self._tic_layout) for t in (cos, sin))  # in the module's own layout
+    return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
 
 
 def _linear_forward(self, x):

@@ -61,6 +61,14 @@ def rotary_output_layout(rotary: nn.Module) -> str:
     return _layout_of(cos)
 
 
+def spread_angles(v: torch.Tensor, layout: str) -> torch.Tensor:
+    """Rows of R/2 angles' cos (or sin) laid out as an HF rotary module of `layout` (rotary_output_layout) returns
+    them: two halves, each angle twice in a row, or each once."""
+    if layout == "pairs":
+        return v.repeat_interleave(2, dim=-1)
+    return v if layout == "once" else torch.cat([v, v], dim=-1)
+
+
 def _layout_of(cos: torch.Tensor) -> str:
     """"pairs" for cos rows [.., R] that repeat each angle twice in a row and not as two halves, "once" for rows
     [.., R/2] that hold each angle once (GPT-OSS's, which its rotation spreads over both halves), else "halves".
@@ -75,8 +83,8 @@ def hf_cos_sin_cache(rotary: nn.Module, n: int, dtype: torch.dtype, device, laye
         -> torch.Tensor:
     """cos|sin [n, rot] (each R/2 angles once) from an HF rotary module (its inv_freq, rope scaling and attention
     factor), float32 arithmetic, then cast to dtype; `layer_type` picks one table of a module that holds one per
-    layer type (Gemma-3). The module's own layout, halves or pairs, is read from the rows it returns (or the angles
-    as complex numbers, DeepSeek-V2's). A module the wrappers patched is read through its own forward."""
+    layer type (Gemma-3). The module's own layout, halves, pairs or once, is read from the rows it returns (or the
+    angles as complex numbers, DeepSeek-V2's). A module the wrappers patched is read through its own forward."""
     out = _rotary_output(rotary, max(n, 4), device, layer_type)  # positions enough to read the layout from
     if isinstance(out, torch.Tensor) and out.is_complex():  # DeepSeek-V2's: cos + i sin of each angle, [1, n, R/2]
         return torch.cat([out.real[0, :n], out.imag[0, :n]], dim=-1).to(dtype)
