@@ -276,10 +276,21 @@ def _selection_vectors(router: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(n, t) for n, t in _expert_vectors(router, w.shape[0], True, skip=w) if n != added]
 
 
+_LOGIT_BIAS_READINGS: dict[tuple, str | None] = {}
+
+
 def router_logit_bias_name(router: nn.Module) -> str | None:
     """The name of the router's per-expert vector that its logits add, x W^T + b (a router linear with a bias:
     GPT-OSS's), read from its own forward on a seeded copy: the logits it returns are that linear's and not the
-    bare product; None where its logits add none (a selection bias only chooses, it is not in the logits)."""
+    bare product; None where its logits add none (a selection bias only chooses, it is not in the logits). One
+    reading per router class and parameter shapes: the selection-bias readings ask for it again."""
+    key = _module_key(router)
+    if key not in _LOGIT_BIAS_READINGS:
+        _LOGIT_BIAS_READINGS[key] = _read_logit_bias(router)
+    return _LOGIT_BIAS_READINGS[key]
+
+
+def _read_logit_bias(router: nn.Module) -> str | None:
     probe = seeded_copy(router).to(device="cpu", dtype=torch.float32)
     w = router_weight(probe)
     found = _expert_vectors(probe, w.shape[0], False, skip=w)
@@ -498,10 +509,11 @@ def _routed_rows(g: torch.Generator, rows: int, hidden: int, experts: int, k: in
     return x, ids, torch.rand(rows, k, generator=g)
 
 
-def _experts_key(experts: nn.Module) -> tuple:
-    """What an experts reading depends on: the class, its parameters' shapes and dtypes, its plain settings."""
-    return (type(experts), tuple((k, tuple(v.shape), v.dtype) for k, v in experts.named_parameters()),
-            tuple(sorted((k, v) for k, v in vars(experts).items() if isinstance(v, (bool, int, float, str)))))
+def _module_key(module: nn.Module) -> tuple:
+    """What a probe's reading of a module (on seeded values, not its own) depends on: the class, its parameters'
+    shapes and dtypes, its plain settings. A model's layers share their readings."""
+    return (type(module), tuple((k, tuple(v.shape), v.dtype) for k, v in module.named_parameters()),
+            tuple(sorted((k, v) for k, v in vars(module).items() if isinstance(v, (bool, int, float, str)))))
 
 
 _PER_TOKEN_READINGS: dict[tuple, bool] = {}
@@ -513,7 +525,7 @@ def experts_act_per_token(experts: nn.Module) -> bool:
     running it one token at a time computes the model's function, batch-invariant by construction (GPT-OSS's
     clamped SwiGLU on interleaved gate and up columns, with biases). A forward that mixes tokens (a capacity
     limit, a batch statistic) or does not run on the probe reads False."""
-    key = _experts_key(experts)
+    key = _module_key(experts)
     if key not in _PER_TOKEN_READINGS:
         _PER_TOKEN_READINGS[key] = _read_per_token(experts)
     return _PER_TOKEN_READINGS[key]
@@ -545,7 +557,7 @@ def experts_compute_swiglu(experts: nn.Module) -> bool | None:
     so a layout the wrappers would misread (interleaved gate and up columns, a bias, a norm after each expert) shows
     in the values whatever flags the class declares; None where the forward does not run on (rows, ids, weights).
     One reading per experts class and parameter shapes: a model's MoE layers share it."""
-    key = _experts_key(experts)
+    key = _module_key(experts)
     if key not in _SWIGLU_READINGS:
         _SWIGLU_READINGS[key] = _read_swiglu(experts)
     return _SWIGLU_READINGS[key]
@@ -1317,6 +1329,8 @@ def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
     _read_unused_parts(cov, name, m, "an MLP", None)
     if is_moe_block(m):
         rule = router_routing(moe_router(m), cfg, handed_bias(m))
+        # the bias the router's logits add, by name (GPT-OSS's router linear): the wrapper's logits GEMM takes it
+        cov.readings.setdefault(name, {})["logit_bias"] = router_logit_bias_name(moe_router(m))
         scale = getattr(m, "routed_scaling_factor", getattr(cfg, "routed_scaling_factor", None))
         if scale not in (None, 1, 1.0) and (rule is None or rule.scale != float(scale)):
             # the scale is applied outside the router (to the block's output): not what the wrappers compute

@@ -47,8 +47,8 @@ from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, 
                                           is_hybrid_block, is_layernorm, is_moe_block, is_rmsnorm,
                                           logits_scaling_settable, mlp_name, moe_router, norm_eps,
                                           output_projection_name, problem_lines, read_coverage, residual_scale_name,
-                                          rotary_modules, rotary_per_layer_type, router_logit_bias_name,
-                                          router_routing, router_weight, routing_bias_name)
+                                          rotary_modules, rotary_per_layer_type, router_routing, router_weight,
+                                          routing_bias_name)
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.rope import rotary_output_layout, spread_angles
@@ -613,7 +613,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         # where the bias lives, by name: the forward reads the tensor the block holds then (a weight sync may swap it)
         m._tic_bias = routing_bias_name(m) if m._tic_routing is not None and m._tic_routing.biased else None
         m._tic_shared = reading.get("shared_expert")  # a name: a module attribute would register it twice
-        m._tic_logit_bias = router_logit_bias_name(moe_router(m))
+        m._tic_logit_bias = reading.get("logit_bias")
         m._tic_own_experts = bool(reading.get("own_experts"))
         m.forward = types.MethodType(_moe_forward, m)
     elif is_gated_mlp(m):
