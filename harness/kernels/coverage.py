@@ -949,15 +949,29 @@ def _raise_split(module, query, key, value, *args, **kwargs):
     raise _Split((query, key, value))
 
 
-def fused_qkv_layout(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """For an attention with one fused query_key_value linear: which of its output features each element of q, k
-    and v is (three index tensors of heads * head_dim, head-major), read from the attention's own forward: its
-    linear's output replaced by each feature's index, one token, an identity rotary (cos 1, sin 0: exact), and
-    an attention function that stops the forward with the q, k and v it is handed. On the meta device too (C0).
-    None where that forward does not run on the probe."""
+def _handed_qkv(attn: nn.Module, h: torch.Tensor, width: int, device):
+    """The q, k and v the attention's own forward hands its attention function, on rows `h` with an identity rotary
+    table `width` wide (cos 1, sin 0: exact) on `device`: the probe's attention function stops the forward there.
+    None where the forward does not run so."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(QKV_PROBE, _raise_split)
+    cos, sin = torch.ones(1, 1, width, device=device), torch.zeros(1, 1, width, device=device)
+    try:
+        with torch.no_grad(), _attention_function(attn, QKV_PROBE):
+            attn(hidden_states=h, position_embeddings=(cos, sin), attention_mask=None)
+    except _Split as split:
+        return split.qkv  # each [batch, heads, tokens, head size]
+    except Exception:  # noqa: BLE001 - a forward this probe cannot drive
+        return None
+    return None
+
+
+def fused_qkv_layout(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """For an attention with one fused query_key_value linear: which of its output features each element of q, k
+    and v is (three index tensors of heads * head_dim, head-major), read from the attention's own forward
+    (_handed_qkv) with its linear's output replaced by each feature's index, one token. On the meta device too
+    (C0). None where that forward does not run on the probe."""
     lin, d = attn.query_key_value, head_dim_of(attn)
     dev = torch.device("cpu") if lin.weight.is_meta else lin.weight.device  # the indices must be real numbers
     codes = torch.arange(lin.out_features, dtype=torch.float32, device=dev).reshape(1, 1, -1)
@@ -969,16 +983,9 @@ def fused_qkv_layout(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch
     try:
         # a table as wide as the head, then as wide as the rotary part, for a forward that slices the head itself
         for width in dict.fromkeys((d, int(d * float(factor)))):  # (Persimmon's rotary_ndims)
-            cos, sin = torch.ones(1, 1, width, device=dev), torch.zeros(1, 1, width, device=dev)
-            try:
-                with torch.no_grad(), _attention_function(attn, QKV_PROBE):
-                    attn(hidden_states=h, position_embeddings=(cos, sin), attention_mask=None)
-                return None
-            except _Split as split:
-                q, k, v = split.qkv  # [batch, heads, tokens, head_dim]
-                return tuple(t[0, :, 0, :].reshape(-1).to("cpu", torch.long) for t in (q, k, v))
-            except Exception:  # noqa: BLE001 - a forward this probe cannot drive (with a table this wide)
-                continue
+            qkv = _handed_qkv(attn, h, width, dev)
+            if qkv is not None:
+                return tuple(t[0, :, 0, :].reshape(-1).to("cpu", torch.long) for t in qkv)
         return None
     finally:
         hook.remove()
@@ -986,33 +993,26 @@ def fused_qkv_layout(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def value_reading(attn: nn.Module) -> tuple[int, float] | None:
     """For an attention whose v_proj is not as wide as its k_proj (values of another head size, MiMo-V2-Flash's):
-    (the value head size, the constant its forward scales the values by), read from the attention's own forward:
-    each projection's output replaced by seeded CPU rows, one token, an identity rotary, and the probe's attention
-    function stopping the forward with the q, k and v it is handed. None for an attention whose values are as wide
-    as its keys, or whose forward does not run on the probe or hands the values on otherwise than scaled."""
+    (the value head size, the constant its forward scales the values by), read from the attention's own forward
+    (_handed_qkv) with each projection's output replaced by seeded CPU rows, one token. None for an attention whose
+    values are as wide as its keys, or whose forward does not run on the probe or hands the values on otherwise
+    than scaled."""
     if not _linears(attn, "q_proj", "k_proj", "v_proj") or attn.v_proj.out_features == attn.k_proj.out_features:
         return None
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(QKV_PROBE, _raise_split)
     g = torch.Generator().manual_seed(5)
     rows = {n: torch.rand(1, 1, getattr(attn, n).out_features, generator=g) + 0.5 for n in ("q_proj", "k_proj",
                                                                                            "v_proj")}
     hooks = [getattr(attn, n).register_forward_hook(lambda mod, args, out, r=r: r) for n, r in rows.items()]
-    d, w = head_dim_of(attn), attn.q_proj.weight
+    w = attn.q_proj.weight
     h = torch.zeros(1, 1, attn.q_proj.in_features, device=w.device, dtype=w.dtype)  # what the projections take
     try:
-        with torch.no_grad(), _attention_function(attn, QKV_PROBE):
-            attn(hidden_states=h, position_embeddings=(torch.ones(1, 1, d), torch.zeros(1, 1, d)),
-                 attention_mask=None)
-        return None
-    except _Split as split:
-        v = split.qkv[2]  # [batch, kv heads, tokens, value head size]
-    except Exception:  # noqa: BLE001 - a forward this probe cannot drive
-        return None
+        qkv = _handed_qkv(attn, h, head_dim_of(attn), "cpu")
     finally:
         for hook in hooks:
             hook.remove()
+    if qkv is None:
+        return None
+    v = qkv[2]  # [batch, kv heads, tokens, value head size]
     ratio = v.transpose(1, 2).reshape(-1).float() / rows["v_proj"].reshape(-1)
     if v.numel() != rows["v_proj"].numel() or not torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-2):
         return None
