@@ -101,7 +101,7 @@ def test_the_qk_norm_probe_takes_its_rows_dtype_from_q_proj_not_from_a_float32_p
     them, and C0 refused the model. Control: the float32 model reads the same."""
     from tic.harness.model.layer_structure import model_from_config
 
-    monkeypatch.setattr(coverage, "_QK_PLACEMENT", {})  # read once per class: read this one afresh
+    monkeypatch.setattr(coverage, "_QK_INPUTS", {})  # read once per class: read this one afresh
     model = model_from_config(flint_config(), dtype=torch.bfloat16)
     attn = model.model.layers[0].self_attn
     assert next(attn.parameters()).dtype == torch.float32 and attn.q_proj.weight.dtype == torch.bfloat16

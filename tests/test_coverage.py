@@ -15,7 +15,8 @@ from tic.gates import get
 from tic.harness.engines import hf
 from tic.harness.kernels.routing import Routing
 from tic.harness.kernels.spec import RolloutKernels
-from tic.harness.kernels.coverage import REGISTRY, coverage_problems, coverage_table, norm_eps, read_coverage
+from tic.harness.kernels.coverage import REGISTRY, coverage_problems, coverage_table, read_coverage
+from tic.harness.kernels.norms import norm_eps
 from tic.harness.model.layer_structure import build_meta
 from tic.skill.context import GateContext
 from tic.skill.runner import run_gate
@@ -720,7 +721,8 @@ def test_wrapping_leaves_the_models_modules_and_state_dict_keys_as_they_were(exa
 def test_glm_interleaved_rotary_is_read_and_a_neox_rotation_in_its_place_fails_c2(example, workdir):
     """GLM turns feature pairs (2i, 2i+1): read by computation as rope:interleaved, run by the rotary_interleaved op.
     A wrapper that turns the two halves instead (neox) agrees with itself bitwise; C2 refuses it in layer 0's
-    attention. A rotary that is neither (here: the modeling module's rotation with its pairs swapped) is refused."""
+    attention. The modeling module's rotation turned the other way (sin negated) reads as interleaved and reversed; a
+    rotary that is neither (here: cos and sin swapped) is refused."""
     import sys
 
     ctx = small_ctx(example, "tiny-glm")
@@ -737,9 +739,12 @@ def test_glm_interleaved_rotary_is_read_and_a_neox_rotation_in_its_place_fails_c
     own = modeling.apply_rotary_pos_emb
     try:
         modeling.apply_rotary_pos_emb = lambda q, k, cos, sin, *a, **kw: own(q, k, cos, -sin, *a, **kw)
+        turned_back = coverage_table(meta)[-1]
+        modeling.apply_rotary_pos_emb = lambda q, k, cos, sin, *a, **kw: own(q, k, sin, cos, *a, **kw)
         refused = coverage_table(meta)[-1]["refused"]
     finally:
         modeling.apply_rotary_pos_emb = own
+    assert {"rope:interleaved", "rope:reversed"} <= set(turned_back["operator_classes"]), turned_back
     assert any("neither" in r or "otherwise than neox or interleaved" in r for r in refused), refused
 
 

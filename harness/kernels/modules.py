@@ -44,13 +44,14 @@ from tic.harness.kernels.autograd import OPS, Backward, Ops
 from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, attention_name, attention_sinks,
                                           attention_softcap, attention_window, expert_weights, final_norm,
                                           handed_bias, head_dim_of, is_attention, is_decoder_layer, is_gated_mlp,
-                                          is_hybrid_block, is_layernorm, is_moe_block, is_rmsnorm,
-                                          logits_scaling_settable, mlp_name, moe_router, norm_eps,
+                                          is_hybrid_block, is_moe_block, logits_scaling_settable, mlp_name,
+                                          moe_router,
                                           output_projection_name, problem_lines, read_coverage, residual_scale_name,
                                           rotary_modules, rotary_per_layer_type, router_routing, router_weight,
                                           routing_bias_name)
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
+from tic.harness.kernels.norms import is_layernorm, is_rmsnorm, norm_eps
 from tic.harness.kernels.rope import rotary_output_layout, spread_angles
 from tic.harness.kernels.stand_ins import stands_for
 
@@ -88,9 +89,10 @@ class RopeTable:
     layer type (`layer_type`: the key a per-layer-type rotary module takes)."""
 
     def __init__(self, rotary: nn.Module, dtype: torch.dtype, provider, config, layer_type: str | None = None,
-                 interleaved: bool = False):
+                 interleaved: bool = False, reversed_: bool = False):
         self.rotary, self.dtype, self.provider, self.config, self.table = rotary, dtype, provider, config, None
         self.layer_type = layer_type
+        self.reversed = reversed_  # coverage's rope:reversed: the table holds -sin, the wrappers turn the other way
         self.op = "rotary_interleaved" if interleaved else "rotary"  # the rotation its attention runs with it
         # rows a forward needs: one device read per position_ids tensor, not one per layer
         self._rows_needed = TensorMemo(lambda pos: int(pos.max()) + 1 if pos.numel() else 1)
@@ -104,7 +106,11 @@ class RopeTable:
             # a normal tensor even when first built under inference_mode: the same model may train next (C8)
             extra = (self.layer_type,) if self.layer_type is not None else ()
             with torch.inference_mode(False), torch.no_grad():
-                self.table = self.provider.cos_sin_cache(self.rotary, self.config, n, self.dtype, device, *extra)
+                table = self.provider.cos_sin_cache(self.rotary, self.config, n, self.dtype, device, *extra)
+                if self.reversed:  # a sign flip: exact in any dtype
+                    cos, sin = table.chunk(2, dim=-1)
+                    table = torch.cat([cos, -sin], dim=-1)
+                self.table = table
         return self.table
 
 
@@ -136,7 +142,9 @@ def _rotary_module_forward(self, x, position_ids, layer_type=None):
     by length). The wrappers read the table directly; this keeps what HF's own modules and capture see
     consistent with it."""
     need = int(position_ids.max()) + 1 if position_ids.numel() else 1
-    cos, sin = self._tic_ropes[layer_type].get(need, x.device).chunk(2, dim=-1)
+    rope = self._tic_ropes[layer_type]
+    cos, sin = rope.get(need, x.device).chunk(2, dim=-1)
+    sin = -sin if rope.reversed else sin  # the module's own angles: its attention turns them the other way
     cos, sin = (spread_angles(t, self._tic_layout) for t in (cos, sin))  # in the module's own layout
     return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
 
@@ -145,11 +153,23 @@ def _linear_forward(self, x):
     return self._tic_ops.linear(x, [self.weight], [self.bias])
 
 
+def _rms_weight(self, x):
+    """The RMSNorm's weight, or for a norm without one (nanochat's) a unit weight as wide as x in x's dtype: the
+    wrappers' RMSNorm rounds x_hat to the dtype before the weight, so a product by 1 keeps its bits."""
+    w = getattr(self, "weight", None)
+    if isinstance(w, torch.Tensor):
+        return w
+    unit = self.__dict__.get("_tic_unit_weight")
+    if unit is None or unit.shape[-1] != x.shape[-1] or unit.dtype != x.dtype or unit.device != x.device:
+        unit = self.__dict__["_tic_unit_weight"] = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    return unit
+
+
 def _rmsnorm_forward(self, x, residual=None):
-    eps, offset = norm_eps(self), getattr(self, "_tic_norm_offset", 0.0)
+    eps, offset, w = norm_eps(self), getattr(self, "_tic_norm_offset", 0.0), _rms_weight(self, x)
     if residual is not None:
-        return self._tic_ops.add_rms_norm(x, residual, self.weight, eps, offset)
-    return self._tic_ops.rms_norm(x, self.weight, eps, offset)
+        return self._tic_ops.add_rms_norm(x, residual, w, eps, offset)
+    return self._tic_ops.rms_norm(x, w, eps, offset)
 
 
 def _layernorm_forward(self, x, residual=None):
@@ -158,7 +178,7 @@ def _layernorm_forward(self, x, residual=None):
     LayerNorm1P (`_tic_weight_plus_one`, as HF and vLLM add it); where the layer joins the residual, a plain add
     (residual + x) and the norm of the sum, no fused add+norm."""
     norm = getattr(self._tic_ops, self._tic_layer_norm_op)
-    w, b, eps = self.weight, getattr(self, "bias", None), norm_eps(self)
+    w, b, eps = getattr(self, "weight", None), getattr(self, "bias", None), norm_eps(self)
     if getattr(self, "_tic_weight_plus_one", False):
         w = w + 1
     if residual is not None:
@@ -545,14 +565,15 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTN_NAME, _mask_for_rowwise)
 
 
-def _wrap_rotary(model: nn.Module, provider, dtype, cfg, interleaved: bool = False) -> dict:
+def _wrap_rotary(model: nn.Module, provider, dtype, cfg, interleaved: bool = False, reversed_: bool = False) -> dict:
     """The rotary table(s), by layer type (None: the one table of all layers), and the rotary module patched to
-    read them; interleaved: the attention turns pairs 2i, 2i+1 with them (coverage's rope:interleaved)."""
+    read them; interleaved: the attention turns pairs 2i, 2i+1 with them (coverage's rope:interleaved); reversed_:
+    by minus each angle (rope:reversed)."""
     if not rotary_modules(model):  # tic: a model without rotary (Mamba-2, NemotronH), issue 31
         return {}
     rotary = rotary_modules(model)[0][1]
     types_ = sorted(set(getattr(cfg, "layer_types", None) or [])) if rotary_per_layer_type(rotary) else [None]
-    ropes = {t: RopeTable(rotary, dtype, provider, cfg, t, interleaved) for t in types_}
+    ropes = {t: RopeTable(rotary, dtype, provider, cfg, t, interleaved, reversed_) for t in types_}
     rotary._tic_orig_forward, rotary._tic_ropes = rotary.forward, ropes
     rotary._tic_layout = rotary_output_layout(rotary)
     rotary.forward = types.MethodType(_rotary_module_forward, rotary)
@@ -650,11 +671,13 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
                                      m)
     elif isinstance(m, nn.Linear):
         m.forward = types.MethodType(_linear_forward, m)
-    elif is_layernorm(m) or variant in ("norm:layer_float32", "norm:layer_1p"):
+    elif is_layernorm(m) or variant in ("norm:layer", "norm:layer_float32", "norm:layer_1p"):
+        m._tic_eps = reading.get("eps")
         m._tic_layer_norm_op = "layer_norm_float32" if variant == "norm:layer_float32" else "layer_norm"
         m._tic_weight_plus_one = variant == "norm:layer_1p"
         m.forward = types.MethodType(_layernorm_forward, m)
-    elif is_rmsnorm(m):
+    elif is_rmsnorm(m) or variant in ("norm:rms", "norm:rms_1p"):
+        m._tic_eps = reading.get("eps")
         m._tic_norm_offset = 1.0 if variant == "norm:rms_1p" else 0.0
         m.forward = types.MethodType(_rmsnorm_forward, m)
 
@@ -683,7 +706,8 @@ def apply(model: nn.Module, provider, backward: BackwardConfig | None = None, qu
     cfg = model.config.get_text_config()
     stream, routes = ResidualStream(), RouteLog()
     interleaved = any("rope:interleaved" in cov.classes for cov in coverage)
-    ropes = _wrap_rotary(model, provider, next(model.parameters()).dtype, cfg, interleaved)
+    reversed_ = any("rope:reversed" in cov.classes for cov in coverage)
+    ropes = _wrap_rotary(model, provider, next(model.parameters()).dtype, cfg, interleaved, reversed_)
     layout = mamba_modules.install(model)  # tic: the sequences Mamba-2 mixers read, issue 31
     for name, m in list(model.named_modules()):
         m._tic_ops = ops

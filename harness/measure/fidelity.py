@@ -30,16 +30,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tic.harness.kernels.coverage import is_layernorm, is_rmsnorm
 from tic.harness.kernels.modules import capture_routes
+from tic.harness.kernels.norms import is_norm
 from tic.harness.measure.gradcheck import RoutingPin
 
 FIDELITY_RTOL = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 FIDELITY_ATOL = 1e-6
-
-
-def _is_norm(m: nn.Module) -> bool:
-    return is_layernorm(m) or is_rmsnorm(m)
 
 
 @dataclass
@@ -60,7 +56,7 @@ def _compared_modules(named) -> dict[str, nn.Module]:
     HF module's output (lm_head is compared as the logits: the wrapped one applies the final softcap itself). A
     layer is an entry of a module list, whatever the list is called (model.layers, Falcon's transformer.h)."""
     return {name: m for name, m in named
-            if any(part.isdigit() for part in name.split(".")) or name.endswith("norm") or _is_norm(m)}
+            if any(part.isdigit() for part in name.split(".")) or name.endswith("norm") or is_norm(m)}
 
 
 def _record(names: dict, sequence_first: set[int]) -> tuple[dict, list, list]:
