@@ -158,6 +158,27 @@ def sigmoid_gate_ref(g, y):
     return torch.sigmoid(_wide(g)) * _wide(y)
 
 
+# functions an attention applies to its gate linear's output before multiplying its attention output by it
+OUTPUT_GATES = {"sigmoid": torch.sigmoid, "softplus": F.softplus}
+
+
+def gate_output_ref(g, y, function: str, per_head: bool):
+    """y [.., H*D] times OUTPUT_GATES[function](g), computed in float32 and rounded to y's dtype, the product in y's
+    dtype: per element (g [.., H*D]) or one gate per head (g [.., H], each over its head's D features), as Laguna's
+    and AFMoE's forwards gate their attention output. None where g's width fits neither."""
+    gate = OUTPUT_GATES[function](g.to(torch.promote_types(g.dtype, torch.float32))).to(y.dtype)
+    if not per_head:
+        return y * gate if gate.shape == y.shape else None
+    heads = gate.shape[-1]
+    if heads == 0 or y.shape[-1] % heads:
+        return None
+    return (y.reshape(*y.shape[:-1], heads, -1) * gate[..., None]).reshape(y.shape)
+
+
+def output_gate_ref(g, y, function: str, per_head: bool):
+    return gate_output_ref(_wide(g), _wide(y), function, per_head)
+
+
 def attention_ref(q, k, v, mask, scale, softcap=None, window=None):
     """q [B, H, Q, D], k/v [B, Hkv, K, D], mask bool [B, 1, Q, K] or None (causal, within `window` keys when
     given) -> [B, Q, H, D]. torch's SDPA in float32 (its fused backward on GPU); with a softcap the scores
@@ -758,6 +779,7 @@ OPS: dict[str, Op] = {op.name: op for op in [
        _gelu_tanh_and_mul_backward),
     Op("softcap", lambda p, x, cap: p.softcap(x, cap), softcap_ref, _softcap_backward),
     Op("sigmoid_gate", lambda p, g, y: p.sigmoid_gate(g, y), sigmoid_gate_ref, _sigmoid_gate_backward),
+    Op("output_gate", lambda p, g, y, function, per_head: p.output_gate(g, y, function, per_head), output_gate_ref),
     Op("layer_norm", lambda p, x, w, b, eps: p.layer_norm(x, w, b, eps), layer_norm_ref, _layer_norm_backward),
     Op("layer_norm_float32", lambda p, x, w, b, eps: p.layer_norm_float32(x, w, b, eps), layer_norm_float32_ref,
        _layer_norm_backward),
@@ -858,6 +880,9 @@ class Ops:
 
     def activation(self, x, kind: str):
         return self._run("activation", x, kind=kind)
+
+    def output_gate(self, g, y, function: str, per_head: bool):
+        return self._run("output_gate", g, y, function=function, per_head=per_head)
 
     def attention(self, q, k, v, mask, scale, softcap: float | None = None, window: int | None = None,
                   sinks: torch.Tensor | None = None):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tic.harness.kernels import fp8_cpu
-from tic.harness.kernels.autograd import PLAIN_ACTS, layer_norm_float32_written_out
+from tic.harness.kernels.autograd import PLAIN_ACTS, gate_output_ref, layer_norm_float32_written_out
 from tic.harness.kernels.fp8_rule import DEFAULT_KV as FP8_KV_RULE
 from tic.harness.kernels.mamba import MambaCPUKernels
 from tic.harness.kernels.rope import hf_cos_sin_cache, rotate_interleaved, rotate_neox
@@ -172,6 +172,13 @@ class CPUProvider(MambaCPUKernels, KernelProvider):  # Mamba-2 kernels: tic.harn
         """sigmoid(g) * y one row at a time (CPU sigmoid, like tanh, takes another path for a vector's tail)."""
         rows = [torch.sigmoid(g[i:i + 1]) * y[i:i + 1] for i in range(g.shape[0])]
         return torch.cat(rows) if rows else y.clone()
+
+    def output_gate(self, g, y, function, per_head):
+        """An attention output times its gate's function, one token row at a time (CPU sigmoid and softplus take
+        another path for a vector's tail)."""
+        g2, y2 = g.reshape(-1, g.shape[-1]), y.reshape(-1, y.shape[-1])
+        rows = [gate_output_ref(g2[i:i + 1], y2[i:i + 1], function, per_head) for i in range(y2.shape[0])]
+        return (torch.cat(rows) if rows else y2.clone()).reshape(y.shape)
 
     def attention(self, q, k, v, mask, scale, softcap=None, window=None, sinks=None):
         return rowwise_attention(None, q, k, v, mask, scale, softcap=softcap, window=window,

@@ -33,7 +33,7 @@ from tic.harness.kernels import mamba_modules  # tic: Mamba-2 hybrids, issue 31
 from tic.harness.kernels import mla
 from tic.harness.kernels.norms import (is_layernorm, is_norm, is_weightless_norm, norm_eps, norm_kind, probe_input,
                                       read_norm_eps)
-from tic.harness.kernels.autograd import PLAIN_ACTS, moe_experts_ref
+from tic.harness.kernels.autograd import OUTPUT_GATES, PLAIN_ACTS, gate_output_ref, moe_experts_ref
 from tic.harness.kernels.rope import rotary_output_layout, rotate_interleaved, rotate_neox, spread_angles
 from tic.harness.kernels.routing import SCORES, Routing, choice, select
 from tic.harness.kernels.routing import scores as routing_scores, weights as routing_weights
@@ -132,6 +132,9 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("rope:per_layer_type", "neox rotary, one table per layer type (Gemma-3 local/global bases)"),
     OperatorClass("rope:interleaved", "interleaved rotary: features 2i and 2i+1 turned together (GLM; vLLM's "
                                       "is_neox_style=False), on the table's first features"),
+    OperatorClass("attention:output_gate", "the attention output times function(gate linear(x)) before the output "
+                                           "projection, per element or per head (sigmoid: AFMoE, LFM3; softplus: "
+                                           "Laguna), read by computation"),
     OperatorClass("rope:reversed", "the rotary turned the other way (nanochat's rotate_half with the signs "
                                    "flipped): the wrappers' rotation with the table's sin negated, read by "
                                    "computation"),
@@ -954,6 +957,59 @@ def value_reading(attn: nn.Module) -> tuple[int, float] | None:
     return int(v.shape[-1]), float(ratio[0])
 
 
+# the names attentions give a linear whose output gates theirs before the output projection (Laguna, AFMoE, LFM3)
+OUTPUT_GATE_NAMES = ("g_proj", "gate_proj")
+OUTPUT_GATE_PROBE = "tic_output_gate_probe"  # the attention function of output_gate_reading's probe
+
+
+def _pass_seeded_output(module, query, key, value, *args, **kwargs):
+    """An attention function that returns seeded rows [B, T, H, D] (no attention) and keeps them on the module."""
+    g = torch.Generator().manual_seed(7)
+    b, h, t, _ = query.shape
+    out = torch.rand(b, t, h, value.shape[-1], generator=g).to(query.dtype) + 0.5
+    module._tic_probe_output = out
+    return out, None
+
+
+def output_gate_reading(attn: nn.Module) -> tuple[str, str, bool] | None:
+    """For an attention with a gate linear (OUTPUT_GATE_NAMES) on its input: (its name, the function, per head), where
+    the attention's own forward multiplies its attention output by function(gate(x)) (autograd.OUTPUT_GATES:
+    sigmoid, softplus) before the output projection, per element or one gate per head; read on a seeded copy, whose
+    attention function returns seeded rows, against what the output projection is handed. None where there is no
+    such linear, or the forward does something else with it."""
+    from transformers import AttentionInterface
+
+    name = next((n for n in OUTPUT_GATE_NAMES if isinstance(getattr(attn, n, None), nn.Linear)), None)
+    out_name = output_projection_name(attn) or "o_proj"
+    if name is None or not isinstance(getattr(attn, out_name, None), nn.Linear):
+        return None
+    AttentionInterface.register(OUTPUT_GATE_PROBE, _pass_seeded_output)
+    probe, d = seeded_copy(attn), head_dim_of(attn)
+    w = getattr(probe, name).weight
+    h = torch.randn(1, 2, w.shape[1], generator=torch.Generator().manual_seed(3)).to(w.dtype)
+    seen: dict = {}
+    hooks = [getattr(probe, name).register_forward_hook(lambda mod, args, out: seen.setdefault("gate", out)),
+             getattr(probe, out_name).register_forward_pre_hook(lambda mod, args: seen.setdefault("into", args[0]))]
+    cos, sin = torch.ones(1, 2, d), torch.zeros(1, 2, d)
+    try:
+        with torch.no_grad(), _attention_function(probe, OUTPUT_GATE_PROBE):
+            probe(hidden_states=h, position_embeddings=(cos.to(w.dtype), sin.to(w.dtype)), attention_mask=None)
+    except Exception:  # noqa: BLE001 - a forward this probe cannot drive
+        return None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    out = getattr(probe, "_tic_probe_output", None)
+    if out is None or "gate" not in seen or "into" not in seen:
+        return None
+    for function, per_head in ((f, p) for f in OUTPUT_GATES for p in (False, True)):
+        want = gate_output_ref(seen["gate"], out.reshape(*out.shape[:2], -1), function, per_head)
+        if want is not None and want.shape == seen["into"].shape and \
+                torch.allclose(want.float(), seen["into"].float(), rtol=1e-5, atol=1e-6):
+            return name, function, per_head
+    return None
+
+
 class _Consumed(Exception):
     """Raised inside an attention's forward at its first operator on the position embeddings."""
 
@@ -1042,7 +1098,12 @@ def attention_sinks(m, cfg) -> nn.Parameter | None:
 def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
     kind = type(m).__name__
     sinks = attention_sinks(m, cfg)
-    _read_unused_parts(cov, name, m, "an attention", ATTENTION_PARTS, ("sinks",) if sinks is not None else ())
+    gate = output_gate_reading(m)
+    parts = ATTENTION_PARTS | {gate[0]} if gate is not None else ATTENTION_PARTS
+    _read_unused_parts(cov, name, m, "an attention", parts, ("sinks",) if sinks is not None else ())
+    if gate is not None:
+        cov.classes["attention:output_gate"] = (None, None)
+        cov.readings.setdefault(name, {})["output_gate"] = gate
     if sinks is not None:
         cov.classes["attention:sinks"] = ("num_attention_heads", int(sinks.numel()))
     layout = None

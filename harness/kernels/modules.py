@@ -422,8 +422,11 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx)
     out = ops.attention(q, k, v, _bool_mask(attention_mask), self.scaling, softcap=self._tic_softcap,
-                        window=self._tic_window, sinks=self.sinks if self._tic_sinks else None)
-    return getattr(self, self._tic_out_proj)(out.reshape(B, T, -1)), None
+                        window=self._tic_window, sinks=self.sinks if self._tic_sinks else None).reshape(B, T, -1)
+    if self._tic_output_gate is not None:  # coverage.output_gate_reading: (gate linear, function, per head)
+        name, function, per_head = self._tic_output_gate
+        out = ops.output_gate(getattr(self, name)(hidden_states), out, function, per_head)
+    return getattr(self, self._tic_out_proj)(out), None
 
 
 def _mla_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
@@ -658,6 +661,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m._tic_qk_after_rope = bool(reading.get("qk_norm_after_rotary"))
         m._tic_sinks = attention_sinks(m, cfg) is not None  # a flag: the forward reads the parameter it holds then
         m._tic_value = reading.get("value")
+        m._tic_output_gate = reading.get("output_gate")
         m.forward = types.MethodType(_attention_forward, m)
     elif is_decoder_layer(m):
         m._tic_stream = stream

@@ -18,6 +18,8 @@ Shapes (T = tokens of any leading shape, flattened by the caller where a kernel 
   gelu_tanh_and_mul(x [.., 2I]) -> gelu_tanh(x[..., :I]) * x[..., I:], rounded once
   softcap(x, cap) -> cap * tanh(x / cap)   (final logits)
   sigmoid_gate(g [T, 1], y [T, H]) -> sigmoid(g) * y, each rounded to the model dtype (a MoE's shared-expert gate)
+  output_gate(g [.., H*D] | [.., H], y [.., H*D], function, per_head) -> y * function(g), the function (sigmoid,
+      softplus) in float32 rounded to the model dtype, per element or per head (an attention's output gate)
   attention(q [B, H, Q, D], k/v [B, Hkv, K, D], mask bool [B, 1, Q, K], scale[, softcap][, window]) -> [B, Q, H, D]
       (window: the sliding window of the layer, already in the mask; softcap: on the scores)
   moe_route(logits [T, E], top_k, routing, bias [E] | None) -> (weights float32 [T, k], ids int64 [T, k])

@@ -33,7 +33,7 @@ import torch
 
 from tic import patches
 from tic.core.errors import TicInputError
-from tic.harness.kernels.autograd import PLAIN_ACTS, layer_norm_float32_written_out
+from tic.harness.kernels.autograd import PLAIN_ACTS, gate_output_ref, layer_norm_float32_written_out
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.routing import as_routing
 from tic.harness.kernels.rope import hf_cos_sin_cache
@@ -383,6 +383,11 @@ class VLLMProvider(VLLMMambaKernels, KernelProvider):  # Mamba-2 calls: tic.harn
         from vllm.model_executor.models import commandr
 
         return commandr.layer_norm_func(x, w, eps)
+
+    def output_gate(self, g, y, function, per_head):
+        """An attention output times its gate's function, elementwise torch ops in float32 then the model dtype, as
+        the models' own forwards gate it (vLLM's Qwen3-Next likewise multiplies by torch.sigmoid of its gate)."""
+        return gate_output_ref(g, y, function, per_head)
 
     def sigmoid_gate(self, g, y):
         """A shared expert's gate as vLLM's Qwen2MoeMLP applies it: F.sigmoid(gate(x)) * out, elementwise in the
