@@ -205,6 +205,10 @@ FAMILIES = {
     "minimax_m2": {"num_local_experts": 8, "routed_scaling_factor": 1.0},
     "hy_v3": {"num_local_experts": 8, "num_experts": 8, "routed_scaling_factor": 1.0},
     "kolibri1": {"num_experts": 8, "norm_topk_prob": True, "routed_scaling_factor": 1.0},  # chosen on logits + bias
+    # the router's weight in a linear child `gate`, its forward taking [B, T, H] rows only, the block's bias a
+    # parameter it hands the router, the scale named route_scale; sliding and global layers, an output-gated attention
+    "afmoe": {"num_experts": 8, "num_dense_layers": 1, "num_shared_experts": 1, "route_scale": 2.0,
+              "routed_scaling_factor": 1.0, "global_attn_every_n_layers": 2, "sliding_window": 8},
 }
 
 
@@ -212,7 +216,7 @@ FAMILIES = {
                                                ("dots1", "float32"), ("exaone_moe", "float32"),
                                                ("ernie4_5_moe", "float32"), ("minimax_m2", "float32"),
                                                ("hy_v3", "float32"), ("hy_v3", "bfloat16"),
-                                               ("kolibri1", "float32")])
+                                               ("kolibri1", "float32"), ("afmoe", "float32")])
 def test_a_score_router_climbs_c0_to_c7(tmp_path, monkeypatch, one_thread, model_type, dtype):
     """In bfloat16 the router stays in float32 (transformers keeps it so, as vLLM's GLM does): the wrappers give
     it float32 rows. Ernie-4.5's is a softmax router with a selection bias."""
@@ -286,6 +290,22 @@ def test_an_moe_block_with_a_submodule_its_wrapper_does_not_run_is_refused():
                                                      "qk_rope_head_dim": 4, "v_head_dim": 8}).to_dict())
         problems = coverage_problems_of(axk1, "consistent")
         assert len(problems) == 1 and "(AXK1MoE): an MoE block with submodules" in problems[0], problems
+
+
+def test_afmoes_router_is_read_through_its_gate_linear_on_three_dimensional_rows():
+    """AFMoE: the weight in the router's `gate` linear, rows handed as [1, T, H] (its forward unpacks three
+    dimensions), the block's expert_bias (a parameter) handed to the router and used only to choose, the weights
+    renormalised and scaled by route_scale."""
+    if "afmoe" not in CONFIG_MAPPING:
+        pytest.skip("no afmoe in this transformers")
+    model = build_meta(CONFIG_MAPPING["afmoe"](**{**GLM, **FAMILIES["afmoe"]}).to_dict())
+    block = next(m for m in model.modules() if coverage.is_moe_block(m))
+    router = coverage.moe_router(block)
+    assert coverage.router_weight(router) is router.gate.weight
+    assert coverage.routing_bias_name(block) == "expert_bias"
+    assert coverage.router_routing(router, model.config, coverage.handed_bias(block)) == \
+        Routing("sigmoid", renormalize=True, biased=True, scale=2.0)
+    assert coverage_problems_of(model, "consistent") == []
 
 
 def test_flint_with_its_sigmoid_router_climbs(tmp_path, monkeypatch, one_thread):

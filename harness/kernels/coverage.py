@@ -221,13 +221,19 @@ def moe_router(m) -> nn.Module | None:
     return None
 
 
+# the names routers give the linear that holds their weight, where they hold none themselves
+ROUTER_LINEAR_NAMES = ("wg", "gate")  # HunYuan, AFMoE
+
+
 def router_weight(router: nn.Module) -> torch.Tensor | None:
-    """The router's [experts, hidden] weight: its own, or its `wg` linear's (HunYuan)."""
+    """The router's [experts, hidden] weight: its own, or that of its linear child without a bias
+    (ROUTER_LINEAR_NAMES)."""
     w = getattr(router, "weight", None)
-    if not isinstance(w, torch.Tensor):
-        wg = getattr(router, "wg", None)
-        w = wg.weight if isinstance(wg, nn.Linear) and wg.bias is None else None
-    return w
+    if isinstance(w, torch.Tensor):
+        return w
+    linear = next((c for c in (getattr(router, n, None) for n in ROUTER_LINEAR_NAMES) if isinstance(c, nn.Linear)),
+                  None)
+    return linear.weight if linear is not None and linear.bias is None else None
 
 
 SHARED_EXPERT_NAMES = ("shared_expert", "shared_experts", "shared_mlp")  # Qwen2-MoE, DeepSeek-style, HunYuan
@@ -359,7 +365,7 @@ def _takes_second_argument(router: nn.Module) -> bool:
 
 GROUP_FIELDS = ("n_group", "num_group", "num_expert_group")  # how many groups the experts are split in
 TOPK_GROUP_FIELDS = ("topk_group", "num_topk_group")  # how many of them a token keeps
-SCALE_FIELDS = ("routed_scaling_factor", "router_scaling_factor")
+SCALE_FIELDS = ("routed_scaling_factor", "router_scaling_factor", "route_scale")  # route_scale: AFMoE
 
 
 def _number(obj, names) -> float | None:
@@ -395,6 +401,21 @@ def _tied_at(values: torch.Tensor, k: int) -> bool:
     return bool((top[:, k - 1] == top[:, k]).any())
 
 
+def _router_on_rows(router: nn.Module, rows: torch.Tensor, extra: tuple) -> tuple | None:
+    """The router's (logits, top-k weights, top-k ids) on rows [T, H], handed to it as [T, H] or, where its forward
+    takes only that, as one batch [1, T, H] (AFMoE's unpacks three dimensions); None where it runs on neither or
+    returns something else."""
+    for given in (rows, rows[None]):
+        try:
+            with torch.no_grad():
+                out = router(given, *extra)
+        except Exception:  # noqa: BLE001 - a router that does not run on the probe is not read
+            continue
+        ok = isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) and t.dim() for t in out)
+        return out if ok else None
+    return None
+
+
 def router_routing(router: nn.Module, cfg=None, handed: torch.Tensor | None = None) -> Routing | None:
     """What the router computes (tic.harness.kernels.routing), read from its own forward on seeded rows: the one
     candidate rule (_routing_candidates) whose experts and weights the router gives on every probe; None where
@@ -420,14 +441,10 @@ def router_routing(router: nn.Module, cfg=None, handed: torch.Tensor | None = No
     # are scaled down, each scale keeping the rules that fit it, until one is left (no further: at a tiny scale
     # a bf16 router meets exact ties, which its own top-k may break otherwise).
     for scale in (1.0, 0.1, 0.01, 0.001):
-        try:
-            with torch.no_grad():
-                out = probe(x * scale, *extra)
-        except Exception:  # noqa: BLE001 - a router that does not run on the probe is not read
+        out = _router_on_rows(probe, x * scale, extra)
+        if out is None:
             return None
-        if not (isinstance(out, tuple) and len(out) == 3):
-            return None
-        logits, got, ids = out
+        logits, got, ids = (t.reshape(-1, t.shape[-1]) for t in out)
         ids = ids.long()
         if ids.shape[-1] != top_k:
             return None
@@ -1336,7 +1353,8 @@ def _read_experts(cov: LayerCoverage, name: str, experts: nn.Module, cfg) -> Non
 
 def _read_mlp(cov: LayerCoverage, name: str, m, cfg) -> None:
     kind = type(m).__name__
-    _read_unused_parts(cov, name, m, "an MLP", None)
+    handed = _handed_bias_name(m) if is_moe_block(m) else None  # the wrapper hands it to the routing
+    _read_unused_parts(cov, name, m, "an MLP", None, (handed,) if handed is not None else ())
     if is_moe_block(m):
         rule = router_routing(moe_router(m), cfg, handed_bias(m))
         # the bias the router's logits add, by name (GPT-OSS's router linear): the wrapper's logits GEMM takes it
