@@ -260,6 +260,12 @@ def test_layer_norm_and_the_shared_expert_gate():
     check("sigmoid_gate", (r(6, 1), r(6, 12)))
 
 
+@pytest.mark.parametrize("function", ["sigmoid", "softplus"])
+def test_an_attentions_output_gate_per_feature_and_per_head(function):
+    check("output_gate", (r(2, 3, 12) * 2, r(2, 3, 12)), {"function": function, "per_head": False})
+    check("output_gate", (r(2, 3, 4) * 2, r(2, 3, 12)), {"function": function, "per_head": True})
+
+
 @pytest.mark.parametrize("kind", ["gelu", "gelu_tanh", "relu", "silu"])
 def test_an_ungated_mlps_activation(kind):
     check("activation", (r(4, 24) * 3,), {"kind": kind})

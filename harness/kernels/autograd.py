@@ -441,6 +441,30 @@ def _sigmoid_gate_backward(tensors, fixed, grads, kw, needs, run):
     return run.fused(_sigmoid_gate_input_grads, tensors[0], tensors[1], grads[0], needs[0], needs[1])
 
 
+def _output_gate_input_grads(g, y, grad, function: str, per_head: bool, need_g: bool, need_y: bool):
+    """out = y * f(g), f(g) per feature or broadcast over each head's features: gy = grad f(g), gg = (grad y,
+    summed over a head's features where one gate serves them) f'(g); sigmoid' = s (1 - s), softplus' = sigmoid."""
+    g32, y32 = _wide(g), _wide(y)
+    grad32 = grad.to(g32.dtype)
+    s = torch.sigmoid(g32)
+    gate, slope = (s, s * (1 - s)) if function == "sigmoid" else (F.softplus(g32), s)
+    if per_head:
+        heads = g.shape[-1]
+        gy = (grad32.reshape(*grad.shape[:-1], heads, -1) * gate[..., None]).reshape(grad.shape) if need_y else None
+        gg = (grad32 * y32).reshape(*grad.shape[:-1], heads, -1).sum(-1) * slope if need_g else None
+    else:
+        gy = grad32 * gate if need_y else None
+        gg = grad32 * y32 * slope if need_g else None
+    return gg, gy
+
+
+def _output_gate_backward(tensors, fixed, grads, kw, needs, run):
+    if grads[0] is None:
+        return (None, None)
+    return run.fused(_output_gate_input_grads, tensors[0], tensors[1], grads[0], kw["function"], kw["per_head"],
+                     needs[0], needs[1])
+
+
 def _rms_norm_backward(tensors, fixed, grads, kw, needs, run):
     x, w = tensors
     return run.fused(_rms_norm_input_grads, x, w, grads[0], kw["eps"], needs[0], needs[1], kw.get("offset", 0.0))
@@ -779,7 +803,8 @@ OPS: dict[str, Op] = {op.name: op for op in [
        _gelu_tanh_and_mul_backward),
     Op("softcap", lambda p, x, cap: p.softcap(x, cap), softcap_ref, _softcap_backward),
     Op("sigmoid_gate", lambda p, g, y: p.sigmoid_gate(g, y), sigmoid_gate_ref, _sigmoid_gate_backward),
-    Op("output_gate", lambda p, g, y, function, per_head: p.output_gate(g, y, function, per_head), output_gate_ref),
+    Op("output_gate", lambda p, g, y, function, per_head: p.output_gate(g, y, function, per_head), output_gate_ref,
+       _output_gate_backward),
     Op("layer_norm", lambda p, x, w, b, eps: p.layer_norm(x, w, b, eps), layer_norm_ref, _layer_norm_backward),
     Op("layer_norm_float32", lambda p, x, w, b, eps: p.layer_norm_float32(x, w, b, eps), layer_norm_float32_ref,
        _layer_norm_backward),
