@@ -45,10 +45,9 @@ from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, 
                                           attention_softcap, attention_window, expert_weights, final_norm,
                                           handed_bias, head_dim_of, is_attention, is_decoder_layer, is_gated_mlp,
                                           is_hybrid_block, is_moe_block, logits_scaling_settable, mlp_name,
-                                          moe_router,
-                                          output_projection_name, problem_lines, read_coverage, residual_scale_name,
-                                          rotary_modules, rotary_per_layer_type, router_routing, router_weight,
-                                          routing_bias_name)
+                                          moe_router, output_projection_name, problem_lines, read_coverage,
+                                          residual_scale_name, rotary_modules, rotary_per_layer_type, router_routing,
+                                          router_weight, routing_bias_name)
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.norms import is_layernorm, is_rmsnorm, norm_eps

@@ -100,7 +100,7 @@ def norm_on_probe(m, params: dict, x: torch.Tensor | None = None) -> tuple[torch
 
 
 def probe_params(m, d: int) -> dict:
-    """Seeded-free probe values for the norm's weight (0.25 + a ramp) and bias (a ramp around 0), where it has
+    """Fixed probe values for the norm's weight (0.25 + a ramp) and bias (a ramp around 0), where it has
     them."""
     params = {}
     if isinstance(getattr(m, "weight", None), torch.Tensor):
