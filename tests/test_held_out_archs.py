@@ -12,7 +12,7 @@ import torch
 from transformers import CONFIG_MAPPING
 
 from tic.core.errors import TicInputError
-from tic.harness.kernels.coverage import coverage_problems
+from tic.harness.kernels.coverage import coverage_problems, final_norm
 from tic.harness.model.layer_structure import build_meta
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
@@ -235,3 +235,12 @@ def test_an_output_projection_the_query_heads_do_not_fit_is_refused_at_c0():
     assert problems == ["model.layers.1.self_attn.o_proj (Linear): takes 64 features, where the query heads give 128 "
                         "(head_dim 32): the attention's output does not fit its output projection (config "
                         "head_dim=32)"], problems
+
+
+def test_the_final_norm_is_found_where_the_causal_lm_is_its_own_base_model():
+    """Llama-4's text model answers base_model with itself: its final norm is its `model`'s, not a missing one (C0
+    refused it as 'no final norm' before)."""
+    model = small("llama4_text")
+    assert model.base_model is model
+    assert final_norm(model) is model.model.norm
+    assert not any("no final norm" in p for p in coverage_problems(model, "consistent"))

@@ -1742,7 +1742,9 @@ def logits_scaling_settable(cfg) -> bool:
 def final_norm(model: nn.Module) -> nn.Module | None:
     """The norm after the last layer: the base model's `norm` (whatever it computes: C0 reads it), else its last
     child that is a norm, whatever its name (norm_f, final_layernorm, final_layer_norm)."""
-    base = getattr(model, "base_model", getattr(model, "model", model))
+    base = getattr(model, "base_model", None)
+    if base is None or base is model:  # a causal LM that names no base model of its own (Llama-4's text model)
+        base = getattr(model, "model", model)
     norms = [c for _, c in base.named_children() if is_norm(c)]
     return getattr(base, "norm", None) or (norms[-1] if norms else None)
 
