@@ -191,6 +191,32 @@ def test_module_program_replays_values_written_through_another_view(open_demo, t
     assert res["reproduces"], res["output"]
 
 
+def test_a_view_of_a_buffer_nothing_wrote_is_recorded_as_its_replay_holds_it(open_demo, tmp_path):
+    """An empty buffer holds garbage, and a replay's copy of it holds zeros. A view taken of it before anything wrote
+    it is recorded as those zeros, so the module's later calls that read it by reference replay to the values
+    recorded (recorded as the garbage, the repro ended in error whenever the allocator handed back used memory)."""
+    from tic.harness.locate.trail import Trail
+
+    q, meta = _step([1, 1, 1], list(range(20)))
+    tic_pageddemo.STEP["l0"] = meta
+    progs = []
+    for scale in (3.0, 3.0000002):
+        rec = recorder.OpRecorder()
+        with rec:
+            buf = torch.full((q.shape[0] + 2, *q.shape[1:]), 7.0)  # used memory: bits other than zeros
+            rec.mark_blank(buf)  # as torch.empty hands it out: nothing has written it
+            view = buf.view(buf.shape)
+            view[q.shape[0]:].zero_()
+            torch.ops.tic_wrapdemo.attention(q, view, "l0")
+            y = torch.ops.aten.mul(view, scale)
+        assert rec.calls[0].op == "aten.view.default" and torch.equal(rec.calls[0].outputs[0], torch.zeros_like(buf))
+        target = len(rec.calls) - 1
+        trail = Trail(rec.calls, 1, y.shape[0], 1)
+        progs.append(repro.module_program(trail, target, {"kind": "row", "row": 1, "output": 0}, y[1]))
+    res = repro.emit_module(tmp_path, "C5", "attn", progs[0], progs[1], "A", "B", "unwritten buffer")
+    assert res["reproduces"], res["output"]
+
+
 def test_in_place_kernel_repro_starts_from_the_recorded_inputs(open_demo, tmp_path):
     """An operator that writes its own inputs: every evaluation (shrink trials, the value kept for the fresh
     process) must start from the recorded inputs, or the fresh process computes something else (exit 3)."""

@@ -166,19 +166,25 @@ class OpRecorder(TorchDispatchMode):
             returned = tensors_of(out)
             written = replay.written(func, args, kwargs)
             outs = returned + [w for w in written if not any(w is o for o in returned)]
+            # a view of a buffer nothing has written yet (buf.view(...) of an empty buffer): still blank, and
+            # recorded as the zeros a replay's copy of that buffer holds, not as the garbage its bits are here
+            still_blank = [not any(t is w for w in written) and Provenance._storage_key(t) in self.blank
+                           for t in outs]
             out_tokens = None
             if prov is not None:
                 prov.after(func, args, kwargs, returned, written)
                 out_tokens = tuple(snapshot_tokens(prov.tokens(t)) for t in outs)
-            call = OpCall(str(func), func, pre_args, pre_kwargs, tuple(_clone(t) for t in outs), sources,
-                          out_tokens, arg_tokens, layouts)
+            call = OpCall(str(func), func, pre_args, pre_kwargs,
+                          tuple(torch.zeros_like(t) if blank else _clone(t) for t, blank in zip(outs, still_blank)),
+                          sources, out_tokens, arg_tokens, layouts)
         except Exception as e:  # noqa: BLE001
             self.errors.append(f"{func}: ran, not recorded: {type(e).__name__}: {e}")
             return out
         ci = len(self.calls)
         for k, t in enumerate(outs):
             self.produced[id(t)] = (ci, k, t)
-            self.blank.pop(Provenance._storage_key(t), None)
+            if not still_blank[k]:
+                self.blank.pop(Provenance._storage_key(t), None)
         self.calls.append(call)
         return out
 
