@@ -31,10 +31,10 @@ from torch import nn
 
 from tic.harness.kernels import mamba_modules  # tic: Mamba-2 hybrids, issue 31
 from tic.harness.kernels import mla
-from tic.harness.kernels.norms import (is_layernorm, is_norm, is_weightless_norm, norm_eps, norm_kind, probe_input,
-                                      read_norm_eps)
 from tic.harness.kernels.autograd import OUTPUT_GATES, PLAIN_ACTS, gate_output_ref, moe_experts_ref
-from tic.harness.kernels.rope import rotary_output_layout, rotate_interleaved, rotate_neox, spread_angles
+from tic.harness.kernels.norms import is_norm, is_weightless_norm, norm_eps, norm_reading, probe_input
+from tic.harness.kernels.rope import (rotary_output_layout, rotate_interleaved, rotate_neox, sin_negated,
+                                     spread_angles)
 from tic.harness.kernels.routing import SCORES, Routing, choice, select
 from tic.harness.kernels.routing import scores as routing_scores, weights as routing_weights
 from tic.harness.model.inventory import LAYER_LISTS
@@ -791,17 +791,9 @@ def _probe_matches(probe, rotate) -> bool:
     return all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, want))
 
 
-def _sin_negated(rotate):
-    """A rotation of rope.py run with its table's sin half negated: the turn by minus each angle."""
-    def turned_back(x, positions, table):
-        cos, sin = table.chunk(2, dim=-1)
-        return rotate(x, positions, torch.cat([cos, -sin], dim=-1))
-    return turned_back
-
-
 ROTARY_STYLES = (("neox", rotate_neox), ("interleaved", rotate_interleaved),
-                 ("neox_reversed", _sin_negated(rotate_neox)),
-                 ("interleaved_reversed", _sin_negated(rotate_interleaved)))
+                 ("neox_reversed", lambda x, pos, table: rotate_neox(x, pos, sin_negated(table))),
+                 ("interleaved_reversed", lambda x, pos, table: rotate_interleaved(x, pos, sin_negated(table))))
 
 
 def rotary_style(model: nn.Module, rotary: nn.Module) -> tuple[str | None, str | None]:
@@ -855,15 +847,14 @@ def attention_clip(m, cfg) -> float | None:
 
 # -- reading a model's coverage --------------------------------------------------------------------------------
 def _read_norm(cov: LayerCoverage, name: str, norm) -> None:
-    """The norm's variant (norms.norm_kind) and, where its forward runs another epsilon than the module holds
-    under its usual names, that epsilon (a reading the wrapper takes)."""
-    variant = norm_kind(norm)
+    """The norm's variant and, where its forward runs another epsilon than the module holds under its usual names,
+    that epsilon (a reading the wrapper takes): norms.norm_reading."""
+    variant, eps = norm_reading(norm)
     if variant is None:
         cov.refusals.append(Refusal(name, type(norm).__name__, "a norm computing neither w * x_hat nor "
                                     "(1 + w) * x_hat (RMSNorm), torch's LayerNorm (with w or w + 1) nor a LayerNorm "
                                     "written out in float32, the norms the wrappers implement"))
         return
-    eps = norm_eps(norm) if is_layernorm(norm) else read_norm_eps(norm, variant)
     if eps is None:
         cov.refusals.append(Refusal(name, type(norm).__name__, "a norm whose epsilon is neither the one it holds "
                                     f"({norm_eps(norm):g}) nor a usual one: its output on rows of small mean square "

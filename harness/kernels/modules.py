@@ -51,7 +51,7 @@ from tic.harness.kernels.coverage import (attention_clip, attention_layer_type, 
 from tic.harness.kernels.fp8 import FP8_OPS
 from tic.harness.kernels.memo import TensorMemo
 from tic.harness.kernels.norms import is_layernorm, is_rmsnorm, norm_eps
-from tic.harness.kernels.rope import rotary_output_layout, spread_angles
+from tic.harness.kernels.rope import rotary_output_layout, sin_negated, spread_angles
 from tic.harness.kernels.stand_ins import stands_for
 
 ATTN_NAME = "tic_rowwise"
@@ -106,10 +106,7 @@ class RopeTable:
             extra = (self.layer_type,) if self.layer_type is not None else ()
             with torch.inference_mode(False), torch.no_grad():
                 table = self.provider.cos_sin_cache(self.rotary, self.config, n, self.dtype, device, *extra)
-                if self.reversed:  # a sign flip: exact in any dtype
-                    cos, sin = table.chunk(2, dim=-1)
-                    table = torch.cat([cos, -sin], dim=-1)
-                self.table = table
+                self.table = sin_negated(table) if self.reversed else table
         return self.table
 
 

@@ -37,7 +37,7 @@ def is_layernorm(m) -> bool:
 
 def is_weightless_norm(m) -> bool:
     """A norm module of no parameters and no children (OLMo's LayerNorm, nanochat's RMSNorm): what it computes is
-    read by weightless_norm_variant."""
+    read by norm_reading."""
     return isinstance(m, nn.Module) and "norm" in type(m).__name__.lower() and not isinstance(m, nn.LayerNorm) \
         and next(m.parameters(), None) is None and next(m.children(), None) is None
 
@@ -153,24 +153,21 @@ def layer_norm_1p_variant(m) -> str | None:
     return "norm:layer_1p" if _computes(m, "norm:layer_1p", params, norm_eps(m)) else None
 
 
-def weightless_norm_variant(m) -> str | None:
-    """'norm:rms' or 'norm:layer' for a norm without parameters: RMSNorm or torch's LayerNorm with a unit weight
-    (and no bias) on a CPU probe, at the epsilon read_norm_eps finds; None for neither."""
-    for variant in ("norm:rms", "norm:layer"):
-        if read_norm_eps(m, variant) is not None:
-            return variant
-    return None
-
-
-def norm_kind(m) -> str | None:
-    """The variant a norm module computes (NORM_REFERENCES), or None for a norm the wrappers do not implement."""
+def norm_reading(m) -> tuple[str | None, float | None]:
+    """(the variant a norm module computes (NORM_REFERENCES), the epsilon its forward computes it with): the variant
+    None for a norm the wrappers do not implement; the epsilon None where read_norm_eps finds none. A norm without
+    parameters is RMSNorm or torch's LayerNorm with a unit weight (and no bias), whichever gives its forward at an
+    epsilon read_norm_eps finds."""
     if is_layernorm(m):
-        return "norm:layer"
-    if is_rmsnorm(m):
-        return norm_variant(m)
+        return "norm:layer", norm_eps(m)  # torch's own: its eps is what it computes with
     if is_weightless_norm(m):
-        return weightless_norm_variant(m)
-    return layer_norm_float32_variant(m) or layer_norm_1p_variant(m)
+        for variant in ("norm:rms", "norm:layer"):
+            eps = read_norm_eps(m, variant)
+            if eps is not None:
+                return variant, eps
+        return None, None
+    variant = norm_variant(m) if is_rmsnorm(m) else layer_norm_float32_variant(m) or layer_norm_1p_variant(m)
+    return variant, None if variant is None else read_norm_eps(m, variant)
 
 
 def read_norm_eps(m, variant: str) -> float | None:

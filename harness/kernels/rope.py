@@ -61,6 +61,13 @@ def rotary_output_layout(rotary: nn.Module) -> str:
     return _layout_of(cos)
 
 
+def sin_negated(cos_sin: torch.Tensor) -> torch.Tensor:
+    """A cos|sin table with its sin half negated: the same rotations turn each angle the other way (an exact sign
+    flip in any dtype)."""
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    return torch.cat([cos, -sin], dim=-1)
+
+
 def spread_angles(v: torch.Tensor, layout: str) -> torch.Tensor:
     """Rows of R/2 angles' cos (or sin) laid out as an HF rotary module of `layout` (rotary_output_layout) returns
     them: two halves, each angle twice in a row, or each once."""
