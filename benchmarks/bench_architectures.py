@@ -1,6 +1,7 @@
 """Architectures tic was not written for: the ladder on tiny random models of transformers' own model types.
 
     .venv/bin/python benchmarks/bench_architectures.py [MODEL_TYPE ... | --all] [--gates C0,C2,C3,C4,C5,C6,C7]
+        [--dtype float32|bfloat16]
 
 For each model type (default: ARCHITECTURES; --all: every type transformers maps to a causal LM), a config.json
 from transformers' config class with small sizes (SIZES; the type's own defaults for everything else), weights
@@ -28,7 +29,7 @@ ARCHITECTURES = ("seed_oss", "ernie4_5", "smollm3", "exaone4", "olmo3", "cohere2
                  "qwen3_moe", "doge", "diffllama", "arcee", "apertus", "bitnet", "glm4", "persimmon", "opt",
                  "gpt2", "falcon", "bloom", "gptj", "codegen", "granitemoe", "phimoe", "ernie4_5_moe", "glm4_moe",
                  "deepseek_v3", "llama4_text", "jetmoe", "gpt_bigcode", "gpt_oss", "vaultgemma", "lfm2")
-TIC_YAML = """model: {path: ., dtype: float32, generate: {seed: 0}}
+TIC_YAML = """model: {path: ., dtype: DTYPE, generate: {seed: 0}}
 rollout: {engine: hf, kernels: consistent, batch_size: 8}
 train: {engine: hf, kernels: consistent, micro_batch_size: 4, padding_side: right}
 prompts: {source: random, count: 6, seed: 0, min_len: 4, max_len: 20}
@@ -38,7 +39,7 @@ locate: {enabled: false}
 """
 
 
-def config_for(model_type: str) -> dict:
+def config_for(model_type: str, dtype: str) -> dict:
     """transformers' config of this type with SIZES where the type has such fields, as config.json holds it."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -48,22 +49,24 @@ def config_for(model_type: str) -> dict:
         cfg = AutoConfig.for_model(model_type, **{**SIZES, "num_key_value_heads": SIZES["num_attention_heads"]}
                                    ).to_dict()
     cfg["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "")]
-    cfg["dtype"] = "float32"
+    cfg["dtype"] = dtype
     return cfg
 
 
-def run(model_type: str, gates: list[str]) -> dict:
+def run(model_type: str, gates: list[str], dtype: str) -> dict:
     try:
-        cfg = config_for(model_type)
+        cfg = config_for(model_type, dtype)
     except Exception as e:  # noqa: BLE001 - a type whose config class refuses these sizes is a row, not a stop
         reason = f"transformers' config: {type(e).__name__}: {e}".replace("\n", " ")
         return {"exit": "-", "results": {}, "reason": reason}
     with tempfile.TemporaryDirectory(prefix=f"tic-arch-{model_type}-") as d:
         (Path(d) / "config.json").write_text(json.dumps(cfg))
-        (Path(d) / "tic.yaml").write_text(TIC_YAML)
+        (Path(d) / "tic.yaml").write_text(TIC_YAML.replace("DTYPE", dtype))
+        # each type's generated weights go in its own folder, not the user's model cache (hundreds of types)
         p = subprocess.run([sys.executable, "-m", "tic.skill.cli", "ladder", "-c", "tic.yaml", "--from", gates[0],
                             "--to", gates[-1], "--keep-going", "--json"], cwd=d, capture_output=True, text=True,
-                           env={**os.environ, "NO_COLOR": "1"}, timeout=1800)
+                           env={**os.environ, "NO_COLOR": "1", "TIC_CACHE": str(Path(d) / "cache")},
+                           timeout=1800)
     try:
         results = {r["gate"]: r for r in json.loads(p.stdout)["results"]}
     except (json.JSONDecodeError, KeyError):
@@ -78,6 +81,8 @@ def main() -> None:
     ap.add_argument("model_types", nargs="*", default=list(ARCHITECTURES))
     ap.add_argument("--all", action="store_true", help="every model type transformers maps to a causal LM")
     ap.add_argument("--gates", default="C0,C2,C3,C4,C5,C6,C7")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the weights' and the ladder's dtype (config.json's dtype and tic.yaml's model.dtype)")
     ap.add_argument("--width", type=int, default=150, help="characters of the reason column")
     args = ap.parse_args()
     gates = args.gates.split(",")
@@ -87,7 +92,7 @@ def main() -> None:
         args.model_types = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     print(f"{'model_type':<24} {'exit':>4} " + " ".join(f"{g:>5}" for g in gates) + "  first reason")
     for mt in args.model_types:
-        r = run(mt, gates)
+        r = run(mt, gates, args.dtype)
         cells = " ".join(f"{r['results'].get(g, {}).get('verdict', '-')[:5]:>5}" for g in gates)
         print(f"{mt:<24} {r['exit']:>4} {cells}  {r['reason'][:args.width]}", flush=True)
 
