@@ -168,6 +168,47 @@ def test_grouped_selection_keeps_the_best_groups_and_breaks_ties_to_the_lower_id
     assert torch.equal(c, logits + bias) and routing.select(c, 1, rule).tolist() == [[2]]
 
 
+def _grouped_glm_gate(rows: torch.Tensor):
+    """A bf16 GLM-4.5 MoE block of 16 experts in 4 groups (2 kept, top 4), its router an identity on the first 16
+    hidden features and its selection bias zero: rows of logits are its logits, exactly."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = glm_config(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4, first_k_dense_replace=0,
+                     num_hidden_layers=1)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    name, block = next((n, m) for n, m in model.named_modules() if coverage.is_moe_block(m))
+    gate = coverage.moe_router(block)
+    with torch.no_grad():
+        gate.weight.zero_()
+        gate.weight[:, :16] = torch.eye(16)
+        block.gate.e_score_correction_bias.zero_()
+    x = torch.zeros(rows.shape[0], cfg.hidden_size, dtype=torch.bfloat16)
+    x[:, :16] = rows.to(torch.bfloat16)
+    return model, name, gate, x
+
+
+def test_the_fidelity_pin_takes_a_choice_that_parts_at_a_near_tie_of_two_groups_only():
+    """A grouped router decides twice: two groups' scores (the sums of their two best) within a rounding step of
+    each other swap experts whose own scores are 8 % apart. The stock router's own choice keeps group 0; the
+    wrapped model's, group 2 by that near tie: a near tie, taken. Experts of group 3, which no rounding step
+    reaches, are not: the router keeps its own."""
+    from tic.harness.measure.gradcheck import RoutingPin
+
+    scores = torch.tensor([0.60, 0.60, 0.05, 0.05, 0.70, 0.70, 0.05, 0.05,   # groups 0 (1.20) and 1 (1.40)
+                           0.65, 0.547, 0.05, 0.05, 0.30, 0.29, 0.05, 0.05])  # group 2 (1.197), group 3 (0.59)
+    model, name, gate, x = _grouped_glm_gate(torch.logit(scores)[None])
+    with torch.no_grad():
+        own = gate(x)[2].sort(-1).values
+    assert own.tolist() == [[0, 1, 4, 5]]
+    by_the_tie, outright = torch.tensor([[4, 5, 8, 9]]), torch.tensor([[4, 5, 12, 13]])
+    for given, want in ((by_the_tie, by_the_tie), (outright, own)):
+        pin = RoutingPin(model, near_tie=torch.finfo(torch.bfloat16).eps)
+        with pin.pinned({name: given}), torch.no_grad():
+            assert gate(x)[2].sort(-1).values.tolist() == want.tolist()
+        assert pin.flips == int(want is by_the_tie)
+
+
 def test_the_route_backward_is_the_float64_reference_gradient():
     """The written-out backward of weights(scores(logits), ids) against autograd through it in float64, for the
     sigmoid and softmax scores, renormalised or not, scaled."""

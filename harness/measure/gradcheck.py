@@ -84,12 +84,7 @@ class RoutingPin:
                 tie = (probs.gather(-1, pin) >= kth * (1 - self.near_tie)).all(-1, keepdim=True)
                 pin = torch.where(tie, pin, own)
             elif self.near_tie is not None:
-                # grouped or biased: another rule's experts may score above its own, so a tie is two-sided: the
-                # given experts' selection scores, in order, within near_tie of its own experts' scores
-                choice = routing.choice(probs, logits, bias, rule)
-                given, mine = (choice.gather(-1, i).sort(-1, descending=True).values for i in (pin, own))
-                tie = ((given - mine).abs() <= mine.abs() * self.near_tie).all(-1, keepdim=True)
-                pin = torch.where(tie, pin, own)
+                pin = torch.where(_rule_picks_within(probs, logits, bias, rule, pin, self.near_tie), pin, own)
             moved = (own.sort(-1).values != pin.sort(-1).values).any(-1, keepdim=True)
             self.flips += int(moved.sum())
             self.tokens += pin.shape[0]
@@ -100,6 +95,18 @@ class RoutingPin:
             kept = (same * out[1][..., None, :]).sum(-1)
             return logits, torch.where(moved, w.to(logits.dtype), kept.to(logits.dtype)), pin
         return forward
+
+
+def _rule_picks_within(probs, logits, bias, rule, given: torch.Tensor, near_tie: float) -> torch.Tensor:
+    """[T, 1]: whether the rule itself picks each row's given experts once every selection value moves by at most
+    near_tie of itself, the given experts' up and all others' down. A grouped rule decides twice (its groups, then
+    experts within them), so a near tie between two groups' scores swaps experts whose own scores are far apart:
+    comparing the two choices expert by expert would call that an outright different choice."""
+    c = routing.choice(probs, logits, bias, rule)
+    moved = torch.zeros_like(c, dtype=torch.bool).scatter_(-1, given, True)
+    c = torch.where(moved, c + near_tie * c.abs(), c - near_tie * c.abs())
+    picked = routing.select(c, given.shape[-1], rule)
+    return (picked.sort(-1).values == given.sort(-1).values).all(-1, keepdim=True)
 
 
 def takes_logits_to_keep(model) -> bool:
