@@ -164,6 +164,56 @@ def test_c7_fails_on_a_planted_wrong_backward(dense_ctx, op, fault):
     assert res.verdict == "fail" and "outside the tolerance" in res.reason
 
 
+@pytest.fixture(scope="module")
+def sharp_bf16_ctx(tmp_path_factory):
+    """A bf16 Llama drawn wide (init 0.3, no q/k norm): attention sharp enough that its bf16 forward parts from the
+    float32 one, so even plain bf16 autograd gives gradients below C7's low-precision defaults."""
+    import sys
+
+    from transformers import CONFIG_MAPPING
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+    from tic_small_ladder import small_ladder_ctx
+
+    config = CONFIG_MAPPING["llama"](vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
+                                     tie_word_embeddings=False)
+    with pytest.MonkeyPatch.context() as mp:
+        hf._MODELS.clear()
+        yield small_ladder_ctx(tmp_path_factory.mktemp("sharp"), mp, config, "bfloat16")
+    hf._MODELS.clear()
+
+
+def test_c7_judges_a_bf16_model_by_the_stock_bf16_models_own_distance_where_that_is_wider(sharp_bf16_ctx):
+    """Control: the wrapped bf16 gradients miss the 0.99 default on this model, as the stock bf16 model's own do;
+    each tensor's bounds widen to 1.5x the stock model's distance (never narrow), and C7 passes. A tic.yaml that
+    sets the thresholds gets them as written: nothing widens, and C7 fails."""
+    res = run_c7(sharp_bf16_ctx)
+    assert res.verdict == "pass", res.reason
+    rows = res.details["tensors"]
+    assert res.metrics["min_cosine"] < 0.99 and res.details["stock_yardstick"]["relaxed"] > 0
+    assert all(r["min_cosine"] <= 0.99 and r["max_rel_error"] >= 0.1 for r in rows if "stock_cosine" in r)
+    assert all(r["cosine"] >= r["min_cosine"] for r in rows if r["cosine"] < 0.99)
+    g = sharp_bf16_ctx.cfg.gradients
+    g.min_cosine, g.max_rel_error = 0.99, 0.1
+    try:
+        res = run_c7(sharp_bf16_ctx)
+    finally:
+        g.min_cosine = g.max_rel_error = None
+    assert res.verdict == "fail" and "stock_yardstick" not in res.details, res.reason
+
+
+@pytest.mark.parametrize("op, fault", [
+    ("rms_norm", _negate_first),
+    ("add_rms_norm", lambda g: (g[0], torch.zeros_like(g[1]), *g[2:])),
+    ("silu_and_mul", lambda g: (g[0] * 1.5,)),
+])
+def test_c7_still_fails_a_planted_wrong_backward_where_the_stock_yardstick_widens(sharp_bf16_ctx, op, fault):
+    with planted_fault(_fresh_train_model(sharp_bf16_ctx), op, grads=fault):
+        res = run_gate(get("C7"), sharp_bf16_ctx)
+    assert res.verdict == "fail" and "outside the tolerance" in res.reason
+
+
 def test_c7_fails_when_weights_change_between_forward_and_backward(dense_ctx):
     def optimizer_step(weights):
         for w in weights:

@@ -126,8 +126,9 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
                         device: str = "cpu", routes: list[dict] | None = None,
                         report: dict | None = None, kv_cache_dtype: str = "auto",
                         quantizer_inputs: Callable[[int], dict] | None = None,
-                        fp8_rules: dict | None = None) -> dict[str, torch.Tensor]:
-    """routes: per sample, the path under test's top-k ids per MoE block name (None: the reference routes
+                        fp8_rules: dict | None = None, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """dtype: the reference model's (C7's low-precision yardstick runs the stock model in the training dtype).
+    routes: per sample, the path under test's top-k ids per MoE block name (None: the reference routes
     itself); report receives the routing-pin and quantizer counts; kv_cache_dtype: the training side's (fp8: the
     reference's attention reads q, k, v rounded as the FP8 cache rounds them); quantizer_inputs: sample index ->
     what the path under test's FP8 steps rounded (fp8_reference.QuantizerInputs); fp8_rules: how the path's FP8
@@ -142,8 +143,7 @@ def reference_gradients(model_dir: Path, samples: list[Sample], sampling: Sampli
 
     fp8 = unquantized_config(model_dir)
     with quiet_transformers() if fp8 else contextlib.nullcontext():  # no load report for a checkpoint's scales
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
-                                                     **fp8)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager", **fp8)
     model.to(device).train(False)
     rounds = fp8 or str(kv_cache_dtype).startswith("fp8")  # FP8 weights or an FP8 KV cache
     taken = fp8_reference.QuantizerInputs() if rounds and quantizer_inputs is not None else None
