@@ -454,6 +454,52 @@ def test_fidelity_fails_a_wrapper_computing_another_olmo(example, workdir, name,
     hf._MODELS.clear()
 
 
+def _sharp_bf16_llama_ctx(tmp_path, monkeypatch):
+    """A bf16 Llama drawn wide (init 0.5, 4 layers, no q/k norm): its attention is sharp enough that a rounding step
+    in one layer moves the next layers' outputs by more than C2's 5 % bf16 bound, the stock model's own included."""
+    from transformers import CONFIG_MAPPING
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+    from tic_small_ladder import small_ladder_ctx
+
+    config = CONFIG_MAPPING["llama"](vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=2, initializer_range=0.5,
+                                     tie_word_embeddings=False)
+    return small_ladder_ctx(tmp_path, monkeypatch, config, "bfloat16")
+
+
+def _plant_plus_one_norm(model):
+    model.model.layers[2].post_attention_layernorm._tic_norm_offset = 1.0  # (1 + w) where Llama has w
+
+
+def _plant_attention_scale(model):
+    attn = model.model.layers[2].self_attn
+    attn.scaling = attn.scaling * 2
+
+
+@pytest.mark.parametrize("plant, parting", [
+    (None, None),
+    (_plant_plus_one_norm, "model.layers.2.post_attention_layernorm"),
+    (_plant_attention_scale, "model.layers.2.self_attn")])
+def test_fidelity_checks_a_sharp_bf16_model_layer_by_layer(tmp_path, monkeypatch, plant, parting):
+    """Control: the whole forward parts beyond the bound on rounding alone; layer by layer (each layer on the stock
+    model's input to it, bounds at least twice the float32 stock model's distance there) it does not, and C2
+    passes. Planted wrong wrappers in layer 2 still part, named at their module."""
+    ctx = _sharp_bf16_llama_ctx(tmp_path, monkeypatch)
+    try:
+        if plant is not None:
+            plant(ctx.train_engine().model)
+        res = run_gate(get("C2"), ctx)
+        fid = res.details["fidelity"]
+        if plant is None:
+            assert res.verdict == "pass" and fid["layer_local"]["layers"] == 4, res.reason
+        else:
+            assert res.verdict == "fail" and fid["first_parting_module"].startswith(parting), res.reason
+            assert "each decoder layer on the stock model's input to it" in fid["first_parting"]
+    finally:
+        hf._MODELS.clear()
+
+
 def test_fidelity_pins_stock_moe_routes_at_near_ties_only(example, workdir):
     """In bf16 the tiny OLMoE's router meets exact and near ties (two experts' probabilities within a rounding
     step), where stock HF and the wrappers may pick either: the stock routers take the wrapped model's experts

@@ -10,7 +10,12 @@ place tic compares with a bound, and it never stands in for a consistency gate.
 Bound per module output: max |wrapped - stock| <= rtol * max |stock| + atol, rtol by dtype (FIDELITY_RTOL).
 float32 differences are reordering noise (measured ~1e-6 relative on tiny Qwen3/Gemma models); bf16 ones
 grow with depth by a rounding step per operator (2^-8 relative), hence its wider bound. A wrong operator
-differs by O(1) relative and is caught at its first module.
+differs by O(1) relative and is caught at its first module. Some models carry a rounding step much further
+(sharp attention: the stock bf16 model parts from its own float32 self by more than 5 % within a few layers),
+so where a bf16/fp16 module parts, the check runs again layer by layer: every decoder layer of the wrapped model,
+the stock model and the stock model in float32 takes the stock model's input to that layer, and each module's bound
+becomes at least SPREAD_FACTOR times the float32 model's distance from the stock one there (FP8 excepted: its
+reference rounds as the deployment does). A wrong operator still parts at its own layer.
 
 A model generated from config.json holds some weights constant (norm weights at one, biases at zero), and under
 them some wrong wrappers compute the right function (a per-head norm commutes with the rotary while its weight is
@@ -25,6 +30,8 @@ RoutingPin); a router that picks other experts outright still parts at its block
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +43,9 @@ from tic.harness.measure.gradcheck import RoutingPin
 
 FIDELITY_RTOL = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 FIDELITY_ATOL = 1e-6
+# bf16/fp16, layer by layer: a module may part from the stock model by this many times the stock model's own
+# distance from its float32 self on the same layer input (sharp attention carries a rounding step far)
+SPREAD_FACTOR = 2.0
 
 
 @dataclass
@@ -45,10 +55,11 @@ class Parting:
     max_abs: float
     ref_max: float
     bound: float
+    note: str = ""
 
     def line(self) -> str:
         return (f"{self.module} ({self.module_class}): max |wrapped - stock| {self.max_abs:.3g} > bound "
-                f"{self.bound:.3g} (stock output max {self.ref_max:.3g})")
+                f"{self.bound:.3g} (stock output max {self.ref_max:.3g}){self.note}")
 
 
 def _compared_modules(named) -> dict[str, nn.Module]:
@@ -76,9 +87,14 @@ def _record(names: dict, sequence_first: set[int]) -> tuple[dict, list, list]:
 
 
 def _outputs(model: nn.Module, input_ids, attention_mask, modules: dict | None = None,
-             sequence_first: set[int] = frozenset()) -> tuple[dict, list, torch.Tensor]:
+             sequence_first: set[int] = frozenset(), layer_inputs: dict | None = None,
+             forced: dict | None = None) -> tuple[dict, list, torch.Tensor]:
+    """Each compared module's output, the call order, the logits. layer_inputs: filled with each decoder layer's
+    input; forced: each decoder layer takes this input instead of its own."""
     named = modules.items() if modules is not None else model.named_modules()
     seen, order, handles = _record(_compared_modules(named), sequence_first)
+    if layer_inputs is not None or forced is not None:
+        handles += _layer_input_hooks(model, layer_inputs, forced)
     try:
         with torch.no_grad():
             logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
@@ -118,31 +134,112 @@ def compare_forward(stock: nn.Module, wrapped: nn.Module, input_ids, attention_m
     if quantizer_inputs is not None:
         quantizer_inputs.current = dict(seen)
     pin = RoutingPin(stock, near_tie=torch.finfo(dtype).eps)  # the wrapped model's experts at a near tie only
+    layer_inputs: dict[str, torch.Tensor] = {}
     with pin.pinned({block: ids[0] for block, ids in calls.items()}):
-        ref, order, ref_logits = _outputs(stock, input_ids, attention_mask)
+        ref, order, ref_logits = _outputs(stock, input_ids, attention_mask, layer_inputs=layer_inputs)
     keep = attention_mask.bool().cpu()
-    first, checked = None, 0
-    for name in order + ["logits"]:
-        a, b = (ref_logits, logits) if name == "logits" else (ref.get(name), got.get(name))
-        if b is None or a.shape != b.shape:
-            continue
-        if a.dim() >= 2 and a.shape[:2] == keep.shape:
-            a, b = a[keep], b[keep]
-        elif a.dim() >= 1 and a.shape[0] == keep.numel():  # tokens flattened [B * T, ...] (a MoE block's inside)
-            a, b = a[keep.reshape(-1)], b[keep.reshape(-1)]
-        checked += 1
-        diff, scale = float((a - b).abs().max()) if a.numel() else 0.0, float(a.abs().max()) if a.numel() else 0.0
-        bound = rtol * scale + FIDELITY_ATOL
-        if not diff <= bound:  # a NaN parts too
-            cls = "logits" if name == "logits" else type(dict(stock.named_modules())[name]).__name__
-            first = Parting(name, cls, diff, scale, bound)
-            break
+    checked, first = _first_parting(stock, order + ["logits"], {**ref, "logits": ref_logits},
+                                    {**got, "logits": logits}, keep, rtol)
+    local = None
+    if first is not None and dtype in (torch.bfloat16, torch.float16) and rounding is None \
+            and wrapped_modules is None and layer_inputs:
+        local = _layer_local(stock, wrapped, layer_inputs, input_ids, attention_mask, keep, rtol)
+        checked, first = local.pop("checked"), local.pop("first")
     logit_diff = float((ref_logits - logits)[keep].abs().max())
     return {"dtype": str(dtype).replace("torch.", ""), "rtol": rtol, "atol": FIDELITY_ATOL,
+            **({} if local is None else {"layer_local": local}),
             "modules_checked": checked, "first_parting": None if first is None else first.line(),
             "first_parting_module": None if first is None else first.module, "logits_max_abs": logit_diff,
             "routing_flips": pin.flips,
             **({} if rounding is None else quantizer_inputs.counts("wrapped"))}
+
+
+def _kept(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor):
+    """Both outputs at the unpadded positions (a [B, T, ...] output, or tokens flattened [B * T, ...])."""
+    if a.dim() >= 2 and a.shape[:2] == keep.shape:
+        return a[keep], b[keep]
+    if a.dim() >= 1 and a.shape[0] == keep.numel():  # a MoE block's inside
+        return a[keep.reshape(-1)], b[keep.reshape(-1)]
+    return a, b
+
+
+def _first_parting(stock: nn.Module, order: list[str], ref: dict, got: dict, keep: torch.Tensor, rtol: float,
+                   spread: dict | None = None) -> tuple[int, Parting | None]:
+    """(modules compared, the first whose output parts beyond its bound, or None). spread: per module, the stock
+    model's own max distance from its float32 self; the bound is at least SPREAD_FACTOR times that."""
+    checked = 0
+    for name in order:
+        a, b = ref.get(name), got.get(name)
+        if b is None or a.shape != b.shape:
+            continue
+        a, b = _kept(a, b, keep)
+        checked += 1
+        diff, scale = float((a - b).abs().max()) if a.numel() else 0.0, float(a.abs().max()) if a.numel() else 0.0
+        bound = max(rtol * scale + FIDELITY_ATOL, SPREAD_FACTOR * (spread or {}).get(name, 0.0))
+        if not diff <= bound:  # a NaN parts too
+            cls = "logits" if name == "logits" else type(dict(stock.named_modules())[name]).__name__
+            return checked, Parting(name, cls, diff, scale, bound)
+    return checked, None
+
+
+def _layer_local(stock: nn.Module, wrapped: nn.Module, layer_inputs: dict, input_ids, attention_mask,
+                 keep: torch.Tensor, rtol: float) -> dict:
+    """The check again with every decoder layer of both models, and of the stock model in float32, run on the
+    stock model's input to that layer: a rounding step then carries through one layer, not all before it. Each
+    module's bound is at least SPREAD_FACTOR times the float32 stock model's distance from the stock model there.
+    The routers of both stock models take the wrapped model's experts at near ties, as in the whole forward."""
+    eps = torch.finfo(next(stock.parameters()).dtype).eps
+    routes = contextlib.nullcontext({}) if not hasattr(wrapped, "_tic_routes") else capture_routes(wrapped)
+    with routes as calls:
+        got, _, logits = _outputs(wrapped, input_ids, attention_mask, forced=layer_inputs)
+    chosen = {block: ids[0] for block, ids in calls.items()}
+    with RoutingPin(stock, near_tie=eps).pinned(chosen):
+        ref, order, ref_logits = _outputs(stock, input_ids, attention_mask, forced=layer_inputs)
+    wide = copy.deepcopy(stock).float()
+    with RoutingPin(wide, near_tie=eps).pinned(chosen):
+        out, _, wide_logits = _outputs(wide, input_ids, attention_mask,
+                                       forced={k: v.float() for k, v in layer_inputs.items()})
+    del wide
+    ref, out = {**ref, "logits": ref_logits}, {**out, "logits": wide_logits}
+    spread = {}
+    for name, a in ref.items():
+        b = out.get(name)
+        if b is not None and b.shape == a.shape:
+            a, b = _kept(a, b, keep)
+            spread[name] = float((a - b).abs().max()) if a.numel() else 0.0
+    checked, first = _first_parting(stock, order + ["logits"], ref, {**got, "logits": logits}, keep, rtol, spread)
+    if first is not None:
+        first.note = ", each decoder layer on the stock model's input to it"
+    return {"checked": checked, "first": first, "layers": len(layer_inputs), "spread_factor": SPREAD_FACTOR}
+
+
+def _decoder_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The entries of the outermost module lists (model.layers.N, Falcon's transformer.h.N): one number in the
+    name, last."""
+    lists = {name for name, m in model.named_modules() if isinstance(m, nn.ModuleList)}
+    out = {}
+    for name, m in model.named_modules():
+        parent, _, last = name.rpartition(".")
+        if last.isdigit() and parent in lists and not any(p.isdigit() for p in parent.split(".")):
+            out[name] = m
+    return out
+
+
+def _layer_input_hooks(model: nn.Module, record: dict | None, forced: dict | None) -> list:
+    """Forward pre-hooks on the decoder layers: record each one's hidden-states input (first call), or hand it
+    the forced one instead."""
+    def hook(mod, args, kwargs, name):
+        x = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(x, torch.Tensor):
+            return None
+        if record is not None and name not in record:
+            record[name] = x.detach().clone()
+        if forced is None or name not in forced:
+            return None
+        given = forced[name].to(device=x.device, dtype=x.dtype)
+        return ((given, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": given})
+    return [m.register_forward_pre_hook(functools.partial(hook, name=name), with_kwargs=True)
+            for name, m in _decoder_layers(model).items()]
 
 
 @contextlib.contextmanager
