@@ -25,11 +25,11 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_l
 
 # read as covered on both providers
 COVERED = ("ernie4_5", "seed_oss", "cwm", "ministral", "mixtral", "arcee", "nemotron", "hunyuan_v1_dense",
-           "hunyuan_v1_moe", "granitemoe", "nanochat", "olmo")
+           "hunyuan_v1_moe", "granitemoe", "nanochat", "olmo", "persimmon")
 # refused, each for something the wrappers do not compute (named in the problem lines)
 REFUSED = {"phimoe": "router", "diffllama": "lambda_q1",
            "doge": "input_residual", "bitnet": "attn_sub_norm",
-           "persimmon": "q_layernorm", "jetmoe": "layer structure", "llama4_text": "qk_norm",
+           "jetmoe": "layer structure", "llama4_text": "qk_norm",
            "qwen3_next": "a gate or heads the wrappers do not split"}
 
 

@@ -913,28 +913,43 @@ def _handed_qkv(attn: nn.Module, h: torch.Tensor, width: int, device):
     return None
 
 
+def _identity(x, *args, **kwargs):
+    return x
+
+
+def rotary_widths(attn: nn.Module) -> tuple[int, ...]:
+    """The widths a probe's rotary table is tried at: the head's, then the rotary part's, for a forward that slices
+    the head itself (Persimmon's rotary_ndims, from partial_rotary_factor)."""
+    d, config = head_dim_of(attn), getattr(attn, "config", None)
+    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor") \
+        or getattr(config, "partial_rotary_factor", None) or 1.0
+    return tuple(dict.fromkeys((d, int(d * float(factor)))))
+
+
 def fused_qkv_layout(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """For an attention with one fused query_key_value linear: which of its output features each element of q, k
     and v is (three index tensors of heads * head_dim, head-major), read from the attention's own forward
     (_handed_qkv) with its linear's output replaced by each feature's index, one token. On the meta device too
     (C0). None where that forward does not run on the probe."""
-    lin, d = attn.query_key_value, head_dim_of(attn)
+    lin = attn.query_key_value
     dev = torch.device("cpu") if lin.weight.is_meta else lin.weight.device  # the indices must be real numbers
     codes = torch.arange(lin.out_features, dtype=torch.float32, device=dev).reshape(1, 1, -1)
     hook = lin.register_forward_hook(lambda mod, args, out: codes)
     h = torch.zeros(1, 1, lin.in_features, device=lin.weight.device, dtype=lin.weight.dtype)
-    config = getattr(attn, "config", None)
-    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor") \
-        or getattr(config, "partial_rotary_factor", None) or 1.0
+    # q/k norms between the split and the attention (Persimmon's) would mix the codes: they hand them on as they are
+    norms = [getattr(attn, n) for n in qk_norm_names(attn) or () if isinstance(getattr(attn, n, None), nn.Module)]
+    for norm in norms:
+        norm.forward = _identity
     try:
-        # a table as wide as the head, then as wide as the rotary part, for a forward that slices the head itself
-        for width in dict.fromkeys((d, int(d * float(factor)))):  # (Persimmon's rotary_ndims)
+        for width in rotary_widths(attn):
             qkv = _handed_qkv(attn, h, width, dev)
             if qkv is not None:
                 return tuple(t[0, :, 0, :].reshape(-1).to("cpu", torch.long) for t in qkv)
         return None
     finally:
         hook.remove()
+        for norm in norms:
+            del norm.forward
 
 
 def value_reading(attn: nn.Module) -> tuple[int, float] | None:
@@ -1147,10 +1162,12 @@ def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
                                     "use_bidirectional_attention", getattr(cfg, "use_bidirectional_attention", None)))
     if attention_clip(m, cfg) is not None:
         cov.classes["attention:clip_qkv"] = ("clip_qkv", attention_clip(m, cfg))
-    for a in ("q_layernorm", "k_layernorm"):  # StableLM's qk_layernorm: per-head LayerNorms the wrappers lack
-        if getattr(m, a, None) is not None:
-            cov.refusals.append(Refusal(f"{name}.{a}", type(getattr(m, a)).__name__, "per-head LayerNorms of q and "
-                                        "k", "qk_layernorm", True))
+    for a in ("q_layernorm", "k_layernorm"):  # StableLM's qk_layernorm: a LayerNorm of its own for each head
+        if getattr(m, a, None) is not None and not is_norm(getattr(m, a)):
+            cov.refusals.append(Refusal(f"{name}.{a}", type(getattr(m, a)).__name__, "a LayerNorm of its own for "
+                                        "each head of q and k (one norm shared by the heads is covered)",
+                                        "qk_layernorm", True))
+            return
     _read_qk_norms(cov, name, m)
 
 
@@ -1177,7 +1194,8 @@ def _read_mla_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
     cov.readings.setdefault(name, {})["mla_rope"] = layout
 
 
-QK_NORM_NAMES = (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm"))  # (Qwen3 and most), (HunYuan)
+# (Qwen3 and most), (HunYuan), (Persimmon's and StableLM's qk_layernorm)
+QK_NORM_NAMES = (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm"), ("q_layernorm", "k_layernorm"))
 
 
 def qk_norm_names(m) -> tuple[str, str] | None:
@@ -1218,29 +1236,33 @@ def _read_qk_inputs(attn: nn.Module, q_norm: str) -> tuple[bool, int] | None:
 
     AttentionInterface.register(QKV_PROBE, _raise_split)
     probe = seeded_copy(attn)
-    g = torch.Generator().manual_seed(1)
-    p = probe.q_proj.weight  # the rows' dtype: a model may keep other parameters in float32 (sinks, routers)
-    d = head_dim_of(probe)
-    h = torch.randn(1, 2, probe.q_proj.in_features, generator=g).to(p.device, p.dtype)
-    rotaries = [(torch.ones(1, 2, d), torch.zeros(1, 2, d)),
-                (torch.randn(1, 2, d, generator=g), torch.randn(1, 2, d, generator=g))]
-    seen: list[torch.Tensor] = []
-    hook = getattr(probe, q_norm).register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach().clone()))
-    try:
-        for cos, sin in rotaries:
-            with torch.no_grad(), _attention_function(probe, QKV_PROBE):
-                try:
-                    probe(hidden_states=h, position_embeddings=(cos.to(p.device, p.dtype), sin.to(p.device, p.dtype)),
-                          attention_mask=None)
-                except _Split:
-                    pass
-    except Exception:  # noqa: BLE001 - a forward this probe cannot drive
+    first = next((getattr(probe, n) for n in ("q_proj", "query_key_value", "qkv_proj") if hasattr(probe, n)), None)
+    if first is None:
         return None
-    finally:
-        hook.remove()
-    if len(seen) != 2 or seen[0].shape != seen[1].shape:
-        return None
-    return not torch.equal(seen[0], seen[1]), int(seen[0].shape[-1])
+    p = first.weight  # the rows' dtype: a model may keep other parameters in float32 (sinks, routers)
+    for d in rotary_widths(probe):
+        g = torch.Generator().manual_seed(1)
+        h = torch.randn(1, 2, first.in_features, generator=g).to(p.device, p.dtype)
+        rotaries = [(torch.ones(1, 2, d), torch.zeros(1, 2, d)),
+                    (torch.randn(1, 2, d, generator=g), torch.randn(1, 2, d, generator=g))]
+        seen: list[torch.Tensor] = []
+        hook = getattr(probe, q_norm).register_forward_pre_hook(
+            lambda mod, args: seen.append(args[0].detach().clone()))
+        try:
+            for cos, sin in rotaries:
+                with torch.no_grad(), _attention_function(probe, QKV_PROBE):
+                    try:
+                        probe(hidden_states=h, position_embeddings=(cos.to(p.device, p.dtype),
+                                                                    sin.to(p.device, p.dtype)), attention_mask=None)
+                    except _Split:
+                        pass
+        except Exception:  # noqa: BLE001 - a forward this probe cannot drive (at this rotary width)
+            continue
+        finally:
+            hook.remove()
+        if len(seen) == 2 and seen[0].shape == seen[1].shape:
+            return not torch.equal(seen[0], seen[1]), int(seen[0].shape[-1])
+    return None
 
 
 def _read_qk_norms(cov: LayerCoverage, name: str, m) -> None:
@@ -1251,11 +1273,10 @@ def _read_qk_norms(cov: LayerCoverage, name: str, m) -> None:
     names = qk_norm_names(m)
     if names is None:
         return
-    if not hasattr(m, "q_proj"):
-        cov.refusals.append(Refusal(name, type(m).__name__, "q/k norms beside a fused qkv projection"))
-        return
     cov.readings.setdefault(name, {})["qk_norms"] = names
-    norms = [(n, getattr(m, n, None), proj) for n, proj in zip(names, (m.q_proj, m.k_proj))]
+    # a fused qkv projection (Persimmon's query_key_value) splits before the heads are normed: per head only
+    projs = (m.q_proj, m.k_proj) if hasattr(m, "q_proj") else (None, None)
+    norms = [(n, getattr(m, n, None), proj) for n, proj in zip(names, projs)]
     norms = [(n, norm, proj) for n, norm, proj in norms if norm is not None]
     kinds = set()
     for norm_name, norm, proj in norms:
@@ -1263,13 +1284,14 @@ def _read_qk_norms(cov: LayerCoverage, name: str, m) -> None:
             (qk_norm_width(m, norm_name) or 0) if is_weightless_norm(norm) else 0
         if features == m.head_dim:
             kinds.add("attention:qk_norm")
-        elif features == proj.out_features:
+        elif proj is not None and features == proj.out_features:
             kinds.add("attention:qk_norm_projection")
         else:
+            whole = f"the whole projection ({proj.out_features})" if proj is not None else \
+                "not the whole of a fused qkv projection"
             cov.refusals.append(Refusal(f"{name}.{norm_name}", type(norm).__name__,
                                         f"a norm over {features} features; the wrappers normalise each head "
-                                        f"({m.head_dim}) or the whole projection ({proj.out_features})",
-                                        "head_dim", m.head_dim))
+                                        f"({m.head_dim}), {whole}", "head_dim", m.head_dim))
             continue
         _read_norm(cov, f"{name}.{norm_name}", norm)
     if len(kinds) > 1:
