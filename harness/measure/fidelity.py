@@ -226,13 +226,16 @@ def _decoder_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _layer_input_hooks(model: nn.Module, record: dict | None, forced: dict | None) -> list:
-    """Forward pre-hooks on the decoder layers: record each one's hidden-states input (first call), or hand it
-    the forced one instead."""
+    """Forward pre-hooks on the decoder layers: record each one's hidden-states input, or hand it the forced one
+    instead; the first call of each layer only (a layer a model runs twice takes its own input the second time)."""
+    called: set[str] = set()
+
     def hook(mod, args, kwargs, name):
         x = args[0] if args else kwargs.get("hidden_states")
-        if not isinstance(x, torch.Tensor):
+        if not isinstance(x, torch.Tensor) or name in called:
             return None
-        if record is not None and name not in record:
+        called.add(name)
+        if record is not None:
             record[name] = x.detach().clone()
         if forced is None or name not in forced:
             return None
