@@ -109,7 +109,9 @@ GATE = Gate(
                    "and dtypes equal the source layers'; each kept layer gives bitwise identical outputs to its "
                    "source layer on the same hidden states; with train.kernels consistent or vllm, the wrapped "
                    "model's forward equals the stock HF model's within rtol (float32 1e-4, bf16 5e-2) of each "
-                   "module's output scale, at every decoder module and the logits, and again with the model's "
+                   "module's output scale, at every decoder module and the logits (in bf16/fp16, where the whole "
+                   "forward parts: each decoder layer on the stock model's input to it, the bound at least twice "
+                   "the float32 stock model's distance there), and again with the model's "
                    "constant weights (norms at one, biases at zero) made uneven",
     inputs=["model.path (the full model)", "cut: out/layers/max_layers (optional; else cut into artifacts/C2/cut)"],
     artifacts=["artifacts/C2/check.json", "artifacts/C2/cut/ (when tic.yaml has no cut.out)"],
