@@ -363,3 +363,24 @@ def test_flint_with_its_sigmoid_router_climbs(tmp_path, monkeypatch, one_thread)
     model = build_meta(cfg.to_dict())
     assert any(coverage.is_moe_block(m) for m in model.modules())
     assert_climbs(small_ladder_ctx(tmp_path, monkeypatch, cfg, "float32"))
+
+
+def test_a_grouped_router_keeping_as_many_groups_as_its_top_k_is_read_as_the_plain_rule_it_equals():
+    """DeepSeek-V2's group_limited_greedy with topk_group >= top-k: groups scored by their best expert keep every
+    top-k expert's group, so the grouped and plain rules choose alike on every input, and no probe tells them
+    apart. It is read as the plain rule (before: no rule, and C0 refused the router)."""
+    if "deepseek_v2" not in CONFIG_MAPPING:
+        pytest.skip("no deepseek_v2 in this transformers")
+    config = CONFIG_MAPPING["deepseek_v2"](
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, topk_method="group_limited_greedy", n_group=4, topk_group=2)
+    model = build_meta(config.to_dict())
+    router = coverage.moe_router(model.model.layers[1].mlp)
+    assert coverage.router_routing(router, config) == Routing("softmax", renormalize=False)
+    assert coverage_problems_of(model, "consistent") == []
+    logits = torch.randn(500, 8, generator=torch.Generator().manual_seed(0))
+    grouped = Routing("softmax", renormalize=False, groups=4, topk_groups=2)
+    s = routing.scores(logits, grouped)
+    assert torch.equal(routing.select(s, 2, grouped), routing.select(s, 2, Routing("softmax", renormalize=False)))

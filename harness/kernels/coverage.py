@@ -387,9 +387,12 @@ def _routing_candidates(router: nn.Module, cfg, biased: bool) -> list[Routing]:
         groups.append((int(g), int(k)))
     scales = {1.0} | {float(v) for v in (_number(router, SCALE_FIELDS), _number(cfg, SCALE_FIELDS))
                       if v is not None and v > 0}
+    # groups scored by their best expert, as many kept as the top-k or more, keep every top-k expert's group: the
+    # same choice as no grouping on every input (DeepSeek-V2 at topk_group >= top-k), read as that
     return [Routing(score, renormalize, bias, gr, kg, scale, on_logits)
             for score in SCORES for renormalize in (True, False) for bias in ({False, biased})
-            for gr, kg in groups for scale in sorted(scales) for on_logits in ({False, bias})]
+            for gr, kg in groups for scale in sorted(scales) for on_logits in ({False, bias})
+            if gr == 1 or bias or kg < router.top_k]
 
 
 def _tied_at(values: torch.Tensor, k: int) -> bool:
