@@ -668,7 +668,8 @@ def test_qwen2_moe_shared_expert_is_read_and_a_wrapper_dropping_its_gate_fails_c
 def test_stablelm_layernorm_plant_fails_c2_and_its_unsupported_variants_are_refused(example, workdir):
     """A wrapper that runs an RMSNorm where the model has a LayerNorm agrees with itself bitwise; C2 refuses it at
     that norm. StableLM's parallel residual (one norm per layer) reads as a parallel layer summed residual first
-    (transformers' residual + attention + MLP); its per-head q/k LayerNorms are refused at C0, naming them."""
+    (transformers' residual + attention + MLP); its per-head q/k LayerNorms (one LayerNorm for each head) are
+    covered by the consistent kernels and refused for kernels: vllm, naming the class."""
     ctx = small_ctx(example, "tiny-stablelm")
     norm = ctx.train_engine().model.model.layers[0].input_layernorm
     norm.forward = lambda x, residual=None: norm._tic_ops.rms_norm(x, norm.weight, norm.eps)
@@ -678,8 +679,36 @@ def test_stablelm_layernorm_plant_fails_c2_and_its_unsupported_variants_are_refu
     hf._MODELS.clear()
     parallel = read_coverage(meta_of("tiny-stablelm", use_parallel_residual=True))[0]
     assert "decoder:parallel_residual_first" in parallel.classes and not parallel.refusals  # one norm
-    qk = coverage_table(meta_of("tiny-stablelm", qk_layernorm=True))[0]["refused"]
-    assert any("q_layernorm" in r and "qk_layernorm=True" in r for r in qk), qk
+    meta = meta_of("tiny-stablelm", qk_layernorm=True)
+    assert coverage_problems(meta, "consistent") == []
+    assert any("attention:qk_norm_each_head is not implemented by kernels: vllm" in p
+               for p in coverage_problems(meta, "vllm"))
+
+
+def test_stablelms_layernorm_for_each_head_climbs_and_a_shared_one_parts(tmp_path, monkeypatch, one_thread):
+    """StableLM's qk_layernorm: a LayerNorm of its own for each q and k head (read from its forward), run head by
+    head on the wrappers' rows; the model climbs C0-C7. Planted: every head through head 0's norm agrees with
+    itself bitwise, and C2 names the attention once the norms' generated ones are made uneven."""
+    from transformers import CONFIG_MAPPING
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+    from tic_small_ladder import assert_climbs, small_ladder_ctx
+
+    config = CONFIG_MAPPING["stablelm"](vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, qk_layernorm=True,
+                                        max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    ctx = small_ladder_ctx(tmp_path, monkeypatch, config, "float32")
+    assert_climbs(ctx)
+    attn = ctx.train_engine().model.model.layers[1].self_attn
+    norms = next(iter(attn.q_layernorm.children()))
+    attn.q_layernorm.forward = lambda x: torch.stack([norms[0](x[..., h, :].contiguous())
+                                                      for h in range(x.shape[-2])], dim=-2)
+    try:
+        res = run_gate(get("C2"), ctx)
+        assert res.verdict == "fail", res.reason
+        assert res.details["fidelity"]["first_parting_module"].startswith("model.layers.1.self_attn"), res.reason
+    finally:
+        hf._MODELS.clear()
 
 
 def test_an_ungated_mlp_with_the_wrong_activation_fails_c2_and_gelu_new_is_refused(example, workdir):

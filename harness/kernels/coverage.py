@@ -85,6 +85,9 @@ REGISTRY: dict[str, OperatorClass] = {c.name: c for c in [
     OperatorClass("attention:qk_norm", "RMSNorm of each q and k head (Qwen3, Gemma-3)"),
     OperatorClass("attention:qk_norm_after_rotary", "the per-head q/k RMSNorms applied to the rotated heads "
                                                    "(HunYuan), read from the attention's forward"),
+    OperatorClass("attention:qk_norm_each_head", "a norm of its own for each q and each k head (StableLM's "
+                                                 "qk_layernorm: a LayerNorm per head), read from its forward",
+                  frozenset({"consistent"})),
     OperatorClass("attention:qk_norm_projection", "RMSNorm of the whole q and k projections before the heads "
                                                   "split (OLMoE, OLMo-2)"),
     OperatorClass("attention:clip_qkv", "q, k and v clamped to +-clip_qkv after the q/k norms (OLMoE clip_qkv; "
@@ -1165,10 +1168,11 @@ def _read_attention(cov: LayerCoverage, name: str, m, cfg) -> None:
                                     "use_bidirectional_attention", getattr(cfg, "use_bidirectional_attention", None)))
     if attention_clip(m, cfg) is not None:
         cov.classes["attention:clip_qkv"] = ("clip_qkv", attention_clip(m, cfg))
-    for a in ("q_layernorm", "k_layernorm"):  # StableLM's qk_layernorm: a LayerNorm of its own for each head
-        if getattr(m, a, None) is not None and not is_norm(getattr(m, a)):
-            cov.refusals.append(Refusal(f"{name}.{a}", type(getattr(m, a)).__name__, "a LayerNorm of its own for "
-                                        "each head of q and k (one norm shared by the heads is covered)",
+    for a in ("q_layernorm", "k_layernorm"):  # one norm shared by the heads (Persimmon), or one per head (StableLM)
+        held = getattr(m, a, None)
+        if held is not None and not is_norm(held) and each_head_norms(held) is None:
+            cov.refusals.append(Refusal(f"{name}.{a}", type(held).__name__, "q/k norms neither one norm nor one norm "
+                                        "per head (a list of them, each on its head), read from the forward",
                                         "qk_layernorm", True))
             return
     _read_qk_norms(cov, name, m)
@@ -1268,6 +1272,28 @@ def _read_qk_inputs(attn: nn.Module, q_norm: str) -> tuple[bool, int] | None:
     return None
 
 
+def each_head_norms(m: nn.Module) -> nn.ModuleList | None:
+    """The norms of a module that holds nothing but one norm per head, each over the head's features, and whose
+    forward on heads [batch, heads, tokens, head size] (HF's layout there) gives each head its own norm's output
+    (StableLM's StableLmLayerNormPerHead), read on a seeded copy; None for anything else."""
+    lists = [c for c in m.children() if isinstance(c, nn.ModuleList)]
+    if len(lists) != 1 or any(True for _ in m.parameters(recurse=False)) or len(list(m.children())) != 1:
+        return None
+    norms = lists[0]
+    widths = {int(n.weight.shape[-1]) for n in norms if is_norm(n) and getattr(n, "weight", None) is not None}
+    if not norms or len(widths) != 1 or not all(is_norm(n) for n in norms):
+        return None
+    probe = seeded_copy(m).float()
+    x = torch.randn(2, len(norms), 3, widths.pop(), generator=torch.Generator().manual_seed(3))
+    try:
+        with torch.no_grad():
+            got = probe(x)
+            want = torch.stack([n(x[:, h]) for h, n in enumerate(next(iter(probe.children())))], dim=1)
+    except Exception:  # noqa: BLE001 - a forward this probe cannot drive
+        return None
+    return norms if isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want) else None
+
+
 def _read_qk_norms(cov: LayerCoverage, name: str, m) -> None:
     """q/k norms (q_norm/k_norm, or HunYuan's query_layernorm/key_layernorm): per head (each norm over head_dim
     features) or over the whole projection (each over its projection's width, heads * head_dim), before the rotary;
@@ -1283,6 +1309,13 @@ def _read_qk_norms(cov: LayerCoverage, name: str, m) -> None:
     norms = [(n, norm, proj) for n, norm, proj in norms if norm is not None]
     kinds = set()
     for norm_name, norm, proj in norms:
+        per_head = each_head_norms(norm)
+        if per_head is not None:  # StableLM: a norm of its own for each head, each over head_dim features
+            kinds.add("attention:qk_norm_each_head")
+            cov.variants[f"{name}.{norm_name}"] = "norm:each_head"
+            for h, one in enumerate(per_head):
+                _read_norm(cov, f"{name}.{norm_name}.norms.{h}", one)
+            continue
         features = int(norm.weight.shape[-1]) if getattr(norm, "weight", None) is not None else \
             (qk_norm_width(m, norm_name) or 0) if is_weightless_norm(norm) else 0
         if features == m.head_dim:
@@ -1309,7 +1342,7 @@ def _read_qk_norms(cov: LayerCoverage, name: str, m) -> None:
         cov.refusals.append(Refusal(name, type(m).__name__, "q/k norms whose place beside the rotary (before or "
                                     "after it) the probe could not read from the attention's forward"))
     elif after:
-        if kinds != {"attention:qk_norm"}:
+        if "attention:qk_norm_projection" in kinds:
             cov.refusals.append(Refusal(name, type(m).__name__, "q/k norms over the whole projection after the "
                                         "rotary"))
         cov.classes["attention:qk_norm_after_rotary"] = (None, None)

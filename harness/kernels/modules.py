@@ -183,6 +183,13 @@ def _layernorm_forward(self, x, residual=None):
     return norm(x, w, b, eps)
 
 
+def _each_head_norm_forward(self, x):
+    """A norm of its own for each head (coverage.each_head_norms), on the wrappers' [..., heads, head size] rows:
+    head h through the module's h-th norm (itself wrapped)."""
+    norms = next(iter(self.children()))
+    return torch.stack([norm(x[..., h, :].contiguous()) for h, norm in enumerate(norms)], dim=-2)
+
+
 def _lm_head_softcap_forward(self, x):
     """lm_head then the final logit softcap (the model's own forward no longer applies it: apply moved it
     here), as vLLM's logits processor runs it on the model-dtype logits."""
@@ -671,6 +678,8 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
                                      m)
     elif isinstance(m, nn.Linear):
         m.forward = types.MethodType(_linear_forward, m)
+    elif variant == "norm:each_head":  # StableLM: the attention hands it [.., heads, head size] rows
+        m.forward = types.MethodType(_each_head_norm_forward, m)
     elif is_layernorm(m) or variant in ("norm:layer", "norm:layer_float32", "norm:layer_1p"):
         m._tic_eps = reading.get("eps")
         m._tic_layer_norm_op = "layer_norm_float32" if variant == "norm:layer_float32" else "layer_norm"
