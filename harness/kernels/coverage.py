@@ -1323,11 +1323,11 @@ def _read_qk_norms(cov: LayerCoverage, name: str, m) -> None:
         elif proj is not None and features == proj.out_features:
             kinds.add("attention:qk_norm_projection")
         else:
-            whole = f"the whole projection ({proj.out_features})" if proj is not None else \
-                "not the whole of a fused qkv projection"
+            whole = f" or the whole projection ({proj.out_features})" if proj is not None else \
+                " (after a fused qkv projection, nothing wider)"
             cov.refusals.append(Refusal(f"{name}.{norm_name}", type(norm).__name__,
                                         f"a norm over {features} features; the wrappers normalise each head "
-                                        f"({m.head_dim}), {whole}", "head_dim", m.head_dim))
+                                        f"({m.head_dim}){whole}", "head_dim", m.head_dim))
             continue
         _read_norm(cov, f"{name}.{norm_name}", norm)
     if len(kinds) > 1:
