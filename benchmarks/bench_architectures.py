@@ -53,16 +53,13 @@ def config_for(model_type: str, dtype: str) -> dict:
     return cfg
 
 
-def run(model_type: str, gates: list[str], dtype: str) -> dict:
-    try:
-        cfg = config_for(model_type, dtype)
-    except Exception as e:  # noqa: BLE001 - a type whose config class refuses these sizes is a row, not a stop
-        reason = f"transformers' config: {type(e).__name__}: {e}".replace("\n", " ")
-        return {"exit": "-", "results": {}, "reason": reason}
-    with tempfile.TemporaryDirectory(prefix=f"tic-arch-{model_type}-") as d:
-        (Path(d) / "config.json").write_text(json.dumps(cfg))
-        (Path(d) / "tic.yaml").write_text(TIC_YAML.replace("DTYPE", dtype))
-        # each type's generated weights go in its own folder, not the user's model cache (hundreds of types)
+def ladder_row(config: dict, tic_yaml: str, gates: list[str], prefix: str) -> dict:
+    """The ladder from gates[0] to gates[-1] (--keep-going) on a model generated from `config` under `tic_yaml`,
+    in a fresh process and temporary folder (its generated weights there too, not in the user's model cache):
+    exit code, each gate's result, and the first gate's reason that neither passes nor waits."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        (Path(d) / "config.json").write_text(json.dumps(config))
+        (Path(d) / "tic.yaml").write_text(tic_yaml)
         p = subprocess.run([sys.executable, "-m", "tic.skill.cli", "ladder", "-c", "tic.yaml", "--from", gates[0],
                             "--to", gates[-1], "--keep-going", "--json"], cwd=d, capture_output=True, text=True,
                            env={**os.environ, "NO_COLOR": "1", "TIC_CACHE": str(Path(d) / "cache")},
@@ -72,8 +69,22 @@ def run(model_type: str, gates: list[str], dtype: str) -> dict:
     except (json.JSONDecodeError, KeyError):
         line = (p.stderr.strip().splitlines() or ["no output"])[-1]
         return {"exit": p.returncode, "results": {}, "reason": line}
-    bad = next((results[g] for g in gates if g in results and results[g]["verdict"] != "pass"), None)
+    bad = next((results[g] for g in gates if g in results and results[g]["verdict"] not in ("pass", "waiting")),
+               None)
     return {"exit": p.returncode, "results": results, "reason": bad["reason"] if bad else ""}
+
+
+def row_cells(row: dict, gates: list[str]) -> str:
+    return " ".join(f"{row['results'].get(g, {}).get('verdict', '-')[:5]:>5}" for g in gates)
+
+
+def run(model_type: str, gates: list[str], dtype: str) -> dict:
+    try:
+        cfg = config_for(model_type, dtype)
+    except Exception as e:  # noqa: BLE001 - a type whose config class refuses these sizes is a row, not a stop
+        reason = f"transformers' config: {type(e).__name__}: {e}".replace("\n", " ")
+        return {"exit": "-", "results": {}, "reason": reason}
+    return ladder_row(cfg, TIC_YAML.replace("DTYPE", dtype), gates, f"tic-arch-{model_type}-")
 
 
 def main() -> None:
@@ -93,8 +104,7 @@ def main() -> None:
     print(f"{'model_type':<24} {'exit':>4} " + " ".join(f"{g:>5}" for g in gates) + "  first reason")
     for mt in args.model_types:
         r = run(mt, gates, args.dtype)
-        cells = " ".join(f"{r['results'].get(g, {}).get('verdict', '-')[:5]:>5}" for g in gates)
-        print(f"{mt:<24} {r['exit']:>4} {cells}  {r['reason'][:args.width]}", flush=True)
+        print(f"{mt:<24} {r['exit']:>4} {row_cells(r, gates)}  {r['reason'][:args.width]}", flush=True)
 
 
 if __name__ == "__main__":

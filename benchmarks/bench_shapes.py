@@ -6,18 +6,15 @@ Each case (CASES: a transformers model type and the sizes that make it unlike th
 sizes 16 and 80, an odd vocabulary, a sliding window shorter than the prompts, a fused qkv, a latent attention
 with a grouped router) gets a config.json from transformers' config class, weights generated from seed 0, and
 the ladder from C0 with `kernels: consistent` on prompts of 30 to 140 tokens (16 sampled), in a fresh process and
-folder. Prints one row per case: each gate's verdict, then the first non-passing gate's reason.
+folder (qwen3-long-prompts: 700 to 1,400). Prints one row per case: each gate's verdict, then the first
+non-passing gate's reason.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
+
+from bench_architectures import ladder_row, row_cells  # a sibling script: run from the repository root
 
 SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2)
@@ -39,11 +36,14 @@ CASES = {
     "deepseek-v2-greedy": ("deepseek_v2", dict(MLA, q_lora_rank=None)),
     "deepseek-v2-groups": ("deepseek_v2", dict(MLA, q_lora_rank=48, topk_method="group_limited_greedy", n_group=4,
                                                topk_group=2, routed_scaling_factor=2.0)),
+    "qwen3-long-prompts": ("qwen3", dict(SMALL, head_dim=16)),
 }
+PROMPTS = "{source: random, count: 5, seed: 3, min_len: 30, max_len: 140}"
+PROMPTS_OF = {"qwen3-long-prompts": "{source: random, count: 3, seed: 3, min_len: 700, max_len: 1400}"}
 TIC_YAML = """model: {path: ., dtype: DTYPE, generate: {seed: 0}}
 rollout: {engine: hf, kernels: consistent, batch_size: 4}
 train: {engine: hf, kernels: consistent, micro_batch_size: 3, padding_side: right}
-prompts: {source: random, count: 5, seed: 3, min_len: 30, max_len: 140}
+prompts: PROMPTS
 sampling: {temperature: 1.0, max_tokens: 16, seed: 1}
 layouts: {batch_sizes: [2, 5], positions: [first, last], probes: 2}
 locate: {enabled: false}
@@ -55,7 +55,7 @@ def config_for(case: str, dtype: str) -> dict:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type, sizes = CASES[case]
-    cfg = AutoConfig.for_model(model_type, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+    cfg = AutoConfig.for_model(model_type, max_position_embeddings=2048, pad_token_id=0, bos_token_id=1,
                                eos_token_id=2, **sizes).to_dict()
     cfg["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
     cfg["dtype"] = dtype
@@ -63,19 +63,8 @@ def config_for(case: str, dtype: str) -> dict:
 
 
 def run(case: str, gates: list[str], dtype: str) -> dict:
-    with tempfile.TemporaryDirectory(prefix=f"tic-shape-{case}-") as d:
-        (Path(d) / "config.json").write_text(json.dumps(config_for(case, dtype)))
-        (Path(d) / "tic.yaml").write_text(TIC_YAML.replace("DTYPE", dtype))
-        p = subprocess.run([sys.executable, "-m", "tic.skill.cli", "ladder", "-c", "tic.yaml", "--from", gates[0],
-                            "--to", gates[-1], "--keep-going", "--json"], cwd=d, capture_output=True, text=True,
-                           env={**os.environ, "NO_COLOR": "1", "TIC_CACHE": str(Path(d) / "cache")}, timeout=1800)
-    try:
-        results = {r["gate"]: r for r in json.loads(p.stdout)["results"]}
-    except (json.JSONDecodeError, KeyError):
-        return {"exit": p.returncode, "results": {}, "reason": (p.stderr.strip().splitlines() or ["no output"])[-1]}
-    bad = next((results[g] for g in gates if g in results and results[g]["verdict"] not in ("pass", "waiting")),
-               None)
-    return {"exit": p.returncode, "results": results, "reason": bad["reason"] if bad else ""}
+    tic_yaml = TIC_YAML.replace("DTYPE", dtype).replace("PROMPTS", PROMPTS_OF.get(case, PROMPTS))
+    return ladder_row(config_for(case, dtype), tic_yaml, gates, f"tic-shape-{case}-")
 
 
 def main() -> None:
@@ -92,8 +81,8 @@ def main() -> None:
     print(f"{'case':<22} {'dtype':<9} {'exit':>4} " + " ".join(f"{g:>5}" for g in gates) + "  first reason")
     for case in args.cases:
         r = run(case, gates, args.dtype)
-        cells = " ".join(f"{r['results'].get(g, {}).get('verdict', '-')[:5]:>5}" for g in gates)
-        print(f"{case:<22} {args.dtype:<9} {r['exit']:>4} {cells}  {r['reason'][:args.width]}", flush=True)
+        print(f"{case:<22} {args.dtype:<9} {r['exit']:>4} {row_cells(r, gates)}  {r['reason'][:args.width]}",
+              flush=True)
 
 
 if __name__ == "__main__":
