@@ -1295,10 +1295,10 @@ def each_head_norms(m: nn.Module) -> nn.ModuleList | None:
 
 
 def _read_qk_norms(cov: LayerCoverage, name: str, m) -> None:
-    """q/k norms (q_norm/k_norm, or HunYuan's query_layernorm/key_layernorm): per head (each norm over head_dim
-    features) or over the whole projection (each over its projection's width, heads * head_dim), before the rotary;
-    per head after it too, read from the forward (qk_norm_after_rotary). Anything else, or one of each kind, is
-    refused."""
+    """q/k norms (q_norm/k_norm, HunYuan's query_layernorm/key_layernorm, Persimmon's and StableLM's
+    q_layernorm/k_layernorm): per head (one norm over head_dim features, or StableLM's one norm for each head) or
+    over the whole projection (each over its projection's width, heads * head_dim), before the rotary; per head
+    after it too, read from the forward (qk_norm_after_rotary). Anything else, or one of each kind, is refused."""
     names = qk_norm_names(m)
     if names is None:
         return
@@ -1310,13 +1310,14 @@ def _read_qk_norms(cov: LayerCoverage, name: str, m) -> None:
     kinds = set()
     for norm_name, norm, proj in norms:
         per_head = each_head_norms(norm)
-        if per_head is not None:  # StableLM: a norm of its own for each head, each over head_dim features
+        if per_head is not None and int(per_head[0].weight.shape[-1]) == m.head_dim:  # StableLM's, per head
             kinds.add("attention:qk_norm_each_head")
             cov.variants[f"{name}.{norm_name}"] = "norm:each_head"
             for h, one in enumerate(per_head):
                 _read_norm(cov, f"{name}.{norm_name}.norms.{h}", one)
             continue
-        features = int(norm.weight.shape[-1]) if getattr(norm, "weight", None) is not None else \
+        features = int(per_head[0].weight.shape[-1]) if per_head is not None else \
+            int(norm.weight.shape[-1]) if getattr(norm, "weight", None) is not None else \
             (qk_norm_width(m, norm_name) or 0) if is_weightless_norm(norm) else 0
         if features == m.head_dim:
             kinds.add("attention:qk_norm")
