@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tic.harness.kernels.coverage import layer_lists
 from tic.harness.kernels.modules import capture_routes
 from tic.harness.kernels.norms import is_norm
 from tic.harness.measure.gradcheck import RoutingPin
@@ -213,18 +214,6 @@ def _layer_local(stock: nn.Module, wrapped: nn.Module, layer_inputs: dict, input
     return {"checked": checked, "first": first, "layers": len(layer_inputs), "spread_factor": SPREAD_FACTOR}
 
 
-def _decoder_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """The entries of the outermost module lists (model.layers.N, Falcon's transformer.h.N): one number in the
-    name, last."""
-    lists = {name for name, m in model.named_modules() if isinstance(m, nn.ModuleList)}
-    out = {}
-    for name, m in model.named_modules():
-        parent, _, last = name.rpartition(".")
-        if last.isdigit() and parent in lists and not any(p.isdigit() for p in parent.split(".")):
-            out[name] = m
-    return out
-
-
 def _layer_input_hooks(model: nn.Module, record: dict | None, forced: dict | None) -> list:
     """Forward pre-hooks on the decoder layers: record each one's hidden-states input, or hand it the forced one
     instead; the first call of each layer only (a layer a model runs twice takes its own input the second time)."""
@@ -241,8 +230,9 @@ def _layer_input_hooks(model: nn.Module, record: dict | None, forced: dict | Non
             return None
         given = forced[name].to(device=x.device, dtype=x.dtype)
         return ((given, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": given})
+    layers = {f"{name}.{i}": layer for name, layers in layer_lists(model) for i, layer in enumerate(layers)}
     return [m.register_forward_pre_hook(functools.partial(hook, name=name), with_kwargs=True)
-            for name, m in _decoder_layers(model).items()]
+            for name, m in layers.items()]
 
 
 @contextlib.contextmanager
