@@ -944,6 +944,7 @@ def fused_qkv_layout(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch
     h = torch.zeros(1, 1, lin.in_features, device=lin.weight.device, dtype=lin.weight.dtype)
     # q/k norms between the split and the attention (Persimmon's) would mix the codes: they hand them on as they are
     norms = [getattr(attn, n) for n in qk_norm_names(attn) or () if isinstance(getattr(attn, n, None), nn.Module)]
+    own = [norm.__dict__.get("forward") for norm in norms]  # a forward already set on the module (a wrapper's)
     for norm in norms:
         norm.forward = _identity
     try:
@@ -954,8 +955,11 @@ def fused_qkv_layout(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch
         return None
     finally:
         hook.remove()
-        for norm in norms:
-            del norm.forward
+        for norm, forward in zip(norms, own):
+            if forward is None:
+                del norm.forward
+            else:
+                norm.forward = forward
 
 
 def value_reading(attn: nn.Module) -> tuple[int, float] | None:
