@@ -170,17 +170,12 @@ def sharp_bf16_ctx(tmp_path_factory):
     float32 one, so even plain bf16 autograd gives gradients below C7's low-precision defaults."""
     import sys
 
-    from transformers import CONFIG_MAPPING
-
     sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
-    from tic_small_ladder import small_ladder_ctx
+    from tic_small_ladder import small_ladder_ctx, wide_llama_config
 
-    config = CONFIG_MAPPING["llama"](vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
-                                     tie_word_embeddings=False)
     with pytest.MonkeyPatch.context() as mp:
         hf._MODELS.clear()
-        yield small_ladder_ctx(tmp_path_factory.mktemp("sharp"), mp, config, "bfloat16")
+        yield small_ladder_ctx(tmp_path_factory.mktemp("sharp"), mp, wide_llama_config(0.3, 2), "bfloat16")
     hf._MODELS.clear()
 
 

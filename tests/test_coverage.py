@@ -457,15 +457,10 @@ def test_fidelity_fails_a_wrapper_computing_another_olmo(example, workdir, name,
 def _sharp_bf16_llama_ctx(tmp_path, monkeypatch):
     """A bf16 Llama drawn wide (init 0.5, 4 layers, no q/k norm): its attention is sharp enough that a rounding step
     in one layer moves the next layers' outputs by more than C2's 5 % bf16 bound, the stock model's own included."""
-    from transformers import CONFIG_MAPPING
-
     sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
-    from tic_small_ladder import small_ladder_ctx
+    from tic_small_ladder import small_ladder_ctx, wide_llama_config
 
-    config = CONFIG_MAPPING["llama"](vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                     num_attention_heads=4, num_key_value_heads=2, initializer_range=0.5,
-                                     tie_word_embeddings=False)
-    return small_ladder_ctx(tmp_path, monkeypatch, config, "bfloat16")
+    return small_ladder_ctx(tmp_path, monkeypatch, wide_llama_config(0.5, 4), "bfloat16")
 
 
 def _plant_plus_one_norm(model):

@@ -74,3 +74,14 @@ def assert_climbs(ctx, gates: str = "C0 C2 C3 C4 C5 C6 C7"):
         return res
     finally:
         hf._MODELS.clear()
+
+
+def wide_llama_config(initializer_range: float, layers: int):
+    """A small Llama (no q/k norm) whose weights are drawn wide: its attention is sharp, and in bf16 one rounding
+    step carries far, the stock model's own forward and gradients included (C2's layer-by-layer re-check and C7's
+    stock yardstick are in use on it)."""
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING["llama"](vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, initializer_range=initializer_range,
+                                   tie_word_embeddings=False)
