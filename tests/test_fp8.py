@@ -357,6 +357,42 @@ def test_checkpoint_weights_for_an_fp8_rollout_are_codes_and_scales_as_the_check
     assert not torch.equal(s, stored[name][1])
 
 
+def test_checkpoint_scales_keep_their_block_grid_where_a_split_drops_size_one_dimensions(example, workdir,
+                                                                                          monkeypatch):
+    """Blocks of 32 on the tiny MoE give expert grids one block wide ([2, 1], [1, 2]). transformers 5.17's
+    per-expert split squeezed every size-1 dimension of what it split (the plant below does the same): the scales
+    sent to vLLM were then 1-D and its MoE loader failed (C8 on the GPU). They keep the checkpoint's grid."""
+    import transformers.core_model_loading as tcl
+
+    from tic.harness.measure.rl import PolicyGradientTrainer
+    from tic.harness.model.quantize import read_block_fp8
+
+    split = tcl.SplitModulelist.convert
+    monkeypatch.setattr(tcl.SplitModulelist, "convert",
+                        lambda self, *a, **kw: {k: v.squeeze() for k, v in split(self, *a, **kw).items()})
+    hf._MODELS.clear()
+    path = _fp8_example(example)
+    path.write_text(path.read_text().replace("weight_block_size: [16, 16]", "weight_block_size: [32, 32]"))
+    ctx = GateContext(load_config(path))
+    sent = PolicyGradientTrainer(ctx.private_engine("train", "t"), 1e-3).checkpoint_weights()
+    stored = read_block_fp8(ctx.model.dir)
+    grids = {tuple(s.shape) for _, s in stored.values()}
+    assert {(2, 1), (1, 2)} <= grids, grids
+    for name, (_, s) in stored.items():
+        got = sent[name[: -len(".weight")] + ".weight_scale_inv"]
+        assert got.shape == s.shape and torch.equal(got, s), name
+    hf._MODELS.clear()
+
+
+def test_block_grid_refuses_scales_that_are_not_their_codes_grid():
+    from tic.harness.measure.rl import block_grid
+
+    s = torch.arange(6.0)
+    assert block_grid("w", s.reshape(1, 6, 1), (64, 192), (64, 32)).shape == (1, 6)
+    with pytest.raises(RuntimeError, match="block grid"):
+        block_grid("w", s.reshape(2, 3), (64, 192), (64, 32))
+
+
 def test_fp8_round_trip_rounds_to_e4m3_saturating_with_a_straight_through_gradient():
     from tic.harness.measure.fp8_reference import fp8_round_trip
 

@@ -124,7 +124,8 @@ class PolicyGradientTrainer:
         out = revert_weight_conversion(self.model, {k: v for k, v in self.weights().items() if k not in copies})
         out.update(revert_weight_conversion(self.model, {k: codes for k, (codes, _) in copies.items()}))
         scales = revert_weight_conversion(self.model, {k: s for k, (_, s) in copies.items()})
-        out.update({k[: -len(".weight")] + SCALE_SUFFIX: s for k, s in scales.items()})
+        out.update({k[: -len(".weight")] + SCALE_SUFFIX: block_grid(k, s, out[k].shape, quant.block)
+                    for k, s in scales.items()})
         return out
 
     def weights_for(self, engine: Engine) -> dict[str, torch.Tensor]:
@@ -162,6 +163,20 @@ class PolicyGradientTrainer:
         meta = json.loads((directory / "trainer.json").read_text()) if (directory / "trainer.json").is_file() else {}
         self.version = int(meta.get("version", 0))
         return {"version": self.version, "optimizer_state": has_opt, "missing_weights": list(missing)}
+
+
+def block_grid(name: str, scales: torch.Tensor, codes_shape, block: tuple[int, int]) -> torch.Tensor:
+    """`scales` as the [ceil(N / bn), ceil(K / bk)] grid of its weight's codes [N, K]. Reverting a fused tensor's
+    conversion (transformers' per-expert split) may drop the scales' size-1 dimensions (transformers 5.17 does for
+    a grid one block wide), which a checkpoint loader then reads as another layout; the elements keep their order,
+    so only those dimensions come back. Any other difference is an error, never a guess."""
+    n, k = codes_shape[-2:]
+    grid = (*codes_shape[:-2], -(-n // block[0]), -(-k // block[1]))
+    if tuple(scales.shape) == grid:
+        return scales
+    if [d for d in scales.shape if d != 1] != [d for d in grid if d != 1]:
+        raise RuntimeError(f"{name}: scales {tuple(scales.shape)} do not fit the block grid {grid} of its codes")
+    return scales.reshape(grid)
 
 
 @dataclass
