@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "gpu"))
 import shape_sweep  # noqa: E402
@@ -129,9 +128,10 @@ def test_throughput_workloads_parse_and_rounds_rotate_the_order():
     assert firsts == set(names) and all(sorted(rt.order(names, r)) == sorted(names) for r in range(5))
 
 
-def test_throughput_rounds_keep_each_sides_patch_choices_beside_its_passes():
+def test_throughput_rounds_keep_each_sides_patch_choices_beside_its_passes(capsys):
     """Each timed pass reports the side's run-time patch choices (cuBLAS or tic's kernel per GEMM problem, FA3's
-    launch); the benchmark keeps the last per side and workload, so a ratio comes with what the side ran."""
+    launch); the benchmark keeps the last per side and workload, so a ratio comes with what the side ran. Every
+    pass prints a line as it ends (a run stopped early keeps what its finished passes measured)."""
     import rollout_throughput as rt
 
     class FakeSide:
@@ -151,6 +151,9 @@ def test_throughput_rounds_keep_each_sides_patch_choices_beside_its_passes():
     assert got["8:4 x 2"] == {"default": [100.0, 200.0], "consistent": [100.0, 200.0]}
     assert notes["8:4 x 2"] == {"default": {"patch_choices": {}},
                                 "consistent": {"patch_choices": {"gemm-fixed-order": {"cublas_problems": 7}}}}
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[pass]")]
+    assert lines[:2] == ["[pass] default 8:4 x 2 warm-up", "[pass] consistent 8:4 x 2 warm-up"]
+    assert len(lines) == 6 and lines[-1].endswith("round 2: 200 tok/s"), lines
 
 
 def test_throughput_profile_pass_is_untimed_shorter_and_compared_kernel_by_kernel():

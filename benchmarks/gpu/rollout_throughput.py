@@ -233,6 +233,15 @@ def order(names: list[str], r: int) -> list[str]:
     return names[k:] + names[:k]
 
 
+def progress(side: str, work: dict, which: str, res: dict) -> dict:
+    """One line per pass as it ends, so that a run stopped early (a slow side, the device's time) still says what
+    each finished pass measured."""
+    tok, secs = res.get("tok_s"), res.get("seconds")
+    print(f"[pass] {side} {work['label']} {which}" + (f": {tok:.0f} tok/s" if tok is not None else "")
+          + (f", {secs:.1f} s" if secs is not None else ""), flush=True)
+    return res
+
+
 def timed_rounds(sides: dict[str, Side], works: list[dict], rounds: int, profile_tokens: int = 0) -> tuple[dict, dict]:
     """Per workload: a warm-up pass of every side (compilation and graph capture out of the timing), then
     `rounds` rounds in which every side runs one timed pass. Returns (tokens/s of each pass, and per side: what
@@ -241,11 +250,11 @@ def timed_rounds(sides: dict[str, Side], works: list[dict], rounds: int, profile
     got = {w["label"]: {n: [] for n in sides} for w in works}
     notes = {w["label"]: {n: {} for n in sides} for w in works}
     for w in works:
-        for s in sides.values():
-            s.run({**w, "warmup": True})
+        for n, s in sides.items():
+            progress(n, w, "warm-up", s.run({**w, "warmup": True}))
         for r in range(rounds):
             for n in order(list(sides), r):
-                res = sides[n].run(w)
+                res = progress(n, w, f"round {r + 1}", sides[n].run(w))
                 got[w["label"]][n].append(res["tok_s"])
                 notes[w["label"]][n]["patch_choices"] = res.get("patch_choices", {})
         for n, s in sides.items() if profile_tokens else ():
