@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -279,6 +280,41 @@ def test_the_queue_runs_phases_in_order_and_collect_reports_each_job(tmp_path):
         assert {"./p1-job1/out/one.txt", "./p2-job1.log", "./done"} <= set(t.getnames())
     r = subprocess.run([bash, script, "start"], capture_output=True, text=True, env=env, cwd=REPO)
     assert r.returncode == 2 and r.stderr.strip() == "start needs at least one phase"
+
+
+def test_skip_stops_a_running_job_and_what_it_started_and_the_next_phase_runs(tmp_path):
+    """run_queue.sh skip: a job that runs too long is stopped with the processes it started (its process group),
+    never the caller; its phase ends, the next phase runs, and collect reports the job as skipped."""
+    bash = shutil.which("bash")
+    if bash is None or shutil.which("setsid") is None:
+        pytest.skip("no bash or setsid")
+    env = {**os.environ, "TIC_GPU_WORK": str(tmp_path / "w"), "OUT": str(tmp_path / "out")}
+    script = str(GPU / "run_queue.sh")
+    slow = "bash -c 'sleep 120; echo inner-done' & sleep 120; echo slow-done"
+    r = subprocess.run([bash, script, "start", f"{slow} ;; echo quick", "echo next-phase"], capture_output=True,
+                       text=True, env=env, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    queue = tmp_path / "w" / "queue"
+    for _ in range(100):  # both jobs of phase one started, the quick one ended
+        if (queue / "p1-job1.pid").exists() and (queue / "p1-job2.rc").exists():
+            break
+        time.sleep(0.1)
+    group = int((queue / "p1-job1.pid").read_text())
+    r = subprocess.run([bash, script, "skip", "p1-job9"], capture_output=True, text=True, env=env, cwd=REPO)
+    assert r.returncode == 2 and r.stderr.strip() == "no job p1-job9 in the queue"
+    r = subprocess.run([bash, script, "skip"], capture_output=True, text=True, env=env, cwd=REPO)
+    assert r.returncode == 0 and r.stdout.strip() == "skipped 1 running job(s)", r.stdout + r.stderr
+    r = subprocess.run([bash, script, "collect", "30"], capture_output=True, text=True, env=env, cwd=REPO)
+    assert "queue finished" in r.stdout, r.stdout
+    assert "== p1-job1 (skipped, exit 143)" in r.stdout and "== p1-job2 (exit 0)" in r.stdout
+    assert "== p2-job1 (exit 0)" in r.stdout and "next-phase" in r.stdout
+    assert "done" not in (queue / "p1-job1.log").read_text()  # neither the job nor what it started ended
+    for _ in range(100):  # the inner sleep goes with its job (a loaded machine may take a moment to reap it)
+        alive = subprocess.run(["pgrep", "-a", "-g", str(group)], capture_output=True, text=True)
+        if not alive.stdout.strip():
+            break
+        time.sleep(0.1)
+    assert alive.stdout.strip() == "", alive.stdout
 
 
 def test_patch_benchmark_runs_vllm_defaults_against_the_consistent_rollout_c0_accepts():
