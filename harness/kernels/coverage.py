@@ -1298,6 +1298,16 @@ def each_head_norms(m: nn.Module) -> nn.ModuleList | None:
     return norms if isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want) else None
 
 
+def _qk_norm_features(m, norm_name: str, norm: nn.Module, per_head: nn.ModuleList | None) -> int:
+    """How many features one q/k norm of the attention normalises: one head's norm's width (StableLM's list), the
+    norm's weight width, or a weightless norm's width read from the forward; 0 where none of these tells."""
+    if per_head is not None:
+        return int(per_head[0].weight.shape[-1])
+    if getattr(norm, "weight", None) is not None:
+        return int(norm.weight.shape[-1])
+    return (qk_norm_width(m, norm_name) or 0) if is_weightless_norm(norm) else 0
+
+
 def _read_qk_norms(cov: LayerCoverage, name: str, m) -> None:
     """q/k norms (q_norm/k_norm, HunYuan's query_layernorm/key_layernorm, Persimmon's and StableLM's
     q_layernorm/k_layernorm): per head (one norm over head_dim features, or StableLM's one norm for each head) or
@@ -1314,15 +1324,13 @@ def _read_qk_norms(cov: LayerCoverage, name: str, m) -> None:
     kinds = set()
     for norm_name, norm, proj in norms:
         per_head = each_head_norms(norm)
-        if per_head is not None and int(per_head[0].weight.shape[-1]) == m.head_dim:  # StableLM's, per head
+        features = _qk_norm_features(m, norm_name, norm, per_head)
+        if per_head is not None and features == m.head_dim:  # StableLM's, per head
             kinds.add("attention:qk_norm_each_head")
             cov.variants[f"{name}.{norm_name}"] = "norm:each_head"
             for h, one in enumerate(per_head):
                 _read_norm(cov, f"{name}.{norm_name}.norms.{h}", one)
             continue
-        features = int(per_head[0].weight.shape[-1]) if per_head is not None else \
-            int(norm.weight.shape[-1]) if getattr(norm, "weight", None) is not None else \
-            (qk_norm_width(m, norm_name) or 0) if is_weightless_norm(norm) else 0
         if features == m.head_dim:
             kinds.add("attention:qk_norm")
         elif proj is not None and features == proj.out_features:

@@ -230,7 +230,7 @@ def _layer_input_hooks(model: nn.Module, record: dict | None, forced: dict | Non
             return None
         given = forced[name].to(device=x.device, dtype=x.dtype)
         return ((given, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": given})
-    layers = {f"{name}.{i}": layer for name, layers in layer_lists(model) for i, layer in enumerate(layers)}
+    layers = {f"{name}.{i}": layer for name, lst in layer_lists(model) for i, layer in enumerate(lst)}
     return [m.register_forward_pre_hook(functools.partial(hook, name=name), with_kwargs=True)
             for name, m in layers.items()]
 
