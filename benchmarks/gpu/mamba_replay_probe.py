@@ -8,7 +8,9 @@ tokens through vLLM's chunked scan, called as tic's vLLM provider calls it (tic.
   replay   the prefix prefilled, then each later token from its chunk's start state with the chunk's earlier tokens
            (the provider's decode, and the premise of the decode patch guides/ops/recurrent-layers.md designs);
   patch    the decode patch's own device-side step (mamba_decode_replay._decode_step: the chunk padded to
-           chunk_size, the scans with and without a start state), a padding row beside it;
+           chunk_size, one scan from the start state), a padding row beside it;
+  1st chunk  the same step from a 5-token prefix: rows of a sequence's first chunk, scanned from a zero start
+           state where the prefill had none;
   vllm     the prefix prefilled, then vLLM's decode: `selective_state_update` from the prefill's final state.
 The causal conv alike: `causal_conv1d_fn` over the whole sequence against the provider's per-token replay (from a
 conv state; its largest difference and how many elements differ), the same token run as a fresh sequence with
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+SHORT_PREFIX = 5  # the patch step's second run starts in the first chunk
 SHAPES = (  # name, heads, head_dim, state, groups, chunk_size, conv kernel
     ("nemotron-h-8b", 128, 64, 128, 8, 128, 4),
     ("mamba2-2.7b", 80, 64, 128, 1, 256, 4),
@@ -40,7 +43,8 @@ def _inputs(L, H, P, N, G, g, dtype):
 
 
 def _scan_rows(prov, t, Q, p0):
-    """(full prefill rows, replayed rows, vLLM single-step rows) of tokens p0.. as float32 [n, H, P]."""
+    """(full prefill rows of every token, replayed rows of tokens p0.., vLLM single-step rows of tokens p0..) as
+    float32 [n, H, P]."""
     import torch
     from vllm.model_executor.layers.mamba.ops.mamba_ssm import selective_state_update
     from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
@@ -79,7 +83,7 @@ def _scan_rows(prov, t, Q, p0):
                                C[i:i + 1], t["D"][:, None].expand(-1, P), t["dt_bias"][:, None].expand(-1, P),
                                dt_softplus=True, state_batch_indices=i32([1]), dst_state_batch_indices=i32([1]),
                                out=out[i - p0:i - p0 + 1])
-    return full[p0:], torch.cat(replay), out.float()
+    return full, torch.cat(replay), out.float()
 
 
 def _conv_rows(prov, L, dim, K, p0, g, dtype):
@@ -161,18 +165,21 @@ def main() -> int:
     L, p0, failed = a.prefix + a.decode, a.prefix, False
     print(f"{a.decode} tokens decoded after a {p0}-token prefill; rows equal to the whole sequence's prefill "
           f"(patches: {', '.join(patches.active()) or 'none'})")
-    print(f"{'shape':<16} {'scan replay':>12} {'patch step':>11} {'scan vllm':>10} {'vllm max|d|':>12} "
-          f"{'conv replay':>12} {'replay max|d|':>13} {'elements off':>12} {'conv fresh':>11} {'conv vllm':>10}")
+    print(f"{'shape':<16} {'scan replay':>12} {'patch step':>11} {'1st chunk':>10} {'scan vllm':>10} "
+          f"{'vllm max|d|':>12} {'conv replay':>12} {'replay max|d|':>13} {'elements off':>12} {'conv fresh':>11} "
+          f"{'conv vllm':>10}")
     for name, H, P, N, G, Q, K in SHAPES:
         t = _inputs(L, H, P, N, G, g, dtype)
-        full, replay, single = _scan_rows(prov, t, Q, p0)
-        stepped = _patch_step_rows(t, Q, p0)
+        whole, replay, single = _scan_rows(prov, t, Q, p0)
+        full, stepped, early = whole[p0:], _patch_step_rows(t, Q, p0), _patch_step_rows(t, Q, SHORT_PREFIX)
+        es = _equal_rows(whole[SHORT_PREFIX:], early)
         cfull, creplay, cupdate, cfresh = _conv_rows(prov, L, H * P + 2 * G * N, K, p0, g, dtype)
         rs, ps, cs = _equal_rows(full, replay), _equal_rows(full, stepped), _equal_rows(cfull, creplay)
-        failed |= rs < a.decode or cs < a.decode or ps < a.decode
+        failed |= rs < a.decode or cs < a.decode or ps < a.decode or es < L - SHORT_PREFIX
         off = int((cfull != creplay).sum())  # how many elements of the replayed rows differ (all, or a few lanes)
-        print(f"{name:<16} {rs:>5}/{a.decode:<6} {ps:>4}/{a.decode:<6} {_equal_rows(full, single):>4}/{a.decode:<5} "
-              f"{float((full - single).abs().max()):>12.3e} {cs:>5}/{a.decode:<6} "
+        print(f"{name:<16} {rs:>5}/{a.decode:<6} {ps:>4}/{a.decode:<6} {es:>4}/{L - SHORT_PREFIX:<5} "
+              f"{_equal_rows(full, single):>4}/{a.decode:<5} {float((full - single).abs().max()):>12.3e} "
+              f"{cs:>5}/{a.decode:<6} "
               f"{float((cfull.float() - creplay.float()).abs().max()):>13.3e} {off:>5}/{cfull.numel():<6} "
               f"{_equal_rows(cfull, cfresh):>4}/{a.decode:<6} {_equal_rows(cfull, cupdate):>4}/{a.decode:<5}")
     return 1 if failed else 0

@@ -17,12 +17,11 @@ counts, lengths) on the device and pads each request's chunk to chunk_size token
 alone and nothing is read back to the host: a CUDA graph can hold it (measured eager and with full CUDA graphs of
 the decode steps without torch.compile, the two modes C0 accepts). Prefill runs eagerly and reads the counts once
 per step. Prefix caching (mamba_cache_mode align or all; C0 refuses it) and speculative decoding stop the mixer
-with the reason. Cost: a
-decode step scans chunk_size tokens per request twice (without and with the start state); the buffers take
-chunk_size x (H x P + H + G x N) elements of the model's dtype per state slot and mixer. They are a third state in
-the mixer's cache spec (the state calculators add it while a MambaMixer2 builds its spec or vLLM's block-size
-alignment sizes the states; the mixer's get_state_shape/get_state_dtype alone keep two), so vLLM's memory sizing
-counts them and the attention blocks are aligned to the larger page.
+with the reason. Cost: a decode step scans chunk_size tokens per request once (a first chunk's rows from a zero
+start state); the buffers take chunk_size x (H x P + H + G x N) elements of the model's dtype per state slot and
+mixer. They are a third state in the mixer's cache spec (the state calculators add it while a MambaMixer2 builds
+its spec or vLLM's block-size alignment sizes the states; the mixer's get_state_shape/get_state_dtype alone keep
+two), so vLLM's memory sizing counts them and the attention blocks are aligned to the larger page.
 """
 
 from __future__ import annotations
@@ -254,10 +253,11 @@ def _replay_decode(original):
 def _decode_step(scan, store, state, slots, x, raw_dt, A, B, C, D, dt_bias, out, Q: int) -> None:
     """One decode token per row, all on the device with shapes fixed by the batch (a CUDA graph can hold it): each
     row's stream is its chunk's buffered tokens, then the new token, then zeros up to Q tokens (a row's value
-    depends on the rows before it only, so the padding after it changes nothing of it). Rows whose sequence is still
-    in its first chunk take the scan without a start state, as their prefill did; the others the scan from the
-    slot's start state. A token that fills its chunk makes the chunk's end state the slot's start state. Rows with
-    a negative slot (padding) write nothing."""
+    depends on the rows before it only, so the padding after it changes nothing of it). One scan serves every row:
+    from the slot's start state, or from zeros for a sequence still in its first chunk, which its prefill scanned
+    without a start state (vLLM's kernels read a missing start state as zeros: the chunk scan's tl.zeros, the state
+    passing's exp(dA) * 0 + state, so the bits agree). A token that fills its chunk makes the chunk's end state the
+    slot's start state. Rows with a negative slot (padding) write nothing."""
     import torch
 
     n, dev = x.shape[0], x.device
@@ -280,19 +280,15 @@ def _decode_step(scan, store, state, slots, x, raw_dt, A, B, C, D, dt_bias, out,
     meta = dict(chunk_size=Q, cu_seqlens=bounds, cu_chunk_seqlens=bounds, last_chunk_indices=rows, seq_idx=rows,
                 D=D, z=None, dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.0, float("inf")),
                 return_intermediate_states=True, state_dtype=state.dtype)
-    y_first, y_later = torch.empty_like(xs), torch.empty_like(xs)
-    end_first = scan(xs, dts, A, Bs, Cs, out=y_first, initial_states=None, **meta)
-    end_later = scan(xs, dts, A, Bs, Cs, out=y_later, initial_states=state[s], **meta)
-    first = length < Q
-    at = torch.arange(n, device=dev) * Q + count
-    y = torch.where(first[:, None, None], y_first[at], y_later[at])
-    out[:n] = torch.where(real[:, None, None], y.to(out.dtype), out[:n])
-
     col = (n, 1, 1, 1)
-    full = count + 1 == Q
-    end = torch.where(first.view(col), end_first, end_later)
-    kept = torch.where(full.view(col), end, torch.where(first.view(col), torch.zeros_like(end), state[s]))
-    state[s] = torch.where(real.view(col), kept.to(state.dtype), state[s])
+    start = torch.where((length < Q).view(col), torch.zeros((), dtype=state.dtype, device=dev), state[s])
+    y = torch.empty_like(xs)
+    end = scan(xs, dts, A, Bs, Cs, out=y, initial_states=start, **meta)
+    at = torch.arange(n, device=dev) * Q + count
+    out[:n] = torch.where(real[:, None, None], y[at].to(out.dtype), out[:n])
+
+    kept = torch.where((count + 1 == Q).view(col), end.to(state.dtype), start)
+    state[s] = torch.where(real.view(col), kept, state[s])
     for buffer, token in ((store.x, x), (store.dt, raw_dt), (store.B, B)):
         keep = real.view((n,) + (1,) * (token.dim() - 1))
         buffer[s, count] = torch.where(keep, token.to(buffer.dtype), buffer[s, count])
