@@ -133,7 +133,7 @@ def _patch_step_rows(t, Q, p0):
                         D=t["D"], dt_bias=t["dt_bias"], dt_softplus=True, state_dtype=torch.float32)[0]
     zeros = lambda *s, d=x.dtype: torch.zeros(*s, dtype=d, device="cuda")  # noqa: E731
     store = decode_patch._Chunks(zeros(2, Q, H, P), zeros(2, Q, H), zeros(2, Q, G, N),
-                           i32([0, p0 - lo]), torch.tensor([0, p0], device="cuda"))
+                           i32([0, p0 - lo]), torch.tensor([0, p0], device="cuda"), None)
     store.x[1, :p0 - lo], store.dt[1, :p0 - lo], store.B[1, :p0 - lo] = x[lo:p0], dt[lo:p0], B[lo:p0]
     slots, rows = i32([1, -1]), []
     for i in range(p0, L):
