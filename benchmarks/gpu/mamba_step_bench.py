@@ -80,6 +80,15 @@ def _pinned(kernel_index: int, config_index: int):
     return restore
 
 
+def _describe(config) -> str:
+    """A Triton config in a few characters: its tile sizes (BLOCK_SIZE_ dropped), warps and stages."""
+    kwargs = getattr(config, "kwargs", None)
+    if not isinstance(kwargs, dict):
+        return str(config)
+    tiles = " ".join(f"{k.replace('BLOCK_SIZE_', '')}{v}" for k, v in kwargs.items())
+    return f"{tiles} w{getattr(config, 'num_warps', '?')} s{getattr(config, 'num_stages', '?')}"
+
+
 def _vllm_decode(store, state, ids, x, dt, A, B, C, D, dt_bias, out):
     from vllm.model_executor.layers.mamba.ops.mamba_ssm import selective_state_update
 
@@ -128,12 +137,12 @@ def main() -> int:
             try:
                 us, pre = timed_us(step), timed_us(prefill, calls=3, repeats=7)
             except Exception as e:  # a config this shape cannot run: say so and go on
-                print(f"{names[k] + ' config ' + str(i):<42} {str(config):<52} failed: {type(e).__name__}: {e}")
+                print(f"{names[k] + ' config ' + str(i):<42} {_describe(config):<52} failed: {type(e).__name__}: {e}")
                 continue
             finally:
                 restore()
             base = us if base is None else base
-            print(f"{names[k] + ' config ' + str(i):<42} {str(config)[:52]:<52} {us:>9.1f} {us / base:>8.3f} "
+            print(f"{names[k] + ' config ' + str(i):<42} {_describe(config):<52} {us:>9.1f} {us / base:>8.3f} "
                   f"{pre:>11.1f}")
     return 0
 
