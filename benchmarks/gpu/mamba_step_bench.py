@@ -107,20 +107,28 @@ def main() -> int:
     ap.add_argument("--prefill", default="64:512", help="REQUESTS:TOKENS of the timed prefill")
     ap.add_argument("--kernels", default="all", help="which SSD kernels' lists to sweep (names, comma-separated)")
     a = ap.parse_args()
+    from tic.patches.vllm import mamba_ssd_fixed_config as fixed
+
+    names = [attr for _, attr in fixed.KERNELS]
+    wanted = names if a.kernels == "all" else a.kernels.split(",")
+    if unknown := sorted(set(wanted) - set(names)):
+        ap.error(f"--kernels: no SSD kernel named {', '.join(unknown)} (known: {', '.join(names)})")
+    if a.rows < 2:
+        ap.error("--rows: at least 2 (the last row is padding)")
+    try:
+        requests, length = (int(v) for v in a.prefill.split(":"))
+    except ValueError:
+        ap.error(f"--prefill: REQUESTS:TOKENS, got {a.prefill!r}")
     import torch
     from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen as scan
 
     from tic.patches.vllm import mamba_decode_replay as replay
-    from tic.patches.vllm import mamba_ssd_fixed_config as fixed
 
     _, H, P, N, G, Q, _ = next(s for s in SHAPES if s[0] == a.shape)
-    requests, length = (int(v) for v in a.prefill.split(":"))
     args = _step_inputs(a.rows, H, P, N, G, Q, a.rows + 1)
     store, state, ids, x, dt, A, B, C, D, dt_bias, out = args
     step = lambda: replay._decode_step(scan, store, state, ids, x, dt, A, B, C, D, dt_bias, out, Q)  # noqa: E731
     prefill = _prefill_call(requests, length, H, P, N, G, Q)
-    names = [attr for _, attr in fixed.KERNELS]
-    wanted = names if a.kernels == "all" else a.kernels.split(",")
     print(f"{a.shape}: H={H} P={P} N={N} G={G} chunk {Q}; decode {a.rows} rows; prefill {requests} x {length}")
     print(f"{'case':<42} {'config':<52} {'step us':>9} {'vs cfg 0':>8} {'prefill us':>11}")
     print(f"{'vllm decode':<42} {'(its own)':<52} {timed_us(_vllm_decode(*args)):>9.1f}")
