@@ -637,13 +637,13 @@ ATTENTION_NAMES = ("self_attn", "attention", "self_attention")
 
 
 def attention_name(layer) -> str | None:
-    """A decoder layer's token mixer: its attention (ATTENTION_NAMES), or a Mamba-1 mixer (Jamba's mamba
-    layers)."""
+    """A decoder layer's token mixer: its attention (ATTENTION_NAMES), or a Mamba-1 or Mamba-2 mixer in the
+    attention's place (Jamba's mamba layers, Bamba's)."""
     for n in ATTENTION_NAMES:
         if is_attention(getattr(layer, n, None)) or mla.is_mla_attention(getattr(layer, n, None)):
             return n
     for n, c in layer.named_children():
-        if mamba_modules.is_mixer1(c):
+        if _is_scan_mixer(c):
             return n
     return "self_attn" if hasattr(layer, "self_attn") else None
 
@@ -666,11 +666,16 @@ def mlp_activation(m):
     return getattr(m, "act_fn", None) or getattr(m, "activation_fn", None)
 
 
+def _is_scan_mixer(m) -> bool:
+    """A Mamba-1 or Mamba-2 mixer (in a decoder layer, in the attention's place: it returns its output alone)."""
+    return mamba_modules.is_mixer1(m) or mamba_modules.is_mixer(m)
+
+
 def is_decoder_layer(m) -> bool:
     """An attention (self_attn, or another of ATTENTION_NAMES), an mlp and a norm, the norm of any name
     (norm_roles reads what each does)."""
     mixes = hasattr(m, "self_attn") or any(is_attention(getattr(m, n, None)) for n in ATTENTION_NAMES[1:]) \
-        or any(mamba_modules.is_mixer1(c) for c in m.children())
+        or any(_is_scan_mixer(c) for c in m.children())
     return mixes and mlp_name(m) is not None and \
         (hasattr(m, "input_layernorm") or hasattr(m, "post_attention_layernorm")
          or any(is_norm(c) for c in m.children()))
@@ -1505,7 +1510,7 @@ def layer_output_count(layer: nn.Module) -> int:
     attn, mlp = attention_name(layer), mlp_name(layer)
     x = torch.zeros(1, 2, 8)
     stand = {n: nn.Identity() for n, c in layer.named_children() if n not in (attn, mlp)}
-    stand[attn] = _Tagged(torch.zeros(1, 2, 8), pair=not mamba_modules.is_mixer1(getattr(layer, attn)))
+    stand[attn] = _Tagged(torch.zeros(1, 2, 8), pair=not _is_scan_mixer(getattr(layer, attn)))
     stand[mlp] = _Tagged(torch.zeros(1, 2, 8), pair=False)
     out = _forward_with_stand_ins(layer, stand, x, whole=True)
     return len(out) if isinstance(out, tuple) else 0
@@ -1590,7 +1595,7 @@ def norm_roles(layer: nn.Module) -> tuple[str, dict[str, str]] | None:
     stand = {n: _Tagged(torch.randn(1, 2, 8, generator=g), pair=False) for n in norms}
     # an attention returns (output, weights), a Mamba mixer its output alone
     stand["attention"] = _Tagged(torch.randn(1, 2, 8, generator=g),
-                                 pair=not mamba_modules.is_mixer1(getattr(layer, attn_name)))
+                                 pair=not _is_scan_mixer(getattr(layer, attn_name)))
     stand["mlp"] = _Tagged(torch.randn(1, 2, 8, generator=g), pair=False)
     out = _forward_with_stand_ins(layer, {attn_name if n == "attention" else mlp if n == "mlp" else n: t
                                           for n, t in stand.items()}, x)
@@ -1718,6 +1723,10 @@ def read_layer(name: str, layer: nn.Module, cfg) -> LayerCoverage:
         cov.classes["mixer:mamba1"] = ("layer_types", "mamba")
         cov.refusals += [Refusal(f"{name}.{attn_name}", type(attn).__name__, why)
                          for why in mamba_modules.mixer1_problems(attn)]
+    elif mamba_modules.is_mixer(attn):  # Bamba's mamba layers: a Mamba-2 mixer in the attention's place
+        cov.classes["mixer:mamba2"] = ("layer_types", "mamba")
+        cov.refusals += [Refusal(f"{name}.{attn_name}", type(attn).__name__, why)
+                         for why in mamba_modules.mixer_problems(attn)]
     else:
         cov.refusals.append(Refusal(f"{name}.{attn_name}", type(attn).__name__,
                                     "attention without q/k/v (or fused qkv) and o projections"))
@@ -1873,14 +1882,16 @@ def read_coverage(model: nn.Module) -> list[LayerCoverage]:
 
 
 def _refuse_scan_only_decoder_stack(model: nn.Module, layers: list[LayerCoverage]) -> None:
-    """Decoder layers whose token mixers are all Mamba-1 mixers (a Jamba-style model cut or configured without its
-    attention layers): transformers builds their causal mask from a cache of recurrent layers alone and stops
-    (`get_mask_sizes`), so no engine can decode it. Refused on the first layer, one line."""
+    """Decoder layers whose token mixers are all Mamba mixers in the attention's place (a Jamba- or Bamba-style
+    model cut or configured without its attention layers): transformers builds their causal mask from a cache of
+    recurrent layers alone and stops (`get_mask_sizes`), so no engine can decode it. Refused on the first layer,
+    one line."""
     decoders = [(n, m) for n, m in model.named_modules() if is_decoder_layer(m)]
-    if decoders and all(mamba_modules.is_mixer1(getattr(m, attention_name(m))) for _, m in decoders):
+    if decoders and all(_is_scan_mixer(getattr(m, attention_name(m))) for _, m in decoders):
         name, first = decoders[0]
+        kind = "Mamba-1" if mamba_modules.is_mixer1(getattr(first, attention_name(first))) else "Mamba-2"
         cov = next(c for c in layers if c.layer == name)
-        cov.refusals.append(Refusal(name, type(first).__name__, "decoder layers with a Mamba-1 mixer and no "
+        cov.refusals.append(Refusal(name, type(first).__name__, f"decoder layers with a {kind} mixer and no "
                                     "attention layer anywhere: transformers builds their causal mask from the cache "
                                     "and cannot from recurrent layers alone; keep an attention layer (a cut of the "
                                     "full model keeps one)"))

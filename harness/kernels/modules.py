@@ -241,7 +241,7 @@ def _attend(layer, h, attention_mask, position_ids, cache, use_cache, position_e
     """The layer's attention (self_attn, or GPT-NeoX's attention) on h: its output, the weights dropped; the cache
     as the layer was handed it."""
     cache = _layer_cache(cache, kwargs)  # before kwargs are passed on: it takes the cache's other names out
-    if getattr(layer, "_tic_mixes_by_scan", False):  # a Mamba-1 mixer in the attention's place: its output alone
+    if getattr(layer, "_tic_mixes_by_scan", False):  # a Mamba mixer in the attention's place: its output alone
         return getattr(layer, layer._tic_attn_name)(h, cache=cache, attention_mask=attention_mask)
     return getattr(layer, layer._tic_attn_name)(hidden_states=h, attention_mask=attention_mask,
                                                 position_ids=position_ids, cache=cache, use_cache=use_cache,
@@ -670,7 +670,8 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m._tic_stream = stream
         m._tic_attn_name = attention_name(m)  # a name: a module attribute would register the attention twice
         m._tic_mlp_name = mlp_name(m)
-        m._tic_mixes_by_scan = mamba_modules.is_mixer1(getattr(m, m._tic_attn_name))  # Jamba's mamba layers
+        mixer = getattr(m, m._tic_attn_name)
+        m._tic_mixes_by_scan = mamba_modules.is_mixer1(mixer) or mamba_modules.is_mixer(mixer)  # Jamba's, Bamba's
         m._tic_norm_roles = reading.get("norm_roles", {})  # names, for the same reason
         m._tic_residual_scale = residual_scale_name(m)  # Granite's residual_multiplier, MiniCPM3's residual_scale
         count = reading.get("output_count", 0)
