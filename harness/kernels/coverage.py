@@ -643,7 +643,7 @@ def attention_name(layer) -> str | None:
         if is_attention(getattr(layer, n, None)) or mla.is_mla_attention(getattr(layer, n, None)):
             return n
     for n, c in layer.named_children():
-        if _is_scan_mixer(c):
+        if mamba_modules.is_scan_mixer(c):
             return n
     return "self_attn" if hasattr(layer, "self_attn") else None
 
@@ -666,16 +666,11 @@ def mlp_activation(m):
     return getattr(m, "act_fn", None) or getattr(m, "activation_fn", None)
 
 
-def _is_scan_mixer(m) -> bool:
-    """A Mamba-1 or Mamba-2 mixer (in a decoder layer, in the attention's place: it returns its output alone)."""
-    return mamba_modules.is_mixer1(m) or mamba_modules.is_mixer(m)
-
-
 def is_decoder_layer(m) -> bool:
     """An attention (self_attn, or another of ATTENTION_NAMES), an mlp and a norm, the norm of any name
     (norm_roles reads what each does)."""
     mixes = hasattr(m, "self_attn") or any(is_attention(getattr(m, n, None)) for n in ATTENTION_NAMES[1:]) \
-        or any(_is_scan_mixer(c) for c in m.children())
+        or any(mamba_modules.is_scan_mixer(c) for c in m.children())
     return mixes and mlp_name(m) is not None and \
         (hasattr(m, "input_layernorm") or hasattr(m, "post_attention_layernorm")
          or any(is_norm(c) for c in m.children()))
@@ -1510,7 +1505,7 @@ def layer_output_count(layer: nn.Module) -> int:
     attn, mlp = attention_name(layer), mlp_name(layer)
     x = torch.zeros(1, 2, 8)
     stand = {n: nn.Identity() for n, c in layer.named_children() if n not in (attn, mlp)}
-    stand[attn] = _Tagged(torch.zeros(1, 2, 8), pair=not _is_scan_mixer(getattr(layer, attn)))
+    stand[attn] = _Tagged(torch.zeros(1, 2, 8), pair=not mamba_modules.is_scan_mixer(getattr(layer, attn)))
     stand[mlp] = _Tagged(torch.zeros(1, 2, 8), pair=False)
     out = _forward_with_stand_ins(layer, stand, x, whole=True)
     return len(out) if isinstance(out, tuple) else 0
@@ -1595,7 +1590,7 @@ def norm_roles(layer: nn.Module) -> tuple[str, dict[str, str]] | None:
     stand = {n: _Tagged(torch.randn(1, 2, 8, generator=g), pair=False) for n in norms}
     # an attention returns (output, weights), a Mamba mixer its output alone
     stand["attention"] = _Tagged(torch.randn(1, 2, 8, generator=g),
-                                 pair=not _is_scan_mixer(getattr(layer, attn_name)))
+                                 pair=not mamba_modules.is_scan_mixer(getattr(layer, attn_name)))
     stand["mlp"] = _Tagged(torch.randn(1, 2, 8, generator=g), pair=False)
     out = _forward_with_stand_ins(layer, {attn_name if n == "attention" else mlp if n == "mlp" else n: t
                                           for n, t in stand.items()}, x)
@@ -1887,7 +1882,7 @@ def _refuse_scan_only_decoder_stack(model: nn.Module, layers: list[LayerCoverage
     recurrent layers alone and stops (`get_mask_sizes`), so no engine can decode it. Refused on the first layer,
     one line."""
     decoders = [(n, m) for n, m in model.named_modules() if is_decoder_layer(m)]
-    if decoders and all(_is_scan_mixer(getattr(m, attention_name(m))) for _, m in decoders):
+    if decoders and all(mamba_modules.is_scan_mixer(getattr(m, attention_name(m))) for _, m in decoders):
         name, first = decoders[0]
         kind = "Mamba-1" if mamba_modules.is_mixer1(getattr(first, attention_name(first))) else "Mamba-2"
         cov = next(c for c in layers if c.layer == name)

@@ -39,6 +39,12 @@ def is_mixer1(m: nn.Module) -> bool:
         and m.A_log.dim() == 2 and hasattr(m, "D")
 
 
+def is_scan_mixer(m: nn.Module) -> bool:
+    """A Mamba-1 or Mamba-2 mixer (in a decoder layer it sits in the attention's place and returns its output
+    alone)."""
+    return is_mixer1(m) or is_mixer(m)
+
+
 def run(ops: Ops, name: str, *tensors, **kw):
     """One Mamba operator through the autograd wrapper; a test's own Ops table may replace it by name."""
     return KernelFunction.apply(ops.table.get(name) or MAMBA_OPS[name], ops, kw, *tensors)
@@ -277,7 +283,7 @@ def mixer_problems(m: nn.Module) -> list[str]:
 
 def install(model: nn.Module) -> SequenceLayout | None:
     """The layout the model's mixers read, fed by hooks on the model's forward; None for a model without mixers."""
-    if not any(is_mixer(m) or is_mixer1(m) for m in model.modules()):
+    if not any(is_scan_mixer(m) for m in model.modules()):
         return None
     layout = SequenceLayout()
     model.register_forward_pre_hook(layout.before, with_kwargs=True)

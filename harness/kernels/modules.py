@@ -632,7 +632,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
                  reading: dict | None = None) -> None:
     """reading: what coverage's probes read of this module (norm roles, a fused qkv's layout, no rotary)."""
     reading = reading or {}
-    if mamba_modules.is_mixer(m) or mamba_modules.is_mixer1(m):  # tic: issue 31
+    if mamba_modules.is_scan_mixer(m):  # tic: issue 31
         mamba_modules.wrap_mixer(m, layout)
     elif is_moe_block(m):
         m._tic_name, m._tic_routes = name, routes
@@ -670,8 +670,7 @@ def _wrap_module(name: str, m: nn.Module, variant, ropes: dict, stream, routes, 
         m._tic_stream = stream
         m._tic_attn_name = attention_name(m)  # a name: a module attribute would register the attention twice
         m._tic_mlp_name = mlp_name(m)
-        mixer = getattr(m, m._tic_attn_name)
-        m._tic_mixes_by_scan = mamba_modules.is_mixer1(mixer) or mamba_modules.is_mixer(mixer)  # Jamba's, Bamba's
+        m._tic_mixes_by_scan = mamba_modules.is_scan_mixer(getattr(m, m._tic_attn_name))  # Jamba's, Bamba's
         m._tic_norm_roles = reading.get("norm_roles", {})  # names, for the same reason
         m._tic_residual_scale = residual_scale_name(m)  # Granite's residual_multiplier, MiniCPM3's residual_scale
         count = reading.get("output_count", 0)
